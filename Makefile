@@ -1,0 +1,37 @@
+# Fresh Debian machine with Python 3.11, root, package registries only:
+#   make demo   runs a tiny TrainingJob end to end on this machine (no GPU, no cluster)
+#   make test   runs every test tier against real Redis and a real kube-apiserver
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+APT_PACKAGES = redis-server etcd-server golang-go rsync make dpkg-dev openssl \
+               golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+export DEBIAN_FRONTEND = noninteractive
+
+.PHONY: demo test deps deps-apt deps-pip control-plane crd demo-cluster
+
+demo: deps
+	rlkube local examples/tiny-cpu.yaml
+
+test: deps control-plane
+	$(PYTHON) -m pytest -ra
+
+deps: deps-apt deps-pip
+
+deps-apt:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing$$missing"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+deps-pip:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+
+control-plane:
+	bash tests/cluster/build-control-plane.sh
+
+crd:
+	rlkube crd > crds/rlkube.io_trainingjobs.yaml

@@ -1,0 +1,20 @@
+"""The TrainingJob API: typed spec and status, their CRD, and validation beyond the schema."""
+
+from rlkube.api.spec import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    ROLES,
+    TEARDOWN_ORDER,
+    VERSION,
+    TrainingJobSpec,
+)
+from rlkube.api.status import TERMINAL_PHASES, TrainingJobStatus
+from rlkube.api.validation import FieldError, SpecError, parse_manifest, parse_spec, semantic_errors
+
+__all__ = [
+    "API_VERSION", "GROUP", "KIND", "PLURAL", "ROLES", "TEARDOWN_ORDER", "VERSION", "TERMINAL_PHASES",
+    "TrainingJobSpec", "TrainingJobStatus", "FieldError", "SpecError", "parse_manifest", "parse_spec",
+    "semantic_errors",
+]

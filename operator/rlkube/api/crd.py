@@ -1,0 +1,151 @@
+"""Generates the TrainingJob CustomResourceDefinition from the pydantic types.
+
+Pydantic emits JSON Schema 2020-12 with `$ref`s and `anyOf` for optionals; Kubernetes wants a *structural*
+OpenAPI v3.0 schema (no refs, one type per node, `exclusiveMinimum` as a boolean). The conversion is small
+and specific to the shapes our types use, so it is written here rather than pulled from a library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from rlkube.api.spec import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, TrainingJobSpec
+from rlkube.api.status import TrainingJobStatus
+
+_DROP = {"title", "$defs"}
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _resolve(merged, defs)
+    return node
+
+
+def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    node = _resolve(node, defs)
+    if "anyOf" in node:
+        variants = [_resolve(v, defs) for v in node["anyOf"]]
+        non_null = [v for v in variants if v.get("type") != "null"]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(non_null) == 1:
+            # Optional[X]: absent means None; the API server never sees an explicit null from us.
+            out = _convert({**non_null[0], **rest}, defs)
+            if out.get("default", "") is None:
+                del out["default"]
+            return out
+        if {v.get("type") for v in non_null} == {"integer", "string"}:
+            return {"x-kubernetes-int-or-string": True, **_scalar_extras(rest)}
+        if {v.get("type") for v in non_null} <= {"integer", "string", "number", "boolean"}:
+            # A scalar of any of these kinds (task params): keep what the user wrote.
+            return {"x-kubernetes-preserve-unknown-fields": True, **_scalar_extras(rest)}
+        raise ValueError(f"unsupported union in schema: {node}")
+
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP:
+            continue
+        if key == "properties":
+            required = set(node.get("required", ()))
+            out["properties"] = {}
+            for name, sub in value.items():
+                conv = _convert(sub, defs)
+                if conv.get("type") == "object" and name not in required and "anyOf" not in sub:
+                    # A sub-object with a default factory: `{}` lets the API server fill its nested defaults.
+                    conv.setdefault("default", {})
+                out["properties"][name] = conv
+        elif key == "items":
+            out["items"] = _convert(value, defs)
+        elif key == "additionalProperties" and isinstance(value, dict):
+            out["additionalProperties"] = _convert(value, defs)
+        elif key == "additionalProperties":
+            continue  # `extra="forbid"` -> false; structural schemas prune unknown fields instead
+        elif key == "exclusiveMinimum":
+            out["minimum"] = value
+            out["exclusiveMinimum"] = True
+        elif key == "const":
+            out["enum"] = [value]
+        else:
+            out[key] = value
+    return out
+
+
+def _scalar_extras(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k in ("description", "default")}
+
+
+def openapi_schema(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _convert(raw, raw.get("$defs", {}))
+
+
+def _without_defaults(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
+    if isinstance(node, list):
+        return [_without_defaults(v) for v in node]
+    return node
+
+
+def crd() -> dict[str, Any]:
+    spec_schema = openapi_schema(TrainingJobSpec)
+    # Only the operator writes status; defaults there would invent values it never reported.
+    status_schema = _without_defaults(openapi_schema(TrainingJobStatus))
+    status_schema.pop("required", None)
+    # kopf keeps its own bookkeeping under status; known fields are still validated.
+    status_schema["x-kubernetes-preserve-unknown-fields"] = True
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["rlkube"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                        {"name": "Step", "type": "string", "jsonPath": ".status.progress"},
+                        {"name": "Lag", "type": "integer", "jsonPath": ".status.lag"},
+                        {"name": "Backend", "type": "string", "jsonPath": ".spec.trainer.backend", "priority": 1},
+                        {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "An LLM reinforcement-learning job run PipelineRL-style.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema,
+                                "status": status_schema,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `rlkube crd` from rlkube.api; do not edit (tests/unit/test_crd.py checks drift).\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)

@@ -1,0 +1,230 @@
+"""The TrainingJob spec: the single source of truth for the CRD schema, the operator and `rlkube local`.
+
+Pydantic v2 rather than dataclasses: one declaration gives us validation with field paths in the error
+(what `rlkube local` and the operator report), camelCase aliases for the Kubernetes side, defaults, and a
+JSON schema that `rlkube.api.crd` turns into the CRD's OpenAPI schema, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "rlkube.io"
+VERSION = "v1alpha1"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+SINGULAR = "trainingjob"
+SHORT_NAMES = ["tj"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ROLES = ("redis", "trainer", "inference", "preprocessor", "actor")
+"""Every component role, in start order (trainer and inference start together)."""
+
+TEARDOWN_ORDER = ("actor", "preprocessor", "inference", "trainer", "redis")
+"""Stop order: producers first, inference after the trainer's finished event, Redis last (design.md s4)."""
+
+Quantity = int | str
+
+
+class Model(BaseModel):
+    """Base for every spec type: camelCase on the wire, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Resources(Model):
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Minimum resources, as in a container's resources.requests."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Maximum resources, as in a container's resources.limits."
+    )
+
+
+class Architecture(Model):
+    layers: int = Field(2, ge=1, description="Transformer blocks of a built-in model.")
+    hidden_size: int = Field(64, ge=8, description="Hidden width of a built-in model.")
+    heads: int = Field(4, ge=1, description="Attention heads of a built-in model (must divide hiddenSize).")
+    max_sequence_length: int = Field(64, ge=8, description="Longest prompt plus completion, in tokens.")
+
+
+class ModelSpec(Model):
+    path: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "Where the initial weights are: a directory with safetensors weights, or `builtin://<name>` for a "
+            "randomly initialised built-in model (`builtin://tiny-lm`), built locally from `architecture` and `seed`."
+        ),
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    tokenizer: str = Field(
+        "builtin://char",
+        min_length=1,
+        description="Tokenizer: a directory, or `builtin://char` for the built-in character tokenizer.",
+    )
+    seed: int = Field(0, ge=0, description="Seed for random initialisation and sampling.")
+    architecture: Architecture = Field(
+        default_factory=Architecture, description="Shape of a built-in model (ignored for a directory)."
+    )
+
+
+class TaskSpec(Model):
+    name: str = Field(
+        "reverse-digits",
+        min_length=1,
+        description="A built-in task (see `rlkube tasks`) or, with entryPoint set, a label for the custom task.",
+    )
+    entry_point: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Importable `package.module:factory` returning a Task; overrides the built-in name.",
+    )
+    params: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Task parameters passed to the task factory."
+    )
+
+
+class AlgorithmSpec(Model):
+    loss: Literal["grpo", "gspo", "ppo", "reinforce", "sft"] = Field("grpo", description="Policy loss.")
+    max_steps: int = Field(..., ge=1, description="Optimizer steps after which training finishes.")
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (one group).")
+    samples_per_step: int = Field(32, ge=1, description="Training samples consumed per optimizer step.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
+    clip_epsilon_low: float = Field(0.2, ge=0, description="Lower clip of the importance ratio (1 - eps).")
+    clip_epsilon_high: float = Field(0.2, ge=0, description="Upper clip of the importance ratio (1 + eps).")
+    max_lag: int = Field(
+        2, ge=0, description="Most weight versions a rollout may lag behind the trainer when it is used."
+    )
+    advantage: Literal["leave-one-out", "mean-std"] = Field(
+        "leave-one-out", description="Group-relative advantage estimator."
+    )
+    normalize_advantage: bool = Field(False, description="Divide advantages by the group's std (+1e-4).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the actors.")
+    max_new_tokens: int = Field(8, ge=1, description="Most tokens generated per completion.")
+    grad_clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")
+
+
+class CheckpointSpec(Model):
+    path: str = Field("/checkpoints", min_length=1, description="Directory for checkpoints inside the trainer.")
+    claim_name: str | None = Field(
+        None, min_length=1, description="PersistentVolumeClaim mounted at `path`; emptyDir when unset."
+    )
+    interval_steps: int = Field(10, ge=1, description="Save a checkpoint every this many steps (and at the end).")
+
+
+class TrainerSpec(Model):
+    backend: Literal["torch", "megatron", "fast-llm"] = Field("torch", description="Training backend.")
+    nodes: int = Field(1, ge=1, description="Trainer pods (one per node); ranks get a headless Service.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per trainer pod (0 = CPU).")
+    image: str | None = Field(None, min_length=1, description="Image of the trainer pods (default: spec.image).")
+    resources: Resources = Field(default_factory=Resources, description="Resources of each trainer pod.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+
+
+class InferenceSpec(Model):
+    engine: Literal["vllm", "native"] = Field(
+        "vllm", description="`vllm`, or `native` (a small torch server for CPU tiny models)."
+    )
+    replicas: int = Field(1, ge=1, description="Inference servers; each joins the weight-update group.")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of each server.")
+    image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")
+    resources: Resources = Field(default_factory=Resources, description="Resources of each server.")
+
+
+class WorkerSpec(Model):
+    replicas: int = Field(1, ge=1, description="Pods of this role.")
+    image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")
+    resources: Resources = Field(default_factory=Resources, description="Resources of each pod.")
+
+
+class SecretKeyRef(Model):
+    name: str = Field(..., min_length=1, description="Secret name.")
+    key: str = Field("password", min_length=1, description="Key inside the Secret.")
+
+
+class RedisSpec(Model):
+    mode: Literal["managed", "external"] = Field(
+        "managed", description="`managed`: the operator runs one Redis per job; `external`: use `url`."
+    )
+    url: str | None = Field(
+        None, pattern=r"^rediss?://", description="redis:// URL of an external Redis (mode external)."
+    )
+    password_secret: SecretKeyRef | None = Field(
+        None, description="Secret holding the external Redis password (managed mode generates its own)."
+    )
+    image: str = Field("redis:7-alpine", min_length=1, description="Image of the managed Redis.")
+
+
+RestartPolicy = Literal["OnFailure", "Never"]
+
+
+class RestartPolicies(Model):
+    trainer: RestartPolicy = Field(
+        "OnFailure", description="Recreate a failed trainer (resuming from its checkpoint) while backoffLimit allows."
+    )
+    inference: RestartPolicy = Field("OnFailure", description="Recreate failed inference servers.")
+    actor: RestartPolicy = Field("OnFailure", description="Recreate failed actors in place; the job continues.")
+    preprocessor: RestartPolicy = Field("OnFailure", description="Recreate a failed preprocessor.")
+
+
+class RunPolicy(Model):
+    backoff_limit: int = Field(3, ge=0, description="Trainer restarts allowed before the job fails.")
+    restart_policy: RestartPolicies = Field(
+        default_factory=RestartPolicies, description="Per-component restart policy."
+    )
+    completion_timeout_seconds: int = Field(
+        120,
+        ge=1,
+        description="How long one completion signal (trainer exit 0, or training_finished) may wait for the other.",
+    )
+    event_timeout_seconds: int = Field(
+        900, ge=0, description="No trainer event for this long while Running sets Stalled (0 disables)."
+    )
+    fail_on_stall: bool = Field(False, description="Fail the job when it is Stalled instead of only reporting it.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the TrainingJob this long after it finished (unset: keep)."
+    )
+    suspend: bool = Field(False, description="Stop all pods (ordered) and keep the job; unset to resume.")
+
+
+class GracePeriods(Model):
+    actor: int = Field(30, ge=0, description="Seconds actors get to stop before they are force-deleted.")
+    preprocessor: int = Field(30, ge=0, description="Seconds the preprocessor gets to stop.")
+    inference: int = Field(30, ge=0, description="Seconds inference servers get to stop.")
+    trainer: int = Field(60, ge=0, description="Seconds trainer pods get to stop.")
+    redis: int = Field(30, ge=0, description="Seconds Redis gets to stop.")
+
+
+class TeardownSpec(Model):
+    grace_period_seconds: GracePeriods = Field(
+        default_factory=GracePeriods, description="Grace period of each teardown stage, then force delete."
+    )
+    keep_trainer_pod: bool = Field(
+        False, description="Leave finished trainer pods in place so their logs stay readable."
+    )
+
+
+class TrainingJobSpec(Model):
+    image: str = Field(
+        "ghcr.io/rlkube/core:0.1.0", min_length=1, description="Default image of every role's pods."
+    )
+    model: ModelSpec = Field(..., description="Initial weights and tokenizer.")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="Rollout environment and reward.")
+    algorithm: AlgorithmSpec = Field(..., description="RL algorithm and its hyper-parameters.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer pods.")
+    inference: InferenceSpec = Field(default_factory=InferenceSpec, description="Inference servers.")
+    actor: WorkerSpec = Field(default_factory=WorkerSpec, description="Actors (rollout producers).")
+    preprocessor: WorkerSpec = Field(default_factory=WorkerSpec, description="Preprocessors.")
+    redis: RedisSpec = Field(default_factory=RedisSpec, description="The Redis that connects the roles.")
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, timeouts, suspend.")
+    teardown: TeardownSpec = Field(default_factory=TeardownSpec, description="Ordered teardown settings.")
+
+    def image_for(self, role: str) -> str:
+        if role == "redis":
+            return self.redis.image
+        own = getattr(self, role).image
+        return own or self.image

@@ -1,0 +1,105 @@
+"""The TrainingJob status: what the operator records, and the schema the CRD publishes for it.
+
+The status is typed like the spec (its schema is generated from these classes) so that nothing the
+operator writes is pruned by the API server and printer columns read fields that are really there.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlkube.api.spec import Model
+
+Phase = Literal["Pending", "Starting", "Running", "Draining", "Succeeded", "Failed", "Suspended"]
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+CONDITION_TYPES = (
+    "RedisReady",
+    "TrainerReady",
+    "InferenceReady",
+    "PreprocessorReady",
+    "ActorsReady",
+    "EventSourceReachable",
+    "Stalled",
+    "Succeeded",
+    "Failed",
+    "ResourcesReleased",
+    "Suspended",
+)
+
+
+class Condition(Model):
+    """A metav1.Condition."""
+
+    type: str = Field(..., description="Condition type, e.g. TrainerReady, Succeeded, ResourcesReleased.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    reason: str = Field(..., description="CamelCase reason for the last transition.")
+    message: str = Field("", description="Human-readable detail.")
+    last_transition_time: str = Field(..., description="RFC 3339 time the status last changed.")
+    observed_generation: int = Field(0, description="The spec generation this condition was computed from.")
+
+
+class ComponentStatus(Model):
+    desired: int = Field(0, description="Pods this role should have.")
+    ready: int = Field(0, description="Pods of this role that are Ready.")
+    restarts: int = Field(0, description="Times pods of this role were recreated or restarted.")
+
+
+class CheckpointRef(Model):
+    step: int = Field(..., description="Step of the checkpoint.")
+    path: str = Field(..., description="Path of the checkpoint inside the trainer's checkpoint volume.")
+
+
+class TrainerStatus(Model):
+    step: int = Field(0, description="Last optimizer step the trainer reported.")
+    max_steps: int = Field(0, description="spec.algorithm.maxSteps.")
+    weights_version: int = Field(0, description="Last weight version the trainer published.")
+    last_checkpoint: CheckpointRef | None = Field(None, description="Last checkpoint the trainer saved.")
+    last_event_id: str | None = Field(None, description="Redis stream id of the last trainer event read.")
+    last_event_time: str | None = Field(None, description="When the last trainer event was read (RFC 3339).")
+    documents_seen: int = Field(0, description="Training documents consumed, as last reported.")
+
+
+class Completion(Model):
+    """The evidence that decided the outcome."""
+
+    stream_id: str | None = Field(None, description="Stream id of the training_finished event.")
+    event_time: str | None = Field(None, description="When the training_finished event was read.")
+    final_step: int | None = Field(None, description="Step reported by training_finished.")
+    checkpoint: str | None = Field(None, description="Checkpoint reported by training_finished.")
+    trainer_exit_code: int | None = Field(None, description="Exit code of the trainer container.")
+    trainer_exit_time: str | None = Field(None, description="When the trainer exit was observed.")
+
+
+class TeardownStage(Model):
+    name: str = Field(..., description="Role stopped in this stage.")
+    started_at: str | None = Field(None, description="When the stage began deleting pods.")
+    finished_at: str | None = Field(None, description="When the stage's pods were all gone.")
+    forced: int = Field(0, description="Pods force-deleted after the grace period.")
+
+
+class TeardownStatus(Model):
+    reason: str | None = Field(None, description="Why teardown runs: Succeeded, Failed, Deleted or Suspended.")
+    stage: str | None = Field(None, description="Current stage (role name), or Done.")
+    stages: list[TeardownStage] = Field(default_factory=list, description="Stages started so far, in order.")
+
+
+class TrainingJobStatus(Model):
+    phase: Phase = Field("Pending", description="Pending, Starting, Running, Draining, Succeeded, Failed, Suspended.")
+    reason: str | None = Field(None, description="Reason of the current phase (CamelCase).")
+    message: str | None = Field(None, description="Human-readable detail of the current phase.")
+    observed_generation: int = Field(0, description="Last spec generation acted on.")
+    progress: str | None = Field(None, description="`step/maxSteps`, for the printer column.")
+    lag: int | None = Field(None, description="Weight versions between the trainer and the newest rollout used.")
+    start_time: str | None = Field(None, description="When the job was first reconciled.")
+    completion_time: str | None = Field(None, description="When the job reached Succeeded or Failed.")
+    conditions: list[Condition] = Field(default_factory=list, description="metav1.Condition list.")
+    components: dict[str, ComponentStatus] = Field(
+        default_factory=dict, description="Ready/desired pods and restarts per role."
+    )
+    trainer: TrainerStatus = Field(default_factory=TrainerStatus, description="Progress reported by the trainer.")
+    completion: Completion | None = Field(None, description="Evidence of the outcome.")
+    teardown: TeardownStatus | None = Field(None, description="Ordered teardown progress.")
+    trainer_restarts: int = Field(0, description="Trainer recreations counted against backoffLimit.")

@@ -1,0 +1,99 @@
+"""Checks the CRD schema cannot express, and parsing of whole manifests with field-path errors.
+
+The API server rejects what the OpenAPI schema can express (types, enums, minimums, required fields).
+What needs two fields at once is checked here; the operator reports these errors in status and Events
+and creates nothing, and `rlkube local` prints them and exits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
+
+
+@dataclass(frozen=True)
+class FieldError:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A TrainingJob that cannot run; `errors` name each offending field."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+def _pydantic_errors(exc: ValidationError, prefix: str) -> list[FieldError]:
+    out = []
+    for err in exc.errors():
+        path = ".".join([prefix, *(str(p) for p in err["loc"])])
+        out.append(FieldError(path, err["msg"]))
+    return out
+
+
+def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    errs: list[FieldError] = []
+    arch = spec.model.architecture
+    if arch.hidden_size % arch.heads:
+        errs.append(FieldError("spec.model.architecture.heads", f"must divide hiddenSize {arch.hidden_size}"))
+    if spec.redis.mode == "external" and not spec.redis.url:
+        errs.append(FieldError("spec.redis.url", "required when spec.redis.mode is external"))
+    if spec.redis.mode == "managed" and spec.redis.url:
+        errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
+    if spec.trainer.backend == "fast-llm":
+        if spec.redis.mode != "managed":
+            errs.append(
+                FieldError("spec.redis.mode", "fast-llm uses fixed stream names and needs its own (managed) Redis")
+            )
+        if spec.trainer.gpus_per_node < 1:
+            errs.append(FieldError("spec.trainer.gpusPerNode", "fast-llm runs on GPUs only; set at least 1"))
+    algo = spec.algorithm
+    if algo.loss != "sft" and algo.group_size < 2:
+        errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
+    if algo.clip_epsilon_low >= 1:
+        errs.append(FieldError("spec.algorithm.clipEpsilonLow", "must be below 1 (the ratio is clipped at 1-eps)"))
+    if spec.inference.engine == "native" and spec.inference.tensor_parallel != 1:
+        errs.append(FieldError("spec.inference.tensorParallel", "the native engine has no tensor parallelism"))
+    if spec.inference.engine == "vllm" and arch.hidden_size // arch.heads < 32 and spec.model.path.startswith(
+        "builtin://"
+    ):
+        errs.append(FieldError("spec.model.architecture", "vLLM needs a head dimension (hiddenSize/heads) >= 32"))
+    return errs
+
+
+def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> TrainingJobSpec:
+    """Validate a spec dict (camelCase, as in the manifest); raise SpecError naming every bad field."""
+    try:
+        parsed = TrainingJobSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise SpecError(_pydantic_errors(exc, prefix)) from None
+    errs = semantic_errors(parsed)
+    if errs:
+        raise SpecError(errs)
+    return parsed
+
+
+def parse_manifest(doc: dict[str, Any]) -> tuple[dict[str, Any], TrainingJobSpec]:
+    """Return (metadata, spec) of a TrainingJob manifest, or raise SpecError."""
+    if not isinstance(doc, dict):
+        raise SpecError([FieldError("(document)", "a TrainingJob manifest must be a mapping")])
+    errs = []
+    if doc.get("apiVersion") != API_VERSION:
+        errs.append(FieldError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}"))
+    if doc.get("kind") != KIND:
+        errs.append(FieldError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
+    meta = doc.get("metadata") or {}
+    if not meta.get("name"):
+        errs.append(FieldError("metadata.name", "required"))
+    if errs:
+        raise SpecError(errs)
+    return meta, parse_spec(doc.get("spec") or {})

@@ -1,0 +1,91 @@
+"""`rlkube` command line: one entry point, each subcommand implemented in the module that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from rlkube.api.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from rlkube.api import SpecError, parse_manifest
+
+    with open(args.file) as fh:
+        docs = [d for d in yaml.safe_load_all(fh) if d is not None]
+    status = 0
+    for doc in docs:
+        try:
+            meta, _ = parse_manifest(doc)
+            print(f"{meta['name']}: valid")
+        except SpecError as exc:
+            status = 1
+            for err in exc.errors:
+                print(f"{args.file}: {err}", file=sys.stderr)
+    return status
+
+
+def _lazy(target: str):
+    """Dispatch to `module:function(args) -> int`, imported only when that subcommand runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        module, func = target.split(":")
+        return getattr(importlib.import_module(module), func)(args)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlkube", description="LLM reinforcement learning on Kubernetes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition (YAML)")
+    p.set_defaults(func=_crd)
+
+    p = sub.add_parser("validate", help="check TrainingJob manifests without a cluster")
+    p.add_argument("file")
+    p.set_defaults(func=_validate)
+
+    p = sub.add_parser("local", help="run a TrainingJob manifest as local processes")
+    p.add_argument("file", help="TrainingJob manifest (YAML)")
+    p.add_argument("--output-dir", default=None, help="where checkpoints, logs and plots go")
+    p.add_argument("--json", action="store_true", help="print one JSON summary as the last stdout line")
+    p.set_defaults(func=_lazy("rlkube.local.runner:cli"))
+
+    p = sub.add_parser("operator", help="run the kopf operator")
+    p.add_argument("--namespace", "-n", action="append", default=[], help="watch only these namespaces")
+    p.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
+    p.add_argument("--peering", default=None, help="kopf peering object name (for HA operators)")
+    p.add_argument("--standalone", action="store_true", help="no peering (single operator)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 disables)")
+    p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    p.set_defaults(func=_lazy("rlkube.controller.main:cli"))
+
+    bench = sub.add_parser("bench", help="benchmarks that print numbers").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("pipeline", help="pipelined vs synchronous RL on this machine")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--samples", type=int, default=None, help="samples per mode")
+    p.set_defaults(func=_lazy("rlkube.local.bench:cli"))
+    p = bench.add_parser("operator", help="N TrainingJobs at once against a real API server")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("-n", type=int, action="append", default=None, help="jobs (repeatable; default 50 and 200)")
+    p.add_argument("--kubeconfig", default=None, help="cluster to use (default: start a local control plane)")
+    p.set_defaults(func=_lazy("rlkube.controller.bench:cli"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The kopf operator: thin handlers over pure builders and pure decisions, plus the Redis event watcher."""

@@ -1,0 +1,1 @@
+"""The shared training core: one package, one role per process (trainer, actor, preprocessor, inference)."""

@@ -1,0 +1,259 @@
+"""The Redis wire contract shared by the operator and every pod (design.md section 5).
+
+One module so the operator's event watcher and the trainer that writes those events cannot drift apart.
+Pure encode/decode functions plus the key layout; the Redis calls themselves live with their callers.
+
+Keys are namespaced `{namespace}/{job}/...`, except for Fast-LLM trainers whose stream names are fixed
+(such a job gets its own managed Redis, so the bare names cannot collide).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+log = logging.getLogger(__name__)
+
+# Fast-LLM's fixed names; ours reuse them under the per-job prefix.
+EVENTS_STREAM = "fast_llm_events"
+DOCUMENTS_STREAM = "fast_llm_streaming"
+DOCUMENTS_GROUP = "fast_llm_group"
+ROLLOUTS_STREAM = "rollouts"
+EVENT_FIELD = "event"
+
+WEIGHTS_READY = "weights_ready"
+TRAINING_FINISHED = "training_finished"
+CHECKPOINT_SAVED = "checkpoint_saved"
+METRICS = "metrics"
+EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS)
+
+
+def consumer_name(rank: int) -> str:
+    return f"fast_llm_consumer_{rank}"
+
+
+@dataclass(frozen=True)
+class StreamKeys:
+    """Every Redis key of one job."""
+
+    prefix: str
+
+    @classmethod
+    def for_job(cls, namespace: str, job: str, backend: str = "torch") -> StreamKeys:
+        return cls("" if backend == "fast-llm" else f"{namespace}/{job}/")
+
+    @property
+    def events(self) -> str:
+        return self.prefix + EVENTS_STREAM
+
+    @property
+    def documents(self) -> str:
+        return self.prefix + DOCUMENTS_STREAM
+
+    @property
+    def rollouts(self) -> str:
+        return self.prefix + ROLLOUTS_STREAM
+
+    def all(self) -> list[str]:
+        return [self.events, self.documents, self.rollouts]
+
+
+# --- trainer events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerEvent:
+    """One decoded entry of the events stream. `payload` keeps every field the producer sent."""
+
+    stream_id: str
+    type: str
+    payload: dict[str, Any]
+
+    @property
+    def step(self) -> int | None:
+        step = self.payload.get("step")
+        return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
+
+
+def encode_event(type_: str, **fields: Any) -> dict[str, bytes]:
+    """XADD field map of an event: `{"event": JSON}` with `type` first, as Fast-LLM writes it."""
+    return {EVENT_FIELD: orjson.dumps({"type": type_, **fields})}
+
+
+def weights_ready(step: int, documents_seen: int, **extra: Any) -> dict[str, bytes]:
+    return encode_event(WEIGHTS_READY, step=step, documents_seen=documents_seen, **extra)
+
+
+def training_finished(**extra: Any) -> dict[str, bytes]:
+    """Fast-LLM sends only {"type"}; our trainers add `step` and `checkpoint` (the completion evidence)."""
+    return encode_event(TRAINING_FINISHED, **extra)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def decode_event(stream_id: Any, fields: dict[Any, Any]) -> TrainerEvent | None:
+    """Decode one stream entry; None (with a log line) for a malformed or unknown entry, which callers skip."""
+    sid = _text(stream_id)
+    raw = fields.get(EVENT_FIELD, fields.get(EVENT_FIELD.encode()))
+    if raw is None:
+        log.warning("skipping event %s: no %r field (fields: %s)", sid, EVENT_FIELD, list(fields))
+        return None
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        log.warning("skipping event %s: not JSON (%s)", sid, exc)
+        return None
+    if not isinstance(payload, dict) or not isinstance(payload.get("type"), str):
+        log.warning("skipping event %s: no string `type` in %r", sid, payload)
+        return None
+    if payload["type"] not in EVENT_TYPES:
+        log.info("ignoring event %s of unknown type %r", sid, payload["type"])
+        return None
+    return TrainerEvent(sid, payload["type"], payload)
+
+
+# --- training documents (preprocessor -> trainer), Fast-LLM streaming format ------------------------
+
+
+@dataclass
+class Document:
+    """One training sample. `loss_masking_spans` are [begin, end) token spans EXCLUDED from the loss."""
+
+    tokens: np.ndarray  # int64
+    loss_masking_spans: list[tuple[int, int]] = field(default_factory=list)
+    advantage: float = 0.0
+    reward: float = 0.0
+    old_log_probabilities: np.ndarray | None = None  # float32, one per token (0 on the prompt)
+    model_version: np.ndarray | None = None  # int64, one per token
+
+    def loss_mask(self) -> np.ndarray:
+        """Boolean per token: True where the token counts in the loss."""
+        mask = np.ones(len(self.tokens), dtype=bool)
+        for begin, end in self.loss_masking_spans:
+            mask[begin:end] = False
+        return mask
+
+
+def encode_document(doc: Document) -> dict[str, bytes]:
+    n = len(doc.tokens)
+    fields: dict[str, bytes] = {
+        "tokens": np.asarray(doc.tokens, dtype="<i8").tobytes(),
+        "data": orjson.dumps(
+            {
+                "loss_masking_spans": [[int(b), int(e)] for b, e in doc.loss_masking_spans],
+                "advantage": float(doc.advantage),
+                "reward": float(doc.reward),
+            }
+        ),
+    }
+    if doc.old_log_probabilities is not None:
+        if len(doc.old_log_probabilities) != n:
+            raise ValueError("old_log_probabilities needs one value per token")
+        fields["old_log_probabilities"] = np.asarray(doc.old_log_probabilities, dtype="<f4").tobytes()
+    if doc.model_version is not None:
+        if len(doc.model_version) != n:
+            raise ValueError("model_version needs one value per token")
+        fields["model_version"] = np.asarray(doc.model_version, dtype="<i8").tobytes()
+    return fields
+
+
+def _field(fields: dict[Any, Any], name: str) -> Any:
+    return fields.get(name, fields.get(name.encode()))
+
+
+def decode_document(fields: dict[Any, Any]) -> Document:
+    """Inverse of encode_document; raises ValueError on a malformed entry."""
+    tokens_raw = _field(fields, "tokens")
+    data_raw = _field(fields, "data")
+    if tokens_raw is None or data_raw is None:
+        raise ValueError(f"document lacks tokens or data (fields: {list(fields)})")
+    if len(tokens_raw) % 8:
+        raise ValueError("tokens is not a whole number of int64 values")
+    tokens = np.frombuffer(tokens_raw, dtype="<i8").astype(np.int64)
+    try:
+        data = orjson.loads(data_raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"data is not JSON: {exc}") from None
+    spans = [(int(b), int(e)) for b, e in data.get("loss_masking_spans", [])]
+    for b, e in spans:
+        if not 0 <= b <= e <= len(tokens):
+            raise ValueError(f"loss masking span {(b, e)} outside {len(tokens)} tokens")
+    old = _field(fields, "old_log_probabilities")
+    ver = _field(fields, "model_version")
+    doc = Document(
+        tokens=tokens,
+        loss_masking_spans=spans,
+        advantage=float(data.get("advantage", 0.0)),
+        reward=float(data.get("reward", 0.0)),
+        old_log_probabilities=None if old is None else np.frombuffer(old, dtype="<f4").astype(np.float32),
+        model_version=None if ver is None else np.frombuffer(ver, dtype="<i8").astype(np.int64),
+    )
+    for name in ("old_log_probabilities", "model_version"):
+        arr = getattr(doc, name)
+        if arr is not None and len(arr) != len(tokens):
+            raise ValueError(f"{name} has {len(arr)} values for {len(tokens)} tokens")
+    return doc
+
+
+# --- rollouts (actor -> preprocessor) ------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    completion_tokens: list[int]
+    logprobs: list[float]  # sampling log-prob of each completion token
+    reward: float
+    finished: bool = True
+
+
+@dataclass
+class RolloutGroup:
+    """One entry per finished group. `model_version` is the policy version stamped when sampling started."""
+
+    group_id: str
+    prompt_tokens: list[int]
+    samples: list[Sample]
+    model_version: int
+    expected_size: int
+    actor: str = ""
+    created_at: float = 0.0
+
+    def encode(self) -> dict[str, bytes]:
+        return {
+            "group": orjson.dumps(
+                {
+                    "group_id": self.group_id,
+                    "prompt_tokens": self.prompt_tokens,
+                    "samples": [s.__dict__ for s in self.samples],
+                    "model_version": self.model_version,
+                    "expected_size": self.expected_size,
+                    "actor": self.actor,
+                    "created_at": self.created_at,
+                }
+            )
+        }
+
+    @classmethod
+    def decode(cls, fields: dict[Any, Any]) -> RolloutGroup:
+        raw = _field(fields, "group")
+        if raw is None:
+            raise ValueError(f"rollout entry lacks `group` (fields: {list(fields)})")
+        try:
+            d = orjson.loads(raw)
+            return cls(
+                group_id=str(d["group_id"]),
+                prompt_tokens=[int(t) for t in d["prompt_tokens"]],
+                samples=[Sample(**s) for s in d["samples"]],
+                model_version=int(d["model_version"]),
+                expected_size=int(d.get("expected_size", len(d["samples"]))),
+                actor=str(d.get("actor", "")),
+                created_at=float(d.get("created_at", 0.0)),
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed rollout entry: {exc}") from None

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds kube-apiserver + kube-controller-manager 1.20.2 from Debian bookworm's `kubernetes` source package
+# with Debian's Go, once, into a cache outside the repository. No registry ships these binaries, so this is
+# the only way to get a real API server on a machine without Docker or downloads.
+#
+# Cache: $RLKUBE_CACHE (default ~/.cache/rlkube)/k8s-1.20.2/bin. Re-running with the binaries present is a no-op.
+set -euo pipefail
+CACHE=${RLKUBE_CACHE:-$HOME/.cache/rlkube}
+W="$CACHE/k8s-1.20.2"
+BIN="$W/bin"
+say() { printf '[control-plane build %(%H:%M:%S)T] %s\n' -1 "$*"; }
+
+if [[ -x "$BIN/kube-apiserver" && -x "$BIN/kube-controller-manager" ]]; then
+  say "cached binaries found in $BIN"; exit 0
+fi
+mkdir -p "$W/apt/lists/partial" "$W/apt/cache/archives/partial"
+cd "$W"
+say "installing build inputs (golang-go, etcd, vendored-library replacements)"
+URI=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || echo http://deb.debian.org/debian)
+echo "deb-src $URI bookworm main" > apt/sources.list
+APT_SRC=(-o "Dir::Etc::SourceList=$W/apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
+         -o "Dir::State::Lists=$W/apt/lists" -o "Dir::Cache=$W/apt/cache")
+export DEBIAN_FRONTEND=noninteractive
+apt-get install -y -qq --no-install-recommends golang-go etcd-server rsync make dpkg-dev openssl \
+  golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev >/dev/null \
+  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends golang-go etcd-server rsync make \
+       dpkg-dev openssl golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev >/dev/null; }
+say "fetching the kubernetes source package"
+apt-get "${APT_SRC[@]}" update -qq
+rm -rf src && mkdir src && cd src
+apt-get "${APT_SRC[@]}" source -qq kubernetes=1.20.5+really1.20.2-1.1+deb12u1 >/dev/null
+cd kubernetes-1.20.5+really1.20.2
+# The vendored reflect2 1.0.1 faults under Go >= 1.18 on the first custom-resource request
+# ("fatal error: fault" in mapiterinit); Debian's packaged reflect2/json-iterator are fixed.
+for d in github.com/modern-go/reflect2 github.com/json-iterator/go; do
+  rm -rf "vendor/$d"; mkdir -p "vendor/$d"
+  find "/usr/share/gocode/src/$d" -maxdepth 1 -type f \( -name '*.go' -o -name '*.s' \) ! -name '*_test.go' \
+    -exec cp -L {} "vendor/$d/" \;
+done
+export CGO_ENABLED=0 HOME="$W/home"; mkdir -p "$HOME"; unset GOFLAGS GO111MODULE
+say "compiling kube-apiserver and kube-controller-manager (about 8 minutes on 2 cores)"
+make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$W/make.log" 2>&1 \
+  || { tail -30 "$W/make.log"; exit 1; }
+mkdir -p "$BIN.tmp"
+cp _output/bin/kube-apiserver _output/bin/kube-controller-manager "$BIN.tmp/"
+rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
+cd "$W" && rm -rf src home   # the source tree and Go build cache are ~2 GB; only the binaries are kept
+say "built: $("$BIN/kube-apiserver" --version)"

@@ -1,0 +1,201 @@
+"""A real Kubernetes control plane on loopback: etcd + kube-apiserver + kube-controller-manager.
+
+Test infrastructure (not shipped): the binaries come from `build-control-plane.sh` (cached outside the repo,
+or from KUBE_APISERVER_BIN / KUBE_CONTROLLER_MANAGER_BIN / ETCD_BIN). Every server gets a free port, its
+own data directory and its own process group, and `stop()` leaves no process behind.
+
+Run as a script to start one in the foreground and print its KUBECONFIG:
+    python tests/cluster/control_plane.py [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("RLKUBE_CACHE", Path.home() / ".cache" / "rlkube"))
+DEFAULT_BIN = CACHE / "k8s-1.20.2" / "bin"
+TOKEN = "rlkube-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    print(f"[control-plane {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def binaries(build: bool = True) -> dict[str, str]:
+    """Paths of the three binaries; builds the cached ones first when absent and `build` is set."""
+    apiserver = os.environ.get("KUBE_APISERVER_BIN") or str(DEFAULT_BIN / "kube-apiserver")
+    kcm = os.environ.get("KUBE_CONTROLLER_MANAGER_BIN") or str(DEFAULT_BIN / "kube-controller-manager")
+    if build and not (os.access(apiserver, os.X_OK) and os.access(kcm, os.X_OK)):
+        log("kube-apiserver not cached; building it from Debian's source package (one time, several minutes)")
+        subprocess.run(["bash", str(HERE / "build-control-plane.sh")], check=True)
+    etcd = os.environ.get("ETCD_BIN") or shutil.which("etcd")
+    if not etcd:
+        raise RuntimeError("etcd not found: apt-get install etcd-server (or set ETCD_BIN)")
+    for path in (apiserver, kcm):
+        if not os.access(path, os.X_OK):
+            raise RuntimeError(f"{path} is not an executable; run tests/cluster/build-control-plane.sh")
+    return {"etcd": etcd, "apiserver": apiserver, "kcm": kcm}
+
+
+@dataclass
+class ControlPlane:
+    workdir: Path
+    with_controller_manager: bool = True
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    api_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        logf = open(self.workdir / f"{name}.log", "wb")
+        # Own session: a Ctrl-C in the terminal reaches us, not the servers, so stop() decides the order.
+        self.procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        logf.close()
+
+    def _wait(self, name: str, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not ready after {timeout}s; see {self.workdir / (name + '.log')}")
+
+    def _healthy(self, path: str) -> bool:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {TOKEN}"})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def start(self) -> ControlPlane:
+        t0 = time.monotonic()
+        bins = binaries()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        d = self.workdir
+        (d / "tokens.csv").write_text(f"{TOKEN},admin,admin,system:masters\n")
+        subprocess.run(
+            ["openssl", "genrsa", "-out", str(d / "sa.key"), "2048"], check=True, capture_output=True
+        )
+        etcd_client, etcd_peer = free_port(), free_port()
+        self._spawn(
+            "etcd",
+            [
+                bins["etcd"], "--name", "rlkube", "--data-dir", str(d / "etcd"),
+                "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
+                "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster", f"rlkube=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync",
+            ],
+        )
+        self.api_port = free_port()
+        self._spawn(
+            "apiserver",
+            [
+                bins["apiserver"], f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+                f"--token-auth-file={d / 'tokens.csv'}",
+                "--bind-address=127.0.0.1", f"--secure-port={self.api_port}", f"--cert-dir={d / 'certs'}",
+                "--authorization-mode=AlwaysAllow", "--disable-admission-plugins=ServiceAccount",
+                f"--service-account-key-file={d / 'sa.key'}",
+                f"--service-account-signing-key-file={d / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                "--api-audiences=https://kubernetes.default.svc",
+                "--service-cluster-ip-range=10.96.0.0/16", "--allow-privileged=true",
+                # Many jobs at once in the benchmarks: don't let the default limits throttle us.
+                "--max-requests-inflight=1000", "--max-mutating-requests-inflight=500",
+            ],
+        )
+        self.kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\n"
+            f"clusters: [{{name: local, cluster: {{server: \"{self.url}\", insecure-skip-tls-verify: true}}}}]\n"
+            f"users: [{{name: admin, user: {{token: {TOKEN}}}}}]\n"
+            "contexts: [{name: local, context: {cluster: local, user: admin, namespace: default}}]\n"
+            "current-context: local\n"
+        )
+        self._wait("apiserver", lambda: self._healthy("/readyz"), 90)
+        if self.with_controller_manager:
+            self._spawn(
+                "kcm",
+                [
+                    bins["kcm"], f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
+                    "--controllers=garbagecollector,namespace,serviceaccount-token,serviceaccount",
+                    f"--service-account-private-key-file={d / 'sa.key'}",
+                    "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--port=0",
+                    f"--cert-dir={d / 'kcm-certs'}",
+                ],
+            )
+        log(f"ready in {time.monotonic() - t0:.1f}s at {self.url} (KUBECONFIG={self.kubeconfig})")
+        return self
+
+    def stop(self) -> None:
+        for name in ("kcm", "apiserver", "etcd"):
+            proc = self.procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    parser.add_argument("--build-only", action="store_true", help="build or find the binaries, then exit")
+    args = parser.parse_args()
+    if args.build_only:
+        print(binaries())
+        return
+    workdir = args.dir or Path(tempfile.mkdtemp(prefix="rlkube-cp-"))
+    cp = ControlPlane(workdir).start()
+    print(f"export KUBECONFIG={cp.kubeconfig}", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        cp.stop()
+
+
+if __name__ == "__main__":
+    main()

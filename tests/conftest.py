@@ -1,0 +1,163 @@
+"""Shared fixtures: REAL servers (redis-server, etcd + kube-apiserver + kube-controller-manager).
+
+- `redis_server` (session): one redis-server on a free loopback port; `redis_client` flushes it per test.
+- `cluster` (session): the kubeconfig of a real API server: $KUBECONFIG when it names a reachable cluster,
+  else a control plane started here from the cached build (built on first use).
+- `crd` (session): the TrainingJob CRD applied through the API and Established.
+- `namespace`: a fresh namespace per test, deleted afterwards.
+Every server process started here is checked at session end; one still alive fails the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch is imported anywhere: on 2 cores oversubscribed threads make torch 3-7x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cluster.control_plane import ControlPlane  # noqa: E402
+
+from rlkube.local.redis_server import RedisServer  # noqa: E402
+
+STARTED_PIDS: list[tuple[str, int]] = []
+
+
+def track(name: str, pid: int) -> None:
+    """Register a server process that must be gone when the session ends."""
+    STARTED_PIDS.append((name, pid))
+
+
+def pytest_collection_modifyitems(items):
+    # The tier marker follows the directory, so `-m unit` etc. select by tier without decorating every test.
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for tier in ("unit", "integration", "e2e"):
+            if tier in parts:
+                item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    alive = []
+    for name, pid in STARTED_PIDS:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{name} (pid {pid})")
+        except psutil.NoSuchProcess:
+            pass
+    if alive:
+        print(f"\nLEFTOVER server processes after the session: {', '.join(alive)}", file=sys.stderr)
+        session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    track("redis-server", server.proc.pid)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+def _reachable(kubeconfig: str) -> bool:
+    from kubernetes import client, config
+
+    try:
+        api = config.new_client_from_config(config_file=kubeconfig)
+        client.VersionApi(api).get_code(_request_timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Path of a kubeconfig for a real API server."""
+    given = os.environ.get("KUBECONFIG")
+    if given and _reachable(given):
+        yield Path(given)
+        return
+    cp = ControlPlane(tmp_path_factory.mktemp("control-plane")).start()
+    for name, proc in cp.procs.items():
+        track(name, proc.pid)
+    yield cp.kubeconfig
+    cp.stop()
+
+
+@pytest.fixture(scope="session")
+def api_client(cluster):
+    from kubernetes import config
+
+    client = config.new_client_from_config(config_file=str(cluster))
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def crd(api_client):
+    """Apply the generated CRD and wait until the API server serves it."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from rlkube.api.crd import crd as make_crd
+
+    ext = client.ApiextensionsV1Api(api_client)
+    body = make_crd()
+    name = body["metadata"]["name"]
+    try:
+        ext.create_custom_resource_definition(body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        current = ext.read_custom_resource_definition(name)
+        body["metadata"]["resourceVersion"] = current.metadata.resource_version
+        ext.replace_custom_resource_definition(name, body)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        conds = ext.read_custom_resource_definition(name).status.conditions or []
+        if any(c.type == "Established" and c.status == "True" for c in conds):
+            break
+        time.sleep(0.1)
+    else:
+        raise TimeoutError(f"CRD {name} not Established")
+    # Established can precede discovery by a moment; wait until a list call succeeds.
+    custom = client.CustomObjectsApi(api_client)
+    while True:
+        try:
+            custom.list_cluster_custom_object("rlkube.io", "v1alpha1", "trainingjobs")
+            break
+        except ApiException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    return body
+
+
+@pytest.fixture
+def namespace(api_client):
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    core.create_namespace({"metadata": {"name": name, "labels": {"rlkube.io/test": "true"}}})
+    yield name
+    core.delete_namespace(name)
