@@ -1,0 +1,102 @@
+"""What a role process is told about its job: the contract between the launchers and the roles.
+
+Both launchers (the operator's pod builders and `rlkube local`) start every role as
+`python -m rlkube.core.<role>` with the environment variables below; the roles read them with
+`RoleContext.from_env()`. The job config file is `{"namespace", "name", "spec"}` with the spec in camelCase,
+exactly as in the TrainingJob.
+
+Network names: in a cluster every Service is headless and each pod has `hostname`/`subdomain` set, so the
+launcher passes names like `{job}-inference-0.{job}-inference:8000`; locally it passes 127.0.0.1 ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.api.validation import parse_spec
+from rlkube.core.protocol import StreamKeys
+
+ENV_CONFIG = "RLKUBE_CONFIG"  # path of the job config JSON
+ENV_REDIS_URL = "RLKUBE_REDIS_URL"  # redis://host:port/db, without the password
+ENV_REDIS_PASSWORD = "REDIS_PASSWORD"  # from the job's Secret (managed) or the user's (external)
+ENV_INDEX = "RLKUBE_INDEX"  # replica index of this pod within its role; trainer: node rank
+ENV_INFERENCE_URLS = "RLKUBE_INFERENCE_URLS"  # comma-separated base URLs of every inference server
+ENV_WEIGHT_SYNC = "RLKUBE_WEIGHT_SYNC_ADDR"  # host:port of the trainer's TCPStore for the weight-update group
+ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0.0.1 locally)
+ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
+ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
+ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
+
+INFERENCE_PORT = 8000
+WEIGHT_SYNC_PORT = 29500
+REDIS_PORT = 6379
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    namespace: str
+    job: str
+    spec: TrainingJobSpec
+    redis_url: str
+    index: int = 0
+    inference_urls: tuple[str, ...] = ()
+    weight_sync_addr: str | None = None
+    bind_host: str = "127.0.0.1"
+    port: int | None = None
+    checkpoint_dir: Path | None = None
+    output_dir: Path | None = None
+
+    @property
+    def keys(self) -> StreamKeys:
+        return StreamKeys.for_job(self.namespace, self.job, self.spec.trainer.backend)
+
+    @property
+    def weight_sync_world_size(self) -> int:
+        """Trainer rank 0 plus one rank per inference server."""
+        return 1 + self.spec.inference.replicas
+
+    @classmethod
+    def from_env(cls, env: os._Environ | dict | None = None) -> RoleContext:
+        env = os.environ if env is None else env
+        path = env.get(ENV_CONFIG)
+        if not path:
+            raise SystemExit(f"{ENV_CONFIG} is not set: the launcher must pass the job config file")
+        doc = json.loads(Path(path).read_text())
+        redis_url = env.get(ENV_REDIS_URL)
+        if not redis_url:
+            raise SystemExit(f"{ENV_REDIS_URL} is not set")
+        return cls(
+            namespace=doc["namespace"],
+            job=doc["name"],
+            spec=parse_spec(doc["spec"]),
+            redis_url=with_password(redis_url, env.get(ENV_REDIS_PASSWORD)),
+            index=int(env.get(ENV_INDEX, "0")),
+            inference_urls=tuple(u for u in env.get(ENV_INFERENCE_URLS, "").split(",") if u),
+            weight_sync_addr=env.get(ENV_WEIGHT_SYNC) or None,
+            bind_host=env.get(ENV_BIND_HOST, "127.0.0.1"),
+            port=int(env[ENV_PORT]) if env.get(ENV_PORT) else None,
+            checkpoint_dir=Path(env[ENV_CHECKPOINT_DIR]) if env.get(ENV_CHECKPOINT_DIR) else None,
+            output_dir=Path(env[ENV_OUTPUT_DIR]) if env.get(ENV_OUTPUT_DIR) else None,
+        )
+
+
+def with_password(url: str, password: str | None) -> str:
+    """Insert a password into a redis:// URL (kept out of the URL in manifests: it comes from a Secret)."""
+    if not password:
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f":{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def write_job_config(path: Path, namespace: str, name: str, spec: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"namespace": namespace, "name": name, "spec": spec}, indent=1))
+    return path
