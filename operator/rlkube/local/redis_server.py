@@ -28,9 +28,19 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, password: str | None = None, binary: str | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        password: str | None = None,
+        binary: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        """`port=0` picks a free port; a fixed host/port lets a test stand in for a pod at its pod IP."""
         self.workdir = Path(workdir)
         self.password = password
+        self.host = host
+        self.fixed_port = port
         self.binary = binary or os.environ.get("REDIS_SERVER_BIN") or shutil.which("redis-server")
         if not self.binary:
             raise RedisNotInstalled(
@@ -43,16 +53,16 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def client(self, **kwargs) -> redis.Redis:
         return redis.Redis.from_url(self.url, **kwargs)
 
     def start(self, timeout: float = 15.0) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = self.fixed_port or _free_port()
         argv = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
             "--dir", str(self.workdir), "--daemonize", "no", "--protected-mode", "no",
         ]
         if self.password:
