@@ -178,7 +178,8 @@ class LocalJob:
                 if event.type == protocol.WEIGHTS_READY:
                     self.version = int(event.payload.get("version", event.payload.get("step", self.version)))
                 elif event.type == protocol.METRICS:
-                    self.metrics.append(event.payload)
+                    # The stream id's millisecond clock times steps without trusting the pods' clocks.
+                    self.metrics.append({**event.payload, "_t": int(last_id.split("-")[0]) / 1000})
                 elif event.type == protocol.TRAINING_FINISHED and self.finished is None:
                     self.finished, self.finished_at = event, time.monotonic()
         return last_id
