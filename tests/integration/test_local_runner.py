@@ -1,0 +1,145 @@
+"""`rlkube local`: the tiny job learns and tears down in order; Ctrl-C and a crashed role do the same.
+
+These run the real roles as processes over a real redis-server, exactly as `make demo` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
+ORDER = ["actor", "preprocessor", "inference", "trainer", "redis"]
+# The reward margin tiny-cpu guarantees with seed 0 (mean of the last 10 steps minus the first 10). The run is
+# seeded but roles race each other, so it is not bit-reproducible: the margin is well below what runs reach.
+MIN_MARGIN = 0.15
+
+
+def _leftovers(out: Path) -> list[str]:
+    """Processes still running for this output dir: roles (by env) and redis-server (by --dir)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            env = proc.environ() if "rlkube.core." in cmd else {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("RLKUBE_OUTPUT_DIR") == str(out) or (str(out) in cmd and "redis-server" in cmd):
+            found.append(f"{proc.info['pid']}: {cmd}")
+    return found
+
+
+def _run(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlkube.cli", "local", *args], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, **kw
+    )
+
+
+def test_tiny_job_learns_and_tears_down_in_order(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = _run([str(EXAMPLE), "--json", "--output-dir", str(out)])
+    stdout, stderr = proc.communicate(timeout=600)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    print(json.dumps(summary))
+    assert summary["phase"] == "Succeeded"
+    assert summary["steps"] == 40
+    assert summary["teardown"] == ORDER
+    assert summary["reward_last"] - summary["reward_first"] >= MIN_MARGIN, summary
+    assert wall < 300, f"took {wall:.0f}s"
+    assert (out / "reward.png").stat().st_size > 1000
+    assert any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
+    assert summary["checkpoint"]
+    assert not _leftovers(out)
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Poll the job's Redis (its port is in the job's redis log dir) until the trainer reported `step`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd and "redis-server" in cmd[0] and str(out) in " ".join(cmd):
+                port = int(cmd[cmd.index("--port") + 1])
+                client = redis.Redis(port=port)
+                try:
+                    for _, fields in client.xrange("local/tiny-cpu/fast_llm_events"):
+                        ev = json.loads(fields[b"event"])
+                        if ev.get("type") == "metrics" and ev.get("step", 0) >= step:
+                            return
+                except redis.RedisError:
+                    pass
+                finally:
+                    client.close()
+        time.sleep(0.5)
+    raise TimeoutError(f"trainer did not reach step {step}")
+
+
+@pytest.fixture
+def short_manifest(tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["algorithm"]["maxSteps"] = 200  # long enough that the run is surely interrupted mid-way
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_ctrl_c_tears_down_in_order_and_exits_nonzero(tmp_path, short_manifest):
+    out = tmp_path / "run"
+    proc = _run([str(short_manifest), "--json", "--output-dir", str(out)])
+    _wait_for_step(out, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Failed" and summary["reason"] == "Interrupted"
+    assert summary["teardown"] == ORDER
+    assert not _leftovers(out)
+
+
+def test_crashed_role_fails_the_job_with_ordered_teardown(tmp_path, short_manifest):
+    out = tmp_path / "run"
+    proc = _run([str(short_manifest), "--json", "--output-dir", str(out)])
+    _wait_for_step(out, 2, proc)
+    victims = [
+        p for p in psutil.process_iter(["cmdline"])
+        if "rlkube.core.preprocessor" in " ".join(p.info["cmdline"] or [])
+        and p.environ().get("RLKUBE_OUTPUT_DIR") == str(out)
+    ]
+    assert len(victims) == 1
+    victims[0].kill()
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Failed" and summary["reason"] == "ComponentFailed"
+    assert "preprocessor-0" in summary["message"]
+    assert summary["teardown"] == ORDER
+    assert not _leftovers(out)
+
+
+def test_bad_manifest_names_the_field_and_starts_nothing(tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["algorithm"]["maxSteps"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    proc = _run([str(path), "--output-dir", str(tmp_path / "run")])
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "spec.algorithm.maxSteps" in stderr
+    assert not (tmp_path / "run").exists()
