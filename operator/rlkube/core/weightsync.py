@@ -1,0 +1,321 @@
+"""Weight updates trainer -> inference servers over a dedicated torch.distributed group (design.md s5).
+
+Why a group of its own (TCPStore + PrefixStore + ProcessGroupGloo/NCCL built by hand) and not the default
+process group: the trainer may already use the default group for its own ranks, the inference servers are not
+part of the training job, and the group has to be rebuilt when either side restarts. A hand-built group can be
+dropped and rebuilt any number of times inside one process; the default group cannot.
+
+Ranks: the trainer is rank 0 and hosts the TCPStore at RLKUBE_WEIGHT_SYNC_ADDR; inference server i is rank 1+i.
+
+Epochs: every group lives under its own store prefix (an epoch id). The trainer `open()`s an epoch, announces it
+in its `weights_ready` event BEFORE the transfer, and the group is formed by the first `send()` of that epoch
+(which waits until every inference server has joined). A restarted trainer opens a new epoch on a new store; an
+inference server that sees an unknown epoch in `weights_ready` leaves its old group and joins the new one. When
+an inference server dies, the trainer's next `send()` fails (`WeightSyncError`): the trainer opens a new epoch
+and announces it again, and the restarted server (which skips epochs whose group is already formed) joins it.
+`WeightPublisher` below does that announce/send/reopen dance for the trainer.
+
+Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
+`{"version", "tensors": [[name, shape, dtype], ...]}`, then every tensor in that order, then a `null` sentinel.
+Objects travel as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
+Tensors keep their dtype (no cast on the way, seed pitfall 6.15).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from rlkube.core import protocol
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+_FORMED = "formed"  # store key (under the epoch prefix) set by the trainer once the group is complete
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+class WeightSyncError(RuntimeError):
+    """The group broke (a peer died, a timeout): the trainer reopens a new epoch, a receiver waits for one."""
+
+
+class StaleEpoch(WeightSyncError):
+    """The announced epoch's group was already formed without us (we restarted): wait for the next epoch."""
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"weight-sync address {addr!r} is not host:port (RLKUBE_WEIGHT_SYNC_ADDR)")
+    return host.strip("[]"), int(port)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-sync backend {backend!r} is not one of {BACKENDS}")
+
+
+def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta,
+                host: str | None) -> dist.ProcessGroup:
+    """Form the group; blocks until all `world_size` ranks have called this with the same store."""
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # Advertise an address the peers can reach: the host we were told about (a pod's DNS name or IP), not
+        # whatever the local hostname resolves to (often 127.0.1.1 inside containers).
+        if host and host not in ("0.0.0.0", "::", ""):
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def _drop_group(pg: dist.ProcessGroup | None) -> None:
+    if pg is None:
+        return
+    try:
+        # abort() closes the connections at once, so a peer blocked in a collective fails instead of waiting
+        # for its timeout.
+        pg.abort()
+    except Exception as exc:  # noqa: BLE001 - best effort on a group that is already broken
+        log.debug("weight-sync group abort: %s", exc)
+
+
+class _Endpoint:
+    """What sender and receiver share: the group of the current epoch and the object/tensor broadcasts."""
+
+    def __init__(self, addr: str, rank: int, world_size: int, timeout_s: float, backend: str, device: str):
+        _check_backend(backend)
+        if world_size < 2:
+            raise ValueError(f"weight-sync world size {world_size} < 2: there must be at least one inference rank")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"weight-sync rank {rank} outside world size {world_size}")
+        self.host, self.port = parse_addr(addr)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.backend = backend
+        self.device = torch.device(device if backend == "gloo" else (device if device != "cpu" else "cuda"))
+        self.epoch: str | None = None
+        self.pg: dist.ProcessGroup | None = None
+
+    def _bcast(self, tensor: torch.Tensor) -> None:
+        try:
+            self.pg.broadcast([tensor], dist.BroadcastOptions()).wait()  # root rank 0 (the default)
+        except Exception as exc:
+            raise WeightSyncError(f"weight-sync broadcast failed in epoch {self.epoch}: {exc}") from exc
+
+    def _bcast_object(self, obj: Any) -> Any:
+        """Broadcast a JSON-able object from rank 0 (other ranks pass None and get the object back)."""
+        if self.rank == 0:
+            payload = orjson.dumps(obj)
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._bcast(size)
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._bcast(data)
+        return obj if self.rank == 0 else orjson.loads(data.cpu().numpy().tobytes())
+
+    def _leave(self) -> None:
+        _drop_group(self.pg)
+        self.pg = None
+        self.epoch = None
+
+
+class WeightSender(_Endpoint):
+    """The trainer's side (rank 0). Hosts the TCPStore; one group per epoch."""
+
+    def __init__(self, addr: str, world_size: int, timeout_s: float = 300, backend: str = "gloo",
+                 device: str = "cpu"):
+        super().__init__(addr, 0, world_size, timeout_s, backend, device)
+        self._store: dist.TCPStore | None = None
+
+    def open(self) -> str:
+        """Start a NEW epoch (dropping the current group, if any); returns the epoch id to announce."""
+        self._leave()
+        if self._store is None:
+            # Bound once per process and kept: the port must stay ours across epochs. The server listens on
+            # every interface, so inference pods reach it through the trainer's Service name.
+            self._store = dist.TCPStore(
+                "0.0.0.0", self.port, None, True, timeout=self.timeout, wait_for_workers=False, use_libuv=True
+            )
+        self.epoch = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+        return self.epoch
+
+    def _form(self) -> None:
+        store = dist.PrefixStore(f"weights/{self.epoch}/", self._store)
+        t0 = time.monotonic()
+        try:
+            self.pg = _make_group(store, 0, self.world_size, self.backend, self.timeout, self.host)
+        except Exception as exc:
+            raise WeightSyncError(f"forming weight-sync group of epoch {self.epoch} failed: {exc}") from exc
+        store.set(_FORMED, "1")
+        log.info("weight-sync epoch %s formed with %d ranks in %.2fs", self.epoch, self.world_size,
+                 time.monotonic() - t0)
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast one update. The first send of an epoch waits until every inference rank has joined.
+
+        On failure the group is dropped and WeightSyncError raised: call open(), announce, send again.
+        """
+        if self.epoch is None:
+            raise RuntimeError("WeightSender.send() before open(): open an epoch and announce it first")
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        try:
+            if self.pg is None:
+                self._form()
+            self._bcast_object(
+                {"version": int(version),
+                 "tensors": [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors]}
+            )
+            for _, t in tensors:
+                self._bcast(t.to(self.device).contiguous())
+            self._bcast_object(None)
+        except WeightSyncError:
+            self._leave()
+            raise
+
+    def close(self) -> None:
+        """Leave the group (on training_finished; the inference servers leave on the same event)."""
+        self._leave()
+        self._store = None
+
+
+class WeightReceiver(_Endpoint):
+    """An inference server's side (rank 1+i)."""
+
+    def __init__(self, addr: str, rank: int, world_size: int, timeout_s: float = 300, backend: str = "gloo",
+                 device: str = "cpu", local_host: str | None = None):
+        if rank < 1:
+            raise ValueError(f"inference weight-sync rank must be >= 1 (rank 0 is the trainer), got {rank}")
+        super().__init__(addr, rank, world_size, timeout_s, backend, device)
+        self.local_host = local_host
+
+    def join(self, epoch: str) -> None:
+        """Leave the current group and join `epoch`'s. Blocks until the trainer forms it (its first send).
+
+        Raises StaleEpoch when that group was formed already (this server restarted after the announcement).
+        """
+        self._leave()
+        try:
+            store = dist.TCPStore(self.host, self.port, None, False, timeout=self.timeout, wait_for_workers=False)
+        except Exception as exc:
+            raise WeightSyncError(f"cannot reach the trainer's weight-sync store at {self.host}:{self.port}: {exc}") \
+                from exc
+        prefixed = dist.PrefixStore(f"weights/{epoch}/", store)
+        if prefixed.check([_FORMED]):
+            raise StaleEpoch(f"weight-sync epoch {epoch} was formed without this server; waiting for the next one")
+        try:
+            self.pg = _make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
+        except Exception as exc:
+            raise WeightSyncError(f"joining weight-sync epoch {epoch} failed: {exc}") from exc
+        self.epoch = epoch
+
+    @property
+    def joined(self) -> bool:
+        return self.pg is not None
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """Receive one update -> (version, state_dict). On failure the group is dropped (WeightSyncError)."""
+        if self.pg is None:
+            raise RuntimeError("WeightReceiver.receive() before join()")
+        try:
+            meta = self._bcast_object(None)
+            if not isinstance(meta, dict) or "tensors" not in meta:
+                raise WeightSyncError(f"weight-sync protocol error: expected metadata, got {meta!r}")
+            state: dict[str, torch.Tensor] = {}
+            for name, shape, dtype in meta["tensors"]:
+                if dtype not in _DTYPES:
+                    raise WeightSyncError(f"weight-sync: tensor {name} has unsupported dtype {dtype}")
+                t = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+                self._bcast(t)
+                state[name] = t
+            end = self._bcast_object(None)
+            if end is not None:
+                raise WeightSyncError(f"weight-sync protocol error: expected the end sentinel, got {end!r}")
+        except WeightSyncError:
+            self._leave()
+            raise
+        return int(meta["version"]), state
+
+    def close(self) -> None:
+        self._leave()
+
+
+class WeightPublisher:
+    """The trainer's whole weight-publication duty: announce on the events stream, then transfer.
+
+    ```
+    pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size)
+    pub.start(model.named_parameters(), version=resumed_step)          # at start-up (also after a restart)
+    pub.publish(model.named_parameters(), version=step, step=step, documents_seen=n)  # after each optim_step
+    pub.close()                                                        # just before training_finished
+    ```
+    `start` announces the new epoch with the current weights (version 0, or the resumed checkpoint's step): the
+    inference servers join on it and only then report healthy, so nothing generates before the group exists.
+    A failed transfer (an inference server died) reopens a new epoch, announces it, and retries up to
+    `retries` times; the weights are re-sent as a whole, so no update is lost.
+    """
+
+    def __init__(self, redis_client, keys: protocol.StreamKeys, addr: str, world_size: int,
+                 timeout_s: float = 300, backend: str = "gloo", device: str = "cpu", retries: int = 3):
+        self.redis = redis_client
+        self.keys = keys
+        self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device)
+        self.retries = retries
+        self.epoch: str | None = None
+        self.last_transfer_s = 0.0
+
+    def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0, step: int | None = None,
+              documents_seen: int = 0, **extra: Any) -> None:
+        """Open a fresh epoch and push the current weights (blocks until every inference server joined)."""
+        self.epoch = self.sender.open()
+        self.publish(named_tensors, version, step=version if step is None else step,
+                     documents_seen=documents_seen, **extra)
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, step: int,
+                documents_seen: int = 0, **extra: Any) -> None:
+        """Announce `weights_ready` (with epoch and version) and transfer; reopen and retry on failure."""
+        if self.epoch is None:
+            raise RuntimeError("WeightPublisher.publish() before start()")
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        for attempt in range(self.retries + 1):
+            self.redis.xadd(
+                self.keys.events,
+                protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=int(version), **extra),
+            )
+            t0 = time.monotonic()
+            try:
+                self.sender.send(tensors, version)
+                self.last_transfer_s = time.monotonic() - t0
+                return
+            except WeightSyncError as exc:
+                if attempt == self.retries:
+                    raise
+                log.warning("weight transfer of version %d failed (%s); opening a new epoch", version, exc)
+                self.epoch = self.sender.open()
+
+    def close(self) -> None:
+        self.sender.close()
