@@ -45,6 +45,12 @@ class ComponentStatus(Model):
     desired: int = Field(0, description="Pods this role should have.")
     ready: int = Field(0, description="Pods of this role that are Ready.")
     restarts: int = Field(0, description="Times pods of this role were recreated or restarted.")
+    restarts_of_replaced_pods: int = Field(
+        0, description="Restarts carried over from pods the operator replaced (their restartCount plus the replacement)."
+    )
+    replaced_pods: list[str] = Field(
+        default_factory=list, description="UIDs of the most recent failed pods already replaced (counted once)."
+    )
 
 
 class CheckpointRef(Model):
@@ -94,6 +100,7 @@ class TrainingJobStatus(Model):
     progress: str | None = Field(None, description="`step/maxSteps`, for the printer column.")
     lag: int | None = Field(None, description="Weight versions between the trainer and the newest rollout used.")
     start_time: str | None = Field(None, description="When the job was first reconciled.")
+    running_since: str | None = Field(None, description="When the phase last became Running (stall reference).")
     completion_time: str | None = Field(None, description="When the job reached Succeeded or Failed.")
     conditions: list[Condition] = Field(default_factory=list, description="metav1.Condition list.")
     components: dict[str, ComponentStatus] = Field(
