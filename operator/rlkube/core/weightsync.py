@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 _FORMED = "formed"  # store key (under the epoch prefix) set by the trainer once the group is complete
+_REJOIN = "rejoin"  # store key (under the epoch prefix) a restarted inference server adds to ask for a new epoch
+_CURRENT = "weights/current_epoch"  # store key: the epoch the trainer is using now
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -162,10 +165,18 @@ class WeightSender(_Endpoint):
                 "0.0.0.0", self.port, None, True, timeout=self.timeout, wait_for_workers=False, use_libuv=True
             )
         self.epoch = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+        self._store.set(_CURRENT, self.epoch)
         return self.epoch
 
+    def _prefixed(self) -> dist.PrefixStore:
+        return dist.PrefixStore(f"weights/{self.epoch}/", self._store)
+
+    def rejoin_requested(self) -> bool:
+        """True when an inference server found the current epoch formed without it (it restarted)."""
+        return self.epoch is not None and self._store is not None and self._prefixed().check([_REJOIN])
+
     def _form(self) -> None:
-        store = dist.PrefixStore(f"weights/{self.epoch}/", self._store)
+        store = self._prefixed()
         t0 = time.monotonic()
         try:
             self.pg = _make_group(store, 0, self.world_size, self.backend, self.timeout, self.host)
@@ -224,9 +235,15 @@ class WeightReceiver(_Endpoint):
         except Exception as exc:
             raise WeightSyncError(f"cannot reach the trainer's weight-sync store at {self.host}:{self.port}: {exc}") \
                 from exc
+        current = store.get(_CURRENT).decode() if store.check([_CURRENT]) else None
+        if current != epoch:
+            # The trainer restarted (a new store) or moved on; its announcement of `current` is on its way.
+            raise StaleEpoch(f"weight-sync epoch {epoch} is not the trainer's current one ({current})")
         prefixed = dist.PrefixStore(f"weights/{epoch}/", store)
         if prefixed.check([_FORMED]):
-            raise StaleEpoch(f"weight-sync epoch {epoch} was formed without this server; waiting for the next one")
+            # We restarted after the group formed: ask the trainer for a new epoch (WeightPublisher's watchdog).
+            prefixed.add(_REJOIN, 1)
+            raise StaleEpoch(f"weight-sync epoch {epoch} was formed without this server; asked for a new one")
         try:
             self.pg = _make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
         except Exception as exc:
@@ -269,42 +286,67 @@ class WeightPublisher:
 
     ```
     pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size)
-    pub.start(model.named_parameters(), version=resumed_step)          # at start-up (also after a restart)
+    pub.start(model.named_parameters(), version=resumed_step)            # at start-up (also after a restart)
     pub.publish(model.named_parameters(), version=step, step=step, documents_seen=n)  # after each optim_step
-    pub.close()                                                        # just before training_finished
+    pub.close()                                                          # on training_finished
     ```
-    `start` announces the new epoch with the current weights (version 0, or the resumed checkpoint's step): the
-    inference servers join on it and only then report healthy, so nothing generates before the group exists.
-    A failed transfer (an inference server died) reopens a new epoch, announces it, and retries up to
-    `retries` times; the weights are re-sent as a whole, so no update is lost.
+    `start` opens a new epoch and pushes the current weights (version 0, or the resumed checkpoint's step): the
+    inference servers join on that announcement and report healthy only then, so the trainer must call it before
+    it waits for documents (the actors wait for inference health). It blocks until every server joined.
+
+    A failed transfer (an inference server died) reopens a new epoch, announces it and sends again, up to
+    `retries` times. A restarted inference server that missed the epoch asks for a new one through the store; a
+    watchdog thread then re-announces and re-sends the last published weights (kept as a snapshot, detached
+    clones) without waiting for the trainer's next step, which may never come while no rollouts are produced.
     """
 
     def __init__(self, redis_client, keys: protocol.StreamKeys, addr: str, world_size: int,
-                 timeout_s: float = 300, backend: str = "gloo", device: str = "cpu", retries: int = 3):
+                 timeout_s: float = 300, backend: str = "gloo", device: str = "cpu", retries: int = 3,
+                 watch_interval_s: float = 0.5):
         self.redis = redis_client
         self.keys = keys
         self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device)
         self.retries = retries
+        self.watch_interval_s = watch_interval_s
         self.epoch: str | None = None
         self.last_transfer_s = 0.0
+        self._lock = threading.Lock()
+        self._last: tuple[list[tuple[str, torch.Tensor]], int, int, int, dict[str, Any]] | None = None
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0, step: int | None = None,
               documents_seen: int = 0, **extra: Any) -> None:
         """Open a fresh epoch and push the current weights (blocks until every inference server joined)."""
-        self.epoch = self.sender.open()
+        with self._lock:
+            self.epoch = self.sender.open()
         self.publish(named_tensors, version, step=version if step is None else step,
                      documents_seen=documents_seen, **extra)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="weight-rejoin-watchdog", daemon=True)
+            self._watchdog.start()
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, step: int,
                 documents_seen: int = 0, **extra: Any) -> None:
-        """Announce `weights_ready` (with epoch and version) and transfer; reopen and retry on failure."""
-        if self.epoch is None:
-            raise RuntimeError("WeightPublisher.publish() before start()")
-        tensors = [(n, t.detach()) for n, t in named_tensors]
+        """Announce `weights_ready` (with `epoch` and `version`), then transfer; reopen and retry on failure.
+
+        Returns once every inference server has the weights, so the caller may change them afterwards.
+        """
+        snapshot = [(n, t.detach().clone()) for n, t in named_tensors]
+        with self._lock:
+            if self.epoch is None:
+                raise RuntimeError("WeightPublisher.publish() before start()")
+            self._last = (snapshot, int(version), int(step), int(documents_seen), extra)
+            self._send_locked()
+
+    def _send_locked(self) -> None:
+        tensors, version, step, documents_seen, extra = self._last
         for attempt in range(self.retries + 1):
+            if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
+                self.epoch = self.sender.open()
             self.redis.xadd(
                 self.keys.events,
-                protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=int(version), **extra),
+                protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version, **extra),
             )
             t0 = time.monotonic()
             try:
@@ -315,7 +357,28 @@ class WeightPublisher:
                 if attempt == self.retries:
                     raise
                 log.warning("weight transfer of version %d failed (%s); opening a new epoch", version, exc)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.watch_interval_s):
+            if not self._lock.acquire(blocking=False):
+                continue  # a transfer is running; it will notice a dead peer itself
+            try:
+                if self._last is None or self.epoch is None or not self.sender.rejoin_requested():
+                    continue
+                log.warning("an inference server asked to rejoin epoch %s; re-announcing version %d in a new one",
+                            self.epoch, self._last[1])
                 self.epoch = self.sender.open()
+                self._send_locked()
+            except Exception as exc:  # noqa: BLE001 - the next publish() retries and raises if it stays broken
+                log.error("re-sending weights for a rejoining inference server failed: %s", exc)
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
-        self.sender.close()
+        """Stop the watchdog and leave the group (on training_finished)."""
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+        with self._lock:
+            self.sender.close()
+            self.epoch = None

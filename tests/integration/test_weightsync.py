@@ -1,0 +1,216 @@
+"""Weight updates over the dedicated gloo group between two real processes, with real Redis announcements.
+
+The trainer side runs in a subprocess (weightsync_peer.py, a WeightPublisher); the inference side is a
+WeightReceiver in the test process that follows the announcements on the events stream like the inference
+server does. Covered: exact tensors and dtypes per version, the announcement before the transfer, a trainer
+killed -9 and restarted on the same port (new epoch), and an inference restart (send failure -> new epoch, and a
+late joiner's rejoin request answered by the watchdog).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkube.core import protocol
+from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from weightsync_peer import make_weights  # noqa: E402
+
+PEER = Path(__file__).parent / "weightsync_peer.py"
+PREFIX = "ns/job/"
+KEYS = protocol.StreamKeys(PREFIX)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def peers(redis_server, tmp_path):
+    """Start trainer-side publisher processes; every one is killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(addr: str, first_version: int) -> subprocess.Popen:
+        log = open(tmp_path / f"peer-{len(procs)}.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, str(PEER), addr, "2", redis_server.url, PREFIX, str(first_version)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        log.close()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream:
+                stream.close()
+
+
+@pytest.fixture
+def receivers():
+    made: list[WeightReceiver] = []
+
+    def make(addr: str) -> WeightReceiver:
+        r = WeightReceiver(addr, rank=1, world_size=2, timeout_s=20, local_host="127.0.0.1")
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def next_announcement(client, last_id: str, timeout: float = 20.0) -> tuple[str, dict]:
+    """The next weights_ready after `last_id`, polling the stream until the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for _, entries in client.xread({KEYS.events: last_id}, block=200) or []:
+            for sid, fields in entries:
+                last_id = sid.decode()
+                event = protocol.decode_event(sid, fields)
+                if event and event.type == protocol.WEIGHTS_READY:
+                    return last_id, event.payload
+    raise TimeoutError(f"no weights_ready after {last_id} within {timeout}s")
+
+
+def command(proc: subprocess.Popen, version: int) -> None:
+    proc.stdin.write(f"{version}\n")
+    proc.stdin.flush()
+
+
+def assert_weights(state: dict[str, torch.Tensor], version: int) -> None:
+    expected = make_weights(version)
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+
+
+def test_versions_arrive_exactly_in_one_epoch(redis_client, peers, receivers):
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0)
+    rx = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    assert ann["version"] == 0 and ann["step"] == 0 and ann["epoch"]
+    rx.join(ann["epoch"])
+    assert rx.joined
+    version, state = rx.receive()
+    assert version == 0
+    assert_weights(state, 0)
+    assert trainer.stdout.readline().strip() == "published 0"
+    for v in (1, 2):
+        command(trainer, v)
+        last, ann = next_announcement(redis_client, last)
+        assert (ann["version"], ann["step"], ann["documents_seen"], ann["epoch"]) == (v, v, 4 * v, rx.epoch)
+        version, state = rx.receive()
+        assert version == v
+        assert_weights(state, v)
+        assert trainer.stdout.readline().strip() == f"published {v}"
+
+
+def test_restarted_trainer_opens_a_new_epoch_on_the_same_port(redis_client, peers, receivers):
+    addr = f"127.0.0.1:{free_port()}"
+    first = peers(addr, 0)
+    rx = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    old_epoch = ann["epoch"]
+    rx.join(old_epoch)
+    assert rx.receive()[0] == 0
+    command(first, 1)
+    last, _ = next_announcement(redis_client, last)
+    assert rx.receive()[0] == 1
+
+    first.send_signal(signal.SIGKILL)  # as the chaos test does; the container restarts in place
+    first.wait(timeout=10)
+    second = peers(addr, 1)  # resumed from its checkpoint at step 1
+    last, ann = next_announcement(redis_client, last)
+    assert ann["epoch"] != old_epoch and ann["version"] == 1
+    with pytest.raises(StaleEpoch):
+        rx.join(old_epoch)  # the new trainer's store knows only its own epoch
+    rx.join(ann["epoch"])
+    version, state = rx.receive()
+    assert version == 1
+    assert_weights(state, 1)
+    command(second, 2)
+    last, ann = next_announcement(redis_client, last)
+    version, state = rx.receive()
+    assert (version, ann["epoch"]) == (2, rx.epoch)
+    assert_weights(state, 2)
+
+
+def test_dead_inference_makes_the_next_publish_reopen(redis_client, peers, receivers):
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0)
+    old = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    old.join(ann["epoch"])
+    assert old.receive()[0] == 0
+    old.close()  # aborting the group closes its connections, as a killed process does
+
+    command(trainer, 1)  # this transfer fails, the publisher opens a new epoch and announces it again
+    last, first_try = next_announcement(redis_client, last)
+    assert first_try["epoch"] == ann["epoch"] and first_try["version"] == 1
+    last, retry = next_announcement(redis_client, last)
+    assert retry["epoch"] != ann["epoch"] and retry["version"] == 1
+    new = receivers(addr)
+    new.join(retry["epoch"])
+    version, state = new.receive()
+    assert version == 1
+    assert_weights(state, 1)
+    assert trainer.stdout.readline().strip() == "published 0"
+    assert trainer.stdout.readline().strip() == "published 1"
+
+
+def test_late_joiner_asks_for_a_new_epoch_and_gets_the_last_weights(redis_client, peers, receivers):
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0)
+    old = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    old.join(ann["epoch"])
+    old.receive()
+    command(trainer, 3)
+    last, _ = next_announcement(redis_client, last)
+    assert old.receive()[0] == 3
+    old.close()  # the server restarts between two training steps; no publish() is coming to notice it
+
+    restarted = receivers(addr)
+    with pytest.raises(StaleEpoch):
+        restarted.join(ann["epoch"])  # formed without it: files a rejoin request
+    last, again = next_announcement(redis_client, last)
+    assert again["epoch"] != ann["epoch"] and again["version"] == 3
+    restarted.join(again["epoch"])
+    version, state = restarted.receive()
+    assert version == 3
+    assert_weights(state, 3)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="host:port"):
+        WeightReceiver("nohost", rank=1, world_size=2)
+    with pytest.raises(ValueError, match="rank"):
+        WeightReceiver("127.0.0.1:1", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="backend"):
+        WeightReceiver("127.0.0.1:1", rank=1, world_size=2, backend="mpi")
+
+
+def test_unreachable_store_is_a_weightsync_error():
+    rx = WeightReceiver(f"127.0.0.1:{free_port()}", rank=1, world_size=2, timeout_s=1)
+    with pytest.raises(WeightSyncError, match="cannot reach"):
+        rx.join("some-epoch")
