@@ -1,0 +1,48 @@
+"""Training backends behind one interface (design.md section 6), chosen by `spec.trainer.backend`.
+
+`torch` is implemented here. `megatron` lives in its own module when installed (it needs megatron-core);
+`fast-llm` is never run by our trainer role: the trainer pod runs Fast-LLM itself and we only speak its Redis
+protocol. Asking for a backend that is not available raises `BackendUnavailable` naming the field.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.core.backends.base import TrainerBackend
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+# backend name -> "module:class"; imported only when selected so that `torch` never imports megatron.
+_BACKENDS = {
+    "torch": "rlkube.core.backends.torch_backend:TorchBackend",
+    "megatron": "rlkube.core.backends.megatron_backend:MegatronBackend",
+}
+
+
+def build_backend(spec: TrainingJobSpec, device: str = "cpu") -> TrainerBackend:
+    name = spec.trainer.backend
+    if name == "fast-llm":
+        raise BackendUnavailable(
+            "spec.trainer.backend 'fast-llm': the trainer pod runs Fast-LLM itself (image trainer-fast-llm); "
+            "`python -m rlkube.core.trainer` only implements the torch backend"
+        )
+    target = _BACKENDS.get(name)
+    if target is None:
+        raise BackendUnavailable(f"spec.trainer.backend {name!r} is unknown (known: torch, megatron, fast-llm)")
+    module_name, cls_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"spec.trainer.backend {name!r} is not available in this image ({exc}); use backend 'torch' "
+            f"or the image built for {name}"
+        ) from None
+    return getattr(module, cls_name)(spec, device=device)
+
+
+__all__ = ["BackendUnavailable", "TrainerBackend", "build_backend"]

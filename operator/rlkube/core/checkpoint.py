@@ -1,0 +1,189 @@
+"""Durable, atomic trainer checkpoints: `step-{N:06d}/` = model.safetensors + optimizer.pt + meta.json.
+
+Why this shape: the operator only declares a job Succeeded on a `training_finished` event that names a saved
+checkpoint, and a restarted trainer resumes from the newest one, so a checkpoint directory must be either
+complete or invisible. Each one is written into a hidden temp directory, every file and the directory are
+fsynced, and only then is it renamed into place (rename is atomic on POSIX). `latest_checkpoint` scans for
+complete directories (all files present, meta.json parses and agrees with the name), so a trainer killed
+mid-write never resumes from a torn checkpoint. Old checkpoints are first renamed out of sight, then deleted.
+
+Loading copies the tensors into the live model and drops the loaded (possibly memory-mapped) tensors before
+returning, so that pruning old checkpoint files later never removes a file that still backs a tensor
+(seed-systems 6.14).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+META_FILE = "meta.json"
+REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, META_FILE)
+_NAME = re.compile(r"^step-(\d{6,})$")
+DEFAULT_KEEP = 2
+
+
+@dataclass
+class CheckpointMeta:
+    step: int
+    documents_seen: int = 0
+    weights_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return f"step-{step:06d}"
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_out_of_sight(root: Path, path: Path) -> None:
+    """Rename first (atomic: no scan ever sees a half-deleted checkpoint), then delete."""
+    trash = root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_checkpoint(
+    root: Path,
+    meta: CheckpointMeta,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    keep: int = DEFAULT_KEEP,
+) -> Path:
+    """Write `root/step-{meta.step:06d}` atomically and durably; prune to the newest `keep`. Returns its path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(meta.step)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        # meta.json last: its presence is part of what "complete" means.
+        (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
+        for name in REQUIRED_FILES:
+            _fsync_file(tmp / name)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): replace the old copy as a whole
+            _remove_out_of_sight(root, final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep)
+    return final
+
+
+def read_meta(path: Path) -> CheckpointMeta | None:
+    """The meta of a COMPLETE checkpoint directory, else None (with the reason logged)."""
+    path = Path(path)
+    m = _NAME.match(path.name)
+    if not m or not path.is_dir():
+        return None
+    missing = [n for n in REQUIRED_FILES if not (path / n).is_file()]
+    if missing:
+        log.warning("ignoring incomplete checkpoint %s: missing %s", path, ", ".join(missing))
+        return None
+    try:
+        raw = json.loads((path / META_FILE).read_text())
+        meta = CheckpointMeta(
+            step=int(raw["step"]),
+            documents_seen=int(raw.get("documents_seen", 0)),
+            weights_version=int(raw.get("weights_version", raw["step"])),
+            extra=dict(raw.get("extra", {})),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring checkpoint %s: unreadable %s (%s)", path, META_FILE, exc)
+        return None
+    if meta.step != int(m.group(1)):
+        log.warning("ignoring checkpoint %s: its meta says step %d", path, meta.step)
+        return None
+    return meta
+
+
+def list_checkpoints(root: Path) -> list[tuple[CheckpointMeta, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        meta = read_meta(child)
+        if meta is not None:
+            found.append((meta, child))
+    return sorted(found, key=lambda mp: mp[0].step)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune(root: Path, keep: int = DEFAULT_KEEP) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted writes."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    removed = []
+    for _, path in list_checkpoints(root)[:-keep]:
+        _remove_out_of_sight(root, path)
+        removed.append(path)
+    for child in root.iterdir():
+        if child.name.startswith((".tmp-", ".trash-")) and child.is_dir():
+            # A crashed writer's temp dir; ours are already renamed or removed by now.
+            shutil.rmtree(child, ignore_errors=True)
+    return removed
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> CheckpointMeta:
+    """Restore `model` (strict: a missing or unexpected key raises) and `optimizer` from a complete checkpoint."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta is None:
+        raise ValueError(f"{path} is not a complete checkpoint")
+    state = load_file(str(path / MODEL_FILE))
+    try:
+        model.load_state_dict(state, strict=True)
+    finally:
+        # load_file may hand back tensors backed by a mapping of the file; load_state_dict copied them, so drop
+        # them now, before anything can prune this directory.
+        del state
+        gc.collect()
+    if optimizer is not None:
+        opt_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(opt_state)
+        del opt_state
+    return meta

@@ -1,0 +1,363 @@
+"""The trainer: the design.md section 6 API (`Trainer`) and the trainer ROLE (`python -m rlkube.core.trainer`).
+
+`Trainer` is backend-independent: it turns documents into batches, accumulates gradients over micro-batches
+normalised by the step's loss-token count, steps the optimizer, checkpoints, and hands the weights to a
+publisher. The role around it reads the job's training documents from Redis (Fast-LLM's consumer-group
+protocol), trains `samplesPerStep` documents per step, and reports on the job's events stream:
+
+    weights_ready (at start, then after every step; announce BEFORE the transfer)  ->  metrics (every step)
+    checkpoint_saved (every intervalSteps and at the end)  ->  training_finished (last, see below)
+
+`training_finished` is published only after the final checkpoint is durable and the weight-update group is
+closed; on SIGTERM the trainer finishes the current step, checkpoints, and publishes it with interrupted=true
+(like Fast-LLM); on an exception it publishes nothing and exits non-zero, so the operator never mistakes a crash
+for completion (seed-systems 6.3).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis
+import torch
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.core import checkpoint as ckpt
+from rlkube.core import protocol
+from rlkube.core.backends import TrainerBackend, build_backend
+from rlkube.core.batch import Batch, collate
+from rlkube.core.losses import LossStats
+from rlkube.core.runtime import RoleContext
+
+log = logging.getLogger("rlkube.trainer")
+
+DEFAULT_MICRO_BATCH = 32  # documents per forward/backward; the step's gradient is the same for any value
+READ_BLOCK_MS = 1000  # Fast-LLM's XREADGROUP block; also how often a waiting trainer checks for SIGTERM
+
+
+# --- weight publication ---------------------------------------------------------------------------
+
+
+class Publisher(Protocol):
+    """What the trainer needs from weight publication (rlkube.core.weightsync.WeightPublisher has this shape)."""
+
+    def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0, step: int | None = None,
+              documents_seen: int = 0, **extra: Any) -> None: ...
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, step: int,
+                documents_seen: int = 0, **extra: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class AnnounceOnly:
+    """Publishes `weights_ready` without transferring anything: for a trainer with no weight-update group
+    (RLKUBE_WEIGHT_SYNC_ADDR unset), e.g. when inference loads checkpoints itself, or in tests."""
+
+    def __init__(self, client: redis.Redis, keys: protocol.StreamKeys):
+        self.redis, self.keys = client, keys
+
+    def start(self, named_tensors, version: int = 0, step: int | None = None, documents_seen: int = 0,
+              **extra: Any) -> None:
+        self.publish(named_tensors, version, version if step is None else step, documents_seen, **extra)
+
+    def publish(self, named_tensors, version: int, step: int, documents_seen: int = 0, **extra: Any) -> None:
+        self.redis.xadd(self.keys.events, protocol.weights_ready(step, documents_seen, version=int(version), **extra))
+
+    def close(self) -> None:
+        pass
+
+
+# --- the trainer API ------------------------------------------------------------------------------
+
+
+class Trainer:
+    """design.md section 6: forward_backward / optim_step / save_checkpoint / publish_weights."""
+
+    def __init__(
+        self,
+        spec: TrainingJobSpec,
+        checkpoint_dir: Path | None = None,
+        publisher: Publisher | None = None,
+        backend: TrainerBackend | None = None,
+        device: str = "cpu",
+        micro_batch_size: int = DEFAULT_MICRO_BATCH,
+    ):
+        self.spec = spec
+        self.backend = backend or build_backend(spec, device=device)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.publisher = publisher
+        self.micro_batch_size = micro_batch_size
+        self.step = 0  # optimizer steps taken; weights after step N are policy version N
+        self.documents_seen = 0
+        self.last_checkpoint: tuple[int, Path] | None = None
+        self._pending = LossStats()  # statistics of the gradients accumulated since the last optim_step
+        self._pending_normalizer = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.step
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.backend.model
+
+    def make_batch(self, docs: Sequence[protocol.Document]) -> Batch:
+        return collate(docs, pad_id=self.backend.pad_id, max_length=self.backend.max_sequence_length)
+
+    def forward_backward(self, batch: Batch | Sequence[protocol.Document], normalizer: float | None = None) -> dict[str, float]:
+        """Accumulate the gradient of `batch`'s loss (sum over loss tokens / `normalizer`, default: the batch's
+        own loss-token count). Pass the whole step's loss-token count when splitting a step into micro-batches."""
+        if not isinstance(batch, Batch):
+            batch = self.make_batch(batch)
+        norm = float(normalizer) if normalizer is not None else float(max(batch.num_loss_tokens, 1))
+        stats = LossStats()
+        for micro in batch.split(self.micro_batch_size):
+            stats = stats.merge(self.backend.forward_backward(micro, norm))
+        self._pending = self._pending.merge(stats)
+        self._pending_normalizer = norm
+        return stats.metrics(norm)
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip, step, zero the gradients (after the step). Returns grad_norm, policy_version and the loss
+        statistics of everything accumulated since the previous step."""
+        grad_norm = self.backend.optim_step()
+        self.step += 1
+        metrics = self._pending.metrics(self._pending_normalizer or None)
+        self._pending, self._pending_normalizer = LossStats(), 0.0
+        return {**metrics, "grad_norm": grad_norm, "policy_version": self.version, "step": self.step}
+
+    def train_step(self, docs: Sequence[protocol.Document]) -> dict[str, float]:
+        """One optimizer step on `docs`: micro-batched forward/backward normalised over the whole step."""
+        batch = self.make_batch(docs)
+        self.forward_backward(batch, normalizer=max(batch.num_loss_tokens, 1))
+        self.documents_seen += len(docs)
+        return self.optim_step()
+
+    # --- checkpoints ---
+
+    def save_checkpoint(self, step: int | None = None) -> Path:
+        if self.checkpoint_dir is None:
+            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
+        step = self.step if step is None else step
+        model_state, optim_state = self.backend.state()
+        meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version)
+        path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state)
+        self.last_checkpoint = (step, path)
+        return path
+
+    def resume(self) -> Path | None:
+        """Load the newest complete checkpoint, if any; returns its path."""
+        if self.checkpoint_dir is None:
+            return None
+        path = ckpt.latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return None
+        meta = ckpt.load_checkpoint(path, self.backend.model, self.backend.optimizer)
+        self.step, self.documents_seen = meta.step, meta.documents_seen
+        self.last_checkpoint = (meta.step, path)
+        log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
+        return path
+
+    # --- weights ---
+
+    def start_weights(self) -> None:
+        """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
+        if self.publisher is not None:
+            self.publisher.start(self.backend.weights(), version=self.version, step=self.step,
+                                 documents_seen=self.documents_seen)
+
+    def publish_weights(self, version: int | None = None) -> None:
+        """`weights_ready` for `version` (default: the current one), then the transfer."""
+        if self.publisher is not None:
+            version = self.version if version is None else version
+            self.publisher.publish(self.backend.weights(), version=version, step=self.step,
+                                   documents_seen=self.documents_seen)
+
+    def close_weights(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+# --- the role -------------------------------------------------------------------------------------
+
+
+def ensure_group(client: redis.Redis, keys: protocol.StreamKeys) -> None:
+    """XGROUP CREATE ... 0 MKSTREAM; an existing group (a restarted trainer) keeps its position."""
+    try:
+        client.xgroup_create(keys.documents, protocol.DOCUMENTS_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class TrainerRole:
+    """The trainer process's loop; `stop` is set by SIGTERM (or by a test) to finish after the current step."""
+
+    def __init__(self, ctx: RoleContext, client: redis.Redis, trainer: Trainer, stop: threading.Event | None = None):
+        self.ctx = ctx
+        self.redis = client
+        self.keys = ctx.keys
+        self.trainer = trainer
+        self.stop = stop or threading.Event()
+        self.consumer = protocol.consumer_name(ctx.index)
+        self.skipped = 0
+
+    def _event(self, type_: str, **fields: Any) -> None:
+        self.redis.xadd(self.keys.events, protocol.encode_event(type_, **fields))
+
+    def read_documents(self, want: int) -> list[protocol.Document]:
+        """Up to `want` documents (blocks up to READ_BLOCK_MS); malformed entries are logged and skipped."""
+        got = self.redis.xreadgroup(
+            protocol.DOCUMENTS_GROUP, self.consumer, {self.keys.documents: ">"}, count=want, block=READ_BLOCK_MS,
+            noack=True,
+        )
+        docs = []
+        for _, entries in got or []:
+            for sid, fields in entries:
+                sid = sid.decode() if isinstance(sid, bytes) else sid
+                try:
+                    doc = protocol.decode_document(fields)
+                    self._check_length(doc)
+                except ValueError as exc:
+                    self.skipped += 1
+                    log.warning("skipping malformed document %s: %s", sid, exc)
+                    continue
+                docs.append(doc)
+        return docs
+
+    def _check_length(self, doc: protocol.Document) -> None:
+        n, limit = len(doc.tokens), self.trainer.backend.max_sequence_length
+        if n < 2:
+            raise ValueError(f"{n} tokens: a document needs at least 2")
+        if n > limit:
+            raise ValueError(f"{n} tokens exceed the model's maxSequenceLength {limit}")
+
+    def _collect_step(self, want: int) -> list[protocol.Document] | None:
+        """Exactly `want` documents, or None when asked to stop before they arrived."""
+        docs: list[protocol.Document] = []
+        while len(docs) < want:
+            if self.stop.is_set():
+                if docs:
+                    log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
+                return None
+            docs.extend(self.read_documents(want - len(docs)))
+        return docs
+
+    def run(self) -> int:
+        spec, t = self.ctx.spec, self.trainer
+        algo = spec.algorithm
+        interval = spec.trainer.checkpoint.interval_steps
+        ensure_group(self.redis, self.keys)
+        t.start_weights()
+        log.info("training from step %d to %d, %d documents per step", t.step, algo.max_steps, algo.samples_per_step)
+        while t.step < algo.max_steps and not self.stop.is_set():
+            t0 = time.monotonic()
+            docs = self._collect_step(algo.samples_per_step)
+            if docs is None:
+                break
+            t1 = time.monotonic()
+            version_before = t.version
+            step_metrics = t.train_step(docs)
+            t2 = time.monotonic()
+            t.publish_weights(t.version)
+            t3 = time.monotonic()
+            self._event(protocol.METRICS, **self._metrics(docs, step_metrics, version_before, t1 - t0, t2 - t1, t3 - t2))
+            if t.step % interval == 0:
+                self._checkpoint()
+        interrupted = t.step < algo.max_steps
+        if t.last_checkpoint is None or t.last_checkpoint[0] != t.step:
+            self._checkpoint()
+        t.close_weights()
+        step, path = t.last_checkpoint
+        self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
+                    documents_seen=t.documents_seen)
+        log.info("training finished at step %d (interrupted=%s), checkpoint %s", step, interrupted, path)
+        return 0
+
+    def _checkpoint(self) -> None:
+        path = self.trainer.save_checkpoint()
+        self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
+
+    def _metrics(self, docs: Sequence[protocol.Document], m: dict[str, float], version: int, wait_s: float,
+                 busy_s: float, publish_s: float) -> dict[str, Any]:
+        versions = [int(d.model_version[d.loss_mask()].min()) for d in docs
+                    if d.model_version is not None and d.loss_mask().any()]
+        lags = [version - v for v in versions]
+        tokens = sum(len(d.tokens) for d in docs)
+        wall = max(wait_s + busy_s + publish_s, 1e-9)
+        return {
+            "step": self.trainer.step,
+            "version": self.trainer.version,
+            "loss": m["loss"],
+            "reward_mean": sum(d.reward for d in docs) / len(docs),
+            "lag_max": max(lags) if lags else 0,
+            "stale_documents": sum(1 for lag in lags if lag > self.ctx.spec.algorithm.max_lag),
+            "tokens": tokens,
+            "loss_tokens": int(m["loss_tokens"]),
+            "tokens_per_s": tokens / wall,
+            "busy_s": busy_s,
+            "wait_s": wait_s,
+            "publish_s": publish_s,
+            "ratio_mean": m["ratio_mean"],
+            "clipped_fraction": m["clipped_fraction"],
+            "kl": m["kl"],
+            "entropy": m.get("entropy"),
+            "grad_norm": m["grad_norm"],
+            "documents_seen": self.trainer.documents_seen,
+            "documents_skipped": self.skipped,
+        }
+
+
+def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publisher:
+    if not ctx.weight_sync_addr:
+        log.info("%s unset: announcing weights without transferring them", "RLKUBE_WEIGHT_SYNC_ADDR")
+        return AnnounceOnly(client, ctx.keys)
+    from rlkube.core.weightsync import WeightPublisher
+
+    return WeightPublisher(client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
+                           backend="nccl" if device.startswith("cuda") else "gloo", device=device)
+
+
+def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None) -> TrainerRole:
+    spec = ctx.spec
+    if spec.trainer.nodes > 1:
+        raise ValueError(f"spec.trainer.nodes={spec.trainer.nodes}: the torch backend trains on one node")
+    device = "cuda" if spec.trainer.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
+    trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=_make_publisher(ctx, client, device),
+                      device=device)
+    if ctx.checkpoint_dir is None:
+        log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
+        trainer.checkpoint_dir = Path("checkpoints")
+    trainer.resume()
+    return TrainerRole(ctx, client, trainer, stop)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: finishing the current step, then checkpoint and training_finished", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        ctx = RoleContext.from_env()
+        client = redis.Redis.from_url(ctx.redis_url)
+        return build_role(ctx, client, stop).run()
+    except Exception:
+        log.exception("trainer failed (no training_finished published)")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
