@@ -35,3 +35,5 @@ control-plane:
 
 crd:
 	rlkube crd > crds/rlkube.io_trainingjobs.yaml
+	# The Helm chart ships the same file (tests/unit/test_chart.py fails when they differ).
+	cp crds/rlkube.io_trainingjobs.yaml charts/rlkube/crds/rlkube.io_trainingjobs.yaml

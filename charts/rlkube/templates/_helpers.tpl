@@ -1,0 +1,94 @@
+{{/* Names, labels and the RBAC rules shared by the templates. */}}
+
+{{- define "rlkube.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "rlkube.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rlkube.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rlkube.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "rlkube.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "rlkube.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rlkube
+{{- end -}}
+
+{{- define "rlkube.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "rlkube.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rlkube.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The namespaces watched when not cluster-wide: the list, or the release namespace. */}}
+{{- define "rlkube.watchedNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- .Values.watch.namespaces | toJson -}}
+{{- else -}}
+{{- list .Release.Namespace | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fail early on combinations the schema cannot express. */}}
+{{- define "rlkube.validate" -}}
+{{- if and (gt (int .Values.replicas) 1) (not .Values.peering.enabled) -}}
+{{- fail (printf "replicas: %d operators need peering.enabled=true (kopf peering picks the active one); without it they would all act on every TrainingJob" (int .Values.replicas)) -}}
+{{- end -}}
+{{- if and .Values.watch.clusterWide .Values.watch.namespaces -}}
+{{- fail "watch.namespaces is set but watch.clusterWide is true: set watch.clusterWide=false to watch only those namespaces" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the operator does to the objects of a TrainingJob, in the namespaces it watches:
+reads and patches TrainingJobs (finalizer, kopf's progress annotations, status), deletes them after
+runPolicy.ttlSecondsAfterFinished; creates and deletes the children (pods, headless Services, the managed
+Redis password Secret, the job-config ConfigMap); reads pod status and the user's checkpoint PVCs and
+external-Redis password Secrets; posts Events (kopf's and its own).
+*/}}
+{{- define "rlkube.workloadRules" -}}
+- apiGroups: [rlkube.io]
+  resources: [trainingjobs]
+  verbs: [get, list, watch, patch, update, delete]
+- apiGroups: [rlkube.io]
+  resources: [trainingjobs/status]
+  verbs: [get, patch, update]
+- apiGroups: [rlkube.io]
+  resources: [trainingjobs/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [pods, services, secrets, configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [get]
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

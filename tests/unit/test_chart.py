@@ -1,0 +1,313 @@
+"""charts/rlkube rendered and linted with the Helm v4 SDK: defaults, the watch/peering/metrics variants,
+values the chart must refuse, and agreement with the CRD generator and the `rlkube operator` command line."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+from helm_chart import (
+    CHART,
+    FRAMEWORK_NEEDS,
+    NOT_NEEDED,
+    OPERATOR_NEEDS,
+    find,
+    one,
+    operator_container,
+    render,
+    rules_allow,
+)
+
+from rlkube.api.crd import crd_yaml
+from rlkube.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+NAMESPACED = {"watch": {"clusterWide": False, "namespaces": ["team-a", "team-b"]}}
+PEERING = {"peering": {"enabled": True}, "replicas": 2}
+VARIANTS = {
+    "default": {},
+    "namespaced": NAMESPACED,
+    "namespaced-release-ns": {"watch": {"clusterWide": False}},
+    "peering": PEERING,
+    "namespaced-peering": {**NAMESPACED, **PEERING},
+    "no-metrics": {"metrics": {"enabled": False}},
+    "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "additionalLabels": {"release": "prom"}}}},
+    "existing-sa": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"aggregateToDefaultRoles": False}},
+}
+
+
+def _operator_args(docs) -> list[str]:
+    container = operator_container(docs)
+    assert container["command"] == ["rlkube"]
+    return container["args"]
+
+
+# --- the CRD and chart metadata ---------------------------------------------------------------------------
+
+
+def test_chart_crd_is_the_generated_crd():
+    chart_crd = (CHART / "crds" / "rlkube.io_trainingjobs.yaml").read_text()
+    assert chart_crd == (ROOT / "crds" / "rlkube.io_trainingjobs.yaml").read_text(), (
+        "charts/rlkube/crds/ drifted from crds/: run `make crd`"
+    )
+    assert chart_crd == crd_yaml(), "the CRD drifted from rlkube.api: run `make crd`"
+
+
+def test_chart_loads_with_its_crds_and_version():
+    with helm.Chart.load(CHART) as chart:
+        meta = chart.metadata
+        crds = {c["filename"] for c in chart.crds}
+        kinds = {d["spec"]["names"]["kind"] for c in chart.crds for d in yaml.safe_load_all(c["data"]) if d}
+        assert chart.schema is not None, "values.schema.json is missing"
+    assert meta["appVersion"] == VERSION, "Chart.yaml appVersion must equal pyproject's version"
+    assert meta["apiVersion"] == "v2" and meta["name"] == "rlkube"
+    assert {"rlkube/crds/rlkube.io_trainingjobs.yaml", "rlkube/crds/kopf.dev_peerings.yaml"} <= crds, crds
+    assert kinds == {"TrainingJob", "ClusterKopfPeering", "KopfPeering"}
+
+
+def test_kopf_peering_crds_match_what_kopf_looks_for():
+    from kopf._cogs.structs import references  # kopf's own selectors of its peering resources
+
+    docs = list(yaml.safe_load_all((CHART / "crds" / "kopf.dev_peerings.yaml").read_text()))
+    served = {(d["spec"]["group"], d["spec"]["names"]["plural"], d["spec"]["scope"]) for d in docs}
+    for selector, scope in ((references.CLUSTER_PEERINGS_K, "Cluster"), (references.NAMESPACED_PEERINGS_K, "Namespaced")):
+        assert (selector.group, selector.any_name, scope) in served
+        assert all(v["name"] == selector.version for d in docs for v in d["spec"]["versions"])
+
+
+# --- lint -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def test_lint_is_clean(variant):
+    report = helm.lint(CHART, VARIANTS[variant], strict=True, namespace="rlkube-system", kube_version="v1.20.2")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+def test_lint_reports_a_broken_template(tmp_path):
+    # The lint above means something only if lint fails on a chart we break on purpose.
+    broken = tmp_path / "rlkube"
+    with helm.Chart.load(CHART) as chart:
+        chart.save_dir(tmp_path)
+    (broken / "templates" / "broken.yaml").write_text("kind: ConfigMap\nmetadata: {name: {{ .Values.nope.deeper }}}\n")
+    report = helm.lint(broken, strict=True)
+    assert report["errors"] or any(m["severity"] >= 3 for m in report["messages"]), report
+
+
+# --- default render ---------------------------------------------------------------------------------------
+
+
+def test_default_render_has_the_expected_objects():
+    docs = render()
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert kinds == [
+        ("ClusterRole", "rel-rlkube-operator"),
+        ("ClusterRole", "rel-rlkube-trainingjob-editor"),
+        ("ClusterRole", "rel-rlkube-trainingjob-viewer"),
+        ("ClusterRoleBinding", "rel-rlkube-operator"),
+        ("Deployment", "rel-rlkube"),
+        ("Service", "rel-rlkube-metrics"),
+        ("ServiceAccount", "rel-rlkube"),
+    ]
+    for d in docs:
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert d["metadata"]["namespace"] == "rlkube-system", d["kind"]
+        assert d["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_deployment_runs_the_operator_command_line():
+    docs = render()
+    args = _operator_args(docs)
+    assert args == [
+        "operator", "--all-namespaces", "--standalone", "--metrics-port=8080",
+        "--liveness=http://0.0.0.0:8081/healthz",
+    ]
+    # The arguments are the ones `rlkube operator` accepts.
+    parsed = build_parser().parse_args(args)
+    assert parsed.all_namespaces and parsed.standalone and parsed.namespace == []
+    assert parsed.metrics_port == 8080 and parsed.liveness == "http://0.0.0.0:8081/healthz"
+    container = operator_container(docs)
+    assert container["image"] == f"ghcr.io/rlkube/operator:{VERSION}"
+
+
+def test_probes_and_ports_line_up():
+    docs = render()
+    container = operator_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 8080, "healthz": 8081}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    parsed = build_parser().parse_args(_operator_args(docs))
+    assert parsed.liveness.endswith(f":{ports['healthz']}/healthz")
+    assert parsed.metrics_port == ports["metrics"]
+    service = one(docs, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_deployment_selector_and_service_account():
+    docs = render()
+    deploy = one(docs, "Deployment")
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    sa = one(docs, "ServiceAccount")
+    assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "rlkube-system"}]
+    assert binding["roleRef"]["name"] == "rel-rlkube-operator"
+
+
+def test_pod_is_locked_down():
+    docs = render()
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001  # the images' uid
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = operator_container(docs)["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in operator_container(docs)["volumeMounts"]
+    # Standalone: two operators must never overlap during a rollout.
+    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+
+
+# --- RBAC -------------------------------------------------------------------------------------------------
+
+
+def test_cluster_wide_rbac_grants_what_the_operator_needs_and_no_more():
+    docs = render()
+    rules = one(docs, "ClusterRole", "rel-rlkube-operator")["rules"]
+    for need in OPERATOR_NEEDS + FRAMEWORK_NEEDS:
+        assert rules_allow(rules, *need), f"missing {need}"
+    for extra in NOT_NEEDED:
+        assert not rules_allow(rules, *extra), f"grants {extra}"
+    assert not rules_allow(rules, "kopf.dev", "clusterkopfpeerings", "patch")  # peering is off
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+
+
+def test_namespaced_rbac_is_confined_to_the_watched_namespaces():
+    docs = render(NAMESPACED)
+    cluster_rules = one(docs, "ClusterRole", "rel-rlkube-operator")["rules"]
+    for need in FRAMEWORK_NEEDS:
+        assert rules_allow(cluster_rules, *need), f"missing cluster-wide {need}"
+    for need in OPERATOR_NEEDS:
+        assert not rules_allow(cluster_rules, *need), f"{need} granted cluster-wide in namespaced mode"
+    for ns in ("team-a", "team-b"):
+        rules = one(docs, "Role", namespace=ns)["rules"]
+        for need in OPERATOR_NEEDS:
+            assert rules_allow(rules, *need), f"missing {need} in {ns}"
+        binding = one(docs, "RoleBinding", namespace=ns)
+        assert binding["subjects"][0]["namespace"] == "rlkube-system"
+    args = _operator_args(docs)
+    parsed = build_parser().parse_args(args)
+    assert parsed.namespace == ["team-a", "team-b"] and not parsed.all_namespaces
+
+
+def test_namespaced_without_a_list_watches_the_release_namespace():
+    docs = render({"watch": {"clusterWide": False}}, namespace="ml")
+    assert [r["metadata"]["namespace"] for r in find(docs, "Role")] == ["ml"]
+    assert build_parser().parse_args(_operator_args(docs)).namespace == ["ml"]
+
+
+def test_aggregated_user_roles():
+    docs = render()
+    editor = one(docs, "ClusterRole", "rel-rlkube-trainingjob-editor")
+    assert editor["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert rules_allow(editor["rules"], "rlkube.io", "trainingjobs", "create")
+    assert not rules_allow(editor["rules"], "rlkube.io", "trainingjobs/status", "patch")
+    viewer = one(docs, "ClusterRole", "rel-rlkube-trainingjob-viewer")
+    assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert not rules_allow(viewer["rules"], "rlkube.io", "trainingjobs", "create")
+    assert not find(render({"rbac": {"aggregateToDefaultRoles": False}}), "ClusterRole", "rel-rlkube-trainingjob-viewer")
+
+
+def test_existing_service_account_and_no_rbac():
+    docs = render(VARIANTS["existing-sa"])
+    assert not find(docs, "ServiceAccount")
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+    assert one(docs, "ClusterRoleBinding")["subjects"][0]["name"] == "ops"
+    docs = render({"rbac": {"create": False, "aggregateToDefaultRoles": False}})
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding") and not find(docs, "Role")
+
+
+# --- peering ----------------------------------------------------------------------------------------------
+
+
+def test_cluster_wide_peering():
+    docs = render(PEERING)
+    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "rlkube"
+    assert one(docs, "ClusterKopfPeering")["apiVersion"] == "kopf.dev/v1"
+    rules = one(docs, "ClusterRole", "rel-rlkube-operator")["rules"]
+    for verb in ("get", "list", "watch", "patch"):
+        assert rules_allow(rules, "kopf.dev", "clusterkopfpeerings", verb)
+    parsed = build_parser().parse_args(_operator_args(docs))
+    assert parsed.peering == "rlkube" and not parsed.standalone
+    deploy = one(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 2 and deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+
+
+def test_namespaced_peering():
+    docs = render({**NAMESPACED, **PEERING})
+    assert sorted(p["metadata"]["namespace"] for p in find(docs, "KopfPeering")) == ["team-a", "team-b"]
+    assert not find(docs, "ClusterKopfPeering")
+    assert not rules_allow(one(docs, "ClusterRole", "rel-rlkube-operator")["rules"], "kopf.dev", "clusterkopfpeerings", "get")
+    for ns in ("team-a", "team-b"):
+        assert rules_allow(one(docs, "Role", namespace=ns)["rules"], "kopf.dev", "kopfpeerings", "patch")
+
+
+# --- metrics ----------------------------------------------------------------------------------------------
+
+
+def test_metrics_disabled():
+    docs = render({"metrics": {"enabled": False}})
+    assert not find(docs, "Service")
+    assert build_parser().parse_args(_operator_args(docs)).metrics_port == 0
+    assert [p["name"] for p in operator_container(docs)["ports"]] == ["healthz"]
+
+
+def test_service_monitor():
+    assert not find(render(), "ServiceMonitor")
+    docs = render(VARIANTS["servicemonitor"])
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service")["metadata"]["labels"].items()
+
+
+def test_image_and_extra_args():
+    docs = render({"image": {"repository": "registry.local/rlkube-operator", "tag": "dev"},
+                   "operator": {"extraArgs": ["--namespace=extra"]}})
+    assert operator_container(docs)["image"] == "registry.local/rlkube-operator:dev"
+    assert _operator_args(docs)[-1] == "--namespace=extra"
+
+
+# --- values the chart refuses -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values, error, message",
+    [
+        ({"replicas": 2}, helm.HelmRenderError, "peering.enabled"),
+        ({"watch": {"namespaces": ["a"]}}, helm.HelmRenderError, "watch.clusterWide"),
+        ({"replicas": "two"}, helm.HelmValuesError, "/replicas"),
+        ({"metrics": {"port": 0}}, helm.HelmValuesError, "/metrics/port"),
+        ({"metrics": {"prot": 8080}}, helm.HelmValuesError, "prot"),
+        ({"watch": {"clusterWide": False, "namespaces": ["Not_A_Namespace"]}}, helm.HelmValuesError, "/watch/namespaces"),
+        ({"image": {"pullPolicy": "Sometimes"}}, helm.HelmValuesError, "/image/pullPolicy"),
+        ({"serviceAccount": {"create": False}}, helm.HelmRenderError, "serviceAccount.name"),
+    ],
+    ids=["replicas-without-peering", "namespaces-while-cluster-wide", "replicas-type", "port-range", "unknown-key",
+         "namespace-name", "pull-policy", "sa-name"],
+)
+def test_bad_values_are_refused_naming_the_value(values, error, message):
+    with pytest.raises(error) as err:
+        render(values)
+    assert message in str(err.value)
