@@ -1,0 +1,86 @@
+"""The first code that runs in a pod: enter the pod's network namespace, make a private mount and UTS
+namespace, bind-mount the volumes, /etc/hosts and /etc/resolv.conf, set the hostname, then exec the
+container's command.
+
+Why a separate program: these steps must happen in the child between fork and exec, and doing them in a
+`preexec_fn` of the multi-threaded agent is unsafe. The agent starts `python -S podinit.py CONFIG` with
+`start_new_session=True`; this file execs the container, so the pid the agent holds IS the container's
+main process and its process group is the container's. Standard library only (`-S` skips site-packages:
+fast start).
+
+CONFIG is a JSON file: {"netns": path|null, "hostname": str, "mounts": [{"source", "target", "readOnly"}],
+"cwd": str, "argv": [...], "env": {...}, "startError": path}. On a failure before exec it writes the reason
+to `startError` and exits 128 (what kubelet reports for a container that could not start).
+"""
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+PR_SET_PDEATHSIG = 1
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, flags: int) -> None:
+    src = source.encode() if source else None
+    _check(libc.mount(src, target.encode(), None, ctypes.c_ulong(flags), None), f"mount {source} -> {target}")
+
+
+def enter(cfg: dict) -> None:
+    # The pod dies with the agent's thread that started it: a killed agent leaves no orphans behind.
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a container starts with no signal blocked
+    if cfg.get("netns"):
+        fd = os.open(cfg["netns"], os.O_RDONLY)
+        _check(libc.setns(fd, CLONE_NEWNET), f"setns {cfg['netns']}")
+        os.close(fd)
+    _check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare(mount, uts)")
+    # Private propagation: our binds must not leak back to the host's mount namespace.
+    _mount(None, "/", MS_REC | MS_PRIVATE)
+    for m in cfg.get("mounts", []):
+        _mount(m["source"], m["target"], MS_BIND | MS_REC)
+        if m.get("readOnly"):
+            _mount(None, m["target"], MS_REMOUNT | MS_BIND | MS_RDONLY)
+    if cfg.get("hostname"):
+        socket.sethostname(cfg["hostname"])
+    os.chdir(cfg.get("cwd") or "/")
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        cfg = json.load(fh)
+    argv = cfg["argv"]
+    try:
+        enter(cfg)
+        os.execvpe(argv[0], argv, cfg["env"])
+    except OSError as exc:
+        message = f"failed to start container command {argv[0]!r}: {exc}"
+        print(message, file=sys.stderr, flush=True)
+        try:
+            with open(cfg["startError"], "w") as fh:
+                fh.write(message)
+        except OSError:
+            pass
+        os._exit(128)
+
+
+if __name__ == "__main__":
+    main()
