@@ -1,0 +1,186 @@
+"""The trainer role as a real subprocess (`python -m rlkube.core.trainer`) against a real Redis."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core_roles import (
+    Role, add_documents, keys_for, make_documents, read_events, role_env, tiny_spec, wait_for, wait_for_event,
+)
+from rlkube.api.validation import parse_spec
+from rlkube.core import checkpoint as ckpt
+from rlkube.core import protocol, runtime
+from rlkube.core.model import build_model
+
+START_TIMEOUT = 60  # python + torch import on a loaded 2-core machine
+
+
+@pytest.fixture
+def roles():
+    started: list[Role] = []
+    yield started
+    for r in started:
+        r.kill()
+
+
+def start_trainer(roles, tmp_path, redis_server, job, spec, ckpt_dir):
+    env = role_env(tmp_path, job, spec, redis_server.url, **{runtime.ENV_CHECKPOINT_DIR: str(ckpt_dir)})
+    role = Role("rlkube.core.trainer", env, tmp_path / f"{job}-trainer-{len(roles)}.log")
+    roles.append(role)
+    return role
+
+
+def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redis_server, tmp_path, roles):
+    spec = tiny_spec(maxSteps=3, samplesPerStep=4)
+    spec["trainer"]["checkpoint"] = {"intervalSteps": 2}
+    keys = keys_for("fin", spec)
+    ckpt_dir = tmp_path / "ckpt"
+    trainer = start_trainer(roles, tmp_path, redis_server, "fin", spec, ckpt_dir)
+    add_documents(redis_client, keys, make_documents(12, version=0))
+    # Block on the events stream and inspect the checkpoint the moment training_finished arrives.
+    last, finished = "0-0", None
+    deadline_role = trainer
+    while finished is None:
+        got = redis_client.xread({keys.events: last}, block=START_TIMEOUT * 1000)
+        assert got, f"no event within {START_TIMEOUT}s:\n{deadline_role.log()}"
+        for sid, fields in got[0][1]:
+            last = sid
+            event = protocol.decode_event(sid, fields)
+            if event is not None and event.type == protocol.TRAINING_FINISHED:
+                finished = event
+                path = ckpt.Path(event.payload["checkpoint"])
+                meta = ckpt.read_meta(path)  # complete: every file present, meta parses, step matches
+                state = load_file(str(path / ckpt.MODEL_FILE))
+    assert meta is not None and meta.step == 3 and meta.documents_seen == 12
+    assert finished.payload["step"] == 3 and finished.payload["interrupted"] is False
+    model = build_model(parse_spec(spec).model)
+    model.load_state_dict(state, strict=True)
+    assert trainer.wait(30) == 0, trainer.log()
+
+    types = [e.type for e in read_events(redis_client, keys)]
+    assert types[-1] == protocol.TRAINING_FINISHED
+    saved = read_events(redis_client, keys, protocol.CHECKPOINT_SAVED)
+    assert [e.step for e in saved] == [2, 3]
+    assert types.index(protocol.TRAINING_FINISHED) > types.index(protocol.CHECKPOINT_SAVED)
+    ready = read_events(redis_client, keys, protocol.WEIGHTS_READY)
+    assert [e.payload["version"] for e in ready] == [0, 1, 2, 3]  # one at start, one after every step
+    metrics = read_events(redis_client, keys, protocol.METRICS)
+    assert [e.step for e in metrics] == [1, 2, 3]
+    for m in metrics:
+        for key in ("loss", "reward_mean", "lag_max", "tokens", "tokens_per_s", "busy_s", "wait_s", "ratio_mean",
+                    "clipped_fraction", "grad_norm"):
+            assert key in m.payload, key
+        assert m.payload["tokens"] == 4 * 7
+    assert [m.payload["lag_max"] for m in metrics] == [0, 1, 2]  # every document was sampled by version 0
+    # weights really changed and the checkpoint holds the trained ones
+    initial = build_model(parse_spec(spec).model).state_dict()
+    assert any(not torch.equal(initial[k], state[k]) for k in initial)
+    # only the last two checkpoints are kept, and no temp directories are left
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-000002", "step-000003"]
+
+
+def test_killed_trainer_resumes_from_its_checkpoint(redis_client, redis_server, tmp_path, roles):
+    spec = tiny_spec(maxSteps=4, samplesPerStep=4)
+    spec["trainer"]["checkpoint"] = {"intervalSteps": 2}
+    keys = keys_for("resume", spec)
+    ckpt_dir = tmp_path / "ckpt"
+    first = start_trainer(roles, tmp_path, redis_server, "resume", spec, ckpt_dir)
+    add_documents(redis_client, keys, make_documents(8, version=0, seed=1))
+    wait_for_event(redis_client, keys, protocol.CHECKPOINT_SAVED, START_TIMEOUT, first, where=lambda e: e.step == 2)
+    first.proc.send_signal(signal.SIGKILL)  # no chance to publish anything
+    first.wait(10)
+    assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    saved = load_file(str(ckpt_dir / "step-000002" / ckpt.MODEL_FILE))
+
+    redis_client.delete(keys.events)  # so that every event below is the new process's
+    second = start_trainer(roles, tmp_path, redis_server, "resume", spec, ckpt_dir)
+    ready = wait_for_event(redis_client, keys, protocol.WEIGHTS_READY, START_TIMEOUT, second)
+    assert ready.payload["version"] == 2 and ready.payload["documents_seen"] == 8
+    add_documents(redis_client, keys, make_documents(8, version=2, seed=2))
+    finished = wait_for_event(redis_client, keys, protocol.TRAINING_FINISHED, START_TIMEOUT, second)
+    assert second.wait(30) == 0, second.log()
+    assert finished.payload["step"] == 4 and finished.payload["documents_seen"] == 16
+    assert [e.step for e in read_events(redis_client, keys, protocol.METRICS)] == [3, 4]
+    assert "resumed from" in second.log()
+
+    # The weights the second process started from are the checkpoint's: retrain steps 3-4 in-process from the
+    # step-2 checkpoint on the same documents and compare with the second process's final checkpoint.
+    from rlkube.core.trainer import Trainer
+
+    replay = Trainer(parse_spec(spec), checkpoint_dir=tmp_path / "replay")
+    ckpt.load_checkpoint(ckpt_dir / "step-000002", replay.model, replay.backend.optimizer)
+    for k, v in saved.items():
+        assert torch.equal(replay.model.state_dict()[k], v)
+    docs = make_documents(8, version=2, seed=2)
+    replay.train_step(docs[:4])
+    replay.train_step(docs[4:])
+    final = load_file(str(ckpt_dir / "step-000004" / ckpt.MODEL_FILE))
+    for k, v in replay.model.state_dict().items():
+        torch.testing.assert_close(v, final[k], rtol=0, atol=1e-6)
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_reports_interrupted(redis_client, redis_server, tmp_path, roles):
+    spec = tiny_spec(maxSteps=50, samplesPerStep=4)
+    keys = keys_for("term", spec)
+    trainer = start_trainer(roles, tmp_path, redis_server, "term", spec, tmp_path / "ckpt")
+    add_documents(redis_client, keys, make_documents(8))
+    wait_for_event(redis_client, keys, protocol.METRICS, START_TIMEOUT, trainer, where=lambda e: e.step == 2)
+    trainer.proc.send_signal(signal.SIGTERM)  # now waiting for documents that never come
+    assert trainer.wait(30) == 0, trainer.log()
+    finished = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert len(finished) == 1
+    assert finished[0].payload["interrupted"] is True and finished[0].payload["step"] == 2
+    assert ckpt.read_meta(ckpt.Path(finished[0].payload["checkpoint"])).step == 2
+
+
+def test_a_crash_mid_run_exits_nonzero_without_finished_event(redis_client, redis_server, tmp_path, roles):
+    spec = tiny_spec(maxSteps=3, samplesPerStep=4)
+    spec["trainer"]["checkpoint"] = {"intervalSteps": 1}
+    keys = keys_for("crash", spec)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("the first checkpoint save fails here")
+    trainer = start_trainer(roles, tmp_path, redis_server, "crash", spec, blocker)
+    add_documents(redis_client, keys, make_documents(12))
+    assert trainer.wait(START_TIMEOUT) == 1
+    assert "no training_finished published" in trainer.log()
+    assert [e.step for e in read_events(redis_client, keys, protocol.METRICS)] == [1]  # it did train
+    assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert not read_events(redis_client, keys, protocol.CHECKPOINT_SAVED)
+
+
+def test_malformed_documents_are_logged_and_skipped(redis_client, redis_server, tmp_path, caplog):
+    """In-process, to read the log records: bad entries between good ones never crash the trainer."""
+    import threading
+
+    from rlkube.core.runtime import RoleContext
+    from rlkube.core.trainer import build_role
+
+    spec = tiny_spec(maxSteps=1, samplesPerStep=4)
+    env = role_env(tmp_path, "junk", spec, redis_server.url, **{runtime.ENV_CHECKPOINT_DIR: str(tmp_path / "c")})
+    ctx = RoleContext.from_env(env)
+    keys = ctx.keys
+    good = make_documents(4)
+    redis_client.xadd(keys.documents, {"nothing": b"here"})
+    add_documents(redis_client, keys, good[:2])
+    redis_client.xadd(keys.documents, {"tokens": b"\x01\x02\x03", "data": b"{}"})  # not whole int64s
+    redis_client.xadd(keys.documents, {"tokens": good[0].tokens.tobytes(), "data": b"{not json"})
+    redis_client.xadd(keys.documents, {"tokens": good[0].tokens.tobytes(),
+                                       "data": b'{"loss_masking_spans": [[0, 99]], "advantage": 1.0}'})
+    too_long = make_documents(1, prompt_len=30, completion_len=10)[0]  # 40 > maxSequenceLength 32
+    add_documents(redis_client, keys, [too_long])
+    add_documents(redis_client, keys, good[2:])
+    role = build_role(ctx, redis_client, threading.Event())
+    caplog.set_level("WARNING", logger="rlkube.trainer")
+    assert role.run() == 0
+    assert role.skipped == 5
+    skipped = [r.getMessage() for r in caplog.records if "skipping malformed document" in r.getMessage()]
+    assert len(skipped) == 5
+    assert any("maxSequenceLength" in m for m in skipped)
+    assert any("not JSON" in m for m in skipped)
+    metrics = read_events(redis_client, keys, protocol.METRICS)
+    assert len(metrics) == 1 and metrics[0].payload["documents_skipped"] == 5
+    assert wait_for(lambda: read_events(redis_client, keys, protocol.TRAINING_FINISHED), 1, "finished")

@@ -1,0 +1,88 @@
+"""Atomic checkpoints: complete-or-invisible directories, latest-by-scan, pruning, strict loading."""
+
+import json
+
+import pytest
+import torch
+
+from rlkube.core import checkpoint as ckpt
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+
+def _save(root, step, model=None, opt=None):
+    model = model or _model(step)
+    opt = opt or torch.optim.Adam(model.parameters())
+    return ckpt.save_checkpoint(root, ckpt.CheckpointMeta(step=step, documents_seen=10 * step, weights_version=step),
+                                model.state_dict(), opt.state_dict())
+
+
+def test_save_then_load_round_trip(tmp_path):
+    model = _model(1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    path = _save(tmp_path, 5, model, opt)
+    assert path.name == "step-000005"
+    assert sorted(p.name for p in path.iterdir()) == sorted(ckpt.REQUIRED_FILES)
+    other = _model(2)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
+    meta = ckpt.load_checkpoint(path, other, other_opt)
+    assert (meta.step, meta.documents_seen, meta.weights_version) == (5, 50, 5)
+    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    assert other_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_latest_ignores_incomplete_and_torn_directories(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    # a writer killed mid-way leaves a temp dir; a directory with the right name but a missing file is torn
+    (tmp_path / ".tmp-step-000009-abc").mkdir()
+    torn = tmp_path / "step-000007"
+    torn.mkdir()
+    (torn / ckpt.MODEL_FILE).write_bytes(b"partial")
+    bad_meta = tmp_path / "step-000008"
+    bad_meta.mkdir()
+    for name in ckpt.REQUIRED_FILES:
+        (bad_meta / name).write_text("{")
+    mismatch = _save(tmp_path / "elsewhere", 3)
+    mismatch.rename(tmp_path / "step-000006")  # meta says step 3
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-000002"
+
+
+def test_keeps_the_last_two(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    _save(tmp_path, 3, _model(1))
+    path = _save(tmp_path, 3, _model(2))
+    state = ckpt.load_file(str(path / ckpt.MODEL_FILE))
+    assert torch.equal(state["0.weight"], _model(2).state_dict()["0.weight"])
+    assert json.loads((path / ckpt.META_FILE).read_text())["step"] == 3
+
+
+def test_strict_load_rejects_missing_keys(tmp_path):
+    path = _save(tmp_path, 1)
+    bigger = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        ckpt.load_checkpoint(path, bigger)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ckpt.load_checkpoint(tmp_path / "step-000099", _model())
+
+
+def test_failed_save_leaves_nothing_visible(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+
+    with pytest.raises(TypeError):
+        ckpt.save_checkpoint(tmp_path, ckpt.CheckpointMeta(step=1), _model().state_dict(), {"x": Unpicklable()})
+    assert list(tmp_path.iterdir()) == []
+    assert ckpt.latest_checkpoint(tmp_path) is None
