@@ -1,18 +1,23 @@
-"""A trainer-side weight publisher run as its own process by test_weightsync.py (not a test module).
+"""A trainer-side weight publisher run as its own process by the weight-sync and inference tests (not a test).
 
-`python weightsync_peer.py ADDR WORLD REDIS_URL PREFIX START_VERSION`: starts a WeightPublisher (announces a
-new epoch with START_VERSION and sends it), then publishes one version per line read from stdin, printing
+`python weightsync_peer.py ADDR WORLD REDIS_URL PREFIX START_VERSION [JOB_CONFIG]`: starts a WeightPublisher
+(announces a new epoch with START_VERSION and sends it; with JOB_CONFIG the weights are the job's tiny model
+nudged per version, else small test tensors), then publishes one version per line read from stdin, printing
 `published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from pathlib import Path
 
 import redis
 import torch
 
+from rlkube.api.validation import parse_spec
+from rlkube.core.model import build_model
 from rlkube.core.protocol import StreamKeys
 from rlkube.core.weightsync import WeightPublisher
 
@@ -27,16 +32,28 @@ def make_weights(version: int) -> dict[str, torch.Tensor]:
     }
 
 
+def model_weights(config_path: str, version: int) -> dict[str, torch.Tensor]:
+    """The job's tiny model as a trainer would have it after `version` steps: seeded init plus a seeded nudge."""
+    spec = parse_spec(json.loads(Path(config_path).read_text())["spec"])
+    state = build_model(spec.model).state_dict()
+    g = torch.Generator().manual_seed(version)
+    return {k: v + 0.5 * version * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in state.items()}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="peer %(levelname)s %(message)s")
-    addr, world, url, prefix, first = sys.argv[1:]
+    addr, world, url, prefix, first, *config = sys.argv[1:]
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return model_weights(config[0], version) if config else make_weights(version)
+
     client = redis.Redis.from_url(url)
     pub = WeightPublisher(client, StreamKeys(prefix), addr, int(world), timeout_s=20, watch_interval_s=0.1)
-    pub.start(make_weights(int(first)).items(), version=int(first))
+    pub.start(weights(int(first)).items(), version=int(first))
     print(f"published {first}", flush=True)
     for line in sys.stdin:
         v = int(line)
-        pub.publish(make_weights(v).items(), version=v, step=v, documents_seen=v * 4)
+        pub.publish(weights(v).items(), version=v, step=v, documents_seen=v * 4)
         print(f"published {v}", flush=True)
     pub.close()
     print("closed", flush=True)

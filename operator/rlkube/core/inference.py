@@ -1,0 +1,271 @@
+"""The inference role (`python -m rlkube.core.inference`): engine `native`, a small OpenAI-compatible server.
+
+An aiohttp server on RLKUBE_BIND_HOST:RLKUBE_PORT with POST /v1/completions, GET /v1/models and GET /health,
+sampling with `SamplingEngine` (core/sampling.py) from the job's model (`build_model(spec.model)`: the same seed
+gives the trainer's initial weights).
+
+A background thread (`WeightFollower`) follows the trainer's events stream. On `weights_ready` it joins the
+announced epoch's weight-update group when it is a new one (leaving the old), receives the weights and swaps
+them in; generation keeps going meanwhile (seed pitfall 6.4: the first update must not pause generation, so
+requests are never gated on the update). /health answers 200 only once the first update arrived over the group
+(so the server has joined it; the trainer's start-up push makes that happen without any training step). On
+`training_finished` it leaves the group, as the trainer does on the same event (6.5), and the server keeps
+serving until SIGTERM, then exits 0.
+
+`engine: vllm` is launched differently (the vLLM image); asked of this module, it fails fast with a clear message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+import orjson
+import redis
+import torch
+from aiohttp import web
+
+from rlkube.core import protocol, runtime
+from rlkube.core.model import build_model, build_tokenizer
+from rlkube.core.openai_api import (
+    RequestError,
+    ServedModel,
+    completion_response,
+    models_response,
+    parse_completion_request,
+)
+from rlkube.core.sampling import SamplingEngine
+from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError
+
+log = logging.getLogger("rlkube.inference")
+
+RECEIVE_TIMEOUT_S = 120.0  # per collective once an announcement was seen; the trainer sends right after it
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+class WeightFollower:
+    """Follows the events stream and applies every announced weight update to the engine."""
+
+    def __init__(self, client: redis.Redis, keys: protocol.StreamKeys, receiver: WeightReceiver,
+                 engine: SamplingEngine, template: torch.nn.Module):
+        self.redis = client
+        self.keys = keys
+        self.receiver = receiver
+        self.engine = engine
+        self.template = template  # architecture to load received state dicts into
+        self.synced = threading.Event()  # set once weights arrived over the group at least once
+        self.finished = threading.Event()
+        self.updates = 0
+        self.last_update_s: float | None = None
+        self.last_update_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> WeightFollower:
+        self._thread = threading.Thread(target=self._run, name="weight-follower", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.receiver.close()
+
+    def _catch_up(self) -> str:
+        """Handle the latest weights_ready/training_finished already in the stream; return where to go on."""
+        newest = "+"
+        while True:
+            entries = self.redis.xrevrange(self.keys.events, max=newest, count=64)
+            for sid, fields in entries:
+                event = protocol.decode_event(sid, fields)
+                if event and event.type in (protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED):
+                    self.handle(event)
+                    return event.stream_id
+            if len(entries) < 64:
+                return "0-0"
+            newest = "(" + _text(entries[-1][0])
+
+    def _run(self) -> None:
+        last_id: str | None = None
+        try:
+            while not self._stop.is_set() and not self.finished.is_set():
+                try:
+                    if last_id is None:
+                        last_id = self._catch_up()
+                        continue
+                    reply = self.redis.xread({self.keys.events: last_id}, block=500, count=16)
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # Redis may come up after us (pods start together) or restart: keep trying.
+                    log.warning("events stream unreachable (%s); retrying", exc)
+                    self._stop.wait(1.0)
+                    continue
+                for _, entries in reply or []:
+                    for sid, fields in entries:
+                        last_id = _text(sid)
+                        event = protocol.decode_event(sid, fields)
+                        if event is not None:
+                            self.handle(event)
+                        if self.finished.is_set():
+                            break
+        except Exception:  # noqa: BLE001 - the server keeps serving; /health shows whether weights arrived
+            log.exception("weight follower stopped")
+
+    def handle(self, event: protocol.TrainerEvent) -> None:
+        if event.type == protocol.TRAINING_FINISHED:
+            log.info("training_finished (%s): leaving the weight-update group; serving until SIGTERM",
+                     event.stream_id)
+            self.receiver.close()
+            self.finished.set()
+            return
+        if event.type != protocol.WEIGHTS_READY:
+            return
+        epoch = event.payload.get("epoch")
+        if not isinstance(epoch, str):
+            log.warning("weights_ready %s has no `epoch`: not a native weight-sync trainer; ignored", event.stream_id)
+            return
+        t0 = time.monotonic()
+        try:
+            if epoch != self.receiver.epoch:
+                log.info("joining weight-update epoch %s (was %s)", epoch, self.receiver.epoch)
+                self.receiver.join(epoch)
+            version, state = self.receiver.receive()
+        except StaleEpoch as exc:
+            log.info("%s", exc)
+            return
+        except WeightSyncError as exc:
+            log.warning("weight update of %s failed: %s; waiting for the next announcement", event.stream_id, exc)
+            return
+        received = time.monotonic()
+        model = copy.deepcopy(self.template)
+        try:
+            model.load_state_dict(state, strict=True)  # strict: a missing or extra tensor is an error (6.15)
+        except RuntimeError as exc:
+            log.error("weights of version %d do not fit the model: %s; keeping version %d", version, exc,
+                      self.engine.policy.version)
+            return
+        self.engine.set_policy(model, version)
+        self.updates += 1
+        self.last_update_s = time.monotonic() - t0
+        self.last_update_at = time.time()
+        self.synced.set()
+        log.info("weights version %d in effect (transfer %.3fs, load %.3fs)", version, received - t0,
+                 time.monotonic() - received)
+
+
+class InferenceServer:
+    """The aiohttp application around an engine and (optionally) a weight follower."""
+
+    def __init__(self, engine: SamplingEngine, served: ServedModel, follower: WeightFollower | None):
+        self.engine = engine
+        self.served = served
+        self.follower = follower
+        self.requests = 0
+        self.started = time.monotonic()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    def healthy(self) -> bool:
+        return self.follower is None or self.follower.synced.is_set()
+
+    async def health(self, request: web.Request) -> web.Response:
+        f = self.follower
+        body = {
+            "status": "ok" if self.healthy() else "waiting for the weight-update group",
+            "model_version": self.engine.policy.version,
+            "epoch": f.receiver.epoch if f else None,
+            "updates": f.updates if f else 0,
+            "last_update_s": f.last_update_s if f else None,
+            "training_finished": f.finished.is_set() if f else False,
+            "requests": self.requests,
+        }
+        return web.json_response(body, status=200 if self.healthy() else 503, dumps=_dumps)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_response(self.served), dumps=_dumps)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            try:
+                body = await request.json(loads=orjson.loads)
+            except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RequestError(f"the request body is not JSON: {exc}") from None
+            req = parse_completion_request(body, self.served)
+        except RequestError as exc:
+            return web.json_response(exc.body(), status=exc.status, dumps=_dumps)
+        self.requests += 1
+        result = await asyncio.wrap_future(self.engine.submit(req))
+        return web.json_response(completion_response(req, result, self.served), dumps=_dumps)
+
+
+def _check_engine(engine: str) -> None:
+    if engine == "native":
+        return
+    if engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise SystemExit(
+                "spec.inference.engine is `vllm` but vllm is not installed in this image: use the vLLM image "
+                "(images/vllm) or install `rlkube[vllm]`, or set spec.inference.engine: native for a CPU tiny model"
+            )
+        raise SystemExit(
+            "spec.inference.engine `vllm` is served by the vLLM image's own entry point, not by "
+            "`python -m rlkube.core.inference` (which implements engine `native`)"
+        )
+    raise SystemExit(f"spec.inference.engine: unknown engine {engine!r} (known: native, vllm)")
+
+
+def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollower]:
+    spec = ctx.spec
+    tokenizer = build_tokenizer(spec.model)
+    model = build_model(spec.model, tokenizer.vocab_size)
+    engine = SamplingEngine(model, tokenizer, version=0, seed=spec.model.seed * 1000 + ctx.index)
+    served = ServedModel(spec.model.path, tokenizer, model.config.max_sequence_length)
+    if not ctx.weight_sync_addr:
+        raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
+                         "weight-update group")
+    receiver = WeightReceiver(ctx.weight_sync_addr, rank=1 + ctx.index, world_size=ctx.weight_sync_world_size,
+                              timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host)
+    client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
+    follower = WeightFollower(client, ctx.keys, receiver, engine, copy.deepcopy(model))
+    return InferenceServer(engine, served, follower), follower
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s inference %(levelname)s %(message)s")
+    ctx = runtime.RoleContext.from_env()
+    _check_engine(ctx.spec.inference.engine)
+    server, follower = build_server(ctx)
+    server.engine.start()
+    follower.start()
+    port = ctx.port or runtime.INFERENCE_PORT
+    log.info("native inference for %s on %s:%d (rank %d of %d in the weight-update group)", server.served.name,
+             ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
+    # run_app turns SIGTERM/SIGINT into a graceful shutdown and returns.
+    web.run_app(server.app(), host=ctx.bind_host, port=port, print=None, shutdown_timeout=5,
+                access_log=None)
+    log.info("stopping")
+    follower.stop()
+    server.engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

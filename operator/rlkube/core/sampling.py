@@ -1,0 +1,225 @@
+"""Batched sampling for the native inference engine: the torch side of `python -m rlkube.core.inference`.
+
+Kept apart from the HTTP server so it can be driven (and tested) without a socket. One worker thread takes every
+request that is waiting, runs them as ONE batch (all `n` samples of every request), and answers each request's
+future. Rows are right-padded: with causal attention a real token never attends to the padding on its right, so
+no attention mask is needed and rows of different lengths share a forward pass (no KV cache: on the tiny model a
+full recompute per token is cheaper than the bookkeeping).
+
+The policy (model, version) is one immutable pair swapped by reference: a batch samples every token with the
+pair it took at its start, and a weight update never waits for generation nor generation for an update.
+
+Log-probs are those of the distribution actually sampled from, i.e. of logits / temperature (for temperature 0,
+of the raw logits), which is what the trainer's importance ratio needs (`model.token_logprobs` with the same
+temperature reproduces them).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from rlkube.core.model import CharTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Policy:
+    model: torch.nn.Module
+    version: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_logprobs: int | None = None  # None: no log-probs wanted; 0: the sampled token's; k: plus the top k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text: str = ""
+    finish_reason: str = "length"
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    version: int
+    completions: list[Completion]
+
+
+class _Row:
+    __slots__ = ("req", "tokens", "out", "done")
+
+    def __init__(self, req: int, prompt: list[int], top: bool):
+        self.req = req
+        self.tokens = list(prompt)
+        self.out = Completion(top_logprobs=[] if top else None)
+        self.done = False
+
+
+class SamplingEngine:
+    """Owns the current policy and the generation worker thread."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, version: int = 0, seed: int = 0,
+                 max_batch_rows: int = 512):
+        model.eval()
+        self._policy = Policy(model, version)
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        self._seeds = random.Random(seed)
+        self._queue: queue.Queue[tuple[GenerationRequest, Future]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.batches = 0
+        self.rows = 0
+        self.tokens_generated = 0
+
+    # --- policy ----------------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    def set_policy(self, model: torch.nn.Module, version: int) -> None:
+        """Swap the weights in; batches already running finish with the policy they started with."""
+        model.eval()
+        self._policy = Policy(model, version)
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> Future:
+        fut: Future = Future()
+        self._queue.put((req, fut))
+        return fut
+
+    def start(self) -> SamplingEngine:
+        self._thread = threading.Thread(target=self._work, name="sampling-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch, rows = [first], first[0].n
+            while rows < self.max_batch_rows:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+                rows += item[0].n
+            live = [(req, fut) for req, fut in batch if fut.set_running_or_notify_cancel()]
+            try:
+                results = self.generate([req for req, _ in live])
+            except Exception as exc:  # noqa: BLE001 - report to every waiting request, keep serving
+                log.exception("generation batch failed")
+                for _, fut in live:
+                    fut.set_exception(exc)
+                continue
+            for (_, fut), result in zip(live, results, strict=True):
+                fut.set_result(result)
+
+    # --- the batch ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
+        """Sample every request's n completions in one batch with the current policy."""
+        policy = self._policy
+        model = policy.model
+        device = next(model.parameters()).device
+        gens = []
+        for req in reqs:
+            seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
+            gens.append(torch.Generator(device=device).manual_seed(seed))
+        rows = [_Row(i, req.prompt_ids, bool(req.top_logprobs)) for i, req in enumerate(reqs) for _ in range(req.n)]
+        t0 = time.monotonic()
+        for step in range(max(req.max_tokens for req in reqs)):
+            active = [r for r in rows if not r.done]
+            if not active:
+                break
+            width = max(len(r.tokens) for r in active)
+            batch = torch.full((len(active), width), self.tokenizer.pad_id, dtype=torch.long)
+            for i, r in enumerate(active):
+                batch[i, : len(r.tokens)] = torch.tensor(r.tokens)
+            last = torch.tensor([len(r.tokens) - 1 for r in active])
+            logits = model(batch.to(device))[torch.arange(len(active)), last.to(device)].float()
+            # Sample per request (each has its own temperature and generator), rows of a request together.
+            start = 0
+            while start < len(active):
+                req_i = active[start].req
+                end = start
+                while end < len(active) and active[end].req == req_i:
+                    end += 1
+                self._sample(reqs[req_i], gens[req_i], logits[start:end], active[start:end], step)
+                start = end
+        for r in rows:
+            if not r.done:
+                r.out.text = self.tokenizer.decode(r.out.token_ids)
+        self.batches += 1
+        self.rows += len(rows)
+        self.tokens_generated += sum(len(r.out.token_ids) for r in rows)
+        log.debug("batch of %d rows in %.3fs", len(rows), time.monotonic() - t0)
+        out: list[list[Completion]] = [[] for _ in reqs]
+        for r in rows:
+            out[r.req].append(r.out)
+        return [GenerationResult(policy.version, comps) for comps in out]
+
+    def _sample(self, req: GenerationRequest, gen: torch.Generator, logits: torch.Tensor, rows: list[_Row],
+                step: int) -> None:
+        if req.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tokens = logp.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(logits / req.temperature, dim=-1)
+            tokens = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        tokens = tokens.tolist()
+        if req.top_logprobs:
+            top_v, top_i = logp.topk(req.top_logprobs, dim=-1)
+        vocab = self.tokenizer.vocab
+        for i, r in enumerate(rows):
+            tok = tokens[i]
+            r.tokens.append(tok)
+            r.out.token_ids.append(tok)
+            r.out.logprobs.append(chosen[i])
+            if req.top_logprobs:
+                r.out.top_logprobs.append(
+                    {vocab[j]: v for j, v in zip(top_i[i].tolist(), top_v[i].tolist(), strict=True)}
+                )
+            if tok == self.tokenizer.eos_id:
+                r.done, r.out.finish_reason = True, "stop"
+                r.out.text = self.tokenizer.decode(r.out.token_ids)
+            elif req.stop:
+                text = self.tokenizer.decode(r.out.token_ids)
+                hits = [text.find(s) for s in req.stop if s and s in text]
+                if hits:
+                    # As the OpenAI API does: the text ends before the stop string (the tokens keep it: they
+                    # were sampled, and the trainer needs them with their log-probs).
+                    r.done, r.out.finish_reason, r.out.text = True, "stop", text[: min(hits)]
+            if not r.done and step + 1 >= req.max_tokens:
+                r.done, r.out.finish_reason = True, "length"
+                r.out.text = self.tokenizer.decode(r.out.token_ids)
