@@ -32,7 +32,7 @@ def test_save_then_load_round_trip(tmp_path):
     other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
     meta = ckpt.load_checkpoint(path, other, other_opt)
     assert (meta.step, meta.documents_seen, meta.weights_version) == (5, 50, 5)
-    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert other_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 

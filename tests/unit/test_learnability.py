@@ -67,7 +67,7 @@ def run_grpo(seed: int, steps: int, loss: str = "grpo") -> list[float]:
             prompt = task.prompt(rng)
             ids = tok.encode(prompt.text)
             comps, lps = sample_group(trainer.model, tok, ids, algo.group_size, algo.max_new_tokens, algo.temperature)
-            samples = [protocol.Sample(c, lp, task.reward(prompt, tok.decode(c))) for c, lp in zip(comps, lps)]
+            samples = [protocol.Sample(c, lp, task.reward(prompt, tok.decode(c))) for c, lp in zip(comps, lps, strict=True)]
             step_rewards += [s.reward for s in samples]
             group = protocol.RolloutGroup(f"{step}-{g}", ids, samples, model_version=trainer.version,
                                           expected_size=algo.group_size)

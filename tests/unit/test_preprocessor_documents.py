@@ -9,7 +9,7 @@ from rlkube.core.preprocessor import DocumentConfig, group_to_documents
 
 def group(rewards, expected=4, version=3, completions=None):
     completions = completions or [[20 + i, 2] for i in range(len(rewards))]
-    samples = [protocol.Sample(c, [-0.5 * (j + 1) for j in range(len(c))], r) for c, r in zip(completions, rewards)]
+    samples = [protocol.Sample(c, [-0.5 * (j + 1) for j in range(len(c))], r) for c, r in zip(completions, rewards, strict=True)]
     return protocol.RolloutGroup("g", [1, 5, 6, 16], samples, model_version=version, expected_size=expected)
 
 
