@@ -48,7 +48,8 @@ def roles():
     started: list[Role] = []
     yield started
     for r in started:  # inference first, as the teardown order says
-        r.proc.terminate() if r.proc.poll() is None else None
+        if r.proc.poll() is None:
+            r.proc.terminate()
     for r in started:
         try:
             r.proc.wait(timeout=15)
