@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.set_defaults(func=_validate)
 
+    p = sub.add_parser("tasks", help="list the built-in rollout tasks")
+    p.set_defaults(func=_lazy("rlkube.core.tasks:cli"))
+
     p = sub.add_parser("local", help="run a TrainingJob manifest as local processes")
     p.add_argument("file", help="TrainingJob manifest (YAML)")
     p.add_argument("--output-dir", default=None, help="where checkpoints, logs and plots go")

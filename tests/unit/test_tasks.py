@@ -95,3 +95,11 @@ def test_bad_task_specs_name_the_field():
     with pytest.raises(ValueError, match="has no prompt"):
         load_task(TaskSpec(entryPoint="builtins:dict"))
     assert set(BUILTIN_TASKS) >= {"reverse-digits", "copy-digits"}
+
+
+def test_rlkube_tasks_lists_the_builtins(capsys):
+    from rlkube.cli import main
+
+    assert main(["tasks"]) == 0
+    out = capsys.readouterr().out
+    assert "reverse-digits" in out and "copy-digits" in out and "maxDigits=2" in out and "entryPoint" in out

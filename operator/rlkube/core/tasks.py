@@ -99,7 +99,7 @@ class _DigitsTask:
 
 
 class ReverseDigits(_DigitsTask):
-    """`"12:"` -> `"21"`."""
+    """Reverse the digits before the colon."""
 
     name = "reverse-digits"
 
@@ -108,7 +108,7 @@ class ReverseDigits(_DigitsTask):
 
 
 class CopyDigits(_DigitsTask):
-    """`"12:"` -> `"12"` (easier than reversing: attention only has to look back a fixed distance)."""
+    """Copy the digits before the colon (easier than reversing: a fixed look-back distance)."""
 
     name = "copy-digits"
 
@@ -173,3 +173,21 @@ def load_task(spec: TaskSpec) -> Task:
         except AttributeError:
             raise ValueError(f"{where} returned {task!r}, which has no string `name`") from None
     return task
+
+
+def cli(args: Any) -> int:
+    """`rlkube tasks`: the built-in task names, their parameters and an example prompt/answer."""
+    import inspect
+
+    rng = random.Random(0)
+    for name, factory in BUILTIN_TASKS.items():
+        task = factory()
+        params = inspect.signature(type(task).__init__).parameters
+        shown = ", ".join(
+            f"{''.join(w if i == 0 else w.title() for i, w in enumerate(p.split('_')))}={v.default!r}"
+            for p, v in params.items() if p != "self"
+        )
+        p = task.prompt(rng)
+        print(f"{name:16} {(factory.__doc__ or '').strip()} e.g. {p.text!r} -> {p.meta['answer']!r}; params: {shown}")
+    print("custom tasks: spec.task.entryPoint = 'package.module:factory' (called with **spec.task.params)")
+    return 0
