@@ -75,6 +75,9 @@ class Completion(Model):
     event_time: str | None = Field(None, description="When the training_finished event was read.")
     final_step: int | None = Field(None, description="Step reported by training_finished.")
     checkpoint: str | None = Field(None, description="Checkpoint reported by training_finished.")
+    interrupted: bool | None = Field(
+        None, description="training_finished came from a scheduled or interrupted stop (or below maxSteps)."
+    )
     trainer_exit_code: int | None = Field(None, description="Exit code of the trainer container.")
     trainer_exit_time: str | None = Field(None, description="When the trainer exit was observed.")
 

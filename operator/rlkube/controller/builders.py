@@ -1,0 +1,291 @@
+"""TrainingJob -> the manifests of its children, as plain dicts. Pure: no client, no clock, no randomness.
+
+What is built (design.md s3): a ConfigMap with the job config, the managed Redis (Secret with a password the
+caller generates, Pod, headless Service), headless Services for inference and trainer, and one Pod per
+replica of trainer, inference, preprocessor and actor. Pods rather than Deployments or Jobs: the operator
+deletes them stage by stage and reads each one's exit code.
+
+Every Service is headless and maps port == targetPort: the test cluster has no kube-proxy and the node agent
+resolves `{pod}.{service}` to pod IPs directly, exactly as cluster DNS does for headless Services.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.controller import names
+from rlkube.core import runtime
+
+MASTER_PORT = 29400
+"""torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
+
+CORE_ROLES = ("trainer", "inference", "preprocessor", "actor")
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """The parts of a TrainingJob the builders need."""
+
+    namespace: str
+    name: str
+    uid: str
+    spec: TrainingJobSpec
+    raw_spec: dict[str, Any]
+    """The spec as applied (camelCase, with the API server's defaults): what the pods read."""
+
+    @property
+    def managed_redis(self) -> bool:
+        return self.spec.redis.mode == "managed"
+
+
+def replicas(spec: TrainingJobSpec, role: str) -> int:
+    """Pods a role should have."""
+    if role == "redis":
+        return 1 if spec.redis.mode == "managed" else 0
+    if role == "trainer":
+        return spec.trainer.nodes
+    return getattr(spec, role).replicas
+
+
+def pod_names(job: JobRef, role: str) -> list[str]:
+    return [names.pod_name(job.name, role, i) for i in range(replicas(job.spec, role))]
+
+
+def _meta(job: JobRef, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": labels,
+        "ownerReferences": [names.owner_reference(job.name, job.uid)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def redis_url(job: JobRef) -> str:
+    """What the roles connect to (without the password, which comes from a Secret)."""
+    if job.managed_redis:
+        return f"redis://{names.service_name(job.name, 'redis')}:{runtime.REDIS_PORT}/0"
+    assert job.spec.redis.url  # validation guarantees it in external mode
+    return job.spec.redis.url
+
+
+def _password_env(job: JobRef) -> list[dict]:
+    if job.managed_redis:
+        ref = {"name": names.secret_name(job.name), "key": names.SECRET_KEY}
+    elif job.spec.redis.password_secret is not None:
+        ref = {"name": job.spec.redis.password_secret.name, "key": job.spec.redis.password_secret.key}
+    else:
+        return []
+    return [{"name": runtime.ENV_REDIS_PASSWORD, "valueFrom": {"secretKeyRef": ref}}]
+
+
+def _pod_ip_env() -> dict:
+    return {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def _resources(spec: TrainingJobSpec, role: str) -> dict:
+    res = getattr(spec, role).resources
+    out: dict[str, dict] = {}
+    if res.requests:
+        out["requests"] = dict(res.requests)
+    if res.limits:
+        out["limits"] = dict(res.limits)
+    if role == "trainer" and spec.trainer.gpus_per_node:
+        # Extended resources must be in limits; requests default to them.
+        out.setdefault("limits", {}).setdefault("nvidia.com/gpu", spec.trainer.gpus_per_node)
+    return out
+
+
+def config_map(job: JobRef) -> dict:
+    """`{job}-config` with `job.json` in runtime.write_job_config's format."""
+    doc = {"namespace": job.namespace, "name": job.name, "spec": job.raw_spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, names.config_name(job.name), names.job_labels(job.name)),
+        "data": {names.CONFIG_KEY: json.dumps(doc, indent=1)},
+    }
+
+
+def redis_secret(job: JobRef, password: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, names.secret_name(job.name), names.role_labels(job.name, "redis")),
+        "type": "Opaque",
+        "stringData": {names.SECRET_KEY: password},
+    }
+
+
+_SERVICE_PORTS = {
+    "redis": [("redis", runtime.REDIS_PORT)],
+    "inference": [("http", runtime.INFERENCE_PORT)],
+    "trainer": [("weight-sync", runtime.WEIGHT_SYNC_PORT), ("rendezvous", MASTER_PORT)],
+}
+
+
+def service(job: JobRef, role: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, names.service_name(job.name, role), names.role_labels(job.name, role)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": names.role_selector(job.name, role),
+            # Pods must resolve each other before they are Ready: inference only turns Ready after joining the
+            # trainer's weight-update group, and trainer ranks rendezvous before anything is Ready.
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}
+                for port_name, port in _SERVICE_PORTS[role]
+            ],
+        },
+    }
+
+
+def services(job: JobRef) -> list[dict]:
+    roles = [r for r in names.SERVICE_ROLES if r != "redis" or job.managed_redis]
+    return [service(job, r) for r in roles]
+
+
+def static_children(job: JobRef, password: str) -> list[dict]:
+    """Everything that is not a pod: created first, deleted after the last teardown stage."""
+    out = [config_map(job)]
+    if job.managed_redis:
+        out.append(redis_secret(job, password))
+    return out + services(job)
+
+
+def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict], annotations: dict) -> dict:
+    policies = job.spec.run_policy.restart_policy
+    spec: dict[str, Any] = {
+        # Redis is a plain server: restart it whatever the exit. Core roles follow runPolicy.restartPolicy.
+        "restartPolicy": "Always" if role == "redis" else getattr(policies, role),
+        "terminationGracePeriodSeconds": getattr(job.spec.teardown.grace_period_seconds, role),
+        # Service links would inject env such as `{JOB}_REDIS_PORT` that can shadow the runtime contract.
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
+    if volumes:
+        spec["volumes"] = volumes
+    if role in names.SERVICE_ROLES:
+        spec["hostname"] = names.pod_name(job.name, role, index)
+        spec["subdomain"] = names.service_name(job.name, role)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(
+            job, names.pod_name(job.name, role, index), names.pod_labels(job.name, role, index), annotations
+        ),
+        "spec": spec,
+    }
+
+
+def redis_pod(job: JobRef, attempt: int = 0) -> dict:
+    port = runtime.REDIS_PORT
+    container = {
+        "name": "redis",
+        "image": job.spec.image_for("redis"),
+        "command": [
+            "redis-server", "--port", str(port), "--bind", "$(POD_IP)", "--requirepass", "$(REDIS_PASSWORD)",
+            "--save", "", "--appendonly", "no",
+        ],
+        "env": [_pod_ip_env(), *_password_env(job)],
+        "ports": [{"name": "redis", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2, "failureThreshold": 3},
+    }
+    return _pod(job, "redis", 0, container, [], {names.ANNOTATION_ATTEMPT: str(attempt)})
+
+
+def _core_env(job: JobRef, role: str, index: int) -> list[dict]:
+    spec = job.spec
+    env: list[dict] = [
+        {"name": runtime.ENV_CONFIG, "value": f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"},
+        {"name": runtime.ENV_REDIS_URL, "value": redis_url(job)},
+        *_password_env(job),
+        _pod_ip_env(),
+        # $(POD_IP) expands only from variables defined earlier in this list.
+        {"name": runtime.ENV_BIND_HOST, "value": "$(POD_IP)"},
+        {"name": runtime.ENV_INDEX, "value": str(index)},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if role in ("actor", "trainer"):
+        urls = names.inference_urls(job.name, spec.inference.replicas, runtime.INFERENCE_PORT)
+        env.append({"name": runtime.ENV_INFERENCE_URLS, "value": ",".join(urls)})
+    if role in ("trainer", "inference"):
+        addr = f"{names.trainer_host(job.name, 0)}:{runtime.WEIGHT_SYNC_PORT}"
+        env.append({"name": runtime.ENV_WEIGHT_SYNC, "value": addr})
+    if role == "inference":
+        env.append({"name": runtime.ENV_PORT, "value": str(runtime.INFERENCE_PORT)})
+    if role == "trainer":
+        env += [
+            {"name": runtime.ENV_PORT, "value": str(runtime.WEIGHT_SYNC_PORT)},
+            {"name": runtime.ENV_CHECKPOINT_DIR, "value": spec.trainer.checkpoint.path},
+            # torch.distributed env:// rendezvous, one process per pod (torchrun's names).
+            {"name": "RANK", "value": str(index)},
+            {"name": "WORLD_SIZE", "value": str(spec.trainer.nodes)},
+            {"name": "NODE_RANK", "value": str(index)},
+            {"name": "NNODES", "value": str(spec.trainer.nodes)},
+            {"name": "LOCAL_RANK", "value": "0"},
+            {"name": "MASTER_ADDR", "value": names.trainer_host(job.name, 0)},
+            {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+        ]
+    return env
+
+
+def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
+    """Pod `index` of a core role: `python -m rlkube.core.<role>` with the runtime.py environment."""
+    if role not in CORE_ROLES:
+        raise ValueError(f"not a core role: {role!r}")
+    container: dict[str, Any] = {
+        "name": role,
+        "image": job.spec.image_for(role),
+        "command": ["python", "-m", f"rlkube.core.{role}"],
+        "env": _core_env(job, role, index),
+        "volumeMounts": [{"name": "job-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
+    }
+    resources = _resources(job.spec, role)
+    if resources:
+        container["resources"] = resources
+    volumes: list[dict] = [{"name": "job-config", "configMap": {"name": names.config_name(job.name)}}]
+    if role == "inference":
+        port = runtime.INFERENCE_PORT
+        container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+        container["readinessProbe"] = {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 2,
+            "failureThreshold": 3,
+        }
+    if role == "trainer":
+        container["ports"] = [
+            {"name": "weight-sync", "containerPort": runtime.WEIGHT_SYNC_PORT, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
+        ]
+        ckpt = job.spec.trainer.checkpoint
+        container["volumeMounts"].append({"name": "checkpoints", "mountPath": ckpt.path})
+        volumes.append(
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+            if ckpt.claim_name
+            else {"name": "checkpoints", "emptyDir": {}}
+        )
+    annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
+    if role == "trainer" and resume_checkpoint:
+        annotations[names.ANNOTATION_RESUME] = resume_checkpoint
+    return _pod(job, role, index, container, volumes, annotations)
+
+
+def pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
+    if role == "redis":
+        return redis_pod(job, attempt)
+    return core_pod(job, role, index, attempt, resume_checkpoint)
+
+
+def all_children(job: JobRef, password: str) -> list[dict]:
+    """Every child of a freshly started job, in creation order (used by tests and the docs)."""
+    pods = [pod(job, role, i) for role in names.POD_ROLES for i in range(replicas(job.spec, role))]
+    return static_children(job, password) + pods

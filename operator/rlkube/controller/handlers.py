@@ -1,0 +1,135 @@
+"""The kopf handlers: thin entry points that hand every TrainingJob to its reconcile loop (loop.py).
+
+- `job-loop` (daemon, one per TrainingJob): runs the job's reconcile loop until the job is finished.
+- `job-create` / `job-resume` / `job-update`: wake that loop (a new object, an operator restart, a spec or
+  metadata change such as `suspend`).
+- `job-delete`: holds kopf's finalizer (`rlkube.io/teardown`) while the ordered teardown runs; an operator
+  restarted mid-deletion calls it again and the teardown resumes from `status.teardown`.
+- `pods_by_job` (index) + `pod-changed` (event): the job's pods come from kopf's pod watch, and every pod
+  change wakes its job. Nothing polls the API server.
+- `job-gone`: forgets a job (watcher, metrics) when the object is finally removed.
+
+Handlers return None: kopf would store return values in the status.
+Registered into an explicit registry by `build_registry()`, never as an import side effect.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from rlkube.api.spec import GROUP, PLURAL, VERSION
+from rlkube.controller import names
+from rlkube.controller.kube import Kube, api_client
+from rlkube.controller.loop import Shared
+from rlkube.controller.observed import PodView, pod_view
+
+FINALIZER = "rlkube.io/teardown"
+WATCH_SERVER_TIMEOUT = 120
+"""Server-side watch timeout: the API server ends each watch after this long and kopf starts a new one, so a
+silently dead connection never stops the handlers (kopf issues 585, 957, 1276)."""
+WATCH_CLIENT_TIMEOUT = 150
+REQUEST_TIMEOUT = 60
+
+MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
+
+
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = REQUEST_TIMEOUT
+    settings.networking.connect_timeout = 30
+    settings.persistence.finalizer = FINALIZER
+    # Keep kopf's bookkeeping in annotations: the status belongs to TrainingJobStatus alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rlkube.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="rlkube.io", key="last-handled-configuration"
+    )
+    # Our own Events say what happened; kopf's "Handler ... succeeded" lines would only add noise.
+    settings.posting.level = logging.WARNING
+    memo.shared = Shared(Kube(await api_client()))
+    logger.info("rlkube operator configured (watch timeouts %ss/%ss)", WATCH_SERVER_TIMEOUT, WATCH_CLIENT_TIMEOUT)
+
+
+async def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    shared: Shared | None = getattr(memo, "shared", None)
+    if shared is None:
+        return
+    for loop in list(shared.loops.values()):
+        await loop.stop_watcher()
+    await shared.kube.api.close()
+
+
+async def index_pod(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict | None:
+    job = labels.get(names.LABEL_JOB)
+    view = pod_view(body)
+    if not job or view is None:
+        return None
+    return {(namespace, job): view}
+
+
+async def pod_changed(
+    type: str | None, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> None:
+    loop = memo.shared.loops.get((namespace, labels.get(names.LABEL_JOB)))
+    if loop is not None:
+        loop.pod_event(body.metadata.uid or "", type)
+
+
+def _shared(memo: kopf.Memo, pods_by_job: kopf.Index[tuple[str, str], PodView]) -> Shared:
+    shared: Shared = memo.shared
+    shared.pod_index = pods_by_job
+    return shared
+
+
+async def job_loop(
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    pods_by_job: kopf.Index,
+    namespace: str,
+    name: str,
+    **_: Any,
+) -> None:
+    loop = _shared(memo, pods_by_job).loop(namespace, name)
+    await loop.run(body, stopped=stopped)
+
+
+async def job_wake(memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **_: Any) -> None:
+    _shared(memo, pods_by_job).loop(namespace, name).wake.set()
+
+
+async def job_deleted(
+    body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **_: Any
+) -> None:
+    shared = _shared(memo, pods_by_job)
+    loop = shared.loop(namespace, name)
+    await loop.run(body, until_released=True)
+    await loop.stop_watcher()
+
+
+async def job_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":
+        await memo.shared.forget(namespace, name)
+
+
+def build_registry() -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry, id="login")(kopf.login_via_async_client)
+    kopf.on.startup(registry=registry, id="configure")(configure)
+    kopf.on.cleanup(registry=registry, id="shutdown")(shutdown)
+
+    kopf.index("pods", labels=MANAGED, id="pods_by_job", registry=registry)(index_pod)
+    kopf.on.event("pods", labels=MANAGED, id="pod-changed", registry=registry)(pod_changed)
+
+    job = (GROUP, VERSION, PLURAL)
+    kopf.daemon(*job, id="job-loop", registry=registry)(job_loop)
+    kopf.on.create(*job, id="job-create", registry=registry)(job_wake)
+    kopf.on.resume(*job, id="job-resume", registry=registry)(job_wake)
+    kopf.on.update(*job, id="job-update", registry=registry)(job_wake)
+    kopf.on.delete(*job, id="job-delete", registry=registry)(job_deleted)
+    kopf.on.event(*job, id="job-gone", registry=registry)(job_event)
+    return registry

@@ -1,0 +1,120 @@
+"""The few Kubernetes API calls the reconcile loop makes (kubernetes_asyncio), each made idempotent.
+
+Create treats 409 AlreadyExists as present; delete treats 404 as gone and carries the pod's UID as a
+precondition, so deleting a failed pod can never hit the replacement that took its name (409 = already
+replaced). Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from rlkube.api.spec import GROUP, PLURAL, VERSION
+from rlkube.controller import metrics
+
+log = logging.getLogger(__name__)
+
+
+async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster service account when there is one, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    cfg = client.Configuration()
+    try:
+        if kubeconfig:
+            raise config.ConfigException("explicit kubeconfig")
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    cfg.connection_pool_maxsize = 32
+    return client.ApiClient(configuration=cfg)
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient):
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    async def create(self, namespace: str, manifest: dict[str, Any]) -> dict | None:
+        """Create a child; returns the created object, or None when it already existed."""
+        kind = manifest["kind"]
+        create = {
+            "Pod": self.core.create_namespaced_pod,
+            "Service": self.core.create_namespaced_service,
+            "Secret": self.core.create_namespaced_secret,
+            "ConfigMap": self.core.create_namespaced_config_map,
+        }[kind]
+        try:
+            created = await create(namespace, manifest)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            metrics.API_ERRORS.labels("create", kind).inc()
+            raise
+        return self.api.sanitize_for_serialization(created)
+
+    async def delete_pod(self, namespace: str, name: str, uid: str | None, grace_seconds: int) -> bool:
+        """Delete (or force-delete with grace 0) one pod; False when it was already gone or replaced."""
+        body = client.V1DeleteOptions(
+            grace_period_seconds=grace_seconds,
+            preconditions=client.V1Preconditions(uid=uid) if uid else None,
+        )
+        try:
+            await self.core.delete_namespaced_pod(name, namespace, body=body)
+            return True
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            metrics.API_ERRORS.labels("delete", "Pod").inc()
+            raise
+
+    async def delete_object(self, namespace: str, kind: str, name: str) -> None:
+        delete = {
+            "Service": self.core.delete_namespaced_service,
+            "Secret": self.core.delete_namespaced_secret,
+            "ConfigMap": self.core.delete_namespaced_config_map,
+        }[kind]
+        try:
+            await delete(name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                metrics.API_ERRORS.labels("delete", kind).inc()
+                raise
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        try:
+            secret = await self.core.read_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        value = (secret.data or {}).get(key)
+        return base64.b64decode(value).decode() if value is not None else None
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self.custom.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                {"status": status},
+                _content_type="application/merge-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return  # the job is gone (its finalizer was removed); nothing left to record
+            metrics.API_ERRORS.labels("patch", "TrainingJob").inc()
+            raise
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        try:
+            await self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise

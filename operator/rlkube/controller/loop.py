@@ -1,0 +1,350 @@
+"""The per-job reconcile loop: observe -> decide -> apply -> one status patch -> Events, then sleep until woken.
+
+A `JobLoop` exists per TrainingJob while the operator handles it. It is woken by pod events (through the
+kopf pod index and watch), by its Redis event watcher, by spec updates, and by the deadlines the decisions
+return (grace periods, completion and stall timeouts, TTL). It never lists anything from the API server:
+pods come from the kopf index, the job from kopf's live body, trainer events from Redis.
+
+Index staleness is handled here, not in the decisions: pods this loop created are counted as present until
+the watch delivers them (so a teardown that starts right after a creation still waits for them), and pods
+it force-deleted are hidden until the watch confirms they are gone (so nothing is counted twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import redis.asyncio as aioredis
+from kubernetes_asyncio.client.exceptions import ApiException
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from rlkube.api.status import TrainingJobStatus
+from rlkube.api.validation import SpecError, parse_spec
+from rlkube.controller import metrics, names
+from rlkube.controller.actions import Create, DeleteJob, DeleteObject, DeletePod, DeleteStreams
+from rlkube.controller.decisions import Decision, JobView, decide
+from rlkube.controller.kube import Kube
+from rlkube.controller.observed import EventSource, Observed, PodView, pod_view
+from rlkube.controller.times import now, stream_id_key
+from rlkube.controller.watcher import EventWatcher, Target
+from rlkube.core import protocol, runtime
+
+log = logging.getLogger(__name__)
+
+RESYNC_SECONDS = 60.0
+"""Longest sleep between passes with nothing to wake them: re-derives state from the index (no API reads)."""
+INFLIGHT_SECONDS = 60.0
+"""How long a pod this loop created counts as present while the watch has not delivered it yet."""
+ERROR_BACKOFF = (0.5, 1, 2, 5, 10, 30)
+
+Key = tuple[str, str]
+
+
+@dataclass
+class Shared:
+    """What every job loop of this operator process shares (kept in kopf's memo)."""
+
+    kube: Kube
+    loops: dict[Key, JobLoop] = field(default_factory=dict)
+    phases: dict[Key, str] = field(default_factory=dict)
+    pod_index: Any = None  # kopf.Index[(namespace, job), PodView], set by the first handler call
+
+    def loop(self, namespace: str, name: str) -> JobLoop:
+        key = (namespace, name)
+        if key not in self.loops:
+            self.loops[key] = JobLoop(self, namespace, name)
+        return self.loops[key]
+
+    def wake(self, namespace: str, name: str) -> None:
+        loop = self.loops.get((namespace, name))
+        if loop is not None:
+            loop.wake.set()
+
+    async def forget(self, namespace: str, name: str) -> None:
+        loop = self.loops.pop((namespace, name), None)
+        if loop is not None:
+            await loop.stop_watcher()
+        self.phases.pop((namespace, name), None)
+        metrics.set_phases(self.phases)
+        metrics.forget_job(namespace, name)
+
+
+STATUS_KEYS = frozenset(f.alias or n for n, f in TrainingJobStatus.model_fields.items())
+
+
+def merge_patch(old: dict, new: dict) -> dict:
+    """RFC 7386 merge patch turning `old` into `new` (None removes a key; lists are replaced whole)."""
+    patch: dict = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            sub = merge_patch(before, value)
+            if sub:
+                patch[key] = sub
+        elif value != before:
+            patch[key] = value
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch
+
+
+def without_empty_strings(node: Any) -> Any:
+    """Drop "" values: an absent optional field says the same, and the test cluster's kube-apiserver 1.20
+    (built with Debian's json-iterator) turns "" into null inside merge patches and then rejects it."""
+    if isinstance(node, dict):
+        return {k: without_empty_strings(v) for k, v in node.items() if v != ""}
+    if isinstance(node, list):
+        return [without_empty_strings(v) for v in node]
+    return node
+
+
+def parse_status(raw: Any) -> TrainingJobStatus:
+    """The stored status, ignoring fields that are not ours (kopf's bookkeeping, older versions)."""
+    if not isinstance(raw, dict):
+        return TrainingJobStatus()
+    try:
+        return TrainingJobStatus.model_validate({k: v for k, v in raw.items() if k in STATUS_KEYS})
+    except ValidationError as exc:
+        log.error("stored status unreadable, starting from an empty one: %s", exc)
+        return TrainingJobStatus()
+
+
+def job_view(body: Any, status: TrainingJobStatus) -> JobView:
+    meta = body["metadata"]
+    raw_spec = dict(body.get("spec") or {})
+    spec, error = None, None
+    try:
+        spec = parse_spec(raw_spec)
+    except SpecError as exc:
+        error = str(exc)
+    return JobView(
+        namespace=meta["namespace"],
+        name=meta["name"],
+        uid=meta["uid"],
+        generation=int(meta.get("generation") or 0),
+        raw_spec=raw_spec,
+        spec=spec,
+        spec_error=error,
+        deleting=bool(meta.get("deletionTimestamp")),
+        status=status,
+    )
+
+
+class JobLoop:
+    def __init__(self, shared: Shared, namespace: str, name: str):
+        self.shared = shared
+        self.namespace = namespace
+        self.name = name
+        self.wake = asyncio.Event()
+        self.lock = asyncio.Lock()
+        self.status: TrainingJobStatus | None = None  # what this process last wrote (authoritative)
+        self.written: dict | None = None
+        self.static_present: set[str] = set()
+        self.inflight: dict[str, tuple[PodView, float]] = {}
+        self.gone: set[str] = set()
+        self.watcher: EventWatcher | None = None
+        self.errors = 0
+
+    # -- wake-ups ---------------------------------------------------------------------------------
+
+    def pod_event(self, uid: str, event_type: str | None) -> None:
+        for name, (view, _) in list(self.inflight.items()):
+            if view.uid == uid:
+                del self.inflight[name]
+        if event_type == "DELETED":
+            self.gone.discard(uid)
+        self.wake.set()
+
+    async def _sleep(self, timeout: float, stopped: kopf.DaemonStopped | None) -> None:
+        waiters = [asyncio.ensure_future(self.wake.wait())]
+        if stopped is not None:
+            waiters.append(asyncio.ensure_future(stopped.wait()))
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def run(self, body: Any, stopped: kopf.DaemonStopped | None = None, until_released: bool = False) -> None:
+        """Reconcile until the job is finished (daemon) or released (deletion), or `stopped` is set."""
+        while True:
+            if stopped is not None and stopped:
+                return
+            self.wake.clear()
+            try:
+                decision = await self.reconcile(body)
+                self.errors = 0
+            except (ApiException, RedisError, OSError, asyncio.TimeoutError) as exc:
+                delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
+                self.errors += 1
+                log.warning("%s/%s: reconcile failed (%s); retrying in %ss", self.namespace, self.name, exc, delay)
+                await self._sleep(delay, stopped)
+                continue
+            if until_released and decision.released:
+                return
+            if not until_released and decision.finished:
+                return
+            timeout = RESYNC_SECONDS if decision.requeue_after is None else min(decision.requeue_after, RESYNC_SECONDS)
+            # A deadline just passed: come back a moment later so `now >= deadline` holds.
+            await self._sleep(timeout + 0.01, stopped)
+
+    async def reconcile(self, body: Any) -> Decision:
+        async with self.lock:
+            t0 = time.perf_counter()
+            status = self.status if self.status is not None else parse_status(body.get("status"))
+            job = job_view(body, status)
+            obs = self._observe(job)
+            decision = decide(job, obs, now(), password=secrets.token_urlsafe(24))
+            await self._apply(job, decision)
+            await self._write_status(job, body, decision)
+            for ev in decision.events:
+                kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+            await self._sync_watcher(job, decision)
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - t0)
+            metrics.RECONCILE_PASSES.labels(self.namespace, self.name).inc()
+            if decision.teardown_seconds is not None and decision.status.teardown is not None:
+                metrics.TEARDOWN_SECONDS.labels(decision.status.teardown.reason or "").observe(
+                    decision.teardown_seconds
+                )
+            self.shared.phases[(self.namespace, self.name)] = decision.status.phase
+            metrics.set_phases(self.shared.phases)
+            return decision
+
+    # -- observe ----------------------------------------------------------------------------------
+
+    def _observe(self, job: JobView) -> Observed:
+        index = self.shared.pod_index
+        indexed: list[PodView] = list(index.get((self.namespace, self.name), [])) if index is not None else []
+        pods = [p for p in indexed if p.uid not in self.gone]
+        seen = {p.name for p in pods}
+        horizon = time.monotonic() - INFLIGHT_SECONDS
+        for name, (view, created) in list(self.inflight.items()):
+            if created < horizon or any(p.uid == view.uid for p in indexed):
+                del self.inflight[name]
+            elif name not in seen:
+                pods.append(view)
+        events: tuple = ()
+        read_upto = None
+        source = EventSource()
+        if self.watcher is not None:
+            last = job.status.trainer.last_event_id
+            events = tuple(self.watcher.pending(last))
+            if stream_id_key(self.watcher.last_id) > stream_id_key(last):
+                read_upto = self.watcher.last_id
+            source = self.watcher.source
+        return Observed(
+            pods=tuple(pods),
+            events=events,
+            read_upto=read_upto,
+            event_source=source,
+            static_present=frozenset(self.static_present),
+        )
+
+    # -- apply ------------------------------------------------------------------------------------
+
+    async def _apply(self, job: JobView, decision: Decision) -> None:
+        kube = self.shared.kube
+        for action in decision.actions:
+            if isinstance(action, Create):
+                created = await kube.create(self.namespace, action.manifest)
+                if action.kind == "Pod":
+                    if created is not None:
+                        view = pod_view(created)
+                        if view is not None:
+                            self.inflight[action.name] = (view, time.monotonic())
+                else:
+                    self.static_present.add(f"{action.kind}/{action.name}")
+            elif isinstance(action, DeletePod):
+                deleted = await kube.delete_pod(self.namespace, action.name, action.uid, action.grace_seconds)
+                if action.grace_seconds == 0 or not deleted:
+                    self.gone.add(action.uid)  # grace 0 removes it at once; 404/409: it is already gone
+                if action.force and deleted:
+                    metrics.FORCE_DELETIONS.labels(action.role).inc()
+            elif isinstance(action, DeleteObject):
+                await kube.delete_object(self.namespace, action.kind, action.name)
+                self.static_present.discard(f"{action.kind}/{action.name}")
+            elif isinstance(action, DeleteStreams):
+                await self._delete_streams(job, action.keys)
+            elif isinstance(action, DeleteJob):
+                await kube.delete_job(self.namespace, self.name)
+
+    async def _delete_streams(self, job: JobView, keys: tuple[str, ...]) -> None:
+        target = await self._external_target(job)
+        if target is None:
+            return
+        client = aioredis.Redis.from_url(target.url, password=target.password, socket_connect_timeout=3)
+        try:
+            await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+    async def _write_status(self, job: JobView, body: Any, decision: Decision) -> None:
+        doc = without_empty_strings(decision.status.model_dump(by_alias=True, mode="json", exclude_none=True))
+        if self.written is None:
+            stored = body.get("status")
+            self.written = {k: v for k, v in stored.items() if k in STATUS_KEYS} if isinstance(stored, dict) else {}
+        patch = merge_patch(self.written, doc)
+        if patch:
+            await self.shared.kube.patch_status(self.namespace, self.name, patch)
+            self.written = doc
+        self.status = decision.status
+        if self.watcher is not None:
+            self.watcher.commit(decision.status.trainer.last_event_id)
+
+    # -- the event watcher --------------------------------------------------------------------------
+
+    async def _sync_watcher(self, job: JobView, decision: Decision) -> None:
+        target = await self._target(job) if decision.watch_events else None
+        if self.watcher is not None and (target is None or self.watcher.target != target):
+            await self.stop_watcher()
+        if target is not None and self.watcher is None:
+            start = decision.status.trainer.last_event_id
+            self.watcher = EventWatcher(target, start, self.wake.set).start()
+
+    async def stop_watcher(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+            self.watcher = None
+
+    async def _target(self, job: JobView) -> Target | None:
+        spec = job.spec
+        if spec is None:
+            return None
+        if spec.redis.mode == "external":
+            return await self._external_target(job)
+        # Managed: the Redis pod's IP (not the Service name) so the operator needs no cluster DNS.
+        index = self.shared.pod_index
+        pods = list(index.get((self.namespace, self.name), [])) if index is not None else []
+        redis = next((p for p in pods if p.role == "redis" and p.running and p.pod_ip), None)
+        if redis is None:
+            return None
+        if self.watcher is not None and self.watcher.target.url.startswith(f"redis://{redis.pod_ip}:"):
+            return self.watcher.target  # same pod: keep the password already read
+        password = await self.shared.kube.read_secret_key(self.namespace, names.secret_name(self.name), "password")
+        if password is None:
+            return None
+        stream = protocol.StreamKeys.for_job(self.namespace, self.name, spec.trainer.backend).events
+        return Target(f"redis://{redis.pod_ip}:{runtime.REDIS_PORT}/0", password, stream)
+
+    async def _external_target(self, job: JobView) -> Target | None:
+        spec = job.spec
+        if spec is None or not spec.redis.url:
+            return None
+        if self.watcher is not None and self.watcher.target.url == spec.redis.url:
+            return self.watcher.target  # the password Secret was read when this watcher started
+        password = None
+        ref = spec.redis.password_secret
+        if ref is not None:
+            password = await self.shared.kube.read_secret_key(self.namespace, ref.name, ref.key)
+        stream = protocol.StreamKeys.for_job(self.namespace, self.name, spec.trainer.backend).events
+        return Target(spec.redis.url, password, stream)

@@ -1,0 +1,122 @@
+"""What the operator observes about one job, reduced to plain values the decisions can reason about.
+
+`PodView` is the summary of one pod that the kopf index keeps (phase, readiness, exit codes, restarts), so
+the decisions never touch raw Kubernetes objects and their tests build views directly. `EventSource` is the
+state of the Redis watcher. Pure parsing, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from rlkube.controller import names
+from rlkube.controller.times import parse_time
+from rlkube.core.protocol import TrainerEvent
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    uid: str
+    role: str
+    index: int
+    phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool = False
+    restart_count: int = 0
+    exit_code: int | None = None  # main container's current state.terminated.exitCode
+    finished_at: datetime | None = None  # ... and its finishedAt
+    started_at: datetime | None = None  # when the current container instance started
+    waiting_reason: str | None = None  # e.g. ErrImagePull, CrashLoopBackOff
+    pod_ip: str | None = None
+    deleting: bool = False  # deletionTimestamp is set
+    deletion_grace: int | None = None  # metadata.deletionGracePeriodSeconds (0: force-deleted)
+    attempt: int = 0  # rlkube.io/attempt annotation
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and not self.deleting
+
+
+def _get(d: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def pod_view(pod: dict) -> PodView | None:
+    """Summarise a pod dict (as the API returns it); None for pods without our role/index labels."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    role = labels.get(names.LABEL_ROLE)
+    try:
+        index = int(labels.get(names.LABEL_INDEX, ""))
+    except ValueError:
+        return None
+    if role not in names.POD_ROLES:
+        return None
+    status = pod.get("status") or {}
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    # The main container is the one named after the role; fall back to the first one.
+    statuses = status.get("containerStatuses") or []
+    main = next((c for c in statuses if c.get("name") == role), statuses[0] if statuses else {})
+    terminated = _get(main, "state", "terminated")
+    running = _get(main, "state", "running")
+    waiting = _get(main, "state", "waiting")
+    started = (running or {}).get("startedAt") or (terminated or {}).get("startedAt")
+    try:
+        attempt = int((meta.get("annotations") or {}).get(names.ANNOTATION_ATTEMPT, "0"))
+    except ValueError:
+        attempt = 0
+    grace = meta.get("deletionGracePeriodSeconds")
+    return PodView(
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        role=role,
+        index=index,
+        phase=status.get("phase") or "Pending",
+        ready=ready,
+        restart_count=int(main.get("restartCount") or 0),
+        exit_code=terminated.get("exitCode") if terminated else None,
+        finished_at=parse_time(terminated.get("finishedAt")) if terminated else None,
+        started_at=parse_time(started),
+        waiting_reason=(waiting or {}).get("reason"),
+        pod_ip=status.get("podIP") or None,
+        deleting=bool(meta.get("deletionTimestamp")),
+        deletion_grace=int(grace) if grace is not None else None,
+        attempt=attempt,
+    )
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """State of the job's Redis event watcher."""
+
+    state: Literal["Unknown", "Reachable", "Unreachable"] = "Unknown"
+    reason: str = "WaitingForRedis"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one reconcile pass knows besides the job object itself."""
+
+    pods: tuple[PodView, ...] = ()
+    events: tuple[TrainerEvent, ...] = ()
+    """Trainer events read after status.trainer.lastEventId, in stream order."""
+    read_upto: str | None = None
+    """Last stream id the watcher read, malformed entries included (they are skipped, not re-read)."""
+    event_source: EventSource = field(default_factory=EventSource)
+    static_present: frozenset[str] = frozenset()
+    """`Kind/name` of the non-pod children known to exist (they are not watched: created once, 409 = present)."""
+
+    def role_pods(self, role: str) -> list[PodView]:
+        return sorted((p for p in self.pods if p.role == role), key=lambda p: p.index)

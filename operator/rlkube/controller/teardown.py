@@ -1,0 +1,103 @@
+"""The ordered teardown as a pure step function over `status.teardown` (design.md s4).
+
+Stages run one at a time in TEARDOWN_ORDER (actors, preprocessor, inference, trainer, Redis). A stage
+starts by deleting its pods with the role's grace period, and finishes only when those pods are gone;
+if they are still there when the grace period has run out, they are force-deleted (grace 0) with a
+Warning Event. Progress (start/finish time of each stage) lives in the status, so an operator restarted
+at any moment resumes at the stage it was in: a started stage is never restarted, a finished one never
+revisited. The same sequence serves success, failure, deletion and suspend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from rlkube.api.spec import TEARDOWN_ORDER, GracePeriods
+from rlkube.api.status import TeardownStage, TeardownStatus
+from rlkube.controller.actions import Action, DeletePod, DeleteStreams, Event
+from rlkube.controller.observed import PodView
+from rlkube.controller.times import fmt_time, parse_time
+
+DONE = "Done"
+
+
+@dataclass
+class Step:
+    """Result of advancing the teardown by one pass."""
+
+    status: TeardownStatus
+    actions: list[Action] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    deadline: datetime | None = None  # when a waiting stage's grace period runs out
+    finished_stages: list[TeardownStage] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.status.stage == DONE
+
+
+def _targets(role: str, pods: list[PodView], keep_trainer_pod: bool) -> list[PodView]:
+    """Pods this stage must see gone. A kept trainer pod is one that already terminated (its logs stay)."""
+    out = [p for p in pods if p.role == role]
+    if role == "trainer" and keep_trainer_pod:
+        out = [p for p in out if not p.terminated]
+    return out
+
+
+def advance(
+    teardown: TeardownStatus,
+    pods: list[PodView],
+    grace: GracePeriods,
+    keep_trainer_pod: bool,
+    now: datetime,
+    external_streams: tuple[str, ...] = (),
+) -> Step:
+    """Move the teardown as far as it can go now; `teardown.reason` must already be set."""
+    td = teardown.model_copy(deep=True)
+    step = Step(td)
+    if td.stage == DONE:
+        return step
+    for role in TEARDOWN_ORDER:
+        stage = next((s for s in td.stages if s.name == role), None)
+        if stage is not None and stage.finished_at is not None:
+            continue
+        targets = _targets(role, pods, keep_trainer_pod)
+        period = getattr(grace, role)
+        if stage is None:
+            stage = TeardownStage(name=role, started_at=fmt_time(now))
+            td.stages.append(stage)
+            td.stage = role
+            if targets:
+                step.events.append(
+                    Event("Normal", "TeardownStage", f"stopping {role}: {len(targets)} pod(s), grace {period}s")
+                )
+            if role == "redis" and external_streams:
+                step.actions.append(DeleteStreams(external_streams))
+        # (Re)issue deletes for pods not yet deleting: the first pass of the stage, or pods that were
+        # created just before teardown began, or a pass whose deletes were lost with a killed operator.
+        for p in targets:
+            if not p.deleting:
+                step.actions.append(DeletePod(p.name, p.uid, period, role))
+        if targets:
+            started = parse_time(stage.started_at) or now
+            deadline = started + timedelta(seconds=period)
+            if now >= deadline:
+                stuck = [p for p in targets if p.deletion_grace != 0]
+                for p in stuck:
+                    step.actions.append(DeletePod(p.name, p.uid, 0, role, force=True))
+                    step.events.append(
+                        Event(
+                            "Warning",
+                            "ForceDeleted",
+                            f"pod {p.name} still present {period}s after its {role} stage began; force-deleted",
+                        )
+                    )
+                stage.forced += len(stuck)
+            else:
+                step.deadline = deadline
+            return step
+        stage.finished_at = fmt_time(now)
+        step.finished_stages.append(stage)
+    td.stage = DONE
+    return step

@@ -1,0 +1,36 @@
+"""RFC 3339 times as the status stores them, and Redis stream ids as times.
+
+Status times carry milliseconds (metav1.Time has whole seconds) because teardown stages of a fast job
+start and finish within the same second and their order must stay visible.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def fmt_time(dt: datetime) -> str:
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+
+
+def stream_id_time(stream_id: str) -> datetime:
+    """The wall-clock time Redis stamped on an entry (`<ms>-<seq>`)."""
+    return datetime.fromtimestamp(int(stream_id.split("-", 1)[0]) / 1000, UTC)
+
+
+def stream_id_key(stream_id: str | None) -> tuple[int, int]:
+    """Sort key of a stream id; None sorts first (like `0-0`)."""
+    if not stream_id:
+        return (0, 0)
+    ms, _, seq = stream_id.partition("-")
+    return (int(ms), int(seq or 0))

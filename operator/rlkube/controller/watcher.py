@@ -1,0 +1,127 @@
+"""Reads one job's trainer event stream from Redis with a blocking XREAD and wakes the job's reconcile loop.
+
+One watcher per active job. It resumes after `status.trainer.lastEventId` (so an operator restart neither
+loses nor double-counts events), buffers decoded events until a reconcile pass has recorded them in the
+status, and reports reachability (EventSourceReachable) with the error that broke the connection.
+The API server is never polled: Redis pushes entries to the blocked XREAD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from rlkube.controller import metrics
+from rlkube.controller.observed import EventSource
+from rlkube.controller.times import stream_id_key
+from rlkube.core.protocol import TrainerEvent, decode_event
+
+log = logging.getLogger(__name__)
+
+BLOCK_MS = 5000
+"""XREAD block time. The socket timeout is longer, so a silent Redis shows up as a timeout error."""
+RETRY_MAX = 5.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a job's events are: host/port/db of its Redis, the password, and the stream key."""
+
+    url: str  # redis://host:port/db, without the password
+    password: str | None
+    stream: str
+
+    def describe(self) -> str:
+        return f"{self.url} stream {self.stream}"
+
+
+class EventWatcher:
+    def __init__(self, target: Target, start_id: str | None, on_change: Callable[[], None]):
+        self.target = target
+        self.last_id = start_id or "0-0"
+        self.on_change = on_change
+        self.buffer: list[TrainerEvent] = []
+        self.source = EventSource()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> EventWatcher:
+        self._task = asyncio.create_task(self._run(), name=f"events {self.target.stream}")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def pending(self, after: str | None) -> list[TrainerEvent]:
+        """Buffered events after `after` (the id the status already holds)."""
+        floor = stream_id_key(after)
+        return [e for e in self.buffer if stream_id_key(e.stream_id) > floor]
+
+    def commit(self, upto: str | None) -> None:
+        """Forget events the status now records."""
+        floor = stream_id_key(upto)
+        self.buffer = [e for e in self.buffer if stream_id_key(e.stream_id) > floor]
+
+    def _set_source(self, source: EventSource) -> None:
+        if source.state != self.source.state or source.reason != self.source.reason:
+            self.source = source
+            self.on_change()
+        else:
+            self.source = source
+
+    async def _run(self) -> None:
+        delay = 0.2
+        while True:
+            client = aioredis.Redis.from_url(
+                self.target.url,
+                password=self.target.password,
+                socket_connect_timeout=3,
+                socket_timeout=BLOCK_MS / 1000 + 5,
+            )
+            try:
+                await client.ping()
+                self._set_source(EventSource("Reachable", "Connected", self.target.describe()))
+                delay = 0.2
+                while True:
+                    reply = await client.xread({self.target.stream: self.last_id}, block=BLOCK_MS, count=500)
+                    if reply:
+                        self._ingest(reply)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                message = f"{self.target.describe()}: {exc}"
+                log.warning("trainer events unreachable: %s", message)
+                self._set_source(EventSource("Unreachable", type(exc).__name__, message))
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            # A retry delay (capped backoff) before reconnecting, not a wait for a condition.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX)
+
+    def _ingest(self, reply) -> None:
+        now = time.time()
+        added = False
+        for _stream, entries in reply:
+            for sid, fields in entries:
+                sid = sid.decode() if isinstance(sid, bytes) else str(sid)
+                self.last_id = sid
+                event = decode_event(sid, fields)
+                if event is None:
+                    continue
+                self.buffer.append(event)
+                added = True
+                metrics.TRAINER_EVENT_LAG.observe(max(0.0, now - int(sid.split("-")[0]) / 1000))
+        # Skipped (malformed or unknown) entries still advance `last_id`, the read position the status records.
+        if added or reply:
+            self.on_change()

@@ -1,0 +1,292 @@
+"""Test harness for the operator integration tests: the operator as a real subprocess, job helpers, a recorder.
+
+- `OperatorProcess`: `rlkube operator --namespace NS --standalone` with KUBECONFIG set; SIGTERM, SIGKILL,
+  restart; reads its Prometheus endpoint (reconcile passes per job, to know a pass really happened).
+- `JobRecorder`: watches the namespace's TrainingJobs and records every distinct phase in order, each
+  status seen, and when each job disappeared.
+- `job_doc()`: examples/tiny-cpu.yaml with test-sized timeouts and grace periods.
+The kubelet and trainer stand-ins are rlkube.controller.simulate (shared with `rlkube bench operator`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from kubernetes_asyncio import client, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_doc(name: str, **overrides: Any) -> dict:
+    """The tiny example with short timers; `overrides` are dotted camelCase paths under spec."""
+    doc = copy.deepcopy(EXAMPLE)
+    doc["metadata"] = {"name": name}
+    spec = doc["spec"]
+    spec["runPolicy"].update({"completionTimeoutSeconds": 2, "eventTimeoutSeconds": 0})
+    spec["teardown"]["gracePeriodSeconds"] = {"actor": 2, "preprocessor": 2, "inference": 2, "trainer": 2, "redis": 2}
+    for path, value in overrides.items():
+        node = spec
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return doc
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path):
+        self.kubeconfig = kubeconfig
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> OperatorProcess:
+        self.starts += 1
+        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", self.namespace, "--standalone",
+             "--metrics-port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no chance to finish anything (like a node crash or OOM kill)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))
+
+    async def metrics(self) -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{self.port}/metrics", timeout=aiohttp.ClientTimeout(5)) as r:
+                return await r.text()
+
+    async def passes(self, job: str) -> int:
+        """Reconcile passes this operator process made for `job` (0 before the first)."""
+        try:
+            text = await self.metrics()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return 0
+        needle = f'rlkube_reconcile_passes_total{{namespace="{self.namespace}",trainingjob="{job}"}}'
+        for line in text.splitlines():
+            if line.startswith(needle):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return 0
+
+    async def wait_passes(self, job: str, at_least: int, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            n = await self.passes(job)
+            if n >= at_least:
+                return n
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"operator made {n} < {at_least} passes for {job} in {timeout}s")
+            await asyncio.sleep(0.1)  # polling the metrics endpoint: it has no watch
+
+
+class JobRecorder:
+    """Every TrainingJob status in the namespace, in watch order."""
+
+    def __init__(self, api: client.ApiClient, namespace: str):
+        self.custom = client.CustomObjectsApi(api)
+        self.namespace = namespace
+        self.phases: dict[str, list[str]] = {}
+        self.latest: dict[str, dict] = {}
+        self.gone: dict[str, float] = {}
+        self.seq: dict[str, int] = {}
+        self._n = 0
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> JobRecorder:
+        ready = asyncio.Event()
+        self._task = asyncio.create_task(self._watch(ready))
+        await ready.wait()
+        return self
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _watch(self, ready: asyncio.Event) -> None:
+        rv = None
+        while True:
+            try:
+                if rv is None:
+                    listing = await self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
+                    rv = listing["metadata"]["resourceVersion"]
+                    for obj in listing["items"]:
+                        await self._record("ADDED", obj)
+                    ready.set()
+                stream = watch.Watch().stream(
+                    self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
+                    resource_version=rv, timeout_seconds=60,
+                )
+                async with stream as events:
+                    async for event in events:
+                        if event["type"] == "ERROR":
+                            rv = None
+                            break
+                        obj = event["raw_object"] if "raw_object" in event else event["object"]
+                        rv = obj["metadata"]["resourceVersion"]
+                        await self._record(event["type"], obj)
+            except asyncio.CancelledError:
+                raise
+            except (ApiException, OSError, asyncio.TimeoutError):
+                rv = None
+                await asyncio.sleep(0.2)
+
+    async def _record(self, type_: str, obj: dict) -> None:
+        name = obj["metadata"]["name"]
+        self._n += 1
+        self.seq[name] = self._n
+        status = obj.get("status") or {}
+        self.latest[name] = obj
+        phase = status.get("phase")
+        seen = self.phases.setdefault(name, [])
+        if phase and (not seen or seen[-1] != phase):
+            seen.append(phase)
+        if type_ == "DELETED":
+            self.gone[name] = time.monotonic()
+        async with self._changed:
+            self._changed.notify_all()
+
+    def status(self, name: str) -> dict:
+        return (self.latest.get(name) or {}).get("status") or {}
+
+    def condition(self, name: str, type_: str) -> dict | None:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), None)
+
+    async def wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+            except TimeoutError:
+                raise TimeoutError(f"{what} not reached in {timeout}s") from None
+
+    async def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict:
+        await self.wait(lambda: self.status(name).get("phase") == phase, timeout, f"{name} phase {phase}")
+        return self.status(name)
+
+
+async def create_job(api: client.ApiClient, namespace: str, doc: dict) -> dict:
+    return await client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+
+
+async def delete_job(api: client.ApiClient, namespace: str, name: str) -> None:
+    await client.CustomObjectsApi(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+async def patch_spec(api: client.ApiClient, namespace: str, name: str, spec_patch: dict) -> None:
+    await client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name, {"spec": spec_patch}, _content_type="application/merge-patch+json"
+    )
+
+
+async def children(api: client.ApiClient, namespace: str, job: str) -> dict[str, dict]:
+    """Every child of `job` by `Kind/name` (listed by the job-name label)."""
+    core = client.CoreV1Api(api)
+    selector = f"rlkube.io/job-name={job}"
+    out: dict[str, dict] = {}
+    for kind, lister in (
+        ("Pod", core.list_namespaced_pod),
+        ("Service", core.list_namespaced_service),
+        ("Secret", core.list_namespaced_secret),
+        ("ConfigMap", core.list_namespaced_config_map),
+    ):
+        items = (await lister(namespace, label_selector=selector)).items
+        for item in items:
+            out[f"{kind}/{item.metadata.name}"] = api.sanitize_for_serialization(item)
+    return out
+
+
+class Env:
+    """One namespace with its own operator process, fake kubelet and job recorder."""
+
+    def __init__(self, api: client.ApiClient, kubeconfig: Path, namespace: str, log_dir: Path, **kubelet: Any):
+        from rlkube.controller.simulate import FakeKubelet
+
+        self.api = api
+        self.namespace = namespace
+        self.operator = OperatorProcess(kubeconfig, namespace, log_dir)
+        self.kubelet = FakeKubelet(api, namespace, redis_dir=log_dir / "redis", **kubelet)
+        self.recorder = JobRecorder(api, namespace)
+        self._redis: list = []
+
+    async def __aenter__(self) -> Env:
+        await client.CoreV1Api(self.api).create_namespace(
+            {"metadata": {"name": self.namespace, "labels": {"rlkube.io/test": "true"}}}
+        )
+        await self.kubelet.start()
+        await self.recorder.start()
+        self.operator.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.operator.stop()
+        for r in self._redis:
+            await r.aclose()
+        await self.recorder.close()
+        await self.kubelet.close()
+        with contextlib.suppress(ApiException):
+            await client.CoreV1Api(self.api).delete_namespace(self.namespace)
+
+    async def trainer(self, job: str, timeout: float = 30):
+        """A TrainerPlayer on the job's managed Redis (the real redis-server the fake kubelet runs)."""
+        import redis.asyncio as aioredis
+
+        from rlkube.controller.simulate import TrainerPlayer
+
+        await self.kubelet.wait_for(lambda: self.kubelet.redis_server(job) is not None, timeout, f"{job} Redis")
+        r = aioredis.Redis.from_url(self.kubelet.redis_server(job).url)
+        self._redis.append(r)
+        return TrainerPlayer(r, self.namespace, job)
+
+    async def wait_pods(self, job: str, names: set[str], timeout: float = 30) -> None:
+        """Until exactly these pods of `job` exist (not deleting) and run."""
+        def ok() -> bool:
+            live = {r.name for r in self.kubelet.live(job) if r.deleting_seq is None}
+            return live == names
+        await self.kubelet.wait_for(ok, timeout, f"pods {sorted(names)}")
