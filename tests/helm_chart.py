@@ -68,11 +68,11 @@ OPERATOR_NEEDS = [
     *[("", "persistentvolumeclaims", v) for v in ("get", "list", "watch")],
     *[(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")],
 ]
-# What kopf itself needs cluster-wide in every mode.
-FRAMEWORK_NEEDS = [
-    *[("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")],
-    *[("", "namespaces", v) for v in ("get", "list", "watch")],
-]
+# What kopf itself needs cluster-wide in every mode (it follows CRDs to find the TrainingJob resource).
+FRAMEWORK_NEEDS = [("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")]
+# What kopf needs cluster-wide when it watches a list of namespaces (it follows which of them exist);
+# a cluster-wide kopf never reads namespaces.
+NAMESPACE_OBSERVATION = [("", "namespaces", v) for v in ("get", "list", "watch")]
 # What the operator never does: the chart must not grant it.
 NOT_NEEDED = [
     ("rlkube.io", "trainingjobs", "create"),

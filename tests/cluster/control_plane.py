@@ -60,6 +60,8 @@ def binaries(build: bool = True) -> dict[str, str]:
 class ControlPlane:
     workdir: Path
     with_controller_manager: bool = True
+    # AlwaysAllow for the shared test cluster; RBAC where a test checks what a ServiceAccount may do.
+    authorization_mode: str = "AlwaysAllow"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
 
@@ -129,7 +131,7 @@ class ControlPlane:
                 bins["apiserver"], f"--etcd-servers=http://127.0.0.1:{etcd_client}",
                 f"--token-auth-file={d / 'tokens.csv'}",
                 "--bind-address=127.0.0.1", f"--secure-port={self.api_port}", f"--cert-dir={d / 'certs'}",
-                "--authorization-mode=AlwaysAllow", "--disable-admission-plugins=ServiceAccount",
+                f"--authorization-mode={self.authorization_mode}", "--disable-admission-plugins=ServiceAccount",
                 f"--service-account-key-file={d / 'sa.key'}",
                 f"--service-account-signing-key-file={d / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc",

@@ -12,6 +12,7 @@ import yaml
 from helm_chart import (
     CHART,
     FRAMEWORK_NEEDS,
+    NAMESPACE_OBSERVATION,
     NOT_NEEDED,
     OPERATOR_NEEDS,
     find,
@@ -185,7 +186,7 @@ def test_cluster_wide_rbac_grants_what_the_operator_needs_and_no_more():
     rules = one(docs, "ClusterRole", "rel-rlkube-operator")["rules"]
     for need in OPERATOR_NEEDS + FRAMEWORK_NEEDS:
         assert rules_allow(rules, *need), f"missing {need}"
-    for extra in NOT_NEEDED:
+    for extra in NOT_NEEDED + NAMESPACE_OBSERVATION:
         assert not rules_allow(rules, *extra), f"grants {extra}"
     assert not rules_allow(rules, "kopf.dev", "clusterkopfpeerings", "patch")  # peering is off
     for rule in rules:
@@ -195,7 +196,7 @@ def test_cluster_wide_rbac_grants_what_the_operator_needs_and_no_more():
 def test_namespaced_rbac_is_confined_to_the_watched_namespaces():
     docs = render(NAMESPACED)
     cluster_rules = one(docs, "ClusterRole", "rel-rlkube-operator")["rules"]
-    for need in FRAMEWORK_NEEDS:
+    for need in FRAMEWORK_NEEDS + NAMESPACE_OBSERVATION:
         assert rules_allow(cluster_rules, *need), f"missing cluster-wide {need}"
     for need in OPERATOR_NEEDS:
         assert not rules_allow(cluster_rules, *need), f"{need} granted cluster-wide in namespaced mode"

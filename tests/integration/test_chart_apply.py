@@ -1,0 +1,336 @@
+"""charts/rlkube against real kube-apiservers.
+
+1. The rendered ServiceAccount, RBAC, Deployment and Service are created on the shared test cluster, which
+   validates them, and every field we sent comes back (kube-apiserver 1.20 silently drops fields it does not
+   know from built-in types, so a misspelt field would otherwise pass unnoticed).
+2. On a second control plane with `--authorization-mode=RBAC`, the chart is installed with the Helm SDK (as
+   `helm install` would: CRDs from crds/, then the templates), and the API server's own authorizer answers
+   SubjectAccessReviews for the operator's ServiceAccount: everything the operator does is allowed, where it
+   should be, and nothing else. A kopf operator then runs with that ServiceAccount's token and handles a
+   TrainingJob without a single permission error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+from cluster.control_plane import ControlPlane
+from helm_chart import CHART, FRAMEWORK_NEEDS, NAMESPACE_OBSERVATION, NOT_NEEDED, OPERATOR_NEEDS, find, render
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.dynamic import DynamicClient
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _missing(sent, got, path="") -> list[str]:
+    """Paths of everything in `sent` that is absent from, or different in, `got` (server defaults are fine)."""
+    if isinstance(sent, dict):
+        if not isinstance(got, dict):
+            return [path or "."]
+        out = []
+        for key, value in sent.items():
+            if key not in got:
+                out.append(f"{path}.{key}")
+            else:
+                out += _missing(value, got[key], f"{path}.{key}")
+        return out
+    if isinstance(sent, list):
+        if not isinstance(got, list) or len(sent) != len(got):
+            return [path]
+        return [m for i, (s, g) in enumerate(zip(sent, got)) for m in _missing(s, g, f"{path}[{i}]")]
+    return [] if sent == got else [f"{path}: sent {sent!r}, got {got!r}"]
+
+
+def _create_all(api_client, docs: list[dict], namespace: str) -> list[tuple[object, dict]]:
+    dyn = DynamicClient(api_client)
+    created = []
+    for doc in docs:
+        res = dyn.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+        ns = doc["metadata"].get("namespace", namespace) if res.namespaced else None
+        got = res.create(body=doc, namespace=ns).to_dict()
+        created.append((res, got))
+        missing = _missing({k: v for k, v in doc.items() if k != "metadata"}, got)
+        missing += _missing(doc["metadata"].get("labels", {}), got["metadata"].get("labels", {}), "metadata.labels")
+        assert not missing, f"{doc['kind']} {doc['metadata']['name']}: the API server dropped or changed {missing}"
+    return created
+
+
+@pytest.mark.parametrize("variant", ["cluster-wide", "namespaced"])
+def test_rendered_chart_is_accepted_by_the_api_server(api_client, namespace, variant):
+    release = f"r{uuid.uuid4().hex[:6]}"
+    values = {} if variant == "cluster-wide" else {"watch": {"clusterWide": False}}
+    docs = render(values, release=release, namespace=namespace)
+    kinds = {d["kind"] for d in docs}
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"} <= kinds
+    if variant == "namespaced":
+        assert {"Role", "RoleBinding"} <= kinds
+    created = []
+    try:
+        created = _create_all(api_client, docs, namespace)
+        apps = client.AppsV1Api(api_client)
+        deploy = apps.read_namespaced_deployment(f"{release}-rlkube", namespace)
+        assert deploy.spec.template.spec.service_account_name == f"{release}-rlkube"
+        assert deploy.spec.template.spec.containers[0].liveness_probe.http_get.port == "healthz"
+    finally:
+        for res, got in created:
+            if not res.namespaced:  # the namespace fixture removes the rest
+                res.delete(name=got["metadata"]["name"])
+
+
+def test_server_rejects_a_broken_render(api_client, namespace):
+    # The acceptance above means something: the same Deployment with an invalid port name is refused.
+    docs = render(release="bad", namespace=namespace)
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    deploy["spec"]["template"]["spec"]["containers"][0]["ports"][0]["name"] = "Not_A_Port_Name"
+    with pytest.raises(ApiException) as err:
+        _create_all(api_client, [deploy], namespace)
+    assert err.value.status == 422 and "ports[0].name" in err.value.body
+
+
+# --- a control plane with RBAC ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rbac_cluster(tmp_path_factory):
+    from conftest import track
+
+    cp = ControlPlane(tmp_path_factory.mktemp("rbac-cp"), with_controller_manager=False, authorization_mode="RBAC")
+    cp.start()
+    for name, proc in cp.procs.items():
+        track(name, proc.pid)
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="module")
+def rbac_api(rbac_cluster):
+    api = config.new_client_from_config(config_file=str(rbac_cluster.kubeconfig))
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="module")
+def helm_in(rbac_cluster):
+    """Helm action configs for the RBAC cluster, one per release namespace (where Helm keeps the release)."""
+    configs = {}
+
+    def get(namespace: str) -> helm.Config:
+        if namespace not in configs:
+            configs[namespace] = helm.Config(kubeconfig_path=rbac_cluster.kubeconfig, namespace=namespace)
+        return configs[namespace]
+
+    yield get
+    for cfg in configs.values():
+        cfg.close()
+
+
+def _sa_user(namespace: str, name: str) -> dict:
+    return {
+        "user": f"system:serviceaccount:{namespace}:{name}",
+        "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"],
+    }
+
+
+def _allowed(api, who: dict, group: str, resource: str, verb: str, namespace: str | None) -> bool:
+    resource, _, sub = resource.partition("/")
+    attrs = {"group": group, "resource": resource, "verb": verb}
+    if sub:
+        attrs["subresource"] = sub
+    if namespace:
+        attrs["namespace"] = namespace
+    review = client.AuthorizationV1Api(api).create_subject_access_review(
+        {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+         "spec": {**who, "resourceAttributes": attrs}}
+    )
+    return bool(review.status.allowed)
+
+
+def _denials(api, who, needs, namespace) -> list:
+    return [n for n in needs if not _allowed(api, who, *n, namespace)]
+
+
+def _grants(api, who, extras, namespace) -> list:
+    return [n for n in extras if _allowed(api, who, *n, namespace)]
+
+
+def _ensure_namespace(api, name: str) -> None:
+    try:
+        client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def _wait_established(api, names: list[str], timeout: float = 30) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        for name in list(pending):
+            conds = ext.read_custom_resource_definition(name).status.conditions or []
+            if any(c.type == "Established" and c.status == "True" for c in conds):
+                pending.discard(name)
+        time.sleep(0.1)
+    assert not pending, f"CRDs not Established: {pending}"
+
+
+def test_helm_install_cluster_wide_with_peering(rbac_api, helm_in):
+    release, ns = "cw", "rlkube-system"
+    helm_config = helm_in(ns)
+    rel = helm_config.install(CHART, release, {"peering": {"enabled": True}, "replicas": 2},
+                              namespace=ns, create_namespace=True, timeout=60)
+    try:
+        assert rel["status"] == "deployed"
+        _wait_established(rbac_api, ["trainingjobs.rlkube.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"])
+        custom = client.CustomObjectsApi(rbac_api)
+        assert custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", "rlkube")
+        sa = _sa_user(ns, "cw-rlkube")
+        for where in ("default", "any-namespace"):
+            assert not _denials(rbac_api, sa, OPERATOR_NEEDS, where), where
+            assert not _grants(rbac_api, sa, NOT_NEEDED, where), where
+        assert not _denials(rbac_api, sa, FRAMEWORK_NEEDS, None)
+        assert _grants(rbac_api, sa, NAMESPACE_OBSERVATION, None) == []  # a cluster-wide kopf never reads them
+        assert not _denials(rbac_api, sa, [("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")], None)
+        assert _grants(rbac_api, sa, [("kopf.dev", "clusterkopfpeerings", "delete")], None) == []
+        # The authorizer really decides: another ServiceAccount of the namespace gets nothing.
+        assert _denials(rbac_api, _sa_user(ns, "default"), OPERATOR_NEEDS, "default") == OPERATOR_NEEDS
+    finally:
+        helm_config.uninstall(release, wait="watcher", timeout=60)
+    rbac = client.RbacAuthorizationV1Api(rbac_api)
+    assert not [r for r in rbac.list_cluster_role().items if r.metadata.name.startswith("cw-rlkube")]
+    assert _denials(rbac_api, _sa_user(ns, "cw-rlkube"), OPERATOR_NEEDS[:3], "default") == OPERATOR_NEEDS[:3]
+
+
+def test_helm_install_namespaced(rbac_api, helm_in):
+    for name in ("team-a", "team-b"):
+        _ensure_namespace(rbac_api, name)
+    release, ns = "nsd", "rlkube-ops"
+    helm_config = helm_in(ns)
+    values = {"watch": {"clusterWide": False, "namespaces": ["team-a"]}, "peering": {"enabled": True}}
+    helm_config.install(CHART, release, values, namespace=ns, create_namespace=True, timeout=60)
+    try:
+        sa = _sa_user(ns, "nsd-rlkube")
+        assert not _denials(rbac_api, sa, OPERATOR_NEEDS, "team-a")
+        assert not _grants(rbac_api, sa, NOT_NEEDED, "team-a")
+        # Nothing of the workload permissions outside the watched namespace.
+        assert _grants(rbac_api, sa, OPERATOR_NEEDS, "team-b") == []
+        assert _grants(rbac_api, sa, OPERATOR_NEEDS, ns) == []
+        assert not _denials(rbac_api, sa, FRAMEWORK_NEEDS + NAMESPACE_OBSERVATION, None)
+        assert not _denials(rbac_api, sa, [("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")], "team-a")
+        assert _grants(rbac_api, sa, [("kopf.dev", "clusterkopfpeerings", "patch")], None) == []
+        custom = client.CustomObjectsApi(rbac_api)
+        assert custom.get_namespaced_custom_object("kopf.dev", "v1", "team-a", "kopfpeerings", "rlkube")
+    finally:
+        helm_config.uninstall(release, wait="watcher", timeout=60)
+
+
+def _token_kubeconfig(api, cp: ControlPlane, namespace: str, sa: str, path: Path) -> Path:
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(
+        sa, namespace, {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                        "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}}
+    ).status.token
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "local", "cluster": {"server": cp.url, "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa", "namespace": namespace}}],
+    }))
+    return path
+
+
+def _poll(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+PERMISSION_ERRORS = ("APIForbiddenError", "forbidden", "Forbidden", "Not enough permissions")
+
+
+@pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
+def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_in, tmp_path, mode):
+    release, ns, team = f"kp{mode[0]}", f"rlkube-kopf-{mode}", f"team-k{mode[0]}"
+    helm_config = helm_in(ns)
+    _ensure_namespace(rbac_api, team)
+    values = {"peering": {"enabled": True}}
+    scope = ["--all-namespaces"]
+    if mode == "namespaced":
+        values["watch"] = {"clusterWide": False, "namespaces": [team]}
+        scope = [f"--namespace={team}"]
+    helm_config.install(CHART, release, values, namespace=ns, create_namespace=True, timeout=60)
+    log = tmp_path / "kopf.log"
+    proc = None
+    try:
+        kubeconfig = _token_kubeconfig(rbac_api, rbac_cluster, ns, f"{release}-rlkube", tmp_path / "sa-kubeconfig")
+        # The same framework flags the chart gives `rlkube operator`: scope, peering, liveness.
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kopf", "run", *scope, "--peering=rlkube", "--verbose",
+                 "--liveness=http://127.0.0.1:0/healthz", str(HERE / "rbac_probe_operator.py")],
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        custom = client.CustomObjectsApi(rbac_api)
+        body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
+
+        def handled():
+            obj = custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
+            return obj if (obj.get("status") or {}).get("phase") == "Pending" and obj["metadata"].get("finalizers") else None
+
+        obj = _poll(handled, 60, "kopf did not handle the TrainingJob: " + log.read_text()[-3000:])
+        assert obj["metadata"]["finalizers"]
+        events = client.CoreV1Api(rbac_api).list_namespaced_event(team).items
+        assert any(e.reason == "Probe" for e in events), [e.reason for e in events]
+        if mode == "cluster-wide":
+            peering = custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", "rlkube")
+        else:
+            peering = custom.get_namespaced_custom_object("kopf.dev", "v1", team, "kopfpeerings", "rlkube")
+        assert peering.get("status"), "kopf did not register itself in the peering object"
+        # Deletion goes through kopf's finalizer, which it must be allowed to remove.
+        custom.delete_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
+
+        def gone():
+            try:
+                custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
+                return False
+            except ApiException as exc:
+                return exc.status == 404
+
+        _poll(gone, 60, "the TrainingJob was not released: " + log.read_text()[-3000:])
+        text = log.read_text()
+        errors = [line for line in text.splitlines() if any(sign in line for sign in PERMISSION_ERRORS)]
+        assert not errors, "kopf hit permission errors:\n" + "\n".join(line[:400] for line in errors[:10])
+        assert "probe handled tiny-cpu" in text and "probe released tiny-cpu" in text
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        helm_config.uninstall(release, wait="watcher", timeout=60)
+
+
+def test_namespaced_render_for_the_shared_cluster_has_no_peering_objects():
+    # The shared test cluster has no kopf.dev CRDs: the default and namespaced renders must not need them.
+    assert not find(render(), "ClusterKopfPeering")
+    assert not find(render({"watch": {"clusterWide": False}}), "KopfPeering")
