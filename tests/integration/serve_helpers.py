@@ -136,8 +136,8 @@ class RoleProcesses:
                     stream.close()
 
 
-def publish(trainer: subprocess.Popen, version: int) -> None:
-    trainer.stdin.write(f"{version}\n")
+def publish(trainer: subprocess.Popen, version: int, documents_seen: int | None = None) -> None:
+    trainer.stdin.write(f"{version}\n" if documents_seen is None else f"{version} {documents_seen}\n")
     trainer.stdin.flush()
 
 

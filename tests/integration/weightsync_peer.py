@@ -2,7 +2,7 @@
 
 `python weightsync_peer.py ADDR WORLD REDIS_URL PREFIX START_VERSION [JOB_CONFIG]`: starts a WeightPublisher
 (announces a new epoch with START_VERSION and sends it; with JOB_CONFIG the weights are the job's tiny model
-nudged per version, else small test tensors), then publishes one version per line read from stdin, printing
+nudged per version, else small test tensors), then publishes one version per line read from stdin (`VERSION [DOCUMENTS_SEEN]`), printing
 `published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile.
 """
 
@@ -52,8 +52,8 @@ def main() -> None:
     pub.start(weights(int(first)).items(), version=int(first))
     print(f"published {first}", flush=True)
     for line in sys.stdin:
-        v = int(line)
-        pub.publish(weights(v).items(), version=v, step=v, documents_seen=v * 4)
+        v, *seen = (int(x) for x in line.split())
+        pub.publish(weights(v).items(), version=v, step=v, documents_seen=seen[0] if seen else v * 4)
         print(f"published {v}", flush=True)
     pub.close()
     print("closed", flush=True)

@@ -1,0 +1,350 @@
+"""The actor role (`python -m rlkube.core.actor`): samples rollout groups from inference and scores them.
+
+It waits until every inference server (RLKUBE_INFERENCE_URLS) answers /health, then runs a few concurrent
+workers, each looping: reserve a group's samples within the lag bound (core/lag.py) -> a task prompt ->
+POST /v1/completions with n = groupSize (round robin over the servers) -> the task's reward per completion ->
+XADD one `RolloutGroup` entry with the per-token sampling log-probs.
+
+Rules it keeps (seed-systems section 6):
+- It stops (exit 0) on `training_finished`, NEVER by counting samples (6.1); SIGTERM also exits 0 promptly.
+- A group's `model_version` is the version of the weights that sampled it, stamped at the rollout's start
+  (6.9): the server's `model_version` (the policy its batch started with), else the trainer version the actor
+  knew when it sent the request.
+- A failed HTTP request is retried (on the next server, with backoff), never fatal; a 400 (a prompt the model
+  cannot take) skips that prompt.
+- Any number of replicas (RLKUBE_INDEX) can run at once: the lag counter is shared in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from rlkube.core import protocol, runtime
+from rlkube.core.lag import LagCounter, documents_seen_of
+from rlkube.core.tasks import Task, load_task
+
+log = logging.getLogger("rlkube.actor")
+
+ENV_STALL_SECONDS = "RLKUBE_ACTOR_STALL_SECONDS"  # optional: holding this long without progress frees credit
+DEFAULT_STALL_S = 60.0
+REQUEST_TIMEOUT_S = 300.0
+MAX_WORKERS_PER_SERVER = 8
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class TrainerView:
+    """What the actor knows about the trainer, from its events."""
+
+    version: int | None = None  # None until the first weights_ready
+    documents_seen: int = 0
+    finished: bool = False
+    last_event_at: float = 0.0
+
+
+class InferenceError(RuntimeError):
+    pass
+
+
+class BadPrompt(InferenceError):
+    pass
+
+
+class Actor:
+    def __init__(self, ctx: runtime.RoleContext, client: aioredis.Redis, task: Task,
+                 stall_s: float = DEFAULT_STALL_S):
+        if not ctx.inference_urls:
+            raise SystemExit(f"{runtime.ENV_INFERENCE_URLS} is not set: the actor needs the inference servers")
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.algo = ctx.spec.algorithm
+        self.redis = client
+        self.keys = ctx.keys
+        self.task = task
+        self.name = f"actor-{ctx.index}"
+        self.urls = [u.rstrip("/") for u in ctx.inference_urls]
+        self.stall_s = stall_s
+        self.lag = LagCounter(client, self.keys, self.algo.max_lag, self.algo.samples_per_step)
+        self.view = TrainerView()
+        self.changed = asyncio.Event()  # set on every weights_ready / training_finished
+        self.stop = asyncio.Event()
+        self.rng = random.Random(ctx.spec.model.seed * 1_000_003 + 7919 * ctx.index + 1)
+        self._servers = itertools.cycle(range(len(self.urls)))
+        self.groups = 0
+        self.samples = 0
+        self.reward_sum = 0.0
+        self.holds = 0
+        self.started = time.monotonic()
+        self.failed: BaseException | None = None
+
+    # --- events --------------------------------------------------------------------------------------
+
+    async def _apply(self, event: protocol.TrainerEvent) -> None:
+        if event.type == protocol.TRAINING_FINISHED:
+            log.info("training_finished (%s): stopping after %d groups", event.stream_id, self.groups)
+            self.view.finished = True
+            self.stop.set()
+        elif event.type == protocol.WEIGHTS_READY:
+            version, seen = documents_seen_of(event.payload, self.algo.samples_per_step)
+            lowered = await self.lag.on_weights_ready(event.stream_id, seen)
+            if lowered:
+                log.warning("trainer went back to %d documents seen (a restart): lag credit lowered by %d",
+                            seen, lowered)
+            self.view.version, self.view.documents_seen = version, seen
+            self.view.last_event_at = time.monotonic()
+        else:
+            return
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _catch_up(self) -> str:
+        """The newest weights_ready/training_finished already in the stream; returns where to read on."""
+        newest = "+"
+        while True:
+            entries = await self.redis.xrevrange(self.keys.events, max=newest, count=64)
+            for sid, fields in entries:
+                event = protocol.decode_event(sid, fields)
+                if event and event.type in (protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED):
+                    await self._apply(event)
+                    return event.stream_id
+            if len(entries) < 64:
+                return "0-0"
+            newest = "(" + _text(entries[-1][0])
+
+    async def follow_events(self) -> None:
+        last_id: str | None = None
+        while not self.stop.is_set():
+            try:
+                if last_id is None:
+                    last_id = await self._catch_up()
+                    continue
+                reply = await self.redis.xread({self.keys.events: last_id}, block=1000, count=64)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("events stream unreachable (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+                continue
+            for _, entries in reply or []:
+                for sid, fields in entries:
+                    last_id = _text(sid)
+                    event = protocol.decode_event(sid, fields)
+                    if event is not None:
+                        await self._apply(event)
+
+    # --- inference -----------------------------------------------------------------------------------
+
+    async def wait_for_inference(self, session: aiohttp.ClientSession) -> None:
+        pending = set(self.urls)
+        last_log = 0.0
+        while pending and not self.stop.is_set():
+            for url in list(pending):
+                try:
+                    async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                        if resp.status == 200:
+                            pending.discard(url)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+            if pending and time.monotonic() - last_log > 30:
+                log.info("waiting for inference health: %s", ", ".join(sorted(pending)))
+                last_log = time.monotonic()
+            if pending:
+                await asyncio.sleep(0.5)
+
+    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str) -> dict:
+        body = {
+            "model": self.spec.model.path,
+            "prompt": prompt,
+            "n": self.algo.group_size,
+            "max_tokens": self.algo.max_new_tokens,
+            "temperature": self.algo.temperature,
+            "logprobs": 0,
+            "seed": self.rng.getrandbits(62),
+        }
+        try:
+            async with session.post(url + "/v1/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
+                reply = await resp.json(content_type=None)
+                if resp.status == 400:
+                    raise BadPrompt(f"{url} rejected the prompt {prompt!r}: {reply}")
+                if resp.status != 200:
+                    raise InferenceError(f"{url} answered {resp.status}: {reply}")
+                return reply
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise InferenceError(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+    async def sample_group(self, session: aiohttp.ClientSession) -> protocol.RolloutGroup | None:
+        """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt."""
+        prompt = self.task.prompt(self.rng)
+        version_at_start = self.view.version or 0
+        delay = 0.2
+        while not self.stop.is_set():
+            url = self.urls[next(self._servers)]
+            try:
+                reply = await self._complete(session, url, prompt.text)
+                break
+            except BadPrompt as exc:
+                log.error("%s; skipping it", exc)
+                return None
+            except InferenceError as exc:
+                log.warning("inference request failed (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        else:
+            return None
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        samples = []
+        for c in choices:
+            lp = (c.get("logprobs") or {}).get("token_logprobs") or []
+            reward = float(self.task.reward(prompt, c["text"]))
+            samples.append(protocol.Sample(completion_tokens=[int(t) for t in c["token_ids"]],
+                                           logprobs=[float(x) for x in lp], reward=reward,
+                                           finished=c.get("finish_reason") == "stop"))
+        version = reply.get("model_version")
+        return protocol.RolloutGroup(
+            group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
+            prompt_tokens=[int(t) for t in choices[0]["prompt_token_ids"]],
+            samples=samples,
+            model_version=int(version) if isinstance(version, int) else version_at_start,
+            expected_size=self.algo.group_size,
+            actor=self.name,
+            created_at=time.time(),
+        )
+
+    # --- workers -------------------------------------------------------------------------------------
+
+    async def reserve(self) -> bool:
+        """Wait until a group fits within the lag bound and reserve it; False when the actor stops."""
+        n = self.algo.group_size
+        held_since: float | None = None
+        waiting_logged = False
+        while not self.stop.is_set():
+            changed = self.changed
+            if self.view.version is None:
+                if not waiting_logged:
+                    log.info("waiting for the trainer's first weights_ready")
+                    waiting_logged = True
+            elif await self.lag.reserve(n, self.view.documents_seen):
+                return True
+            elif held_since is None:
+                held_since = time.monotonic()
+                self.holds += 1
+                log.info("holding: another group would exceed maxLag=%d (trainer version %d, %d documents seen)",
+                         self.algo.max_lag, self.view.version, self.view.documents_seen)
+            else:
+                waited = time.monotonic() - max(held_since, self.view.last_event_at)
+                if waited >= self.stall_s and await self.lag.release_if_stalled(n, self.stall_s):
+                    log.warning("no trainer progress for %.0fs while holding: releasing %d samples of lag credit "
+                                "(samples that never reached the trainer, seed 6.8)", waited, n)
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=min(1.0, self.stall_s))
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    async def worker(self, session: aiohttp.ClientSession) -> None:
+        while not self.stop.is_set():
+            if not await self.reserve():
+                return
+            produced = False
+            try:
+                group = await self.sample_group(session)
+                if group is not None and not self.stop.is_set():
+                    await self.redis.xadd(self.keys.rollouts, group.encode())
+                    produced = True
+                    self.groups += 1
+                    self.samples += len(group.samples)
+                    self.reward_sum += sum(s.reward for s in group.samples)
+                    if self.groups % 20 == 0:
+                        rate = self.samples / max(time.monotonic() - self.started, 1e-9)
+                        log.info("%d groups, %.1f samples/s, mean reward %.3f, version %s", self.groups, rate,
+                                 self.reward_sum / max(self.samples, 1), self.view.version)
+            finally:
+                if not produced:
+                    # Cancelled, stopped or skipped: the reservation was not used (best effort on shutdown).
+                    try:
+                        await asyncio.shield(self.lag.give_back(self.algo.group_size))
+                    except Exception:  # noqa: BLE001
+                        pass
+
+    def worker_count(self) -> int:
+        per_server = max(1, min(MAX_WORKERS_PER_SERVER, self.algo.samples_per_step // self.algo.group_size))
+        return per_server * len(self.urls)
+
+    def _events_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # Without events the actor can neither follow the lag bound nor stop: fail loudly (a restart helps).
+            log.error("following the events stream failed: %r", task.exception())
+            self.failed = task.exception()
+            self.stop.set()
+
+    async def run(self) -> int:
+        events = asyncio.create_task(self.follow_events(), name="events")
+        events.add_done_callback(self._events_done)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await self.wait_for_inference(session)
+                if self.stop.is_set():
+                    return 0
+                n = self.worker_count()
+                log.info("%s: %d workers over %d inference servers (group %d, maxLag %d, %d samples/step)",
+                         self.name, n, len(self.urls), self.algo.group_size, self.algo.max_lag,
+                         self.algo.samples_per_step)
+                workers = [asyncio.create_task(self.worker(session), name=f"worker-{i}") for i in range(n)]
+                stop_wait = asyncio.create_task(self.stop.wait())
+                done, _ = await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_EXCEPTION)
+                for w in workers:
+                    w.cancel()
+                results = await asyncio.gather(*workers, return_exceptions=True)
+                stop_wait.cancel()
+                errors = [r for r in results if isinstance(r, BaseException)
+                          and not isinstance(r, asyncio.CancelledError)]
+                if errors:
+                    raise errors[0]
+        finally:
+            events.cancel()
+            await asyncio.gather(events, return_exceptions=True)
+        if self.failed is not None:
+            raise self.failed
+        log.info("%s stopped: %d groups, %d samples, mean reward %.3f, held %d times", self.name, self.groups,
+                 self.samples, self.reward_sum / max(self.samples, 1), self.holds)
+        return 0
+
+
+async def amain() -> int:
+    ctx = runtime.RoleContext.from_env()
+    task = load_task(ctx.spec.task)
+    stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
+    client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
+    actor = Actor(ctx, client, task, stall_s=stall_s)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.stop.set()))
+    try:
+        return await actor.run()
+    finally:
+        await client.aclose()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(levelname)s %(message)s")
+    return asyncio.run(amain())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

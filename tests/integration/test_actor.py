@@ -1,0 +1,158 @@
+"""The actor role as real processes against a real native inference server, real Redis and a trainer stand-in.
+
+Covered: the lag bound (holds at exactly (maxLag+1) x samplesPerStep samples ahead of the trainer, shared by two
+replicas, resumes on weights_ready), the rebase after a trainer restart, stopping on training_finished and never
+on counts, SIGTERM -> exit 0, and an inference server that dies and comes back is retried, not fatal.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from rlkube.core import protocol
+from rlkube.core.lag import LagKeys
+
+from serve_helpers import (  # noqa: I001 - test-local helper modules
+    PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_until, write_config,
+)
+
+KEYS = protocol.StreamKeys(PREFIX)
+LAG = LagKeys.for_job(KEYS)
+
+
+def make_roles(tmp_path, redis_server, **algorithm) -> RoleProcesses:
+    return RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, job_spec(**algorithm)))
+
+
+@pytest.fixture
+def stack(tmp_path, redis_server, redis_client):
+    """Factory: inference server + trainer stand-in (version 0 announced and transferred) for a given algorithm."""
+    made: list[RoleProcesses] = []
+
+    def start(**algorithm):
+        roles = make_roles(tmp_path, redis_server, **algorithm)
+        made.append(roles)
+        port = free_port()
+        server = roles.start_role("inference", RLKUBE_PORT=str(port))
+        url = f"http://127.0.0.1:{port}"
+        trainer = roles.start_trainer(0)
+        wait_until(lambda: http_status(url + "/health") == 200 or server.poll() is not None, 60, "inference health")
+        assert server.poll() is None, log_text(server)
+        return roles, url, server, trainer, port
+
+    yield start
+    for roles in made:
+        roles.cleanup()
+
+
+def start_actor(roles: RoleProcesses, url: str, index: int = 0, **env: str):
+    return roles.start_role("actor", name=f"actor{index}", RLKUBE_INFERENCE_URLS=url, RLKUBE_INDEX=str(index),
+                            **env)
+
+
+def groups(redis_client) -> list[protocol.RolloutGroup]:
+    return [protocol.RolloutGroup.decode(f) for _, f in redis_client.xrange(KEYS.rollouts)]
+
+
+def reserved(redis_client) -> int:
+    return int(redis_client.get(LAG.reserved) or 0)
+
+
+def holds(proc) -> int:
+    return len(re.findall(r"holding: ", log_text(proc)))
+
+
+def test_two_replicas_hold_at_max_lag_and_resume_on_weights_ready(stack, redis_client):
+    # groupSize 4, samplesPerStep 8, maxLag 1: (1+1) x 8 = 16 samples = 4 groups may be ahead of the trainer.
+    roles, url, _, trainer, _ = stack(groupSize=4, samplesPerStep=8, maxLag=1)
+    actors = [start_actor(roles, url, i) for i in (0, 1)]
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 4 and all(holds(a) for a in actors), 60,
+               "4 groups and both replicas holding")
+    assert reserved(redis_client) == 16  # full: nothing more can be produced until the trainer moves
+    assert redis_client.xlen(KEYS.rollouts) == 4
+
+    before = holds(actors[0]) + holds(actors[1])
+    publish(trainer, 1, documents_seen=8)  # one step consumed 8 documents: room for 2 more groups
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 6 and holds(actors[0]) + holds(actors[1]) > before, 60,
+               "2 more groups, then holding again")
+    assert reserved(redis_client) == 24 and redis_client.xlen(KEYS.rollouts) == 6
+
+    got = groups(redis_client)
+    assert len({g.group_id for g in got}) == 6
+    assert {g.actor for g in got} <= {"actor-0", "actor-1"}
+    assert [g.model_version for g in got[:4]] == [0, 0, 0, 0]
+    assert all(g.model_version in (0, 1) for g in got[4:])
+    for g in got:
+        assert g.expected_size == 4 and len(g.samples) == 4
+        assert re.fullmatch(r"\d+:", roles_tokenizer_decode(g.prompt_tokens))
+        for s in g.samples:
+            assert len(s.completion_tokens) == len(s.logprobs) >= 1
+            assert all(lp <= 0 for lp in s.logprobs)
+            assert 0.0 <= s.reward <= 1.0
+
+    redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
+    for a in actors:
+        assert a.wait(timeout=20) == 0, log_text(a)
+
+
+def roles_tokenizer_decode(ids: list[int]) -> str:
+    from rlkube.core.model import CharTokenizer
+
+    return CharTokenizer().decode(ids)
+
+
+def test_restarted_trainer_lowers_the_lag_credit(stack, redis_client):
+    roles, url, _, trainer, _ = stack(groupSize=4, samplesPerStep=8, maxLag=1)
+    publish(trainer, 1, documents_seen=8)
+    publish(trainer, 2, documents_seen=16)
+    actor = start_actor(roles, url)
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 8 and holds(actor), 60, "8 groups, holding")
+    assert reserved(redis_client) == 32
+
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(timeout=10)
+    second = roles.start_trainer(1)  # resumed from its step-1 checkpoint: 8 documents seen, not 16
+    wait_until(lambda: "lag credit lowered by 8" in log_text(actor), 60, "the rebase")
+    assert reserved(redis_client) == 24
+    publish(second, 2, documents_seen=16)  # without the rebase the counter (32) would stay full here
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 10, 60, "2 more groups after the restart")
+    redis_client.xadd(KEYS.events, protocol.training_finished(step=2))
+    assert actor.wait(timeout=20) == 0
+
+
+def test_stops_on_training_finished_and_not_on_counts(stack, redis_client):
+    # maxSteps 1 x samplesPerStep 4 is one group; a count-based actor would stop there.
+    roles, url, _, _, _ = stack(maxSteps=1, groupSize=4, samplesPerStep=4, maxLag=20)
+    actor = start_actor(roles, url)
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 4, 60, "more groups than maxSteps x samplesPerStep")
+    assert actor.poll() is None
+    redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
+    assert actor.wait(timeout=20) == 0
+    assert "training_finished" in log_text(actor)
+
+
+def test_sigterm_exits_zero_and_returns_unused_credit(stack, redis_client):
+    roles, url, _, _, _ = stack(groupSize=4, samplesPerStep=4, maxLag=0)
+    actor = start_actor(roles, url)
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 1 and holds(actor), 60, "one group, then holding")
+    actor.send_signal(signal.SIGTERM)
+    assert actor.wait(timeout=20) == 0
+    assert reserved(redis_client) == 4  # exactly the produced group; no reservation leaked
+
+
+def test_dead_inference_server_is_retried(stack, redis_client):
+    roles, url, server, _, port = stack(groupSize=4, samplesPerStep=4, maxLag=50)
+    actor = start_actor(roles, url, RLKUBE_ACTOR_STALL_SECONDS="5")
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 2, 60, "first groups")
+    server.send_signal(signal.SIGKILL)
+    server.wait(timeout=10)
+    wait_until(lambda: "inference request failed" in log_text(actor), 60, "a failed request")
+    count = redis_client.xlen(KEYS.rollouts)
+    roles.start_role("inference", RLKUBE_PORT=str(port))  # same address, e.g. the pod restarted in place
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= count + 2, 60, "groups after the restart")
+    assert actor.poll() is None
+    redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
+    assert actor.wait(timeout=20) == 0
