@@ -22,7 +22,15 @@ def _validate(args: argparse.Namespace) -> int:
     with open(args.file) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d is not None]
     status = 0
+    if all(_other_kind(doc) for doc in docs):
+        print(f"{args.file}: no TrainingJob in this file", file=sys.stderr)
+        status = 1
     for doc in docs:
+        if _other_kind(doc):
+            # A manifest may carry what the job needs (its password Secret, its checkpoint PVC): not ours to check.
+            meta = doc.get("metadata") or {}
+            print(f"{doc.get('kind')}/{meta.get('name')}: skipped (not a TrainingJob)")
+            continue
         try:
             meta, _ = parse_manifest(doc)
             print(f"{meta['name']}: valid")
@@ -31,6 +39,16 @@ def _validate(args: argparse.Namespace) -> int:
             for err in exc.errors:
                 print(f"{args.file}: {err}", file=sys.stderr)
     return status
+
+
+def _other_kind(doc) -> bool:
+    """A document of another API group and kind (a Secret, a PVC); a TrainingJob with a typo is still checked."""
+    from rlkube.api.spec import GROUP, KIND
+
+    if not isinstance(doc, dict):
+        return False
+    group = str(doc.get("apiVersion", "")).rpartition("/")[0]
+    return doc.get("kind") != KIND and group != GROUP and bool(doc.get("kind"))
 
 
 def _lazy(target: str):
