@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.namespace and not args.namespace_selector:
         p.error("give --namespace or --namespace-selector: the agent never runs pods it was not told to")
     urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # the test cluster is self-signed
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=logging.DEBUG if os.environ.get("NODEAGENT_DEBUG") else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -38,6 +38,7 @@ log = logging.getLogger("nodeagent.worker")
 PODINIT = str(Path(__file__).with_name("podinit.py"))
 RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"  # no DNS server: fail fast, use hosts
 RETRY_S = 2.0  # config/volume errors are retried this often (kubelet retries on its sync loop)
+MIN_GRACE_S = 2.0  # kubelet's minimumGracePeriodInSeconds: even a grace-0 delete gets 2 s before SIGKILL
 
 
 def killpg(pid: int, sig: int) -> None:
@@ -317,7 +318,7 @@ class PodWorker(threading.Thread):
     def _kill_container(self, c: Container, why: str) -> None:
         """Restart a container whose probe failed: SIGTERM, its terminationGracePeriodSeconds, SIGKILL."""
         proc = self.procs[c.name]
-        grace = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        grace = max(float(self.pod["spec"].get("terminationGracePeriodSeconds", 30)), MIN_GRACE_S)
         self.agent.signal_log("SIGTERM", self, containers=[c.name], grace=grace, reason=why)
         self.agent.event(self.pod, "Normal", "Killing", f"Container {c.name} {why}, will be restarted")
         killpg(proc.pid, signal.SIGTERM)
@@ -357,8 +358,7 @@ class PodWorker(threading.Thread):
             grace = self.grace if deleted else float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
             if self.stop_grace is not None:
                 grace = min(grace if grace is not None else self.stop_grace, self.stop_grace)
-            if gone and not deleted:
-                grace = 2.0  # force-deleted without a graceful delete first: kubelet's minimum grace
+            grace = max(grace if grace is not None else 0.0, MIN_GRACE_S)
         running = {name: p for name, p in self.procs.items() if p.poll() is None}
         self.agent.signal_log("deletion", self, containers=sorted(running), grace=grace,
                               reason="node agent stopping" if self.stop_grace is not None else "pod deleted")
@@ -374,9 +374,9 @@ class PodWorker(threading.Thread):
                 now = time.monotonic()
                 with self._lock:
                     if self.grace is not None and self.grace < grace:  # a second delete with a shorter grace
-                        deadline = min(deadline, t0 + self.grace)
-                    if self.gone and self.gone_at is not None:  # force-deleted meanwhile: 2 s more at most
-                        deadline = min(deadline, self.gone_at + 2.0)
+                        deadline = min(deadline, t0 + max(self.grace, MIN_GRACE_S))
+                    if self.gone and self.gone_at is not None:  # force-deleted meanwhile: the minimum at most
+                        deadline = min(deadline, max(self.gone_at, t0) + MIN_GRACE_S)
                 if now >= deadline:
                     break
                 self.wake.wait(min(0.1, deadline - now))
