@@ -290,3 +290,46 @@ class Env:
             live = {r.name for r in self.kubelet.live(job) if r.deleting_seq is None}
             return live == names
         await self.kubelet.wait_for(ok, timeout, f"pods {sorted(names)}")
+
+
+async def job_events(api: client.ApiClient, namespace: str, job: str) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Kubernetes Events on a TrainingJob."""
+    items = (
+        await client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={job}")
+    ).items
+    return [(e.type, e.reason, e.message or "") for e in items if e.involved_object.kind == "TrainingJob"]
+
+
+async def wait_event(api: client.ApiClient, namespace: str, job: str, reason: str, timeout: float = 20):
+    """Until an Event with `reason` is posted on the job (Events have no cheap watch here: poll the list)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in await job_events(api, namespace, job) if e[1] == reason]
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {reason} Event on {job} in {timeout}s: {await job_events(api, namespace, job)}")
+        await asyncio.sleep(0.2)
+
+
+# -- fixtures (imported by the operator test modules) -----------------------------------------------------
+
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+from kubernetes_asyncio import config as _config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+async def kapi(cluster, crd):
+    """An async API client (kubernetes_asyncio) for the session's cluster, with the CRD applied."""
+    api = await _config.new_client_from_config(config_file=str(cluster))
+    yield api
+    await api.close()
+
+
+@pytest.fixture
+async def env(kapi, cluster, tmp_path):
+    """A fresh namespace with its own operator subprocess, fake kubelet and recorder."""
+    async with Env(kapi, cluster, f"op-{uuid.uuid4().hex[:8]}", tmp_path) as e:
+        yield e

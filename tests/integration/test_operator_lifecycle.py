@@ -6,28 +6,15 @@ plays the kubelet (pod status, exit codes, removal after SIGTERM) and the traine
 
 from __future__ import annotations
 
-import uuid
+import json
 
 import pytest
-from operator_harness import Env, children, create_job, job_doc
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
+from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
 
 from rlkube.api.spec import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="session")
-async def kapi(cluster, crd):
-    api = await config.new_client_from_config(config_file=str(cluster))
-    yield api
-    await api.close()
-
-
-@pytest.fixture
-async def env(kapi, cluster, tmp_path):
-    async with Env(kapi, cluster, f"op-{uuid.uuid4().hex[:8]}", tmp_path) as e:
-        yield e
 
 
 def _env(pod: dict) -> dict[str, dict]:
@@ -91,8 +78,6 @@ async def test_example_creates_exactly_its_children_and_nothing_more(env: Env, k
     assert redis["command"][:2] == ["redis-server", "--port"] and "$(REDIS_PASSWORD)" in redis["command"]
     assert redis["readinessProbe"]["tcpSocket"]["port"] == 6379
     config_json = kids["ConfigMap/tiny-cpu-config"]["data"]["job.json"]
-    import json
-
     assert json.loads(config_json) == {"namespace": env.namespace, "name": "tiny-cpu", "spec": job["spec"]}
 
     # The operator reads events from its Redis pod (a real redis-server at the pod IP, password from the Secret).

@@ -42,6 +42,8 @@ RESYNC_SECONDS = 60.0
 """Longest sleep between passes with nothing to wake them: re-derives state from the index (no API reads)."""
 INFLIGHT_SECONDS = 60.0
 """How long a pod this loop created counts as present while the watch has not delivered it yet."""
+PASS_TIMEOUT = 120.0
+"""A pass stuck on the network longer than this is abandoned and retried (it is idempotent)."""
 ERROR_BACKOFF = (0.5, 1, 2, 5, 10, 30)
 
 Key = tuple[str, str]
@@ -94,6 +96,16 @@ def merge_patch(old: dict, new: dict) -> dict:
         if key not in new:
             patch[key] = None
     return patch
+
+
+def describe(action: Any) -> str:
+    if isinstance(action, Create):
+        return f"create {action.kind}/{action.name}"
+    if isinstance(action, DeletePod):
+        return f"{'force-' if action.force else ''}delete Pod/{action.name} (grace {action.grace_seconds}s)"
+    if isinstance(action, DeleteObject):
+        return f"delete {action.kind}/{action.name}"
+    return type(action).__name__
 
 
 def without_empty_strings(node: Any) -> Any:
@@ -182,7 +194,8 @@ class JobLoop:
                 return
             self.wake.clear()
             try:
-                decision = await self.reconcile(body)
+                async with asyncio.timeout(PASS_TIMEOUT):
+                    decision = await self.reconcile(body)
                 self.errors = 0
             except (ApiException, RedisError, OSError, asyncio.TimeoutError) as exc:
                 delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
@@ -205,6 +218,16 @@ class JobLoop:
             job = job_view(body, status)
             obs = self._observe(job)
             decision = decide(job, obs, now(), password=secrets.token_urlsafe(24))
+            if decision.actions or decision.events:
+                td = decision.status.teardown
+                log.info(
+                    "%s/%s: %s%s; %s",
+                    self.namespace,
+                    self.name,
+                    decision.status.phase,
+                    f" (teardown {td.reason}: {td.stage})" if td else "",
+                    ", ".join(describe(a) for a in decision.actions) or "no actions",
+                )
             await self._apply(job, decision)
             await self._write_status(job, body, decision)
             for ev in decision.events:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 5000
 """XREAD block time. The socket timeout is longer, so a silent Redis shows up as a timeout error."""
 RETRY_MAX = 5.0
+STOP_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -50,16 +51,19 @@ class EventWatcher:
         self.buffer: list[TrainerEvent] = []
         self.source = EventSource()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def start(self) -> EventWatcher:
         self._task = asyncio.create_task(self._run(), name=f"events {self.target.stream}")
         return self
 
     async def stop(self) -> None:
+        """Cancel the reader. redis-py can turn a cancellation that lands inside connect() into a
+        ConnectionError, so the loop also checks `_stopping`, and this never waits long for it."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT)
             self._task = None
 
     def pending(self, after: str | None) -> list[TrainerEvent]:
@@ -81,7 +85,7 @@ class EventWatcher:
 
     async def _run(self) -> None:
         delay = 0.2
-        while True:
+        while not self._stopping:
             client = aioredis.Redis.from_url(
                 self.target.url,
                 password=self.target.password,
@@ -99,6 +103,8 @@ class EventWatcher:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
+                if self._stopping:
+                    return
                 message = f"{self.target.describe()}: {exc}"
                 log.warning("trainer events unreachable: %s", message)
                 self._set_source(EventSource("Unreachable", type(exc).__name__, message))
