@@ -34,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlkube.core import protocol, runtime
-from rlkube.core.lag import LagCounter, documents_seen_of
+from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.tasks import Task, load_task
 
 log = logging.getLogger("rlkube.actor")
@@ -93,6 +93,8 @@ class Actor:
         self.holds = 0
         self.started = time.monotonic()
         self.failed: BaseException | None = None
+        self.seen_at: dict[int, int] = {}  # version -> documents_seen announced with it
+        self.resampled = 0
 
     # --- events --------------------------------------------------------------------------------------
 
@@ -108,6 +110,9 @@ class Actor:
                 log.warning("trainer went back to %d documents seen (a restart): lag credit lowered by %d",
                             seen, lowered)
             self.view.version, self.view.documents_seen = version, seen
+            self.seen_at[version] = seen
+            if len(self.seen_at) > 4096:
+                self.seen_at.pop(min(self.seen_at))
             self.view.last_event_at = time.monotonic()
         else:
             return
@@ -166,7 +171,8 @@ class Actor:
             if pending:
                 await asyncio.sleep(0.5)
 
-    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str) -> dict:
+    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str,
+                        min_version: int | None) -> dict:
         body = {
             "model": self.spec.model.path,
             "prompt": prompt,
@@ -176,6 +182,8 @@ class Actor:
             "logprobs": 0,
             "seed": self.rng.getrandbits(62),
         }
+        if min_version is not None and self.spec.inference.engine == "native":
+            body["min_model_version"] = min_version  # our server's extension; vLLM does not know it
         try:
             async with session.post(url + "/v1/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
@@ -188,15 +196,22 @@ class Actor:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise InferenceError(f"{url}: {type(exc).__name__}: {exc}") from exc
 
-    async def sample_group(self, session: aiohttp.ClientSession) -> protocol.RolloutGroup | None:
-        """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt."""
+    def min_version(self, last: int) -> int | None:
+        """The oldest announced version whose weights keep sample number `last` within maxLag."""
+        ok = [v for v, seen in self.seen_at.items()
+              if last <= sample_budget(seen, self.algo.max_lag, self.algo.samples_per_step)]
+        return min(ok) if ok else None
+
+    async def sample_group(self, session: aiohttp.ClientSession, last: int) -> protocol.RolloutGroup | None:
+        """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt.
+        `last` is the reserved number of the group's last sample (it decides how old the weights may be)."""
         prompt = self.task.prompt(self.rng)
         version_at_start = self.view.version or 0
         delay = 0.2
         while not self.stop.is_set():
             url = self.urls[next(self._servers)]
             try:
-                reply = await self._complete(session, url, prompt.text)
+                reply = await self._complete(session, url, prompt.text, self.min_version(last))
                 break
             except BadPrompt as exc:
                 log.error("%s; skipping it", exc)
@@ -228,8 +243,9 @@ class Actor:
 
     # --- workers -------------------------------------------------------------------------------------
 
-    async def reserve(self) -> bool:
-        """Wait until a group fits within the lag bound and reserve it; False when the actor stops."""
+    async def reserve(self) -> int | None:
+        """Wait until a group fits within the lag bound and reserve it: the number of its last sample, or None
+        when the actor stops."""
         n = self.algo.group_size
         held_since: float | None = None
         waiting_logged = False
@@ -239,8 +255,8 @@ class Actor:
                 if not waiting_logged:
                     log.info("waiting for the trainer's first weights_ready")
                     waiting_logged = True
-            elif await self.lag.reserve(n, self.view.documents_seen):
-                return True
+            elif (last := await self.lag.reserve(n, self.view.documents_seen)) is not None:
+                return last
             elif held_since is None:
                 held_since = time.monotonic()
                 self.holds += 1
@@ -255,15 +271,24 @@ class Actor:
                 await asyncio.wait_for(changed.wait(), timeout=min(1.0, self.stall_s))
             except asyncio.TimeoutError:
                 pass
-        return False
+        return None
 
     async def worker(self, session: aiohttp.ClientSession) -> None:
         while not self.stop.is_set():
-            if not await self.reserve():
+            last = await self.reserve()
+            if last is None:
                 return
             produced = False
             try:
-                group = await self.sample_group(session)
+                group = await self.sample_group(session, last)
+                retry = 0
+                while group is not None and not self.fresh_enough(group, last) and not self.stop.is_set():
+                    # The server still had older weights than the announcement we reserved against (the
+                    # transfer follows the announcement), or it restarted and has not rejoined yet.
+                    self.resampled += 1
+                    retry += 1
+                    await asyncio.sleep(min(0.01 * 2**retry, 1.0))
+                    group = await self.sample_group(session, last)
                 if group is not None and not self.stop.is_set():
                     await self.redis.xadd(self.keys.rollouts, group.encode())
                     produced = True
@@ -281,6 +306,15 @@ class Actor:
                         await asyncio.shield(self.lag.give_back(self.algo.group_size))
                     except Exception:  # noqa: BLE001
                         pass
+
+    def fresh_enough(self, group: protocol.RolloutGroup, last: int) -> bool:
+        """Whether the group, sampled by `group.model_version`, stays within maxLag at its reserved number."""
+        seen = self.seen_at.get(group.model_version)
+        if seen is None:
+            # Newer than any announcement we saw (our event reader is behind): fresher than reserved for.
+            # Older than all we remember: too old.
+            return bool(self.seen_at) and group.model_version > max(self.seen_at)
+        return last <= sample_budget(seen, self.algo.max_lag, self.algo.samples_per_step)
 
     def worker_count(self) -> int:
         per_server = max(1, min(MAX_WORKERS_PER_SERVER, self.algo.samples_per_step // self.algo.group_size))
@@ -321,8 +355,9 @@ class Actor:
             await asyncio.gather(events, return_exceptions=True)
         if self.failed is not None:
             raise self.failed
-        log.info("%s stopped: %d groups, %d samples, mean reward %.3f, held %d times", self.name, self.groups,
-                 self.samples, self.reward_sum / max(self.samples, 1), self.holds)
+        log.info("%s stopped: %d groups, %d samples, mean reward %.3f, held %d times, %d groups sampled again "
+                 "(weights older than announced)", self.name, self.groups, self.samples,
+                 self.reward_sum / max(self.samples, 1), self.holds, self.resampled)
         return 0
 
 

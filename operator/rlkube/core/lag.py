@@ -11,6 +11,11 @@ it). Each actor reserves a whole group with one INCRBY; a reservation past the b
 actor waits for the next `weights_ready`. The counter is shared, so any number of actor replicas stay within
 the bound together.
 
+The announcement comes BEFORE the transfer, so for a moment the actor knows version v while the server still
+samples with v-1. The actor therefore checks the bound again with the version that actually sampled the group
+(the server's `model_version`, and the documents_seen announced with it) and samples the group again when
+that version is too old for the group's reserved number.
+
 Two ways the counter can overcount and would otherwise stall the job forever (seed 6.8):
 - a restarted trainer resumes with a smaller D than it had reached (the documents it read after its last
   checkpoint are gone): the first actor that sees the smaller D lowers the counter by the difference, once
@@ -90,13 +95,14 @@ class LagCounter:
         self.samples_per_step = samples_per_step
         self._rebase = client.register_script(_REBASE)
 
-    async def reserve(self, n: int, documents_seen: int) -> bool:
-        """Reserve n samples if they stay within the bound; False (nothing reserved) otherwise."""
-        total = await self.redis.incrby(self.keys.reserved, n)
+    async def reserve(self, n: int, documents_seen: int) -> int | None:
+        """Reserve n samples if they stay within the bound: the number of the last one, or None (nothing
+        reserved)."""
+        total = int(await self.redis.incrby(self.keys.reserved, n))
         if total <= sample_budget(documents_seen, self.max_lag, self.samples_per_step):
-            return True
+            return total
         await self.redis.decrby(self.keys.reserved, n)
-        return False
+        return None
 
     async def give_back(self, n: int) -> None:
         await self.redis.decrby(self.keys.reserved, n)

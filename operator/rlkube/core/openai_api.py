@@ -3,7 +3,9 @@
 Pure functions (no I/O), so every bad-input message can be tested without a server. The response follows
 OpenAI's `text_completion` object with vLLM's extensions that an RL actor needs: per choice `token_ids` (the
 sampled completion tokens) and `prompt_token_ids`, and a top-level `model_version` (the weights version that
-produced every choice of the response).
+produced every choice of the response). One request extension of ours: `min_model_version` makes the request
+wait (bounded) until the server has at least that weights version (the actor uses it right after an
+announcement, whose transfer follows it).
 """
 
 from __future__ import annotations
@@ -113,9 +115,10 @@ def parse_completion_request(body: Any, served: ServedModel) -> GenerationReques
         stop = tuple(stop)
     else:
         raise RequestError(f"`stop` must be a string or a list of at most {MAX_STOP} strings", "stop")
+    min_version = _int(body, "min_model_version", None, 0)
     return GenerationRequest(
         prompt_ids=prompt_ids, n=n, max_tokens=max_tokens, temperature=float(temperature), top_logprobs=top,
-        seed=seed, stop=stop,
+        seed=seed, stop=stop, min_version=min_version,
     )
 
 

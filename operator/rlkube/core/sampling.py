@@ -1,13 +1,15 @@
 """Batched sampling for the native inference engine: the torch side of `python -m rlkube.core.inference`.
 
 Kept apart from the HTTP server so it can be driven (and tested) without a socket. One worker thread takes every
-request that is waiting, runs them as ONE batch (all `n` samples of every request), and answers each request's
+request that may run, runs them as ONE batch (all `n` samples of every request), and answers each request's
 future. Rows are right-padded: with causal attention a real token never attends to the padding on its right, so
 no attention mask is needed and rows of different lengths share a forward pass (no KV cache: on the tiny model a
 full recompute per token is cheaper than the bookkeeping).
 
 The policy (model, version) is one immutable pair swapped by reference: a batch samples every token with the
 pair it took at its start, and a weight update never waits for generation nor generation for an update.
+A request may ask for `min_version` (the actor does, right after a `weights_ready` announcement, whose transfer
+follows it): it waits, without holding up the others, until that version is in, or at most MIN_VERSION_WAIT_S.
 
 Log-probs are those of the distribution actually sampled from, i.e. of logits / temperature (for temperature 0,
 of the raw logits), which is what the trainer's importance ratio needs (`model.token_logprobs` with the same
@@ -17,7 +19,6 @@ temperature reproduces them).
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import threading
 import time
@@ -29,6 +30,8 @@ import torch
 from rlkube.core.model import CharTokenizer
 
 log = logging.getLogger(__name__)
+
+MIN_VERSION_WAIT_S = 30.0  # a request asking for newer weights waits this long at most, then runs anyway
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: no log-probs wanted; 0: the sampled token's; k: plus the top k
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_version: int | None = None  # wait (up to MIN_VERSION_WAIT_S) until the policy is at least this version
 
 
 @dataclass
@@ -83,7 +87,8 @@ class SamplingEngine:
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self._seeds = random.Random(seed)
-        self._queue: queue.Queue[tuple[GenerationRequest, Future]] = queue.Queue()
+        self._pending: list[tuple[GenerationRequest, Future, float]] = []  # (request, future, deadline)
+        self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.batches = 0
@@ -99,13 +104,17 @@ class SamplingEngine:
     def set_policy(self, model: torch.nn.Module, version: int) -> None:
         """Swap the weights in; batches already running finish with the policy they started with."""
         model.eval()
-        self._policy = Policy(model, version)
+        with self._cv:
+            self._policy = Policy(model, version)
+            self._cv.notify_all()  # requests waiting for this version
 
     # --- requests --------------------------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> Future:
         fut: Future = Future()
-        self._queue.put((req, fut))
+        with self._cv:
+            self._pending.append((req, fut, time.monotonic() + MIN_VERSION_WAIT_S))
+            self._cv.notify_all()
         return fut
 
     def start(self) -> SamplingEngine:
@@ -115,24 +124,38 @@ class SamplingEngine:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def _take_ready(self) -> list[tuple[GenerationRequest, Future]]:
+        """Wait for requests that may run now (their min_version is reached or their wait is over)."""
+        with self._cv:
+            while not self._stop.is_set():
+                now, version = time.monotonic(), self._policy.version
+                ready, rows, waiting = [], 0, []
+                for item in self._pending:
+                    req, fut, deadline = item
+                    runnable = req.min_version is None or req.min_version <= version or deadline <= now
+                    if runnable and (not ready or rows + req.n <= self.max_batch_rows):
+                        ready.append((req, fut))
+                        rows += req.n
+                    else:
+                        waiting.append(item)
+                if ready:
+                    self._pending = waiting
+                    return ready
+                next_deadline = min((d for _, _, d in self._pending), default=now + 1.0)
+                self._cv.wait(timeout=max(0.01, min(1.0, next_deadline - now)))
+        return []
+
     def _work(self) -> None:
         while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            batch, rows = [first], first[0].n
-            while rows < self.max_batch_rows:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                batch.append(item)
-                rows += item[0].n
+            batch = self._take_ready()
             live = [(req, fut) for req, fut in batch if fut.set_running_or_notify_cancel()]
+            if not live:
+                continue
             try:
                 results = self.generate([req for req, _ in live])
             except Exception as exc:  # noqa: BLE001 - report to every waiting request, keep serving
