@@ -190,7 +190,7 @@ def _wait_established(api, names: list[str], timeout: float = 30) -> None:
 def test_helm_install_cluster_wide_with_peering(rbac_api, helm_in):
     release, ns = "cw", "rlkube-system"
     helm_config = helm_in(ns)
-    rel = helm_config.install(CHART, release, {"peering": {"enabled": True}, "replicas": 2},
+    rel = helm_config.install(CHART, release, {"peering": {"enabled": True}},
                               namespace=ns, create_namespace=True, timeout=60)
     try:
         assert rel["status"] == "deployed"

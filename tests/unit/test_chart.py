@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 NAMESPACED = {"watch": {"clusterWide": False, "namespaces": ["team-a", "team-b"]}}
-PEERING = {"peering": {"enabled": True}, "replicas": 2}
+PEERING = {"peering": {"enabled": True}}
 VARIANTS = {
     "default": {},
     "namespaced": NAMESPACED,
@@ -251,7 +251,7 @@ def test_cluster_wide_peering():
     parsed = build_parser().parse_args(_operator_args(docs))
     assert parsed.peering == "rlkube" and not parsed.standalone
     deploy = one(docs, "Deployment")
-    assert deploy["spec"]["replicas"] == 2 and deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "RollingUpdate"
 
 
 def test_namespaced_peering():
@@ -296,7 +296,8 @@ def test_image_and_extra_args():
 @pytest.mark.parametrize(
     "values, error, message",
     [
-        ({"replicas": 2}, helm.HelmRenderError, "peering.enabled"),
+        ({"replicas": 2}, helm.HelmRenderError, "standalone operators would all act"),
+        ({"replicas": 3, "peering": {"enabled": True}}, helm.HelmRenderError, "kopf pauses every operator of equal priority"),
         ({"watch": {"namespaces": ["a"]}}, helm.HelmRenderError, "watch.clusterWide"),
         ({"replicas": "two"}, helm.HelmValuesError, "/replicas"),
         ({"metrics": {"port": 0}}, helm.HelmValuesError, "/metrics/port"),
@@ -305,7 +306,7 @@ def test_image_and_extra_args():
         ({"image": {"pullPolicy": "Sometimes"}}, helm.HelmValuesError, "/image/pullPolicy"),
         ({"serviceAccount": {"create": False}}, helm.HelmRenderError, "serviceAccount.name"),
     ],
-    ids=["replicas-without-peering", "namespaces-while-cluster-wide", "replicas-type", "port-range", "unknown-key",
+    ids=["replicas-without-peering", "replicas-with-peering", "namespaces-while-cluster-wide", "replicas-type", "port-range", "unknown-key",
          "namespace-name", "pull-policy", "sa-name"],
 )
 def test_bad_values_are_refused_naming_the_value(values, error, message):

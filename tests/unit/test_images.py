@@ -9,6 +9,8 @@ images name.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import shlex
 import shutil
@@ -28,8 +30,11 @@ NAMES = ("operator", "core", "trainer-megatron", "trainer-fast-llm", "vllm")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 
-sys.path.insert(0, str(IMAGES))
-from requirements import requirement_name, requirements  # noqa: E402
+# Loaded from its path: putting images/ on sys.path would make images/vllm/ a `vllm` namespace package.
+_spec = importlib.util.spec_from_file_location("image_requirements", IMAGES / "requirements.py")
+_requirements = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_requirements)
+requirement_name, requirements = _requirements.requirement_name, _requirements.requirements
 
 
 class Dockerfile:
@@ -242,3 +247,20 @@ def test_dockerfile_shell_lines_parse():
             shlex.split(line)  # raises on unbalanced quotes
             out = subprocess.run(["sh", "-n", "-c", line], capture_output=True, text=True)
             assert out.returncode == 0, f"{name}: {line}\n{out.stderr}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_build_time_import_check_passes_here(name):
+    # Each Dockerfile ends its install with `python -c '<imports>' ${MODULES}`; run that exact check here, where
+    # what it needs is installed (torch yes; megatron-core, vLLM and Fast-LLM only in their own images).
+    df = DOCKERFILES[name]
+    (code,) = re.findall(r"python -c '([^']*)' \$\{MODULES\}", df.text)
+    for third_party in re.findall(r"import (megatron\.core|vllm|fast_llm)\b", code):
+        if importlib.util.find_spec(third_party.split(".")[0]) is None:
+            pytest.skip(f"{third_party} is not installed here; only its image has it")
+    missing = [m for m in df.modules if m.startswith("rlkube") and _module_file(m) is None]
+    if missing:
+        pytest.fail(f"{name}: {missing} not in the package (see test_modules_exist_in_the_package)")
+    out = subprocess.run([sys.executable, "-c", code, *df.modules], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, f"{name}: the image's import check fails here:\n{out.stderr[-3000:]}"

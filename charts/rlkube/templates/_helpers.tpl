@@ -54,8 +54,12 @@ app.kubernetes.io/part-of: rlkube
 
 {{/* Fail early on combinations the schema cannot express. */}}
 {{- define "rlkube.validate" -}}
-{{- if and (gt (int .Values.replicas) 1) (not .Values.peering.enabled) -}}
-{{- fail (printf "replicas: %d operators need peering.enabled=true (kopf peering picks the active one); without it they would all act on every TrainingJob" (int .Values.replicas)) -}}
+{{- if gt (int .Values.replicas) 1 -}}
+{{- if not .Values.peering.enabled -}}
+{{- fail (printf "replicas: %d standalone operators would all act on every TrainingJob; run one replica" (int .Values.replicas)) -}}
+{{- else -}}
+{{- fail (printf "replicas: %d operators would share one kopf peering priority, and kopf pauses every operator of equal priority, so none would act; run one replica (peering still makes rollouts safe)" (int .Values.replicas)) -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.watch.clusterWide .Values.watch.namespaces -}}
 {{- fail "watch.namespaces is set but watch.clusterWide is true: set watch.clusterWide=false to watch only those namespaces" -}}
