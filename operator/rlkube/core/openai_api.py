@@ -19,6 +19,7 @@ from rlkube.core.model import CharTokenizer
 from rlkube.core.sampling import GenerationRequest, GenerationResult
 
 MAX_N = 256
+DEFAULT_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 4
 # Sampling parameters we do not implement: accepted only at their neutral value, rejected otherwise, so a
@@ -91,9 +92,14 @@ def parse_completion_request(body: Any, served: ServedModel) -> GenerationReques
         raise RequestError("`prompt` is required: a string or a list of token ids", "prompt")
 
     n = _int(body, "n", 1, 1, MAX_N)
-    max_tokens = _int(body, "max_tokens", 16, 1)
     room = served.max_sequence_length - len(prompt_ids)
-    if max_tokens > room:
+    if room < 1:
+        raise RequestError(f"`prompt` has {len(prompt_ids)} tokens: no room left in the model's maximum sequence "
+                           f"length {served.max_sequence_length}", "prompt")
+    max_tokens = _int(body, "max_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)  # OpenAI's default, within what the context leaves
+    elif max_tokens > room:
         raise RequestError(
             f"`max_tokens`={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceed the model's maximum "
             f"sequence length {served.max_sequence_length}", "max_tokens")

@@ -1,0 +1,53 @@
+"""The shared lag counter over real Redis: the bound across concurrent reservations, the restart rebase (once
+per event, in stream order), and the stall release (once per period across replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from rlkube.core.lag import LagCounter
+from rlkube.core.protocol import StreamKeys
+
+KEYS = StreamKeys("ns/job/")
+
+
+@pytest.fixture
+async def counter(redis_server, redis_client):
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield LagCounter(client, KEYS, max_lag=1, samples_per_step=8)
+    await client.aclose()
+
+
+async def test_concurrent_reservations_never_pass_the_bound(counter):
+    # maxLag 1, 8 per step, nothing consumed: 16 samples, i.e. 4 groups of 4 out of 20 attempts.
+    got = await asyncio.gather(*(counter.reserve(4, 0) for _ in range(20)))
+    assert sorted(g for g in got if g is not None) == [4, 8, 12, 16]
+    assert await counter.reserved() == 16
+    assert await counter.reserve(4, 8) == 20  # the trainer consumed 8 documents
+
+
+async def test_rebase_lowers_once_and_ignores_older_events(counter):
+    assert [await counter.reserve(8, 16) for _ in range(4)] == [8, 16, 24, 32]
+    assert await counter.on_weights_ready("100-0", 8) == 0
+    assert await counter.on_weights_ready("101-0", 16) == 0
+    # a restarted trainer resumed at 8 documents: lowered by 8, once, however many replicas apply it
+    assert await counter.on_weights_ready("200-0", 8) == 8
+    assert await counter.on_weights_ready("200-0", 8) == 0
+    assert await counter.reserved() == 24
+    # a replica lagging behind applies an older event afterwards: ignored (it would look like a restart)
+    assert await counter.on_weights_ready("101-0", 16) == 0
+    assert await counter.on_weights_ready("99-5", 0) == 0
+    assert await counter.reserved() == 24
+    # ids compare as numbers, not strings ("1000-0" is newer than "999-9")
+    assert await counter.on_weights_ready("999-9", 8) == 0
+    assert await counter.on_weights_ready("1000-0", 0) == 8
+
+
+async def test_stall_release_happens_once_per_period(counter):
+    await counter.reserve(8, 0)
+    results = await asyncio.gather(*(counter.release_if_stalled(4, 30) for _ in range(5)))
+    assert results.count(True) == 1
+    assert await counter.reserved() == 4

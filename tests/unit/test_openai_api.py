@@ -1,0 +1,76 @@
+"""Request checks and response shapes of the native server's OpenAI completions API (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlkube.core.model import CharTokenizer
+from rlkube.core.openai_api import RequestError, ServedModel, completion_response, parse_completion_request
+from rlkube.core.sampling import Completion, GenerationResult
+
+SERVED = ServedModel("builtin://tiny-lm", CharTokenizer(), 16)
+
+
+def test_defaults_and_both_prompt_forms():
+    r = parse_completion_request({"prompt": "12:"}, SERVED)
+    assert r.prompt_ids == [1, *CharTokenizer().encode("12:", bos=False)]
+    # max_tokens defaults to OpenAI's 16, cut to the 12 tokens the 16-token context leaves after the prompt
+    assert (r.n, r.max_tokens, r.temperature, r.top_logprobs, r.seed, r.stop, r.min_version) == (
+        1, 12, 1.0, None, None, (), None)
+    ids = parse_completion_request({"prompt": [1, 5, 6], "n": 3, "max_tokens": 4, "logprobs": 0, "seed": 2,
+                                    "stop": "x", "min_model_version": 4, "model": "builtin://tiny-lm"}, SERVED)
+    assert (ids.prompt_ids, ids.n, ids.max_tokens, ids.top_logprobs, ids.seed, ids.stop, ids.min_version) == (
+        [1, 5, 6], 3, 4, 0, 2, ("x",), 4)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"prompt": "12:", "model": "gpt-4"}, "model", 404),
+        ({}, "prompt", 400),
+        ({"prompt": "ABC"}, "prompt", 400),  # not in the alphabet
+        ({"prompt": [1, 999]}, "prompt", 400),
+        ({"prompt": ["a", "b"]}, "prompt", 400),
+        ({"prompt": "1:", "n": 0}, "n", 400),
+        ({"prompt": "1:", "n": 1000}, "n", 400),
+        ({"prompt": "1:", "max_tokens": 15}, "max_tokens", 400),  # 3 prompt tokens + 15 > 16
+        ({"prompt": "123456789012345:"}, "prompt", 400),  # 17 tokens: no room at all
+        ({"prompt": "1:", "temperature": -1}, "temperature", 400),
+        ({"prompt": "1:", "logprobs": 99}, "logprobs", 400),
+        ({"prompt": "1:", "seed": "x"}, "seed", 400),
+        ({"prompt": "1:", "stop": [1]}, "stop", 400),
+        ({"prompt": "1:", "top_p": 0.5}, "top_p", 400),
+        ({"prompt": "1:", "stream": True}, "stream", 400),
+        ({"prompt": "1:", "min_model_version": -1}, "min_model_version", 400),
+    ],
+)
+def test_bad_requests_name_the_field(body, param, status):
+    with pytest.raises(RequestError) as info:
+        parse_completion_request(body, SERVED)
+    assert info.value.param == param and info.value.status == status
+    assert info.value.body()["error"]["param"] == param
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted():
+    parse_completion_request({"prompt": "1:", "top_p": 1, "top_k": -1, "stream": False, "echo": False}, SERVED)
+
+
+def test_response_carries_tokens_logprobs_and_the_version():
+    tok = CharTokenizer()
+    req = parse_completion_request({"prompt": "1:", "n": 2, "max_tokens": 3, "logprobs": 0}, SERVED)
+    result = GenerationResult(5, [
+        Completion(token_ids=[4, 5], logprobs=[-0.1, -0.2], text="12", finish_reason="stop"),
+        Completion(token_ids=[6, 6, 6], logprobs=[-1.0, -1.0, -1.0], text="333", finish_reason="length"),
+    ])
+    body = completion_response(req, result, SERVED)
+    assert body["object"] == "text_completion" and body["model_version"] == 5
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    first, second = body["choices"]
+    assert (first["index"], first["text"], first["finish_reason"], first["token_ids"]) == (0, "12", "stop", [4, 5])
+    assert first["prompt_token_ids"] == req.prompt_ids
+    assert first["logprobs"]["tokens"] == [tok.vocab[4], tok.vocab[5]]
+    assert first["logprobs"]["token_logprobs"] == [-0.1, -0.2]
+    assert first["logprobs"]["text_offset"] == [0, 1]
+    assert second["finish_reason"] == "length"
+    no_lp = completion_response(parse_completion_request({"prompt": "1:"}, SERVED), result, SERVED)
+    assert no_lp["choices"][0]["logprobs"] is None

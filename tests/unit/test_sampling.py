@@ -1,0 +1,106 @@
+"""The native engine's batched sampling on the real tiny model (no server): padding, seeds, stops, versions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlkube.api.spec import ModelSpec
+from rlkube.core.model import CharTokenizer, build_model, token_logprobs
+from rlkube.core.sampling import GenerationRequest, SamplingEngine
+
+TOK = CharTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(ModelSpec(path="builtin://tiny-lm", seed=3, architecture={"maxSequenceLength": 32}))
+
+
+def req(prompt: str, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=TOK.encode(prompt), **{"n": 4, "max_tokens": 6, "seed": 5, **kw})
+
+
+def test_rows_of_different_lengths_in_one_batch_match_separate_batches(model):
+    engine = SamplingEngine(model, TOK)
+    short, long = req("1:", seed=1), req("98765:", seed=2)
+    together = engine.generate([short, long])
+    apart = [engine.generate([short])[0], engine.generate([long])[0]]
+    for a, b in zip(together, apart, strict=True):
+        for ca, cb in zip(a.completions, b.completions, strict=True):
+            assert ca.token_ids == cb.token_ids
+            assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_are_those_of_the_sampled_distribution(model, temperature):
+    engine = SamplingEngine(model, TOK)
+    r = req("123:", temperature=temperature, max_tokens=5)
+    result = engine.generate([r])[0]
+    for c in result.completions:
+        tokens = torch.tensor([r.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            expected = token_logprobs(model(tokens), tokens, temperature or 1.0)[0, len(r.prompt_ids) - 1:]
+        assert c.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+    if temperature == 0:  # greedy: every row the same
+        assert len({tuple(c.token_ids) for c in result.completions}) == 1
+
+
+def test_same_seed_same_samples_other_seed_other_samples(model):
+    engine = SamplingEngine(model, TOK)
+    a = engine.generate([req("42:", seed=9)])[0].completions
+    b = engine.generate([req("42:", seed=9)])[0].completions
+    c = engine.generate([req("42:", seed=10, n=16)])[0].completions
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert {tuple(x.token_ids) for x in c} != {tuple(x.token_ids) for x in a}
+
+
+def test_eos_and_stop_strings_end_a_row(model):
+    # A model whose head always prefers one token makes the outcome certain.
+    def forced(token: int) -> torch.nn.Module:
+        m = copy.deepcopy(model)
+        with torch.no_grad():
+            m.head.weight.zero_()
+            m.ln_f.weight.zero_()
+            m.ln_f.bias.fill_(1.0)
+            m.head.weight[token] = 10.0
+        return m
+
+    eos = SamplingEngine(forced(TOK.eos_id), TOK).generate([req("1:", temperature=0)])[0]
+    for c in eos.completions:
+        assert c.token_ids == [TOK.eos_id] and c.finish_reason == "stop" and c.text == ""
+
+    seven = TOK.index["7"]
+    out = SamplingEngine(forced(seven), TOK).generate(
+        [req("1:", temperature=0, stop=("77",)), req("1:", temperature=0, max_tokens=3)])
+    stopped, capped = out[0].completions[0], out[1].completions[0]
+    assert stopped.finish_reason == "stop" and stopped.text == "" and stopped.token_ids == [seven, seven]
+    assert capped.finish_reason == "length" and capped.text == "777" and len(capped.token_ids) == 3
+
+
+def test_a_request_waits_for_its_min_version_without_blocking_others(model):
+    engine = SamplingEngine(model, TOK, version=0).start()
+    try:
+        waiting = engine.submit(req("1:", min_version=1))
+        other = engine.submit(req("2:"))
+        assert other.result(timeout=30).version == 0  # served while the first one waits
+        assert not waiting.done()
+        engine.set_policy(copy.deepcopy(model), 1)
+        assert waiting.result(timeout=30).version == 1
+    finally:
+        engine.stop()
+
+
+def test_swapping_the_policy_changes_the_version_and_the_output(model):
+    engine = SamplingEngine(model, TOK, version=0)
+    before = engine.generate([req("5:", temperature=0)])[0]
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.set_policy(other, 7)
+    after = engine.generate([req("5:", temperature=0)])[0]
+    assert (before.version, after.version) == (0, 7)
+    assert before.completions[0].logprobs != pytest.approx(after.completions[0].logprobs, abs=1e-3)
