@@ -227,7 +227,12 @@ def _update_components(p: _Pass, stopping: bool) -> None:
         comp.desired = desired
         live = p.live(role)
         comp.ready = sum(1 for pod in live if pod.ready and pod.phase == "Running")
-        comp.restarts = _restarts(p, role, comp)
+        counted = _restarts(p, role, comp)
+        if counted < comp.restarts:
+            # A pod with restarts is gone (deleted by teardown or by hand): keep what it had counted.
+            comp.restarts_of_replaced_pods += comp.restarts - counted
+            counted = comp.restarts
+        comp.restarts = counted
         p.status.components[role] = comp
         ctype = ROLE_CONDITIONS[role]
         if stopping:
