@@ -25,3 +25,29 @@ def core_api(api_client):
     from kubernetes import client
 
     return client.CoreV1Api(api_client)
+
+
+@pytest.fixture
+def operator(cluster, crd, namespace, tmp_path):
+    """`rlkube operator -n <namespace>` for one test (the chaos tests kill and restart it)."""
+    from clusterjob import OperatorProcess
+
+    op = OperatorProcess(cluster, namespace, tmp_path / "operator.log").start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def job(api_client, node_agent, namespace, operator):
+    """A ClusterJob handle; at the end whatever is left of the job is deleted and must go away."""
+    from clusterjob import ClusterJob
+
+    j = ClusterJob(api_client, node_agent, namespace)
+    yield j
+    if j.follower is not None:
+        j.follower.stop()
+    if j.name and j.get() is not None and (j.status().get("phase") not in ("Succeeded", "Failed")):
+        if not operator.alive():
+            operator.start()
+        j.delete()
+        j.wait(lambda tj: tj is None, 120, "TrainingJob deleted after the test")

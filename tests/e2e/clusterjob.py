@@ -1,0 +1,305 @@
+"""One TrainingJob on the real control plane, run by the real operator, its pods run by the test node agent.
+
+Shared by the e2e tests and `make demo-cluster` (demo_cluster.py):
+- `OperatorProcess`: `rlkube operator -n NS` as a child process (killed with -9 by the chaos tests);
+- `ClusterJob`: apply a manifest, read the TrainingJob, wait for a condition on it, find the trainer's events
+  in the job's own Redis (at the Redis pod's IP, password from the job's Secret), and read back what the node
+  agent saw (teardown order, pods per name, leftover processes);
+- `EventFollower`: a thread that follows the trainer's events stream (blocking XREAD, no polling) and keeps
+  the per-step metrics (reward) and the `training_finished` event.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from nodeagent.harness import AgentProcess, wait_for
+from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.controller import names
+from rlkube.core import protocol, runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
+GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
+TERMINAL = ("Succeeded", "Failed")
+
+
+def example(**overrides) -> dict:
+    """examples/tiny-cpu.yaml, with `overrides` given as dotted camelCase paths: {"spec.algorithm.maxSteps": 20}."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    for path, value in overrides.items():
+        node = doc
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = copy.deepcopy(value)
+    return doc
+
+
+@dataclass
+class OperatorProcess:
+    kubeconfig: Path
+    namespace: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+
+    def start(self) -> OperatorProcess:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"---- operator start #{self.starts + 1} ----\n".encode())
+            logf.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlkube.cli", "operator", "-n", self.namespace, "--metrics-port", "0"],
+                env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        self.starts += 1
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM (kopf stops its handlers), SIGKILL if it does not exit within 20 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+class EventFollower(threading.Thread):
+    """Follows the trainer's events stream from its first entry; survives the stream's Redis going away."""
+
+    def __init__(self, url: str, password: str | None, stream: str):
+        super().__init__(daemon=True, name="event-follower")
+        self.url, self.password, self.stream = url, password, stream
+        self.metrics: list[dict] = []
+        self.finished: protocol.TrainerEvent | None = None
+        self.step = 0
+        self.errors: list[str] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        conn = redis.Redis.from_url(self.url, password=self.password, socket_connect_timeout=3, socket_timeout=10)
+        last = "0-0"
+        while not self._halt.is_set():
+            try:
+                got = conn.xread({self.stream: last}, block=1000, count=200)
+            except (redis.RedisError, OSError) as exc:
+                self.errors.append(str(exc))
+                if self.finished is not None:
+                    return  # Redis is torn down last: everything was read
+                self._halt.wait(0.5)
+                continue
+            for _, entries in got or []:
+                for sid, fields in entries:
+                    last = sid.decode() if isinstance(sid, bytes) else sid
+                    event = protocol.decode_event(sid, fields)
+                    if event is None:
+                        continue
+                    if event.step is not None:
+                        self.step = max(self.step, event.step)
+                    if event.type == protocol.METRICS:
+                        self.metrics.append(event.payload)
+                    elif event.type == protocol.TRAINING_FINISHED and self.finished is None:
+                        self.finished = event
+        conn.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=15)
+
+    def rewards(self) -> list[float]:
+        return [m["reward_mean"] for m in self.metrics if isinstance(m.get("reward_mean"), int | float)]
+
+    def reward_margin(self, n: int = 10) -> float | None:
+        """Mean reward of the last n steps minus that of the first n (what `rlkube local` reports)."""
+        r = self.rewards()
+        if len(r) < 2 * n:
+            return None
+        return sum(r[-n:]) / n - sum(r[:n]) / n
+
+
+@dataclass
+class ClusterJob:
+    api_client: client.ApiClient
+    agent: AgentProcess
+    namespace: str
+    name: str = ""
+    follower: EventFollower | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.core = client.CoreV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+
+    # ---- the TrainingJob ------------------------------------------------------------------------------------
+    def apply(self, manifest: dict) -> ClusterJob:
+        self.name = manifest["metadata"]["name"]
+        self.started_at = time.monotonic()
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
+        return self
+
+    def get(self) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def status(self) -> dict:
+        return (self.get() or {}).get("status") or {}
+
+    def step(self) -> int:
+        return int((self.status().get("trainer") or {}).get("step") or 0)
+
+    def delete(self) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+
+    def wait(self, check, timeout: float, what: str):
+        """Poll the TrainingJob until `check(job)` is truthy; the failure message carries the evidence."""
+        try:
+            return wait_for(lambda: check(self.get()), timeout, what, interval=0.2)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.diagnostics()}") from None
+
+    def wait_phase(self, phases: tuple[str, ...], timeout: float) -> dict:
+        return self.wait(lambda j: j if j and (j.get("status") or {}).get("phase") in phases else None,
+                         timeout, f"TrainingJob {self.name} in {phases}")
+
+    def wait_step(self, step: int, timeout: float) -> int:
+        """Until the trainer has reported `step` (from the follower when running, else the status)."""
+        def reached():
+            seen = self.follower.step if self.follower else self.step()
+            return seen if seen >= step else None
+        try:
+            return wait_for(reached, timeout, f"trainer step {step}", interval=0.1)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.diagnostics()}") from None
+
+    # ---- pods and the job's Redis ---------------------------------------------------------------------------
+    def pod(self, role: str, index: int = 0):
+        try:
+            return self.core.read_namespaced_pod(names.pod_name(self.name, role, index), self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def pid(self, role: str, index: int = 0) -> int:
+        """The pid of the role's container process, as the node agent started it."""
+        pod_name = names.pod_name(self.name, role, index)
+        state = self.agent.pod_state(self.namespace, pod_name)
+        assert state, f"the node agent never ran {pod_name}"
+        (container,) = state["containers"].values()
+        assert container["state"] == "running", f"{pod_name} is not running: {container}"
+        return container["pid"]
+
+    def follow(self, timeout: float = 120) -> EventFollower:
+        """Start following the trainer's events once the managed Redis pod is up."""
+        def redis_pod():
+            p = self.pod("redis")
+            return p if p and p.status.pod_ip and p.status.phase == "Running" else None
+
+        p = wait_for(redis_pod, timeout, f"{self.name}-redis running", interval=0.2)
+        secret = self.core.read_namespaced_secret(names.secret_name(self.name), self.namespace)
+        password = secret_password(secret)
+        spec = self.get()["spec"]
+        stream = protocol.StreamKeys.for_job(self.namespace, self.name, spec["trainer"].get("backend", "torch")).events
+        self.follower = EventFollower(f"redis://{p.status.pod_ip}:{runtime.REDIS_PORT}/0", password, stream)
+        self.follower.start()
+        return self.follower
+
+    # ---- what the node agent saw ----------------------------------------------------------------------------
+    def agent_signals(self, event: str | None = None) -> list[dict]:
+        prefix = f"{self.name}-"
+        return [s for s in self.agent.signals() if s["namespace"] == self.namespace and s["pod"].startswith(prefix)
+                and (event is None or s["event"] == event)]
+
+    def order(self, event: str = "deletion") -> list[str]:
+        """Roles in the order the node agent saw `event` for their pods, consecutive repeats collapsed."""
+        roles: list[str] = []
+        for s in self.agent_signals(event):
+            if not roles or roles[-1] != s["role"]:
+                roles.append(s["role"])
+        return roles
+
+    def uids_per_pod(self) -> dict[str, set[str]]:
+        """Every pod object the node agent ran for this job, by name (a recreated pod gets a new uid)."""
+        out: dict[str, set[str]] = {}
+        for s in self.agent.pod_states(self.namespace):
+            if s["name"].startswith(f"{self.name}-"):
+                out.setdefault(s["name"], set()).add(s["uid"])
+        return out
+
+    def children_left(self) -> list[str]:
+        sel = f"{names.LABEL_JOB}={self.name}"
+        left = [f"pod/{p.metadata.name}" for p in self.core.list_namespaced_pod(self.namespace, label_selector=sel).items]
+        left += [f"service/{s.metadata.name}" for s in self.core.list_namespaced_service(self.namespace, label_selector=sel).items]
+        left += [f"secret/{s.metadata.name}" for s in self.core.list_namespaced_secret(self.namespace, label_selector=sel).items]
+        left += [f"configmap/{c.metadata.name}" for c in self.core.list_namespaced_config_map(self.namespace, label_selector=sel).items]
+        return left
+
+    def leftover_processes(self) -> list[str]:
+        return [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in self.agent.live_processes(self.namespace)]
+
+    def diagnostics(self) -> str:
+        st = self.status()
+        lines = [f"phase={st.get('phase')} reason={st.get('reason')} message={st.get('message')} "
+                 f"progress={st.get('progress')} teardown={st.get('teardown')}"]
+        for c in st.get("conditions") or []:
+            lines.append(f"  {c['type']}={c['status']} {c.get('reason')}: {c.get('message', '')}")
+        try:
+            for p in self.core.list_namespaced_pod(self.namespace).items:
+                cs = (p.status.container_statuses or [None])[0]
+                lines.append(f"  pod {p.metadata.name} {p.status.phase} restarts={cs.restart_count if cs else '-'}")
+        except ApiException:
+            pass
+        for role in ("trainer", "actor", "inference", "preprocessor", "redis"):
+            name = names.pod_name(self.name, role, 0)
+            log = self.agent.container_log(self.namespace, name)
+            if log:
+                lines.append(f"---- {name} (last lines) ----\n" + "\n".join(log.splitlines()[-8:]))
+        return "\n".join(lines)
+
+
+def secret_password(secret) -> str | None:
+    import base64
+
+    data = (secret.data or {}).get(names.SECRET_KEY)
+    return base64.b64decode(data).decode() if data else None
+
+
+def stage_names(status: dict) -> list[str]:
+    return [s["name"] for s in (status.get("teardown") or {}).get("stages") or []]
+
+
+FULL_ORDER = list(TEARDOWN_ORDER)

@@ -1,0 +1,51 @@
+"""examples/tiny-cpu.yaml end to end: the operator creates the pods, the node agent runs them, the model learns,
+the job Succeeds, and the pods go in the design's order as the node agent saw it. Nothing is left."""
+
+from __future__ import annotations
+
+import time
+
+from clusterjob import FULL_ORDER, example, stage_names
+
+# Same bar as `rlkube local` (tests/integration/test_local_runner.py): mean reward of the last 10 steps minus
+# the first 10, for the seeded tiny-cpu job.
+MIN_MARGIN = 0.15
+
+
+def test_tiny_cpu_learns_succeeds_and_tears_down_in_order(job):
+    t0 = time.monotonic()
+    job.apply(example())
+    follower = job.follow()
+    tj = job.wait_phase(("Succeeded", "Failed"), 600)
+    wall = time.monotonic() - t0
+    st = tj["status"]
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["reason"] == "TrainingFinished"
+    completion = st["completion"]
+    assert completion["finalStep"] == 40 and completion["trainerExitCode"] == 0 and completion["streamId"]
+    assert st["trainer"]["step"] == 40
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Succeeded"]["status"] == "True" and conds["ResourcesReleased"]["status"] == "True"
+
+    # The model learned: the trainer's own metrics, read from the job's Redis while it ran.
+    follower.stop()
+    assert follower.finished is not None and follower.finished.step == 40
+    margin = follower.reward_margin()
+    rewards = follower.rewards()
+    print(f"\ne2e tiny-cpu: {wall:.1f}s, reward first-10 {sum(rewards[:10]) / 10:.3f} last-10 "
+          f"{sum(rewards[-10:]) / 10:.3f} (margin {margin:.3f}), {len(rewards)} steps")
+    assert margin is not None and margin >= MIN_MARGIN, rewards
+
+    # Teardown order, from the node agent's log: every pod's deletion, and the SIGTERMs it had to send.
+    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    sigterm_roles = job.order("SIGTERM")
+    assert sigterm_roles == [r for r in FULL_ORDER if r in sigterm_roles], job.agent_signals()
+    assert "redis" in sigterm_roles and "inference" in sigterm_roles  # servers run until they are stopped
+    assert not job.agent_signals("SIGKILL"), "a pod needed SIGKILL in a clean run"
+    assert stage_names(st) == FULL_ORDER
+    assert {name: len(uids) for name, uids in job.uids_per_pod().items()} == {
+        f"{job.name}-{r}-0" if r != "redis" else f"{job.name}-redis": 1 for r in FULL_ORDER
+    }
+
+    job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")  # ConfigMap/Secret/Services
+    assert job.leftover_processes() == []
