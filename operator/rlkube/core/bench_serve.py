@@ -1,0 +1,157 @@
+"""Benchmark of the serving side (`python -m rlkube.core.bench_serve [--json]`): prints numbers, asserts nothing.
+
+Starts a private Redis and a real native inference server process for the tiny model, joins it from this
+process as the trainer (WeightPublisher), then measures
+- HTTP completions/s (n=8, max_tokens=4) at several client concurrencies, with latency percentiles;
+- weight updates: the trainer's blocking time per publish (announce + transfer) and the time until the server
+  reports the new version in effect (transfer + load + swap), over repeated updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import aiohttp  # noqa: E402
+
+from rlkube.api.validation import parse_spec  # noqa: E402
+from rlkube.core import runtime  # noqa: E402
+from rlkube.core.model import build_model  # noqa: E402
+from rlkube.core.protocol import StreamKeys  # noqa: E402
+from rlkube.core.weightsync import WeightPublisher  # noqa: E402
+from rlkube.local.redis_server import RedisServer, _free_port  # noqa: E402
+
+SPEC = {
+    "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 2, "hiddenSize": 64, "heads": 4,
+                                                             "maxSequenceLength": 32}},
+    "algorithm": {"maxSteps": 1, "groupSize": 8, "maxNewTokens": 4},
+    "inference": {"engine": "native", "replicas": 1},
+}
+
+
+async def _load(url: str, concurrency: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    body = {"prompt": "12345:", "n": 8, "max_tokens": 4, "temperature": 1.0, "logprobs": 0}
+    deadline = time.monotonic() + seconds
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}")
+            latencies.append(time.monotonic() - t0)
+
+    async with aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        wall = time.monotonic() - t0
+    latencies.sort()
+    return {
+        "concurrency": concurrency,
+        "requests_per_s": len(latencies) / wall,
+        "samples_per_s": 8 * len(latencies) / wall,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p95_ms": 1000 * latencies[int(len(latencies) * 0.95)],
+    }
+
+
+def _health(url: str) -> dict:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return json.loads(resp.read())
+    except Exception:  # noqa: BLE001 - not up yet (503 raises too)
+        return {}
+
+
+def run(seconds: float, updates: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as redis_server:
+        config = runtime.write_job_config(Path(tmp) / "job.json", "bench", "serve", SPEC)
+        port, sync_port = _free_port(), _free_port()
+        env = {**os.environ, runtime.ENV_CONFIG: str(config), runtime.ENV_REDIS_URL: redis_server.url,
+               runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{sync_port}", runtime.ENV_PORT: str(port)}
+        log = open(Path(tmp) / "inference.log", "wb")
+        server = subprocess.Popen([sys.executable, "-m", "rlkube.core.inference"], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            model = build_model(parse_spec(SPEC).model)
+            pub = WeightPublisher(redis_server.client(), StreamKeys.for_job("bench", "serve"),
+                                  f"127.0.0.1:{sync_port}", 2, timeout_s=60)
+            t0 = time.monotonic()
+            starter = threading.Thread(target=pub.start, args=(list(model.named_parameters()),), daemon=True)
+            starter.start()
+            while _health(url).get("status") != "ok":
+                if server.poll() is not None:
+                    raise RuntimeError(f"inference exited: {(Path(tmp) / 'inference.log').read_text()}")
+                time.sleep(0.02)
+            starter.join()
+            first_join_s = time.monotonic() - t0
+
+            serving = [asyncio.run(_load(url, c, seconds)) for c in (1, 4, 16)]
+
+            params = sum(p.numel() for p in model.parameters())
+            publish_s, effective_s = [], []
+            for v in range(1, updates + 1):
+                t0 = time.monotonic()
+                pub.publish(model.named_parameters(), version=v, step=v)
+                publish_s.append(time.monotonic() - t0)
+                while _health(url).get("model_version") != v:
+                    time.sleep(0.001)
+                effective_s.append(time.monotonic() - t0)
+            pub.close()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+            log.close()
+    return {
+        "model_parameters": params,
+        "startup_join_s": first_join_s,
+        "serving": serving,
+        "weight_update": {
+            "updates": updates,
+            "publish_ms_median": 1000 * statistics.median(publish_s),
+            "publish_ms_max": 1000 * max(publish_s),
+            "in_effect_ms_median": 1000 * statistics.median(effective_s),
+            "in_effect_ms_max": 1000 * max(effective_s),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--seconds", type=float, default=5.0, help="load duration per concurrency level")
+    parser.add_argument("--updates", type=int, default=20)
+    args = parser.parse_args(argv)
+    result = run(args.seconds, args.updates)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"tiny model: {result['model_parameters']} parameters; first join + transfer {result['startup_join_s']:.2f}s")
+    for s in result["serving"]:
+        print(f"  concurrency {s['concurrency']:>2}: {s['requests_per_s']:7.1f} completions/s (n=8, max_tokens=4), "
+              f"{s['samples_per_s']:7.1f} samples/s, p50 {s['p50_ms']:.1f} ms, p95 {s['p95_ms']:.1f} ms")
+    w = result["weight_update"]
+    print(f"  weight update x{w['updates']}: trainer blocked {w['publish_ms_median']:.1f} ms median "
+          f"({w['publish_ms_max']:.1f} max); in effect after {w['in_effect_ms_median']:.1f} ms median "
+          f"({w['in_effect_ms_max']:.1f} max)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
