@@ -1,6 +1,6 @@
 """Every manifest in examples/ passes `rlkube validate` and says what examples/README.md says it does.
 
-The same files are created on a real kube-apiserver in tests/integration/test_examples.py.
+The same files are created on a real kube-apiserver in tests/integration/test_examples_apiserver.py.
 """
 
 from __future__ import annotations
