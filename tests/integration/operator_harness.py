@@ -103,7 +103,7 @@ class OperatorProcess:
         """Reconcile passes this operator process made for `job` (0 before the first)."""
         try:
             text = await self.metrics()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return 0
         needle = f'rlkube_reconcile_passes_total{{namespace="{self.namespace}",trainingjob="{job}"}}'
         for line in text.splitlines():
@@ -174,7 +174,7 @@ class JobRecorder:
                         await self._record(event["type"], obj)
             except asyncio.CancelledError:
                 raise
-            except (ApiException, OSError, asyncio.TimeoutError):
+            except (TimeoutError, ApiException, OSError):
                 rv = None
                 await asyncio.sleep(0.2)
 
@@ -276,7 +276,6 @@ class Env:
     async def trainer(self, job: str, timeout: float = 30):
         """A TrainerPlayer on the job's managed Redis (the real redis-server the fake kubelet runs)."""
         import redis.asyncio as aioredis
-
         from rlkube.controller.simulate import TrainerPlayer
 
         await self.kubelet.wait_for(lambda: self.kubelet.redis_server(job) is not None, timeout, f"{job} Redis")
@@ -314,10 +313,10 @@ async def wait_event(api: client.ApiClient, namespace: str, job: str, reason: st
 
 # -- fixtures (imported by the operator test modules) -----------------------------------------------------
 
-import uuid  # noqa: E402
+import uuid
 
-import pytest  # noqa: E402
-from kubernetes_asyncio import config as _config  # noqa: E402
+import pytest
+from kubernetes_asyncio import config as _config
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,12 @@ long as its slowest row. Each `scenario_*` coroutine plays kubelet and trainer a
 the test of the same name asserts on it.
 """
 
+# ruff: noqa: F811  (pytest fixtures imported from operator_harness are redefined as test parameters)
 from __future__ import annotations
 
 import asyncio
 import uuid
+from itertools import pairwise
 
 import pytest
 from kubernetes_asyncio import client
@@ -23,7 +25,6 @@ from operator_harness import (  # noqa: F401 (kapi is a fixture)
     patch_spec,
     wait_event,
 )
-
 from rlkube.api.spec import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(300)
@@ -393,7 +394,7 @@ async def test_suspend_stops_in_order_and_resume_recreates(outcomes):
     first = out["first_pods"]
     assert len(first) == 5 and all(p.gone_seq for p in first)
     by_role = {r: [p for p in first if p.role == r] for r in TEARDOWN_ORDER}
-    for a, b in zip(TEARDOWN_ORDER, TEARDOWN_ORDER[1:]):
+    for a, b in pairwise(TEARDOWN_ORDER):
         assert max(p.gone_seq for p in by_role[a]) < min(p.deleting_seq for p in by_role[b])
     assert out["phases"][:6] == ["Pending", "Starting", "Running", "Suspended", "Pending", "Starting"]
     assert len(out["pods"]) == 10  # every component recreated on resume

@@ -4,14 +4,15 @@ The operator runs as a subprocess (`rlkube operator --namespace NS --standalone`
 plays the kubelet (pod status, exit codes, removal after SIGTERM) and the trainer (XADD of protocol events).
 """
 
+# ruff: noqa: F811  (pytest fixtures imported from operator_harness are redefined as test parameters)
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
-
 from rlkube.api.spec import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(180)
@@ -145,13 +146,13 @@ async def test_full_success_sequence_with_evidence_and_ordered_teardown(env: Env
     pods = env.kubelet.job_pods("ok")
     assert all(p.gone_seq is not None for p in pods)
     by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
-    for earlier, later in zip(TEARDOWN_ORDER, TEARDOWN_ORDER[1:]):
+    for earlier, later in pairwise(TEARDOWN_ORDER):
         if by_role[earlier] and by_role[later]:
             assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
                 earlier, later)
     stages = status["teardown"]["stages"]
     assert [s["name"] for s in stages] == list(TEARDOWN_ORDER)
     assert status["teardown"]["stage"] == "Done" and status["teardown"]["reason"] == "Succeeded"
-    for a, b in zip(stages, stages[1:]):
+    for a, b in pairwise(stages):
         assert a["finishedAt"] <= b["startedAt"]
     assert await children(kapi, env.namespace, "ok") == {}

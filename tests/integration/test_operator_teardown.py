@@ -1,7 +1,10 @@
 """Ordered teardown against the real kube-apiserver: operator killed mid-teardown, deletion of a running job,
 children of a finished job stay deleted, stuck pods are force-deleted with an Event."""
 
+# ruff: noqa: F811  (pytest fixtures imported from operator_harness are redefined as test parameters)
 from __future__ import annotations
+
+from itertools import pairwise
 
 import pytest
 from operator_harness import (  # noqa: F401 (fixtures)
@@ -15,7 +18,6 @@ from operator_harness import (  # noqa: F401 (fixtures)
     kapi,
     wait_event,
 )
-
 from rlkube.api.spec import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,7 +28,7 @@ def assert_stage_order(env: Env, job: str) -> None:
     pods = env.kubelet.job_pods(job)
     assert pods and all(p.gone_seq is not None for p in pods), [(p.name, p.gone_seq) for p in pods]
     by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
-    for earlier, later in zip(TEARDOWN_ORDER, TEARDOWN_ORDER[1:]):
+    for earlier, later in pairwise(TEARDOWN_ORDER):
         assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
             earlier, later)
 

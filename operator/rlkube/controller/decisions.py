@@ -32,29 +32,35 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from rlkube.api.spec import ROLES, GracePeriods, TrainingJobSpec
-from rlkube.api.status import CheckpointRef, ComponentStatus, Completion, TeardownStatus, TrainingJobStatus
+from rlkube.api.status import (
+    CheckpointRef,
+    Completion,
+    ComponentStatus,
+    TeardownStatus,
+    TrainingJobStatus,
+)
 from rlkube.controller import builders, names, teardown
-from rlkube.controller.actions import Action, Create, DeleteJob, DeleteObject, DeletePod, Event
-from rlkube.controller.conditions import ROLE_CONDITIONS, get, is_true, remove, set_condition
+from rlkube.controller.actions import (
+    Action,
+    Create,
+    DeleteJob,
+    DeleteObject,
+    DeletePod,
+    Event,
+)
+from rlkube.controller.conditions import (
+    ROLE_CONDITIONS,
+    get,
+    is_true,
+    remove,
+    set_condition,
+)
 from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
 from rlkube.core import protocol
 
 REPLACED_MEMORY = 20
 """How many replaced-pod UIDs a component remembers (enough: a UID matters only while its pod exists)."""
-
-WARNING_REASONS = {
-    "Failed",
-    "InvalidSpec",
-    "Stalled",
-    "NoTrainerEvents",
-    "TrainerRestarted",
-    "ComponentRestarted",
-    "BackoffLimitExceeded",
-    "ForceDeleted",
-    "StaleFinishedEvent",
-}
-
 
 @dataclass(frozen=True)
 class JobView:
@@ -95,7 +101,7 @@ class Decision:
 
 
 def outcome(status: TrainingJobStatus) -> str | None:
-    """"Succeeded" or "Failed" once decided."""
+    """The decided outcome, "Succeeded" or "Failed", or None while undecided."""
     for kind in ("Succeeded", "Failed"):
         if is_true(status.conditions, kind):
             return kind
@@ -125,12 +131,12 @@ class _Pass:
         self.events.append(Event(type_, reason, message))
 
     def condition(self, type_: str, status: str, reason: str, message: str = "", event: bool = True) -> None:
-        if set_condition(self.status.conditions, type_, status, reason, message, self.now, self.job.generation):
-            if event:
-                bad = (status == "True" and type_ in ("Failed", "Stalled")) or (
-                    status == "False" and type_ == "EventSourceReachable"
-                )
-                self.event("Warning" if bad else "Normal", reason, f"{type_}={status}: {message}".rstrip(": "))
+        changed = set_condition(self.status.conditions, type_, status, reason, message, self.now, self.job.generation)
+        if changed and event:
+            bad = (status == "True" and type_ in ("Failed", "Stalled")) or (
+                status == "False" and type_ == "EventSourceReachable"
+            )
+            self.event("Warning" if bad else "Normal", reason, f"{type_}={status}: {message}".rstrip(": "))
 
     def wake_at(self, when: datetime) -> None:
         if self.deadline is None or when < self.deadline:

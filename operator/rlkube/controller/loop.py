@@ -28,7 +28,13 @@ from redis.exceptions import RedisError
 from rlkube.api.status import TrainingJobStatus
 from rlkube.api.validation import SpecError, parse_spec
 from rlkube.controller import metrics, names
-from rlkube.controller.actions import Create, DeleteJob, DeleteObject, DeletePod, DeleteStreams
+from rlkube.controller.actions import (
+    Create,
+    DeleteJob,
+    DeleteObject,
+    DeletePod,
+    DeleteStreams,
+)
 from rlkube.controller.decisions import Decision, JobView, decide
 from rlkube.controller.kube import Kube
 from rlkube.controller.observed import EventSource, Observed, PodView, pod_view
@@ -197,7 +203,7 @@ class JobLoop:
                 async with asyncio.timeout(PASS_TIMEOUT):
                     decision = await self.reconcile(body)
                 self.errors = 0
-            except (ApiException, RedisError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, ApiException, RedisError, OSError) as exc:
                 delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
                 self.errors += 1
                 log.warning("%s/%s: reconcile failed (%s); retrying in %ss", self.namespace, self.name, exc, delay)

@@ -165,7 +165,7 @@ class FakeKubelet:
                         await self._on_event(event["type"], obj)
             except asyncio.CancelledError:
                 raise
-            except (ApiException, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, ApiException, OSError) as exc:
                 log.warning("fake kubelet watch restarts: %s", exc)
                 rv = None
                 await asyncio.sleep(0.2)  # retry delay before re-listing
@@ -183,9 +183,9 @@ class FakeKubelet:
                 return
             record = self.pods[uid] = PodRecord(name, uid, role, job, seq, now)
             self.by_name[name] = uid
-            if not (pod.get("spec") or {}).get("nodeName") and not meta.get("deletionTimestamp"):
-                if not self._matches(self.paused, job, role):
-                    self._spawn(self._run(pod))
+            unbound = not (pod.get("spec") or {}).get("nodeName") and not meta.get("deletionTimestamp")
+            if unbound and not self._matches(self.paused, job, role):
+                self._spawn(self._run(pod))
         if meta.get("deletionTimestamp") and record.deleting_seq is None:
             record.deleting_seq, record.deleting_at = seq, now
             if not self._matches(self.held, job, role):
@@ -202,7 +202,7 @@ class FakeKubelet:
 
     async def _run(self, pod: dict) -> None:
         meta = pod["metadata"]
-        name, uid = meta["name"], meta["uid"]
+        name = meta["name"]
         labels = meta.get("labels") or {}
         role, job = labels.get(names.LABEL_ROLE, ""), labels.get(names.LABEL_JOB, "")
         if self.start_delay:

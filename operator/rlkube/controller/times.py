@@ -20,7 +20,7 @@ def fmt_time(dt: datetime) -> str:
 def parse_time(value: str | None) -> datetime | None:
     if not value:
         return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+    return datetime.fromisoformat(value).astimezone(UTC)
 
 
 def stream_id_time(stream_id: str) -> datetime:

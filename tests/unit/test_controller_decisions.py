@@ -1,0 +1,489 @@
+"""The operator's decisions, one transition per row: (status, pods, events, time) -> actions, phase, conditions.
+
+Pure: no cluster, no Redis. Each row names the transition of design.md s4 it covers; the integration tests
+(tests/integration/test_operator_*.py) show the same rows against the real API server and Redis.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.api.status import (
+    CheckpointRef,
+    TrainingJobStatus,
+)
+from rlkube.api.validation import SpecError, parse_spec
+from rlkube.controller.actions import (
+    Create,
+    DeleteJob,
+    DeleteObject,
+    DeletePod,
+    DeleteStreams,
+)
+from rlkube.controller.decisions import Decision, JobView, decide
+from rlkube.controller.observed import EventSource, Observed, PodView
+from rlkube.controller.times import fmt_time
+from rlkube.core import protocol
+from rlkube.core.protocol import TrainerEvent
+
+EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
+T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+ALL_STATIC = frozenset(
+    {"ConfigMap/j-config", "Secret/j-redis", "Service/j-redis", "Service/j-inference", "Service/j-trainer"}
+)
+REACHABLE = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0")
+
+
+def raw_spec(**overrides) -> dict:
+    spec = yaml.safe_load(yaml.safe_dump(EXAMPLE["spec"]))
+    spec["runPolicy"].update({"completionTimeoutSeconds": 60, "eventTimeoutSeconds": 300})
+    for path, value in overrides.items():
+        node = spec
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return spec
+
+
+def job(status: TrainingJobStatus | None = None, deleting: bool = False, **overrides) -> JobView:
+    raw = raw_spec(**overrides)
+    try:
+        spec, error = parse_spec(raw), None
+    except SpecError as exc:
+        spec, error = None, str(exc)
+    return JobView("ns", "j", "uid-j", 1, raw, spec, error, deleting, status or TrainingJobStatus())
+
+
+def pod(role: str, index: int = 0, phase: str = "Running", ready: bool = True, **kw) -> PodView:
+    name = "j-redis" if role == "redis" else f"j-{role}-{index}"
+    kw.setdefault("uid", f"uid-{name}")
+    kw.setdefault("started_at", T0 - timedelta(minutes=5))
+    kw.setdefault("pod_ip", "10.0.0.9")
+    return PodView(name=name, role=role, index=index, phase=phase, ready=ready and phase == "Running", **kw)
+
+
+def all_pods(**per_role) -> list[PodView]:
+    """One running, ready pod per role; per_role replaces a role's pod (None removes it)."""
+    out = []
+    for role in ("redis", "trainer", "inference", "preprocessor", "actor"):
+        p = per_role.get(role, pod(role))
+        if p is not None:
+            out.append(p)
+    return out
+
+
+def ev(type_: str, ms: int, **payload) -> TrainerEvent:
+    return TrainerEvent(f"{ms}-0", type_, {"type": type_, **payload})
+
+
+def ms(t: datetime) -> int:
+    return int(t.timestamp() * 1000)
+
+
+def run(j: JobView, pods=(), events=(), now=T0, source=REACHABLE, static=ALL_STATIC, read_upto=None) -> Decision:
+    obs = Observed(pods=tuple(pods), events=tuple(events), read_upto=read_upto, event_source=source,
+                   static_present=frozenset(static))
+    return decide(j, obs, now, password="pw")
+
+
+def running_status(**overrides) -> TrainingJobStatus:
+    """A job that reached Running at T0 - 1 min (one pass over all pods)."""
+    d = run(job(), all_pods(), now=T0 - timedelta(minutes=2))
+    d = run(job(d.status), all_pods(), now=T0 - timedelta(minutes=1))
+    assert d.status.phase == "Running", d.status.phase
+    return d.status.model_copy(update=overrides)
+
+
+def cond(status: TrainingJobStatus, type_: str):
+    return next((c for c in status.conditions if c.type == type_), None)
+
+
+def creates(d: Decision) -> list[str]:
+    return [a.name for a in d.actions if isinstance(a, Create)]
+
+
+def deletes(d: Decision) -> list[tuple[str, int]]:
+    return [(a.name, a.grace_seconds) for a in d.actions if isinstance(a, DeletePod)]
+
+
+def outcome_of(d: Decision) -> tuple[str, str] | None:
+    for kind in ("Succeeded", "Failed"):
+        c = cond(d.status, kind)
+        if c is not None and c.status == "True":
+            return kind, c.reason
+    return None
+
+
+def reasons(d: Decision) -> list[str]:
+    return [e.reason for e in d.events]
+
+
+# -- start-up: Pending -> Starting -> Running, readiness-gated creation ---------------------------------
+
+
+def test_new_job_is_pending_and_creates_config_services_secret_and_redis_only():
+    d = run(job(), static=())
+    assert d.status.phase == "Pending" and d.status.start_time == fmt_time(T0)
+    assert creates(d) == ["j-config", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
+    assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "Service", "Service", "Service", "Pod"]
+    assert "Accepted" in reasons(d)
+    assert d.watch_events and cond(d.status, "EventSourceReachable").status == "True"
+
+
+def test_pending_with_everything_created_creates_nothing_more():
+    d = run(job(), [pod("redis", phase="Pending")])
+    assert d.actions == [] and d.status.phase == "Pending"
+
+
+def test_redis_ready_starts_trainer_and_inference_together():
+    d = run(job(), [pod("redis")])
+    assert d.status.phase == "Starting"
+    assert sorted(creates(d)) == ["j-inference-0", "j-trainer-0"]
+
+
+def test_preprocessor_follows_trainer_and_inference_actors_wait_for_inference_ready():
+    pending = [pod("redis"), pod("trainer", phase="Pending"), pod("inference", phase="Pending")]
+    d = run(job(TrainingJobStatus(phase="Starting")), pending)
+    assert creates(d) == ["j-preprocessor-0"]
+    d = run(job(TrainingJobStatus(phase="Starting")), [pod("redis"), pod("trainer"), pod("inference", ready=False),
+                                                       pod("preprocessor")])
+    assert creates(d) == []
+    d = run(job(TrainingJobStatus(phase="Starting")), [pod("redis"), pod("trainer"), pod("inference"),
+                                                       pod("preprocessor")])
+    assert creates(d) == ["j-actor-0"]
+
+
+def test_all_components_ready_is_running():
+    d = run(job(TrainingJobStatus(phase="Starting")), all_pods())
+    assert d.status.phase == "Running" and d.status.reason == "AllComponentsReady"
+    assert d.status.running_since == fmt_time(T0)
+    assert all(cond(d.status, t).status == "True" for t in ("RedisReady", "TrainerReady", "ActorsReady"))
+    assert "Running" in reasons(d)
+
+
+def test_a_trainer_event_means_running_even_if_a_component_is_not_ready():
+    pods = all_pods(actor=pod("actor", ready=False))
+    d = run(job(TrainingJobStatus(phase="Starting")), pods, [ev(protocol.WEIGHTS_READY, ms(T0), step=1)])
+    assert d.status.phase == "Running" and d.status.reason == "TrainerReporting"
+
+
+def test_running_does_not_go_back_when_a_component_turns_unready():
+    d = run(job(running_status()), all_pods(inference=pod("inference", ready=False)))
+    assert d.status.phase == "Running"
+    assert cond(d.status, "InferenceReady").status == "False"
+
+
+def test_external_redis_creates_no_redis_pod_service_or_secret():
+    j = job(**{"redis.mode": "external", "redis.url": "redis://redis.example:6379/0"})
+    d = run(j, static=())
+    assert creates(d) == ["j-config", "j-inference", "j-trainer", "j-trainer-0", "j-inference-0"]
+    assert d.status.components["redis"].desired == 0
+
+
+def test_a_missing_pod_of_a_running_job_is_recreated_without_gates():
+    d = run(job(running_status()), all_pods(preprocessor=None, inference=pod("inference", ready=False)))
+    assert creates(d) == ["j-preprocessor-0"]
+
+
+# -- completion ---------------------------------------------------------------------------------------
+
+
+FINISHED = {"step": 40, "checkpoint": "/checkpoints/step-40"}
+
+
+def trainer_exited(code: int = 0) -> PodView:
+    return pod("trainer", phase="Succeeded" if code == 0 else "Failed", exit_code=code)
+
+
+def test_finished_event_and_trainer_exit_0_succeed_and_start_the_teardown():
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
+                                                                           **FINISHED)])
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished")
+    assert d.status.phase == "Draining"
+    assert d.status.completion.stream_id == f"{ms(T0)}-0" and d.status.completion.final_step == 40
+    assert d.status.completion.trainer_exit_code == 0 and d.status.completion.checkpoint == "/checkpoints/step-40"
+    assert deletes(d) == [("j-actor-0", 10)]  # stage 1: actors, with their grace period
+    assert cond(d.status, "ResourcesReleased").status == "False"
+    assert creates(d) == []
+
+
+def test_event_first_then_exit_succeeds():
+    d = run(job(running_status()), all_pods(), [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)])
+    assert outcome_of(d) is None and d.status.phase == "Running"
+    assert d.requeue_after == pytest.approx(60)
+    d = run(job(d.status), all_pods(trainer=trainer_exited(0)), now=T0 + timedelta(seconds=5))
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished")
+
+
+def test_exit_first_then_event_within_timeout_succeeds():
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)))
+    assert outcome_of(d) is None and d.status.completion.trainer_exit_code == 0
+    later = T0 + timedelta(seconds=30)
+    d = run(job(d.status), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(later), **FINISHED)],
+            now=later)
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished")
+
+
+def test_exit_0_without_event_fails_after_completion_timeout():
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)))
+    d = run(job(d.status), all_pods(trainer=trainer_exited(0)), now=T0 + timedelta(seconds=59))
+    assert outcome_of(d) is None and d.requeue_after == pytest.approx(1)
+    d = run(job(d.status), all_pods(trainer=trainer_exited(0)), now=T0 + timedelta(seconds=60))
+    assert outcome_of(d) == ("Failed", "TrainerExitedWithoutFinishedEvent")
+    assert d.status.phase == "Draining" and "TrainerExitedWithoutFinishedEvent" in reasons(d)
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"step": 40, "checkpoint": "/c/40"}, ("Succeeded", "TrainingFinished")),
+        ({"step": 40}, ("Failed", "TrainerDidNotExit")),  # no checkpoint reported
+        ({"step": 12, "checkpoint": "/c/12"}, ("Failed", "TrainerDidNotExit")),  # not the final step
+    ],
+)
+def test_event_without_exit_within_completion_timeout(payload, expected):
+    d = run(job(running_status()), all_pods(), [ev(protocol.TRAINING_FINISHED, ms(T0), **payload)])
+    d = run(job(d.status), all_pods(), now=T0 + timedelta(seconds=59))
+    assert outcome_of(d) is None
+    d = run(job(d.status), all_pods(), now=T0 + timedelta(seconds=60))
+    assert outcome_of(d) == expected
+    assert d.status.completion.trainer_exit_code is None
+    # The trainer is still running: the teardown will stop it in its stage (stage 1 now: actors).
+    assert deletes(d) == [("j-actor-0", 10)]
+
+
+@pytest.mark.parametrize("payload", [{"step": 17, "checkpoint": "/c/17"}, {"step": 40, "interrupted": True}])
+def test_interrupted_training_finished_with_exit_0_is_not_a_success(payload):
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
+                                                                           **payload)])
+    assert outcome_of(d) == ("Failed", "TrainingInterrupted")
+    assert d.status.completion.interrupted is True
+
+
+def test_fast_llm_finished_event_without_step_uses_the_last_weights_ready_step():
+    events = [ev(protocol.WEIGHTS_READY, ms(T0) - 5, step=40, documents_seen=1280),
+              ev(protocol.TRAINING_FINISHED, ms(T0))]
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), events)
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished") and d.status.completion.final_step == 40
+
+
+# -- trainer failures -------------------------------------------------------------------------------
+
+
+def test_failed_trainer_with_retries_left_is_replaced_and_recreated_from_its_checkpoint():
+    status = running_status()
+    status.trainer.last_checkpoint = CheckpointRef(step=10, path="/checkpoints/step-10")
+    failed = trainer_exited(1)
+    d = run(job(status, **{"runPolicy.restartPolicy.trainer": "Never"}), all_pods(trainer=failed))
+    assert outcome_of(d) is None and d.status.phase == "Running"
+    assert deletes(d) == [("j-trainer-0", 0)]
+    assert d.status.trainer_restarts == 1 and d.status.components["trainer"].replaced_pods == [failed.uid]
+    assert any(e.reason == "TrainerRestarted" and "checkpoint step 10" in e.message for e in d.events)
+    # The same failed pod seen again (the watch has not caught up): counted once, deleted again, no duplicate.
+    again = run(job(d.status, **{"runPolicy.restartPolicy.trainer": "Never"}), all_pods(trainer=failed))
+    assert again.status.trainer_restarts == 1 and "TrainerRestarted" not in reasons(again)
+    # Once it is gone, the next pass recreates it with the checkpoint it should resume from.
+    gone = run(job(again.status, **{"runPolicy.restartPolicy.trainer": "Never"}), all_pods(trainer=None))
+    (new,) = [a.manifest for a in gone.actions if isinstance(a, Create)]
+    assert new["metadata"]["name"] == "j-trainer-0"
+    assert new["metadata"]["annotations"]["rlkube.io/resume-from-checkpoint"] == "/checkpoints/step-10"
+    assert gone.status.trainer_restarts == 1
+
+
+def test_trainer_restart_in_place_is_counted_and_the_job_continues():
+    d = run(job(running_status()), all_pods(trainer=pod("trainer", restart_count=1)))
+    assert outcome_of(d) is None and d.status.trainer_restarts == 1 and "TrainerRestarted" in reasons(d)
+    assert d.actions == []
+
+
+@pytest.mark.parametrize(
+    ("backoff", "trainer"),
+    [(0, trainer_exited(1)), (0, pod("trainer", restart_count=1)), (2, pod("trainer", restart_count=3))],
+)
+def test_trainer_failures_beyond_backoff_limit_fail_the_job(backoff, trainer):
+    d = run(job(running_status(), **{"runPolicy.backoffLimit": backoff}), all_pods(trainer=trainer))
+    assert outcome_of(d) == ("Failed", "BackoffLimitExceeded")
+    assert f"backoffLimit is {backoff}" in cond(d.status, "Failed").message
+    assert creates(d) == [] and ("j-trainer-0", 0) not in deletes(d)
+
+
+def test_a_trainer_restart_voids_a_finished_event_it_published_before():
+    d = run(job(running_status()), all_pods(), [ev(protocol.TRAINING_FINISHED, ms(T0), step=17, interrupted=True)])
+    assert d.status.completion.stream_id is not None
+    d = run(job(d.status), all_pods(trainer=pod("trainer", restart_count=1)), now=T0 + timedelta(seconds=1))
+    assert d.status.completion is None and "StaleFinishedEvent" in reasons(d)
+    # ... also when the event is only read after the restart was seen (its time predates the new container).
+    restarted = pod("trainer", restart_count=1, started_at=T0 + timedelta(seconds=2))
+    d = run(job(d.status), all_pods(trainer=restarted), [ev(protocol.TRAINING_FINISHED, ms(T0) + 500, step=17)],
+            now=T0 + timedelta(seconds=3))
+    assert d.status.completion is None
+
+
+# -- other components -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["Failed", "Succeeded"])
+def test_an_actor_that_ends_before_training_finished_is_replaced_and_the_job_continues(phase):
+    actor = pod("actor", phase=phase, exit_code=2 if phase == "Failed" else 0)
+    d = run(job(running_status()), all_pods(actor=actor))
+    assert outcome_of(d) is None and d.status.phase == "Running"
+    assert deletes(d) == [("j-actor-0", 0)] and "ComponentRestarted" in reasons(d)
+    assert d.status.components["actor"].restarts == 1 and d.status.trainer_restarts == 0
+    d = run(job(d.status), all_pods(actor=None))
+    assert creates(d) == ["j-actor-0"]
+
+
+def test_producers_may_exit_0_once_training_finished_was_published():
+    finished = [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)]
+    d = run(job(running_status()), all_pods(actor=pod("actor", phase="Succeeded", exit_code=0)), finished)
+    assert deletes(d) == [] and outcome_of(d) is None
+
+
+# -- stall and event source ---------------------------------------------------------------------------
+
+
+def test_no_trainer_event_for_event_timeout_sets_stalled_and_events_clear_it():
+    status = running_status()  # Running since T0 - 2 min, event timeout 300 s: stalled from T0 + 180 s
+    d = run(job(status), all_pods(), now=T0 + timedelta(seconds=170))
+    assert cond(d.status, "Stalled").status == "False" and d.requeue_after == pytest.approx(10)
+    d = run(job(d.status), all_pods(), now=T0 + timedelta(seconds=240))
+    stalled = cond(d.status, "Stalled")
+    assert stalled.status == "True" and stalled.reason == "NoTrainerEvents" and outcome_of(d) is None
+    assert any(e.type == "Warning" and e.reason == "NoTrainerEvents" for e in d.events)
+    later = T0 + timedelta(seconds=250)
+    d = run(job(d.status), all_pods(), [ev(protocol.WEIGHTS_READY, ms(later), step=3)], now=later)
+    assert cond(d.status, "Stalled").status == "False" and cond(d.status, "Stalled").reason == "EventsResumed"
+
+
+def test_stall_fails_the_job_with_fail_on_stall():
+    d = run(job(running_status(), **{"runPolicy.failOnStall": True}), all_pods(), now=T0 + timedelta(seconds=240))
+    assert outcome_of(d) == ("Failed", "Stalled")
+
+
+def test_event_timeout_0_disables_the_stall_check():
+    j = lambda st: job(st, **{"runPolicy.eventTimeoutSeconds": 0})
+    d = run(j(None), all_pods(), now=T0)
+    d = run(j(d.status), all_pods(), now=T0 + timedelta(days=1))
+    assert d.status.phase == "Running" and cond(d.status, "Stalled") is None and outcome_of(d) is None
+    assert d.requeue_after is None
+
+
+@pytest.mark.parametrize(
+    ("source", "status", "reason"),
+    [
+        (EventSource("Unreachable", "ConnectionError", "Error 111 connecting"), "False", "ConnectionError"),
+        (EventSource("Unreachable", "AuthenticationError", "invalid password"), "False", "AuthenticationError"),
+        (EventSource(), "Unknown", "WaitingForRedis"),
+        (REACHABLE, "True", "Connected"),
+    ],
+)
+def test_event_source_reachability_is_a_condition_with_its_reason(source, status, reason):
+    d = run(job(running_status()), all_pods(), source=source)
+    c = cond(d.status, "EventSourceReachable")
+    assert (c.status, c.reason) == (status, reason)
+    if status == "False":
+        assert any(e.type == "Warning" and e.reason == reason for e in d.events)
+        assert d.status.phase == "Running"  # unreachable alone decides nothing; the stall clock does
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+
+def test_trainer_progress_checkpoints_and_skipped_entries_are_recorded():
+    events = [
+        ev(protocol.WEIGHTS_READY, 1000, step=5, documents_seen=160),
+        ev(protocol.CHECKPOINT_SAVED, 1001, step=5, path="/checkpoints/step-5"),
+        ev(protocol.METRICS, 1002, step=5, lag=1),
+    ]
+    d = run(job(running_status()), all_pods(), events, read_upto="1005-0")
+    tr = d.status.trainer
+    assert (tr.step, tr.weights_version, tr.documents_seen) == (5, 5, 160)
+    assert tr.last_checkpoint == CheckpointRef(step=5, path="/checkpoints/step-5")
+    assert d.status.lag == 1 and d.status.progress == "5/40"
+    assert tr.last_event_id == "1005-0"  # past the malformed entries the watcher skipped
+    # Re-delivered events (an operator restart re-reads after lastEventId) change nothing.
+    again = run(job(d.status), all_pods(), [ev(protocol.WEIGHTS_READY, 1000, step=1)])
+    assert again.status.trainer.step == 5
+
+
+# -- suspend, delete, invalid, terminal -----------------------------------------------------------------
+
+
+def test_suspend_stops_in_order_then_resume_recreates():
+    j = lambda st, **kw: job(st, **{"runPolicy.suspend": True}, **kw)
+    d = run(j(running_status()), all_pods())
+    assert d.status.phase == "Suspended" and d.status.reason == "Suspending"
+    assert d.status.teardown.reason == "Suspended" and deletes(d) == [("j-actor-0", 10)]
+    assert outcome_of(d) is None
+    d = run(j(d.status), [])
+    assert d.status.phase == "Suspended" and cond(d.status, "Suspended").status == "True"
+    assert cond(d.status, "ResourcesReleased").status == "True" and not d.watch_events
+    assert {(a.kind, a.name) for a in d.actions if isinstance(a, DeleteObject)} == {
+        ("ConfigMap", "j-config"), ("Secret", "j-redis"), ("Service", "j-redis"), ("Service", "j-inference"),
+        ("Service", "j-trainer")}
+    d = run(job(d.status), [], static=())  # suspend unset
+    assert d.status.phase == "Pending" and d.status.teardown is None
+    assert cond(d.status, "Suspended").status == "False" and cond(d.status, "ResourcesReleased") is None
+    assert creates(d)[-1] == "j-redis" and "Secret" in [a.kind for a in d.actions]
+
+
+def test_deleting_a_running_job_runs_the_teardown_and_reports_released():
+    d = run(job(running_status(), deleting=True), all_pods())
+    assert d.status.phase == "Draining" and d.status.teardown.reason == "Deleted"
+    assert not d.released and deletes(d) == [("j-actor-0", 10)] and outcome_of(d) is None
+    d = run(job(d.status, deleting=True), [])
+    assert d.released and d.status.teardown.stage == "Done"
+    assert [s.name for s in d.status.teardown.stages] == list(TEARDOWN_ORDER)
+
+
+def test_invalid_spec_fails_names_the_field_and_creates_nothing():
+    d = run(job(**{"model.architecture.heads": 5}), static=())
+    assert outcome_of(d) == ("Failed", "InvalidSpec")
+    assert "spec.model.architecture.heads" in cond(d.status, "Failed").message
+    assert creates(d) == [] and d.status.phase == "Failed" and d.released
+    assert any(e.type == "Warning" and e.reason == "InvalidSpec" for e in d.events)
+
+
+def test_a_terminal_job_never_recreates_anything_and_ignores_new_events():
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
+                                                                           **FINISHED)])
+    for _ in range(6):  # pods disappear stage by stage
+        d = run(job(d.status), [])
+    assert d.status.phase == "Succeeded" and d.finished
+    done = d.status
+    d = run(job(done), [pod("trainer", phase="Failed", exit_code=1)],
+            [ev(protocol.TRAINING_FINISHED, ms(T0) + 99_000, step=3)], now=T0 + timedelta(hours=1))
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished") and d.status.phase == "Succeeded"
+    assert creates(d) == [] and deletes(d) == [] and d.status.completion == done.completion
+
+
+def test_deleting_a_finished_job_releases_it_at_once():
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
+                                                                           **FINISHED)])
+    for _ in range(6):
+        d = run(job(d.status), [])
+    d = run(job(d.status, deleting=True), [])
+    assert d.released and d.actions == [] and d.status.phase == "Succeeded"
+
+
+def test_ttl_after_finished_deletes_the_job():
+    j = lambda st, **kw: job(st, **{"runPolicy.ttlSecondsAfterFinished": 30}, **kw)
+    d = run(j(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
+                                                                         **FINISHED)])
+    for _ in range(6):
+        d = run(j(d.status), [])
+    assert d.status.phase == "Succeeded" and not d.finished and d.requeue_after == pytest.approx(30)
+    d = run(j(d.status), [], now=T0 + timedelta(seconds=31))
+    assert any(isinstance(a, DeleteJob) for a in d.actions)
+
+
+def test_external_redis_streams_are_deleted_in_the_last_stage():
+    j = lambda st, **kw: job(st, **{"redis.mode": "external", "redis.url": "redis://r:6379/0"}, **kw)
+    d = run(j(None, deleting=True), [])
+    (streams,) = [a for a in d.actions if isinstance(a, DeleteStreams)]
+    assert streams.keys == ("ns/j/fast_llm_events", "ns/j/fast_llm_streaming", "ns/j/rollouts")
