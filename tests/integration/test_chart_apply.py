@@ -334,3 +334,68 @@ def test_namespaced_render_for_the_shared_cluster_has_no_peering_objects():
     # The shared test cluster has no kopf.dev CRDs: the default and namespaced renders must not need them.
     assert not find(render(), "ClusterKopfPeering")
     assert not find(render({"watch": {"clusterWide": False}}), "KopfPeering")
+
+
+def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_in, tmp_path):
+    """The real `rlkube operator`, with the arguments the chart renders, under the chart's ServiceAccount:
+    it creates a TrainingJob's children and tears them down on deletion without a permission error."""
+    from helm_chart import operator_container
+
+    release, ns, team = "op", "rlkube-op", "team-op"
+    _ensure_namespace(rbac_api, team)
+    values = {"peering": {"enabled": True}, "metrics": {"enabled": False}}
+    helm_config = helm_in(ns)
+    helm_config.install(CHART, release, values, namespace=ns, create_namespace=True, timeout=60)
+    args = operator_container(render(values, release=release, namespace=ns))["args"]
+    # Same arguments, but the liveness endpoint on a free loopback port (the pod's 0.0.0.0:8081 may be taken).
+    args = [a if not a.startswith("--liveness=") else "--liveness=http://127.0.0.1:0/healthz" for a in args]
+    log = tmp_path / "operator.log"
+    proc = None
+    try:
+        kubeconfig = _token_kubeconfig(rbac_api, rbac_cluster, ns, f"{release}-rlkube", tmp_path / "sa-kubeconfig")
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlkube.cli", *args],
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        custom = client.CustomObjectsApi(rbac_api)
+        core = client.CoreV1Api(rbac_api)
+        body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
+
+        def children():
+            kinds = {
+                "Pod": core.list_namespaced_pod(team).items,
+                "Service": core.list_namespaced_service(team).items,
+                "Secret": [s for s in core.list_namespaced_secret(team).items if s.type != "kubernetes.io/service-account-token"],
+                "ConfigMap": core.list_namespaced_config_map(team).items,
+            }
+            return kinds if all(kinds.values()) else None
+
+        found = _poll(children, 90, "the operator created no children: " + log.read_text()[-3000:])
+        assert all(o.metadata.owner_references for objs in found.values() for o in objs)
+        job = custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
+        assert (job.get("status") or {}).get("phase"), "the operator wrote no status"
+        custom.delete_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
+
+        def released():
+            try:
+                custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
+                return False
+            except ApiException as exc:
+                return exc.status == 404
+
+        _poll(released, 120, "the TrainingJob was not released: " + log.read_text()[-3000:])
+        text = log.read_text()
+        errors = [line for line in text.splitlines() if any(sign in line for sign in PERMISSION_ERRORS)]
+        assert not errors, "the operator hit permission errors:\n" + "\n".join(line[:400] for line in errors[:10])
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        helm_config.uninstall(release, wait="watcher", timeout=60)
