@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 ORDER = ["actor", "preprocessor", "inference", "trainer", "redis"]
 # The reward margin tiny-cpu guarantees with seed 0 (mean of the last 10 steps minus the first 10). The run is
-# seeded but roles race each other, so it is not bit-reproducible: the margin is well below what runs reach.
-MIN_MARGIN = 0.15
+# seeded but its roles race each other, so it is not bit-reproducible. Measured: first-10 0.057-0.060, last-10
+# 0.211-0.231 over six runs; tests/unit/test_learnability.py shows the same rise in-process for seeds 0-7. The
+# bound keeps a third of the observed gain as headroom.
+MIN_MARGIN = 0.10
 
 
 def _leftovers(out: Path) -> list[str]:
@@ -61,6 +63,7 @@ def test_tiny_job_learns_and_tears_down_in_order(tmp_path):
     assert summary["steps"] == 40
     assert summary["teardown"] == ORDER
     assert summary["reward_last"] - summary["reward_first"] >= MIN_MARGIN, summary
+    assert summary["reward_last"] >= 2 * summary["reward_first"], summary
     assert wall < 300, f"took {wall:.0f}s"
     assert (out / "reward.png").stat().st_size > 1000
     assert any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
@@ -69,32 +72,30 @@ def test_tiny_job_learns_and_tears_down_in_order(tmp_path):
 
 
 def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    """Poll the job's Redis (its port is in the job's redis log dir) until the trainer reported `step`."""
+    """Poll the job's Redis (named in the runner's run.json) until the trainer reported `step`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = p.info["cmdline"] or []
-            if cmd and "redis-server" in cmd[0] and str(out) in " ".join(cmd):
-                port = int(cmd[cmd.index("--port") + 1])
-                client = redis.Redis(port=port)
-                try:
-                    for _, fields in client.xrange("local/tiny-cpu/fast_llm_events"):
-                        ev = json.loads(fields[b"event"])
-                        if ev.get("type") == "metrics" and ev.get("step", 0) >= step:
-                            return
-                except redis.RedisError:
-                    pass
-                finally:
-                    client.close()
-        time.sleep(0.5)
+        if (out / "run.json").exists():
+            run = json.loads((out / "run.json").read_text())
+            client = redis.Redis.from_url(run["redis_url"])
+            try:
+                for _, fields in client.xrange(run["events"]):
+                    ev = json.loads(fields[b"event"])
+                    if ev.get("type") == "metrics" and ev.get("step", 0) >= step:
+                        return
+            except redis.RedisError:
+                pass
+            finally:
+                client.close()
+        time.sleep(0.2)
     raise TimeoutError(f"trainer did not reach step {step}")
 
 
 @pytest.fixture
 def short_manifest(tmp_path):
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["algorithm"]["maxSteps"] = 200  # long enough that the run is surely interrupted mid-way
+    doc["spec"]["algorithm"]["maxSteps"] = 5000  # long enough that the run is surely interrupted mid-way
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -138,6 +138,10 @@ class LocalJob:
         self.redis_server = RedisServer(self.out / "redis").start()
         self.redis = self.redis_server.client()
         self.config_path = runtime.write_job_config(self.out / "job.json", NAMESPACE, self.name, self.raw_spec)
+        # Where to attach while the job runs (redis-cli, tests): the events stream key and the server's URL.
+        (self.out / "run.json").write_text(
+            json.dumps({"pid": os.getpid(), "redis_url": self.redis_server.url, "events": self.keys.events})
+        )
         self.weight_sync_port = _free_port()
         ports = [_free_port() for _ in range(self.spec.inference.replicas)]
         self.inference_urls = [f"http://127.0.0.1:{p}" for p in ports]
