@@ -61,6 +61,10 @@ def reserved(redis_client) -> int:
     return int(redis_client.get(LAG.reserved) or 0)
 
 
+def written(redis_client) -> int:
+    return int(redis_client.get(LAG.written) or 0)
+
+
 def holds(proc) -> int:
     return len(re.findall(r"holding: ", log_text(proc)))
 
@@ -71,14 +75,14 @@ def test_two_replicas_hold_at_max_lag_and_resume_on_weights_ready(stack, redis_c
     actors = [start_actor(roles, url, i) for i in (0, 1)]
     wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 4 and all(holds(a) for a in actors), 60,
                "4 groups and both replicas holding")
-    assert reserved(redis_client) == 16  # full: nothing more can be produced until the trainer moves
+    assert reserved(redis_client) == written(redis_client) == 16  # full until the trainer moves
     assert redis_client.xlen(KEYS.rollouts) == 4
 
     before = holds(actors[0]) + holds(actors[1])
     publish(trainer, 1, documents_seen=8)  # one step consumed 8 documents: room for 2 more groups
     wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 6 and holds(actors[0]) + holds(actors[1]) > before, 60,
                "2 more groups, then holding again")
-    assert reserved(redis_client) == 24 and redis_client.xlen(KEYS.rollouts) == 6
+    assert reserved(redis_client) == written(redis_client) == 24 and redis_client.xlen(KEYS.rollouts) == 6
 
     got = groups(redis_client)
     assert len({g.group_id for g in got}) == 6
@@ -116,7 +120,7 @@ def test_restarted_trainer_lowers_the_lag_credit(stack, redis_client):
     trainer.wait(timeout=10)
     second = roles.start_trainer(1)  # resumed from its step-1 checkpoint: 8 documents seen, not 16
     wait_until(lambda: "lag credit lowered by 8" in log_text(actor), 60, "the rebase")
-    assert reserved(redis_client) == 24
+    assert reserved(redis_client) == written(redis_client) == 24
     publish(second, 2, documents_seen=16)  # without the rebase the counter (32) would stay full here
     wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 10, 60, "2 more groups after the restart")
     redis_client.xadd(KEYS.events, protocol.training_finished(step=2))
@@ -140,7 +144,7 @@ def test_sigterm_exits_zero_and_returns_unused_credit(stack, redis_client):
     wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 1 and holds(actor), 60, "one group, then holding")
     actor.send_signal(signal.SIGTERM)
     assert actor.wait(timeout=20) == 0
-    assert reserved(redis_client) == 4  # exactly the produced group; no reservation leaked
+    assert reserved(redis_client) == written(redis_client) == 4  # the produced group; no reservation leaked
 
 
 def test_dead_inference_server_is_retried(stack, redis_client):

@@ -1,5 +1,5 @@
-"""The shared lag counter over real Redis: the bound across concurrent reservations, the restart rebase (once
-per event, in stream order), and the stall release (once per period across replicas)."""
+"""The shared lag counters over real Redis: the bound across concurrent reservations, the write-time check in
+stream order, the restart rebase (once per event, in event order), and the stall release (once per period)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from rlkube.core.lag import LagCounter
-from rlkube.core.protocol import StreamKeys
+from rlkube.core.protocol import RolloutGroup, Sample, StreamKeys
 
 KEYS = StreamKeys("ns/job/")
 
@@ -29,14 +29,29 @@ async def test_concurrent_reservations_never_pass_the_bound(counter):
     assert await counter.reserve(4, 8) == 20  # the trainer consumed 8 documents
 
 
+def group(version: int, n: int = 4) -> RolloutGroup:
+    return RolloutGroup(f"g{version}", [1, 4], [Sample([5], [-0.5], 1.0) for _ in range(n)], version, n)
+
+
+async def test_write_checks_the_position_against_the_sampling_version(counter, redis_client):
+    # version 0 announced at 0 documents: positions up to 16; version 1 at 8 documents: up to 24.
+    assert [await counter.write(group(0), 0) for _ in range(4)] == [4, 8, 12, 16]
+    assert await counter.write(group(0), 0) is None  # would be consumed 2 versions after version 0
+    assert await counter.write(group(1), 8) == 20
+    assert await counter.written() == 20
+    stream = redis_client.xrange(KEYS.rollouts)
+    assert [RolloutGroup.decode(f).model_version for _, f in stream] == [0, 0, 0, 0, 1]
+
+
 async def test_rebase_lowers_once_and_ignores_older_events(counter):
     assert [await counter.reserve(8, 16) for _ in range(4)] == [8, 16, 24, 32]
+    assert [await counter.write(group(2, 8), 16) for _ in range(4)] == [8, 16, 24, 32]
     assert await counter.on_weights_ready("100-0", 8) == 0
     assert await counter.on_weights_ready("101-0", 16) == 0
     # a restarted trainer resumed at 8 documents: lowered by 8, once, however many replicas apply it
     assert await counter.on_weights_ready("200-0", 8) == 8
     assert await counter.on_weights_ready("200-0", 8) == 0
-    assert await counter.reserved() == 24
+    assert (await counter.reserved(), await counter.written()) == (24, 24)
     # a replica lagging behind applies an older event afterwards: ignored (it would look like a restart)
     assert await counter.on_weights_ready("101-0", 16) == 0
     assert await counter.on_weights_ready("99-5", 0) == 0
@@ -48,6 +63,7 @@ async def test_rebase_lowers_once_and_ignores_older_events(counter):
 
 async def test_stall_release_happens_once_per_period(counter):
     await counter.reserve(8, 0)
+    await counter.write(group(0, 8), 0)
     results = await asyncio.gather(*(counter.release_if_stalled(4, 30) for _ in range(5)))
     assert results.count(True) == 1
-    assert await counter.reserved() == 4
+    assert (await counter.reserved(), await counter.written()) == (4, 4)

@@ -202,16 +202,17 @@ class Actor:
               if last <= sample_budget(seen, self.algo.max_lag, self.algo.samples_per_step)]
         return min(ok) if ok else None
 
-    async def sample_group(self, session: aiohttp.ClientSession, last: int) -> protocol.RolloutGroup | None:
+    async def sample_group(self, session: aiohttp.ClientSession, min_version: int | None
+                           ) -> protocol.RolloutGroup | None:
         """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt.
-        `last` is the reserved number of the group's last sample (it decides how old the weights may be)."""
+        `min_version`: the oldest weights that may sample it (passed to our native server)."""
         prompt = self.task.prompt(self.rng)
         version_at_start = self.view.version or 0
         delay = 0.2
         while not self.stop.is_set():
             url = self.urls[next(self._servers)]
             try:
-                reply = await self._complete(session, url, prompt.text, self.min_version(last))
+                reply = await self._complete(session, url, prompt.text, min_version)
                 break
             except BadPrompt as exc:
                 log.error("%s; skipping it", exc)
@@ -280,25 +281,21 @@ class Actor:
                 return
             produced = False
             try:
-                group = await self.sample_group(session, last)
+                group = await self.sample_group(session, self.min_version(last))
                 retry = 0
-                while group is not None and not self.fresh_enough(group, last) and not self.stop.is_set():
-                    # The server still had older weights than the announcement we reserved against (the
-                    # transfer follows the announcement), or it restarted and has not rejoined yet.
+                while group is not None and not self.stop.is_set():
+                    seen = self.documents_seen_for(group.model_version)
+                    if seen is not None and await self.lag.write(group, seen) is not None:
+                        produced = True
+                        self._count(group)
+                        break
+                    # Too old for the position it would get: the server still had older weights than announced
+                    # (the transfer follows the announcement), restarted without them, or a group reserved after
+                    # this one was written first. Sample again with the newest weights.
                     self.resampled += 1
                     retry += 1
                     await asyncio.sleep(min(0.01 * 2**retry, 1.0))
-                    group = await self.sample_group(session, last)
-                if group is not None and not self.stop.is_set():
-                    await self.redis.xadd(self.keys.rollouts, group.encode())
-                    produced = True
-                    self.groups += 1
-                    self.samples += len(group.samples)
-                    self.reward_sum += sum(s.reward for s in group.samples)
-                    if self.groups % 20 == 0:
-                        rate = self.samples / max(time.monotonic() - self.started, 1e-9)
-                        log.info("%d groups, %.1f samples/s, mean reward %.3f, version %s", self.groups, rate,
-                                 self.reward_sum / max(self.samples, 1), self.view.version)
+                    group = await self.sample_group(session, self.view.version)
             finally:
                 if not produced:
                     # Cancelled, stopped or skipped: the reservation was not used (best effort on shutdown).
@@ -307,14 +304,21 @@ class Actor:
                     except Exception:  # noqa: BLE001
                         pass
 
-    def fresh_enough(self, group: protocol.RolloutGroup, last: int) -> bool:
-        """Whether the group, sampled by `group.model_version`, stays within maxLag at its reserved number."""
-        seen = self.seen_at.get(group.model_version)
-        if seen is None:
-            # Newer than any announcement we saw (our event reader is behind): fresher than reserved for.
-            # Older than all we remember: too old.
-            return bool(self.seen_at) and group.model_version > max(self.seen_at)
-        return last <= sample_budget(seen, self.algo.max_lag, self.algo.samples_per_step)
+    def documents_seen_for(self, version: int) -> int | None:
+        """documents_seen announced with `version`; None when it is older than anything we remember."""
+        seen = self.seen_at.get(version)
+        if seen is None and self.seen_at and version > max(self.seen_at):
+            return self.view.documents_seen  # newer than our event reader got to: at least the newest budget
+        return seen
+
+    def _count(self, group: protocol.RolloutGroup) -> None:
+        self.groups += 1
+        self.samples += len(group.samples)
+        self.reward_sum += sum(s.reward for s in group.samples)
+        if self.groups % 20 == 0:
+            rate = self.samples / max(time.monotonic() - self.started, 1e-9)
+            log.info("%d groups, %.1f samples/s, mean reward %.3f, version %s", self.groups, rate,
+                     self.reward_sum / max(self.samples, 1), self.view.version)
 
     def worker_count(self) -> int:
         per_server = max(1, min(MAX_WORKERS_PER_SERVER, self.algo.samples_per_step // self.algo.group_size))
@@ -356,7 +360,7 @@ class Actor:
         if self.failed is not None:
             raise self.failed
         log.info("%s stopped: %d groups, %d samples, mean reward %.3f, held %d times, %d groups sampled again "
-                 "(weights older than announced)", self.name, self.groups, self.samples,
+                 "(too old for their stream position)", self.name, self.groups, self.samples,
                  self.reward_sum / max(self.samples, 1), self.holds, self.resampled)
         return 0
 

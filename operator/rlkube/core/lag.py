@@ -1,27 +1,28 @@
-"""Lag control shared by every actor replica: a sample-reservation counter in Redis (design.md s5, seed 6.8/6.9).
+"""Lag control shared by every actor replica: sample counters in Redis (design.md s5, seed 6.8/6.9).
 
-Why a counter: a rollout must not be consumed more than `maxLag` weight versions after it was sampled. Samples
-are consumed in order, `samplesPerStep` per optimizer step, so the r-th sample ever produced is used by the step
-that turns version ceil(r/S)-1 into ceil(r/S). Sampling it at version v keeps its lag <= maxLag exactly when
+Why counters: a rollout must not be consumed more than `maxLag` weight versions after it was sampled. Samples
+are consumed in stream order, `samplesPerStep` per optimizer step, so the p-th sample written is used by the step
+that turns version ceil(p/S)-1 into ceil(p/S). Sampled with version v, its lag stays <= maxLag exactly when
 
-    r <= D + (maxLag + 1) x S        (D = documents the trainer has consumed, S = samplesPerStep)
+    p <= D_v + (maxLag + 1) x S        (D_v = documents the trainer had consumed at version v, S = samplesPerStep)
 
-D is the trainer's `documents_seen` from its latest `weights_ready` (version x S when a trainer does not send
-it). Each actor reserves a whole group with one INCRBY; a reservation past the bound is given back and the
-actor waits for the next `weights_ready`. The counter is shared, so any number of actor replicas stay within
-the bound together.
+D_v is the trainer's `documents_seen` in the `weights_ready` that announced v (v x S when a trainer does not
+send it). Two counters, shared by all replicas:
+- `reserved` (admission): before sampling, an actor reserves its group with one INCRBY against the newest D; a
+  reservation past the bound is given back and the actor holds until the next `weights_ready`. This keeps the
+  actors from sampling what could not be used.
+- `written` (the stream position): the group is appended by a Lua script that checks the bound for the version
+  that actually sampled it at the position it actually gets, then XADDs and advances the counter atomically. A
+  group that finished after a later-reserved one, or that a server sampled with weights older than announced
+  (the transfer follows the announcement), is refused and sampled again with newer weights. So the bound holds
+  in stream order, not just in reservation order.
 
-The announcement comes BEFORE the transfer, so for a moment the actor knows version v while the server still
-samples with v-1. The actor therefore checks the bound again with the version that actually sampled the group
-(the server's `model_version`, and the documents_seen announced with it) and samples the group again when
-that version is too old for the group's reserved number.
-
-Two ways the counter can overcount and would otherwise stall the job forever (seed 6.8):
+Two ways the counters can overcount and would otherwise stall the job forever (seed 6.8):
 - a restarted trainer resumes with a smaller D than it had reached (the documents it read after its last
-  checkpoint are gone): the first actor that sees the smaller D lowers the counter by the difference, once
+  checkpoint are gone): the first actor that sees the smaller D lowers both counters by the difference, once
   (a Lua script ordered by the event's stream id, so replicas seeing the same event do it only once);
 - samples that never reach the trainer (a group dropped by the preprocessor, an actor killed with its
-  reservations): when the actors have held for `stall_s` without any new `weights_ready`, one group of credit
+  reservation): when the actors have held for `stall_s` without any new `weights_ready`, one group of credit
   is released per `stall_s` (logged as a warning). Progress never depends on counting exactly.
 """
 
@@ -31,35 +32,48 @@ from dataclasses import dataclass
 
 from rlkube.core import protocol
 
-# Lowers the counter when the trainer's documents_seen went back (a restart), at most once per event.
-# KEYS: reserved, last documents_seen, last event id ("ms-seq"); ARGV: event id, documents_seen.
+# Lowers the counters when the trainer's documents_seen went back (a restart), at most once per event.
+# KEYS: reserved, written, last documents_seen, last event id ("ms-seq"); ARGV: event id, documents_seen.
 _REBASE = """
 local function parse(id)
   local ms, seq = string.match(id, "^(%d+)-(%d+)$")
   return tonumber(ms), tonumber(seq)
 end
-local last_id = redis.call('GET', KEYS[3])
+local last_id = redis.call('GET', KEYS[4])
 local ms, seq = parse(ARGV[1])
 if last_id then
   local lms, lseq = parse(last_id)
   if ms < lms or (ms == lms and seq <= lseq) then return 0 end
 end
 local d = tonumber(ARGV[2])
-local last_d = tonumber(redis.call('GET', KEYS[2]) or '0')
+local last_d = tonumber(redis.call('GET', KEYS[3]) or '0')
 local lowered = 0
 if d < last_d then
   lowered = last_d - d
   redis.call('DECRBY', KEYS[1], lowered)
+  redis.call('DECRBY', KEYS[2], lowered)
 end
-redis.call('SET', KEYS[2], d)
-redis.call('SET', KEYS[3], ARGV[1])
+redis.call('SET', KEYS[3], d)
+redis.call('SET', KEYS[4], ARGV[1])
 return lowered
+"""
+
+# Appends a group if its last sample's position stays within the budget of the version that sampled it.
+# KEYS: written, rollouts stream; ARGV: n, budget, encoded group. Returns the position, or 0 when refused.
+_WRITE = """
+local n = tonumber(ARGV[1])
+local position = tonumber(redis.call('GET', KEYS[1]) or '0') + n
+if position > tonumber(ARGV[2]) then return 0 end
+redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
+redis.call('SET', KEYS[1], position)
+return position
 """
 
 
 @dataclass(frozen=True)
 class LagKeys:
     reserved: str
+    written: str
     documents_seen: str
     last_event: str
     stall_release: str
@@ -67,11 +81,12 @@ class LagKeys:
     @classmethod
     def for_job(cls, keys: protocol.StreamKeys) -> LagKeys:
         p = keys.prefix + "actor/"
-        return cls(p + "samples_reserved", p + "documents_seen", p + "last_event", p + "stall_release")
+        return cls(p + "samples_reserved", p + "samples_written", p + "documents_seen", p + "last_event",
+                   p + "stall_release")
 
 
 def sample_budget(documents_seen: int, max_lag: int, samples_per_step: int) -> int:
-    """Highest sample number that may be sampled now (pure; see the module docstring)."""
+    """Highest sample position that weights announced at `documents_seen` may fill (pure; see above)."""
     return documents_seen + (max_lag + 1) * samples_per_step
 
 
@@ -86,38 +101,57 @@ def documents_seen_of(payload: dict, samples_per_step: int) -> tuple[int, int]:
 
 
 class LagCounter:
-    """The shared counter over an asyncio Redis client."""
+    """The shared counters over an asyncio Redis client."""
 
     def __init__(self, client, keys: protocol.StreamKeys, max_lag: int, samples_per_step: int):
         self.redis = client
+        self.stream_keys = keys
         self.keys = LagKeys.for_job(keys)
         self.max_lag = max_lag
         self.samples_per_step = samples_per_step
         self._rebase = client.register_script(_REBASE)
+        self._write = client.register_script(_WRITE)
+
+    def budget(self, documents_seen: int) -> int:
+        return sample_budget(documents_seen, self.max_lag, self.samples_per_step)
 
     async def reserve(self, n: int, documents_seen: int) -> int | None:
-        """Reserve n samples if they stay within the bound: the number of the last one, or None (nothing
-        reserved)."""
+        """Admit n more samples if they stay within the bound: the reserved number of the last one, or None
+        (nothing reserved)."""
         total = int(await self.redis.incrby(self.keys.reserved, n))
-        if total <= sample_budget(documents_seen, self.max_lag, self.samples_per_step):
+        if total <= self.budget(documents_seen):
             return total
         await self.redis.decrby(self.keys.reserved, n)
         return None
 
     async def give_back(self, n: int) -> None:
+        """Return an admission whose group will not be written."""
         await self.redis.decrby(self.keys.reserved, n)
 
+    async def write(self, group: protocol.RolloutGroup, documents_seen: int) -> int | None:
+        """XADD the group if it fits the budget of the weights that sampled it (announced at documents_seen):
+        its position, or None when it would be consumed too late (sample it again with newer weights)."""
+        fields = group.encode()
+        position = int(await self._write(keys=[self.keys.written, self.stream_keys.rollouts],
+                                         args=[len(group.samples), self.budget(documents_seen), fields["group"]]))
+        return position or None
+
     async def on_weights_ready(self, stream_id: str, documents_seen: int) -> int:
-        """Apply a weights_ready event; returns how much the counter was lowered (a trainer restart)."""
-        return int(await self._rebase(keys=[self.keys.reserved, self.keys.documents_seen, self.keys.last_event],
-                                      args=[stream_id, documents_seen]))
+        """Apply a weights_ready event; returns how much the counters were lowered (a trainer restart)."""
+        return int(await self._rebase(
+            keys=[self.keys.reserved, self.keys.written, self.keys.documents_seen, self.keys.last_event],
+            args=[stream_id, documents_seen]))
 
     async def release_if_stalled(self, n: int, stall_s: float) -> bool:
-        """Release n samples of credit, at most once per stall_s across all replicas."""
+        """Release n samples of credit from both counters, at most once per stall_s across all replicas."""
         if await self.redis.set(self.keys.stall_release, "1", nx=True, px=max(1, int(stall_s * 1000))):
             await self.redis.decrby(self.keys.reserved, n)
+            await self.redis.decrby(self.keys.written, n)
             return True
         return False
 
     async def reserved(self) -> int:
         return int(await self.redis.get(self.keys.reserved) or 0)
+
+    async def written(self) -> int:
+        return int(await self.redis.get(self.keys.written) or 0)
