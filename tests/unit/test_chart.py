@@ -349,3 +349,16 @@ def test_rbac_covers_every_child_the_operator_builds(path):
                         assert rules_allow(rules, "", "secrets", "get")
             assert child["metadata"]["ownerReferences"][0]["blockOwnerDeletion"] is True
             assert rules_allow(rules, "rlkube.io", "trainingjobs/finalizers", "update")
+
+
+def test_packaged_chart_renders_the_same(tmp_path):
+    # What a chart repository or OCI registry would serve: the .tgz carries templates, schema and both CRD files.
+    archive = helm.package(CHART, destination=tmp_path)
+    chart_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    assert Path(archive).name == f"rlkube-{chart_version}.tgz"
+    with helm.Chart.load(archive) as packaged, helm.Chart.load(CHART) as source:
+        assert packaged.render(values=NAMESPACED, name="rel", namespace="x") == source.render(
+            values=NAMESPACED, name="rel", namespace="x")
+        assert {c["filename"] for c in packaged.crds} == {c["filename"] for c in source.crds}
+        assert packaged.schema == source.schema
+    assert helm.digest(archive).startswith("sha256:")
