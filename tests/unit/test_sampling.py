@@ -104,3 +104,17 @@ def test_swapping_the_policy_changes_the_version_and_the_output(model):
     after = engine.generate([req("5:", temperature=0)])[0]
     assert (before.version, after.version) == (0, 7)
     assert before.completions[0].logprobs != pytest.approx(after.completions[0].logprobs, abs=1e-3)
+
+
+def test_versions_going_back_release_waiting_requests(model):
+    # A restarted trainer resumes at its checkpoint's version: requests waiting for a version of the dead run
+    # must not wait for it.
+    engine = SamplingEngine(model, TOK, version=6).start()
+    try:
+        waiting = engine.submit(req("1:", min_version=7))
+        assert engine.submit(req("2:")).result(timeout=30).version == 6
+        assert not waiting.done()
+        engine.set_policy(copy.deepcopy(model), 5)
+        assert waiting.result(timeout=30).version == 5
+    finally:
+        engine.stop()

@@ -110,6 +110,10 @@ class Actor:
                 log.warning("trainer went back to %d documents seen (a restart): lag credit lowered by %d",
                             seen, lowered)
             self.view.version, self.view.documents_seen = version, seen
+            # Versions above this one belong to a trainer process that died (a restart resumes lower): forget
+            # them, or groups would wait for weights that only come after the documents they are meant for.
+            for stale in [v for v in self.seen_at if v > version]:
+                del self.seen_at[stale]
             self.seen_at[version] = seen
             if len(self.seen_at) > 4096:
                 self.seen_at.pop(min(self.seen_at))

@@ -9,7 +9,8 @@ full recompute per token is cheaper than the bookkeeping).
 The policy (model, version) is one immutable pair swapped by reference: a batch samples every token with the
 pair it took at its start, and a weight update never waits for generation nor generation for an update.
 A request may ask for `min_version` (the actor does, right after a `weights_ready` announcement, whose transfer
-follows it): it waits, without holding up the others, until that version is in, or at most MIN_VERSION_WAIT_S.
+follows it): it waits, without holding up the others, until that version is in, the versions go back (a
+restarted trainer) or MIN_VERSION_WAIT_S passed.
 
 Log-probs are those of the distribution actually sampled from, i.e. of logits / temperature (for temperature 0,
 of the raw logits), which is what the trainer's importance ratio needs (`model.token_logprobs` with the same
@@ -31,7 +32,9 @@ from rlkube.core.model import CharTokenizer
 
 log = logging.getLogger(__name__)
 
-MIN_VERSION_WAIT_S = 30.0  # a request asking for newer weights waits this long at most, then runs anyway
+# A request asking for newer weights waits this long at most, then runs anyway: the announced transfer normally
+# follows within milliseconds on the tiny models this engine serves, but the trainer may die before it.
+MIN_VERSION_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ class SamplingEngine:
         """Swap the weights in; batches already running finish with the policy they started with."""
         model.eval()
         with self._cv:
+            if version < self._policy.version:
+                # A restarted trainer counts from its checkpoint again: the versions requests are waiting for
+                # may come much later (or, from the lost run, never). Let them run now.
+                now = time.monotonic()
+                self._pending = [(req, fut, min(deadline, now)) for req, fut, deadline in self._pending]
             self._policy = Policy(model, version)
             self._cv.notify_all()  # requests waiting for this version
 
