@@ -140,13 +140,15 @@ def test_pending_with_everything_created_creates_nothing_more():
     assert d.actions == [] and d.status.phase == "Pending"
 
 
-def test_redis_ready_starts_trainer_and_inference_together():
+def test_redis_ready_starts_trainer_and_inference_together_then_the_preprocessor():
     d = run(job(), [pod("redis")])
     assert d.status.phase == "Starting"
-    assert sorted(creates(d)) == ["j-inference-0", "j-trainer-0"]
+    assert creates(d) == ["j-trainer-0", "j-inference-0", "j-preprocessor-0"]  # POSTed in this order
 
 
 def test_preprocessor_follows_trainer_and_inference_actors_wait_for_inference_ready():
+    d = run(job(TrainingJobStatus(phase="Starting")), [pod("redis"), pod("inference", phase="Pending")])
+    assert creates(d) == ["j-trainer-0", "j-preprocessor-0"]
     pending = [pod("redis"), pod("trainer", phase="Pending"), pod("inference", phase="Pending")]
     d = run(job(TrainingJobStatus(phase="Starting")), pending)
     assert creates(d) == ["j-preprocessor-0"]
@@ -181,7 +183,7 @@ def test_running_does_not_go_back_when_a_component_turns_unready():
 def test_external_redis_creates_no_redis_pod_service_or_secret():
     j = job(**{"redis.mode": "external", "redis.url": "redis://redis.example:6379/0"})
     d = run(j, static=())
-    assert creates(d) == ["j-config", "j-inference", "j-trainer", "j-trainer-0", "j-inference-0"]
+    assert creates(d) == ["j-config", "j-inference", "j-trainer", "j-trainer-0", "j-inference-0", "j-preprocessor-0"]
     assert d.status.components["redis"].desired == 0
 
 

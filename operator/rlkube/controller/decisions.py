@@ -437,21 +437,22 @@ def _create_missing(p: _Pass) -> None:
 
     redis_ready = not job.managed_redis or comps["redis"].ready >= 1
     allowed = {
-        "redis": True,
-        "trainer": redis_ready,
-        "inference": redis_ready,
-        "preprocessor": redis_ready and all_exist("trainer") and all_exist("inference"),
-        "actor": comps["inference"].ready >= comps["inference"].desired,
+        "redis": lambda: True,
+        "trainer": lambda: redis_ready,
+        "inference": lambda: redis_ready,
+        "preprocessor": lambda: redis_ready and all_exist("trainer") and all_exist("inference"),
+        "actor": lambda: comps["inference"].ready >= comps["inference"].desired,
     }
     ckpt = p.status.trainer.last_checkpoint
-    for role in names.POD_ROLES:
-        if gated and not allowed[role]:
+    for role in names.POD_ROLES:  # start order: each gate sees what this pass already created
+        if gated and not allowed[role]():
             continue
         for i in range(builders.replicas(job.spec, role)):
             if names.pod_name(job.name, role, i) in present:
                 continue
             resume = ckpt.path if (role == "trainer" and ckpt) else None
             p.actions.append(Create(builders.pod(job, role, i, resume_checkpoint=resume)))
+            present.add(names.pod_name(job.name, role, i))  # a later gate may only need it to exist
 
 
 def _update_phase(p: _Pass) -> None:

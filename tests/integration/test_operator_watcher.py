@@ -1,0 +1,75 @@
+"""The operator's Redis event watcher against a real redis-server: blocking read, resume, skips, reachability."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from rlkube.controller.watcher import EventWatcher, Target
+from rlkube.core import protocol
+from rlkube.local.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _until(predicate, wake: asyncio.Event, timeout: float = 10) -> None:
+    async def loop():
+        while not predicate():
+            await wake.wait()
+            wake.clear()
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def test_reads_events_as_they_arrive_skips_malformed_ones_and_resumes_after_an_id(tmp_path):
+    with RedisServer(tmp_path / "r", password="pw") as server:
+        keys = protocol.StreamKeys.for_job("ns", "job")
+        writer = aioredis.Redis.from_url(server.url)
+        first = (await writer.xadd(keys.events, protocol.weights_ready(1, 32))).decode()
+        wake = asyncio.Event()
+        url = f"redis://{server.host}:{server.port}/0"
+        watcher = EventWatcher(Target(url, "pw", keys.events), None, wake.set).start()
+        try:
+            await _until(lambda: len(watcher.buffer) == 1, wake)
+            assert watcher.source.state == "Reachable"
+            await writer.xadd(keys.events, {"event": b"not json"})  # malformed: skipped, position advances
+            await writer.xadd(keys.events, {"event": b'{"type": "shiny_new_event"}'})  # unknown type: ignored
+            last = (await writer.xadd(keys.events, protocol.training_finished(step=1, checkpoint="/c"))).decode()
+            await _until(lambda: watcher.last_id == last, wake)
+            assert [e.type for e in watcher.pending(None)] == ["weights_ready", "training_finished"]
+            assert [e.stream_id for e in watcher.pending(first)] == [last]
+            watcher.commit(first)
+            assert [e.stream_id for e in watcher.buffer] == [last]
+        finally:
+            await watcher.stop()
+        # A new watcher (an operator restart) resumes after the id the status recorded.
+        resumed = EventWatcher(Target(url, "pw", keys.events), first, wake.set).start()
+        try:
+            await _until(lambda: resumed.last_id == last, wake)
+            assert [e.stream_id for e in resumed.buffer] == [last]
+        finally:
+            await resumed.stop()
+            await writer.aclose()
+
+
+async def test_reports_unreachable_with_the_reason_then_reconnects(tmp_path):
+    server = RedisServer(tmp_path / "r", password="pw", host="127.0.0.1").start()
+    port = server.port
+    url = f"redis://127.0.0.1:{port}/0"
+    wake = asyncio.Event()
+    keys = protocol.StreamKeys.for_job("ns", "job")
+    wrong = EventWatcher(Target(url, "wrong", keys.events), None, wake.set).start()
+    watcher = EventWatcher(Target(url, "pw", keys.events), None, wake.set).start()
+    try:
+        await _until(lambda: wrong.source.state == "Unreachable", wake)
+        assert wrong.source.reason == "AuthenticationError"
+        await _until(lambda: watcher.source.state == "Reachable", wake)
+        server.stop()
+        await _until(lambda: watcher.source.state == "Unreachable", wake, timeout=20)
+        assert watcher.source.reason == "ConnectionError" and str(port) in watcher.source.message
+        server = RedisServer(tmp_path / "r2", password="pw", host="127.0.0.1", port=port).start()
+        await _until(lambda: watcher.source.state == "Reachable", wake, timeout=20)
+    finally:
+        await wrong.stop()
+        await watcher.stop()
+        server.stop()
