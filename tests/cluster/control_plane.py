@@ -191,6 +191,8 @@ def main() -> None:
         print(binaries())
         return
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="rlkube-cp-"))
+    # Blocked before anything starts, so a SIGTERM is waited for below instead of killing us and orphaning servers.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     cp = ControlPlane(workdir).start()
     print(f"export KUBECONFIG={cp.kubeconfig}", flush=True)
     try:
