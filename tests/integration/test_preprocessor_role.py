@@ -11,7 +11,7 @@ import pytest
 
 from core_roles import Role, keys_for, make_group, role_env, tiny_spec, wait_for
 from rlkube.core import protocol
-from rlkube.core.preprocessor import PreprocessorRole
+from rlkube.core.preprocessor import PreprocessorRole, position_key
 from rlkube.core.runtime import RoleContext
 from rlkube.core.trainer import ensure_group
 
@@ -137,3 +137,46 @@ def test_partial_groups_malformed_entries_and_unknown_events(redis_client, redis
     assert any("partial: 3 of 8" in r.getMessage() for r in caplog.records)
     redis_client.xadd(keys.events, protocol.training_finished(step=1))
     assert pre.run() == 0 and pre.finished
+
+
+def test_a_restarted_preprocessor_continues_where_it_stopped(redis_client, redis_server, tmp_path):
+    """The read position survives the process: a new instance (a restart) writes no duplicate documents."""
+    ctx = _ctx(tmp_path, redis_server, "restart", samplesPerStep=32, groupSize=4)
+    keys = ctx.keys
+    ensure_group(redis_client, keys)
+    for i in range(3):
+        redis_client.xadd(keys.rollouts, make_group(f"a{i}", [0.0, 1.0, 0.5, 0.25], expected=4).encode())
+    redis_client.xadd(keys.rollouts, {"group": b"{not json"})  # skipped, but read: the position passes it
+    first = PreprocessorRole(ctx, redis_client, threading.Event())
+    wait_for(lambda: (first.poll(), first.groups == 3 and first.skipped == 1)[1], 10, "the first three groups")
+    assert redis_client.xlen(keys.documents) == 12
+    last_id = redis_client.xrevrange(keys.rollouts, count=1)[0][0].decode()
+    assert redis_client.get(position_key(keys)).decode() == last_id
+
+    second = PreprocessorRole(ctx, redis_client, threading.Event())  # the restarted process
+    assert second.rollouts_pos == last_id
+    for _ in range(3):
+        second.poll()
+    assert redis_client.xlen(keys.documents) == 12, "a restart replayed rollouts already turned into documents"
+    redis_client.xadd(keys.rollouts, make_group("b0", [1.0, 0.0, 0.0, 1.0], expected=4).encode())
+    wait_for(lambda: (second.poll(), second.groups == 1)[1], 10, "the group written after the restart")
+    docs = [protocol.decode_document(f) for _, f in redis_client.xrange(keys.documents)]
+    assert len(docs) == 16
+    assert [d.reward for d in docs[12:]] == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_documents_and_position_are_written_together(redis_client, redis_server, tmp_path):
+    """One MULTI/EXEC: a crash can never leave documents without the position that covers them."""
+    ctx = _ctx(tmp_path, redis_server, "atomic", samplesPerStep=32, groupSize=4)
+    keys = ctx.keys
+    redis_client.xadd(keys.rollouts, make_group("a", [0.0, 1.0, 0.5, 0.25], expected=4).encode())
+    pre = PreprocessorRole(ctx, redis_client, threading.Event())
+    with redis_server.client().monitor() as monitor:
+        wait_for(lambda: (pre.poll(), pre.groups == 1)[1], 10, "one group")
+        commands = []
+        for cmd in monitor.listen():
+            commands.append(cmd["command"].split()[0].upper())
+            if commands[-1] == "EXEC":
+                break
+    tail = commands[commands.index("MULTI"):]
+    assert tail == ["MULTI", "XADD", "XADD", "XADD", "XADD", "SET", "EXEC"], tail

@@ -13,6 +13,8 @@ Rules it keeps (seed-systems section 6):
   never produced far ahead of the trainer and their policy versions stay fresh.
 - Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers, 6.12).
 - Malformed rollout entries and unknown events are logged and skipped.
+- Its read position in the rollouts stream is kept in Redis (`position_key`), written in the same transaction
+  as the documents of each group, so a restarted preprocessor continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def trainer_lag(client: redis.Redis, keys: protocol.StreamKeys) -> int:
     return added  # the trainer has not created its group yet: nothing was read
 
 
+def position_key(keys: protocol.StreamKeys) -> str:
+    """Where the preprocessor keeps its read position in the rollouts stream (the last id it turned into
+    documents), so that a restarted preprocessor continues there instead of replaying the stream."""
+    return keys.prefix + "preprocessor/rollouts_position"
+
+
 def _sid(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -121,8 +129,14 @@ class PreprocessorRole:
             drop_singletons=algo.loss != "sft",
         )
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
-        # Stream positions, kept in memory: a restarted preprocessor reads the rollouts stream from the start.
-        self.rollouts_pos = "0-0"
+        # The rollouts position is persisted (position_key) together with the documents of each entry, so a
+        # restarted preprocessor neither replays groups it already wrote nor skips any. Events are re-read from
+        # the start on purpose: a training_finished published while we were down must still stop us.
+        self.position_key = position_key(self.keys)
+        saved = client.get(self.position_key)
+        self.rollouts_pos = _sid(saved) if saved else "0-0"
+        if saved:
+            log.info("continuing the rollouts stream after %s", self.rollouts_pos)
         self.events_pos = "0-0"
         self.finished = False
         self.groups = self.documents = self.skipped = 0
@@ -145,13 +159,16 @@ class PreprocessorRole:
             except ValueError as exc:
                 self.skipped += 1
                 log.warning("skipping rollout entry %s: %s", self.rollouts_pos, exc)
+                self.redis.set(self.position_key, self.rollouts_pos)
                 continue
             docs = group_to_documents(group, self.cfg)
-            if docs:
-                pipe = self.redis.pipeline(transaction=False)
-                for doc in docs:
-                    pipe.xadd(self.keys.documents, protocol.encode_document(doc))
-                pipe.execute()
+            # Documents and the position that covers them in one MULTI/EXEC: after a crash either both are
+            # there or neither, so every group becomes documents exactly once.
+            pipe = self.redis.pipeline(transaction=True)
+            for doc in docs:
+                pipe.xadd(self.keys.documents, protocol.encode_document(doc))
+            pipe.set(self.position_key, self.rollouts_pos)
+            pipe.execute()
             self.groups += 1
             self.documents += len(docs)
 
