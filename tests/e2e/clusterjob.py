@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from nodeagent.harness import AgentProcess, wait_for
@@ -147,6 +147,35 @@ class EventFollower(threading.Thread):
         return sum(r[-n:]) / n - sum(r[:n]) / n
 
 
+class PodRecorder(threading.Thread):
+    """Every pod object created in a namespace, from a watch of the API (not only those the agent ran)."""
+
+    def __init__(self, api_client: client.ApiClient, namespace: str):
+        super().__init__(daemon=True, name="pod-recorder")
+        self.core = client.CoreV1Api(api_client)
+        self.namespace = namespace
+        self.uids: dict[str, set[str]] = {}
+        self._watch = watch.Watch()
+
+    def run(self) -> None:
+        rv = None
+        while True:
+            try:
+                for ev in self._watch.stream(self.core.list_namespaced_pod, self.namespace, resource_version=rv,
+                                             timeout_seconds=60):
+                    meta = ev["object"].metadata
+                    rv = meta.resource_version
+                    self.uids.setdefault(meta.name, set()).add(meta.uid)
+                if self._watch._stop:
+                    return
+            except Exception:  # noqa: BLE001 - relist after an expired watch or a dropped connection
+                rv = None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
 @dataclass
 class ClusterJob:
     api_client: client.ApiClient
@@ -159,6 +188,8 @@ class ClusterJob:
     def __post_init__(self) -> None:
         self.core = client.CoreV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+        self.recorder = PodRecorder(self.api_client, self.namespace)
+        self.recorder.start()
 
     # ---- the TrainingJob ------------------------------------------------------------------------------------
     def apply(self, manifest: dict) -> ClusterJob:
@@ -253,8 +284,9 @@ class ClusterJob:
         return roles
 
     def uids_per_pod(self) -> dict[str, set[str]]:
-        """Every pod object the node agent ran for this job, by name (a recreated pod gets a new uid)."""
-        out: dict[str, set[str]] = {}
+        """Every pod object created for this job, by name (a recreated pod gets a new uid): the API's watch
+        view, plus the node agent's (which ran them)."""
+        out: dict[str, set[str]] = {k: set(v) for k, v in self.recorder.uids.items() if k.startswith(f"{self.name}-")}
         for s in self.agent.pod_states(self.namespace):
             if s["name"].startswith(f"{self.name}-"):
                 out.setdefault(s["name"], set()).add(s["uid"])

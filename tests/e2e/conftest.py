@@ -44,6 +44,7 @@ def job(api_client, node_agent, namespace, operator):
 
     j = ClusterJob(api_client, node_agent, namespace)
     yield j
+    j.recorder.stop()
     if j.follower is not None:
         j.follower.stop()
     if j.name and j.get() is not None and (j.status().get("phase") not in ("Succeeded", "Failed")):

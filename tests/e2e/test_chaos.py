@@ -1,0 +1,157 @@
+"""Chaos on a running TrainingJob: processes killed with -9 (trainer, actor, Redis, the operator), the job
+deleted mid-run, a pod that does not stop on SIGTERM. Each test ends with a status that tells the truth and
+no process left.
+
+A shorter copy of examples/tiny-cpu.yaml keeps them quick: 20 steps, a checkpoint every 5, short grace periods.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+from clusterjob import FULL_ORDER, example, stage_names
+
+from nodeagent.harness import wait_for
+
+MAX_STEPS = 20
+TERMINAL = ("Succeeded", "Failed")
+
+
+def chaos_example(**overrides) -> dict:
+    return example(**{
+        "spec.algorithm.maxSteps": MAX_STEPS,
+        "spec.trainer.checkpoint.intervalSteps": 5,
+        "spec.runPolicy.completionTimeoutSeconds": 30,
+        "spec.runPolicy.eventTimeoutSeconds": 60,
+        "spec.teardown.gracePeriodSeconds": {"actor": 3, "preprocessor": 3, "inference": 3, "trainer": 10, "redis": 3},
+        **overrides,
+    })
+
+
+def assert_succeeded_with_every_step(job, tj: dict) -> None:
+    st = tj["status"]
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["completion"]["finalStep"] == MAX_STEPS and st["completion"]["trainerExitCode"] == 0, st["completion"]
+    assert st["trainer"]["step"] == MAX_STEPS
+
+
+def assert_clean_end(job) -> None:
+    """Ordered teardown as the node agent saw it, children gone, no process left."""
+    assert job.order("deletion") == [r for r in FULL_ORDER if r in job.order("deletion")], job.agent_signals()
+    job.wait(lambda _: not job.children_left(), 60, "children removed")
+    assert job.leftover_processes() == []
+
+
+def test_trainer_killed_mid_run_restarts_in_place_and_resumes_from_its_checkpoint(job):
+    job.apply(chaos_example())
+    job.follow()
+    job.wait(lambda tj: ((tj.get("status") or {}).get("trainer") or {}).get("lastCheckpoint"), 300,
+             "a first checkpoint")
+    killed_at = job.follower.step
+    os.kill(job.pid("trainer"), signal.SIGKILL)
+
+    tj = job.wait_phase(TERMINAL, 300)
+    assert_succeeded_with_every_step(job, tj)
+    st = tj["status"]
+    assert st["components"]["trainer"]["restarts"] == 1, st["components"]
+    assert len(job.uids_per_pod()[f"{job.name}-trainer-0"]) == 1  # restarted in place, not recreated
+    log = job.agent.container_log(job.namespace, f"{job.name}-trainer-0")
+    m = re.search(r"==> trainer/1\.log <==.*?resumed from \S+ \(step (\d+)", log, re.S)
+    assert m, f"the restarted trainer did not resume from a checkpoint:\n{log[-3000:]}"
+    assert 5 <= int(m.group(1)) <= killed_at
+    assert [m["step"] for m in job.follower.metrics][-1] == MAX_STEPS
+    assert stage_names(st) == FULL_ORDER
+    assert_clean_end(job)
+
+
+def test_actor_killed_mid_run_is_restarted_and_the_job_continues(job):
+    job.apply(chaos_example())
+    job.follow()
+    job.wait_step(3, 300)
+    os.kill(job.pid("actor"), signal.SIGKILL)
+    tj = job.wait_phase(TERMINAL, 300)
+    assert_succeeded_with_every_step(job, tj)
+    assert tj["status"]["components"]["actor"]["restarts"] == 1, tj["status"]["components"]
+    assert len(job.uids_per_pod()[f"{job.name}-actor-0"]) == 1
+    assert_clean_end(job)
+
+
+def test_operator_killed_mid_run_and_during_teardown_resumes_without_duplicates(job, operator):
+    job.apply(chaos_example())
+    job.follow()
+    job.wait_step(3, 300)
+    operator.kill()
+    job.wait_step(6, 300)  # the job trains on without its operator
+    operator.start()
+    # Kill it again the moment teardown has begun (its first stage is written with phase Draining).
+    wait_for(lambda: job.status().get("phase") in ("Draining", *TERMINAL), 300, "teardown begins", interval=0.02)
+    operator.kill()
+    stage_at_kill = (job.status().get("teardown") or {}).get("stage")
+    assert stage_at_kill in FULL_ORDER, f"teardown was not under way when the operator was killed: {stage_at_kill}"
+    operator.start()
+
+    tj = job.wait_phase(TERMINAL, 300)
+    assert_succeeded_with_every_step(job, tj)
+    st = tj["status"]
+    print(f"\noperator killed during teardown stage {stage_at_kill!r}; started {operator.starts} times")
+    assert stage_names(st) == FULL_ORDER  # every stage once, in order
+    assert {n: len(u) for n, u in job.uids_per_pod().items() if len(u) != 1} == {}  # no pod created twice
+    assert job.order("deletion") == FULL_ORDER
+    assert all(c["restarts"] == 0 for c in st["components"].values()), st["components"]
+    assert_clean_end(job)
+
+
+def test_trainingjob_deleted_mid_run_tears_down_in_order_and_leaves_nothing(job):
+    job.apply(chaos_example())
+    job.follow()
+    job.wait_step(3, 300)
+    job.delete()
+    job.wait(lambda tj: tj is None, 120, "TrainingJob removed (finalizer released)")
+    # Every pod was running: the node agent had to SIGTERM each, in the design's order.
+    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    assert job.order("SIGTERM") == FULL_ORDER, job.agent_signals()
+    assert not job.agent_signals("SIGKILL")
+    assert_clean_end(job)
+
+
+def test_redis_killed_mid_run_ends_in_a_truthful_state(job):
+    job.apply(chaos_example(**{"spec.runPolicy.eventTimeoutSeconds": 30}))
+    job.follow()
+    job.wait_step(3, 300)
+    os.kill(job.pid("redis"), signal.SIGKILL)
+    tj = job.wait_phase(TERMINAL, 300)  # no hang
+    st = tj["status"]
+    print(f"\nafter kill -9 of Redis: {st['phase']} ({st.get('reason')}: {st.get('message')})")
+    if st["phase"] == "Succeeded":
+        assert_succeeded_with_every_step(job, tj)  # recovered: only with the trainer's own evidence
+    else:
+        assert st.get("reason") and st.get("message"), st
+        assert (st.get("completion") or {}).get("finalStep") != MAX_STEPS or st["reason"] != "TrainingFinished"
+    assert stage_names(st) == FULL_ORDER
+    assert_clean_end(job)
+
+
+def test_pod_ignoring_sigterm_is_killed_after_its_grace_period(job):
+    # Two actors; one is frozen (SIGSTOP: SIGTERM stays pending) while the other keeps the job going.
+    job.apply(chaos_example(**{"spec.actor.replicas": 2}))
+    job.follow()
+    job.wait_step(3, 300)
+    os.kill(job.pid("actor", 1), signal.SIGSTOP)
+    tj = job.wait_phase(TERMINAL, 300)
+    assert_succeeded_with_every_step(job, tj)
+    stuck = f"{job.name}-actor-1"
+    kills = [s for s in job.agent_signals("SIGKILL") if s["pod"] == stuck]
+    terms = [s for s in job.agent_signals("SIGTERM") if s["pod"] == stuck]
+    assert kills and terms and kills[0]["time"] - terms[0]["time"] >= 3.0 - 0.05, job.agent_signals()
+    events = job.core.list_namespaced_event(job.namespace).items
+    agent_event = [e for e in events if e.involved_object.name == stuck and e.reason == "Killing" and e.type == "Warning"]
+    operator_event = [e for e in events if e.reason == "ForceDeleted" and stuck in (e.message or "")]
+    assert agent_event or operator_event, [(e.involved_object.name, e.reason, e.message) for e in events]
+    actor_stage = next(s for s in tj["status"]["teardown"]["stages"] if s["name"] == "actor")
+    print(f"\nstuck actor: SIGKILL {kills[0]['time'] - terms[0]['time']:.1f}s after SIGTERM; "
+          f"agent event: {bool(agent_event)}, operator ForceDeleted: {bool(operator_event)}, stage {actor_stage}")
+    assert stage_names(tj["status"]) == FULL_ORDER
+    assert_clean_end(job)
