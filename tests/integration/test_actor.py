@@ -11,12 +11,18 @@ import re
 import signal
 
 import pytest
-
 from rlkube.core import protocol
 from rlkube.core.lag import LagKeys
-
-from serve_helpers import (  # noqa: I001 - test-local helper modules
-    PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_until, write_config,
+from serve_helpers import (
+    PREFIX,
+    RoleProcesses,
+    free_port,
+    http_status,
+    job_spec,
+    log_text,
+    publish,
+    wait_until,
+    write_config,
 )
 
 KEYS = protocol.StreamKeys(PREFIX)

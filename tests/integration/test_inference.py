@@ -17,14 +17,20 @@ import time
 
 import pytest
 import torch
-
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol
 from rlkube.core.model import build_model, token_logprobs
 from rlkube.core.weightsync import WeightSender
-
-from serve_helpers import (  # noqa: I001 - test-local helper modules
-    PREFIX, RoleProcesses, free_port, http_json, http_status, job_spec, log_text, publish, wait_until,
+from serve_helpers import (
+    PREFIX,
+    RoleProcesses,
+    free_port,
+    http_json,
+    http_status,
+    job_spec,
+    log_text,
+    publish,
+    wait_until,
     write_config,
 )
 from weightsync_peer import model_weights

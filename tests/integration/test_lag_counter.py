@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-
 from rlkube.core.lag import LagCounter
 from rlkube.core.protocol import RolloutGroup, Sample, StreamKeys
 

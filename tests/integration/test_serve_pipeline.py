@@ -11,9 +11,16 @@ from __future__ import annotations
 import signal
 
 from rlkube.core import protocol
-
-from serve_helpers import (  # noqa: I001 - test-local helper modules
-    PREFIX, RoleProcesses, free_port, http_json, http_status, job_spec, log_text, wait_until, write_config,
+from serve_helpers import (
+    PREFIX,
+    RoleProcesses,
+    free_port,
+    http_json,
+    http_status,
+    job_spec,
+    log_text,
+    wait_until,
+    write_config,
 )
 
 KEYS = protocol.StreamKeys(PREFIX)

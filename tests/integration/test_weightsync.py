@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rlkube.core import protocol
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weightsync_peer import make_weights  # noqa: E402
+from weightsync_peer import make_weights
 
 PEER = Path(__file__).parent / "weightsync_peer.py"
 PREFIX = "ns/job/"
@@ -43,13 +42,12 @@ def peers(redis_server, tmp_path):
     procs: list[subprocess.Popen] = []
 
     def start(addr: str, first_version: int) -> subprocess.Popen:
-        log = open(tmp_path / f"peer-{len(procs)}.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, str(PEER), addr, "2", redis_server.url, PREFIX, str(first_version)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        log.close()
+        with open(tmp_path / f"peer-{len(procs)}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(PEER), addr, "2", redis_server.url, PREFIX, str(first_version)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
         procs.append(proc)
         return proc
 

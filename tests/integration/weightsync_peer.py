@@ -15,7 +15,6 @@ from pathlib import Path
 
 import redis
 import torch
-
 from rlkube.api.validation import parse_spec
 from rlkube.core.model import build_model
 from rlkube.core.protocol import StreamKeys

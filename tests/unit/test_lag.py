@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from rlkube.core.lag import documents_seen_of, sample_budget
 
 

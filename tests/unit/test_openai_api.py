@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
 from rlkube.core.model import CharTokenizer
-from rlkube.core.openai_api import RequestError, ServedModel, completion_response, parse_completion_request
+from rlkube.core.openai_api import (
+    RequestError,
+    ServedModel,
+    completion_response,
+    parse_completion_request,
+)
 from rlkube.core.sampling import Completion, GenerationResult
 
 SERVED = ServedModel("builtin://tiny-lm", CharTokenizer(), 16)

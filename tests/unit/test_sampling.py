@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from rlkube.api.spec import ModelSpec
 from rlkube.core.model import CharTokenizer, build_model, token_logprobs
 from rlkube.core.sampling import GenerationRequest, SamplingEngine

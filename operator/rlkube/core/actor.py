@@ -167,7 +167,7 @@ class Actor:
                     async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                         if resp.status == 200:
                             pending.discard(url)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
             if pending and time.monotonic() - last_log > 30:
                 log.info("waiting for inference health: %s", ", ".join(sorted(pending)))
@@ -197,7 +197,7 @@ class Actor:
                 if resp.status != 200:
                     raise InferenceError(f"{url} answered {resp.status}: {reply}")
                 return reply
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise InferenceError(f"{url}: {type(exc).__name__}: {exc}") from exc
 
     def min_version(self, last: int) -> int | None:
@@ -274,7 +274,7 @@ class Actor:
                                 "(samples that never reached the trainer, seed 6.8)", waited, n)
             try:
                 await asyncio.wait_for(changed.wait(), timeout=min(1.0, self.stall_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return None
 
@@ -305,8 +305,8 @@ class Actor:
                     # Cancelled, stopped or skipped: the reservation was not used (best effort on shutdown).
                     try:
                         await asyncio.shield(self.lag.give_back(self.algo.group_size))
-                    except Exception:  # noqa: BLE001
-                        pass
+                    except Exception as exc:  # noqa: BLE001 - Redis may be gone already at shutdown
+                        log.debug("could not give back a reservation: %s", exc)
 
     def documents_seen_for(self, version: int) -> int | None:
         """documents_seen announced with `version`; None when it is older than anything we remember."""
@@ -349,7 +349,7 @@ class Actor:
                          self.algo.samples_per_step)
                 workers = [asyncio.create_task(self.worker(session), name=f"worker-{i}") for i in range(n)]
                 stop_wait = asyncio.create_task(self.stop.wait())
-                done, _ = await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_EXCEPTION)
+                await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_EXCEPTION)
                 for w in workers:
                     w.cancel()
                 results = await asyncio.gather(*workers, return_exceptions=True)

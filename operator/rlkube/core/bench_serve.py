@@ -23,14 +23,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from rlkube.api.validation import parse_spec  # noqa: E402
-from rlkube.core import runtime  # noqa: E402
-from rlkube.core.model import build_model  # noqa: E402
-from rlkube.core.protocol import StreamKeys  # noqa: E402
-from rlkube.core.weightsync import WeightPublisher  # noqa: E402
-from rlkube.local.redis_server import RedisServer, _free_port  # noqa: E402
+from rlkube.api.validation import parse_spec
+from rlkube.core import runtime
+from rlkube.core.model import build_model
+from rlkube.core.protocol import StreamKeys
+from rlkube.core.weightsync import WeightPublisher
+from rlkube.local.redis_server import RedisServer, _free_port
 
 SPEC = {
     "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 2, "hiddenSize": 64, "heads": 4,
@@ -84,9 +84,9 @@ def run(seconds: float, updates: int) -> dict:
         port, sync_port = _free_port(), _free_port()
         env = {**os.environ, runtime.ENV_CONFIG: str(config), runtime.ENV_REDIS_URL: redis_server.url,
                runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{sync_port}", runtime.ENV_PORT: str(port)}
-        log = open(Path(tmp) / "inference.log", "wb")
-        server = subprocess.Popen([sys.executable, "-m", "rlkube.core.inference"], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        with open(Path(tmp) / "inference.log", "wb") as log:
+            server = subprocess.Popen([sys.executable, "-m", "rlkube.core.inference"], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             model = build_model(parse_spec(SPEC).model)
@@ -117,7 +117,6 @@ def run(seconds: float, updates: int) -> dict:
         finally:
             server.terminate()
             server.wait(timeout=30)
-            log.close()
     return {
         "model_parameters": params,
         "startup_join_s": first_join_s,

@@ -121,7 +121,7 @@ class WeightFollower:
                             self.handle(event)
                         if self.finished.is_set():
                             break
-        except Exception:  # noqa: BLE001 - the server keeps serving; /health shows whether weights arrived
+        except Exception:
             log.exception("weight follower stopped")
 
     def handle(self, event: protocol.TrainerEvent) -> None:

@@ -71,7 +71,7 @@ class GenerationResult:
 
 
 class _Row:
-    __slots__ = ("req", "tokens", "out", "done")
+    __slots__ = ("done", "out", "req", "tokens")
 
     def __init__(self, req: int, prompt: list[int], top: bool):
         self.req = req
@@ -166,7 +166,7 @@ class SamplingEngine:
                 continue
             try:
                 results = self.generate([req for req, _ in live])
-            except Exception as exc:  # noqa: BLE001 - report to every waiting request, keep serving
+            except Exception as exc:
                 log.exception("generation batch failed")
                 for _, fut in live:
                     fut.set_exception(exc)
