@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rlkube.core import protocol
+from rlkube.core.runtime import ENV_BIND_HOST
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +153,12 @@ class WeightSender(_Endpoint):
     """The trainer's side (rank 0). Hosts the TCPStore; one group per epoch."""
 
     def __init__(self, addr: str, world_size: int, timeout_s: float = 300, backend: str = "gloo",
-                 device: str = "cpu"):
+                 device: str = "cpu", local_host: str | None = None):
         super().__init__(addr, 0, world_size, timeout_s, backend, device)
         self._store: dist.TCPStore | None = None
+        # The address inference servers reach us at: RLKUBE_BIND_HOST (the pod IP) rather than the store's DNS
+        # name, which a headless Service may not publish before the pod is Ready.
+        self.local_host = local_host or os.environ.get(ENV_BIND_HOST) or self.host
 
     def open(self) -> str:
         """Start a NEW epoch (dropping the current group, if any); returns the epoch id to announce."""
@@ -179,7 +184,7 @@ class WeightSender(_Endpoint):
         store = self._prefixed()
         t0 = time.monotonic()
         try:
-            self.pg = _make_group(store, 0, self.world_size, self.backend, self.timeout, self.host)
+            self.pg = _make_group(store, 0, self.world_size, self.backend, self.timeout, self.local_host)
         except Exception as exc:
             raise WeightSyncError(f"forming weight-sync group of epoch {self.epoch} failed: {exc}") from exc
         store.set(_FORMED, "1")
@@ -222,7 +227,7 @@ class WeightReceiver(_Endpoint):
         if rank < 1:
             raise ValueError(f"inference weight-sync rank must be >= 1 (rank 0 is the trainer), got {rank}")
         super().__init__(addr, rank, world_size, timeout_s, backend, device)
-        self.local_host = local_host
+        self.local_host = local_host or os.environ.get(ENV_BIND_HOST)
 
     def join(self, epoch: str) -> None:
         """Leave the current group and join `epoch`'s. Blocks until the trainer forms it (its first send).
@@ -302,10 +307,11 @@ class WeightPublisher:
 
     def __init__(self, redis_client, keys: protocol.StreamKeys, addr: str, world_size: int,
                  timeout_s: float = 300, backend: str = "gloo", device: str = "cpu", retries: int = 3,
-                 watch_interval_s: float = 0.5):
+                 watch_interval_s: float = 0.5, local_host: str | None = None):
         self.redis = redis_client
         self.keys = keys
-        self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device)
+        self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device,
+                                   local_host=local_host)
         self.retries = retries
         self.watch_interval_s = watch_interval_s
         self.epoch: str | None = None
