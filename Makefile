@@ -3,7 +3,7 @@
 #   make test   runs every test tier against real Redis and a real kube-apiserver
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
-APT_PACKAGES = redis-server etcd-server golang-go rsync make dpkg-dev openssl \
+APT_PACKAGES = redis-server etcd-server golang-go rsync make dpkg-dev openssl iproute2 \
                golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
@@ -13,6 +13,10 @@ export DEBIAN_FRONTEND = noninteractive
 
 demo: deps
 	rlkube local examples/tiny-cpu.yaml
+
+# The same job on a real kube-apiserver: the operator creates pods, the test node agent runs them (tests/nodeagent).
+demo-cluster: deps control-plane
+	$(PYTHON) tests/e2e/demo_cluster.py
 
 test: deps control-plane
 	$(PYTHON) -m pytest -ra
