@@ -212,3 +212,9 @@ def test_unreachable_store_is_a_weightsync_error():
     rx = WeightReceiver(f"127.0.0.1:{free_port()}", rank=1, world_size=2, timeout_s=1)
     with pytest.raises(WeightSyncError, match="cannot reach"):
         rx.join("some-epoch")
+
+
+@pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="this torch build has NCCL")
+def test_nccl_without_cuda_build_is_a_clear_error():
+    with pytest.raises(ValueError, match="nccl"):
+        WeightReceiver("127.0.0.1:1", rank=1, world_size=2, backend="nccl")

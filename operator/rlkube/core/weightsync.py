@@ -13,6 +13,8 @@ in its `weights_ready` event BEFORE the transfer, and the group is formed by the
 inference server that sees an unknown epoch in `weights_ready` leaves its old group and joins the new one. When
 an inference server dies, the trainer's next `send()` fails (`WeightSyncError`): the trainer opens a new epoch
 and announces it again, and the restarted server (which skips epochs whose group is already formed) joins it.
+A restarted server that finds the current epoch already formed also files a rejoin request in the store, so the
+trainer re-announces without waiting for its next step (which may never come while that server is missing).
 `WeightPublisher` below does that announce/send/reopen dance for the trainer.
 
 Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
@@ -73,6 +75,8 @@ def parse_addr(addr: str) -> tuple[str, int]:
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"weight-sync backend {backend!r} is not one of {BACKENDS}")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ValueError("weight-sync backend `nccl` needs a CUDA build of torch (this one has no NCCL); use gloo")
 
 
 def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta,
