@@ -12,11 +12,18 @@ protocol), trains `samplesPerStep` documents per step, and reports on the job's 
 closed; on SIGTERM the trainer finishes the current step, checkpoints, and publishes it with interrupted=true
 (like Fast-LLM); on an exception it publishes nothing and exits non-zero, so the operator never mistakes a crash
 for completion (seed-systems 6.3).
+
+Two ways the trainer could otherwise hang past its grace period: a weight transfer waits for every inference
+rank (up to gloo's 300 s when one never joins or died), so transfers run on a worker thread that SIGTERM stops
+waiting for (the step is checkpointed and reported interrupted, the process exits without joining the thread);
+and documents that stop coming: like Fast-LLM, the trainer gives up after RLKUBE_DOCUMENT_TIMEOUT_S (600 s)
+without one, checkpoints what it trained and exits 1 without training_finished.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -40,6 +47,22 @@ log = logging.getLogger("rlkube.trainer")
 
 DEFAULT_MICRO_BATCH = 32  # documents per forward/backward; the step's gradient is the same for any value
 READ_BLOCK_MS = 1000  # Fast-LLM's XREADGROUP block; also how often a waiting trainer checks for SIGTERM
+ENV_DOCUMENT_TIMEOUT = "RLKUBE_DOCUMENT_TIMEOUT_S"
+DEFAULT_DOCUMENT_TIMEOUT_S = 600.0  # Fast-LLM gives up after this long without a document
+
+
+def document_timeout_from_env(env) -> float:
+    """Seconds without a training document after which the trainer gives up (exit 1, no training_finished)."""
+    raw = env.get(ENV_DOCUMENT_TIMEOUT)
+    if raw is None or raw == "":
+        return DEFAULT_DOCUMENT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DOCUMENT_TIMEOUT}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{ENV_DOCUMENT_TIMEOUT}={raw!r} must be > 0 seconds")
+    return value
 
 
 # --- weight publication ---------------------------------------------------------------------------
@@ -198,10 +221,18 @@ def ensure_group(client: redis.Redis, keys: protocol.StreamKeys) -> None:
             raise
 
 
+class DocumentTimeout(RuntimeError):
+    """No training document arrived for the configured time (RLKUBE_DOCUMENT_TIMEOUT_S)."""
+
+
+TRANSFER_POLL_S = 0.2  # how often the main thread checks for SIGTERM while a weight transfer runs
+
+
 class TrainerRole:
     """The trainer process's loop; `stop` is set by SIGTERM (or by a test) to finish after the current step."""
 
-    def __init__(self, ctx: RoleContext, client: redis.Redis, trainer: Trainer, stop: threading.Event | None = None):
+    def __init__(self, ctx: RoleContext, client: redis.Redis, trainer: Trainer, stop: threading.Event | None = None,
+                 document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S):
         self.ctx = ctx
         self.redis = client
         self.keys = ctx.keys
@@ -209,6 +240,38 @@ class TrainerRole:
         self.stop = stop or threading.Event()
         self.consumer = protocol.consumer_name(ctx.index)
         self.skipped = 0
+        self.document_timeout_s = document_timeout_s
+        self._last_document = time.monotonic()
+        # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
+        self.abandoned_transfer: threading.Thread | None = None
+
+    def _transfer(self, what: str, fn) -> bool:
+        """Run a weight publication (announce + transfer) on a worker thread and wait for it, but stop waiting on
+        SIGTERM: a transfer blocks until every inference rank joins or gloo's timeout (300 s) passes, which is
+        far beyond any teardown grace period. True when it finished; False when it was abandoned."""
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread (or logged if abandoned)
+                error.append(exc)
+                if self.abandoned_transfer is not None:
+                    log.warning("abandoned weight transfer (%s) ended with: %s", what, exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=target, name=f"weights-{what}", daemon=True)
+        thread.start()
+        while not done.wait(TRANSFER_POLL_S):
+            if self.stop.is_set():
+                log.warning("stop requested: abandoning the weight transfer (%s), which is still blocked", what)
+                self.abandoned_transfer = thread
+                return False
+        if error:
+            raise error[0]
+        return True
 
     def _event(self, type_: str, **fields: Any) -> None:
         self.redis.xadd(self.keys.events, protocol.encode_event(type_, **fields))
@@ -248,7 +311,16 @@ class TrainerRole:
                 if docs:
                     log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
                 return None
-            docs.extend(self.read_documents(want - len(docs)))
+            got = self.read_documents(want - len(docs))
+            now = time.monotonic()
+            if got:
+                self._last_document = now
+            elif now - self._last_document > self.document_timeout_s:
+                raise DocumentTimeout(
+                    f"no training document for {self.document_timeout_s:g}s ({ENV_DOCUMENT_TIMEOUT}); "
+                    f"{len(docs)}/{want} documents of step {self.trainer.step + 1} received"
+                )
+            docs.extend(got)
         return docs
 
     def run(self) -> int:
@@ -256,18 +328,26 @@ class TrainerRole:
         algo = spec.algorithm
         interval = spec.trainer.checkpoint.interval_steps
         ensure_group(self.redis, self.keys)
-        t.start_weights()
+        published = self._transfer("initial weights", t.start_weights)
         log.info("training from step %d to %d, %d documents per step", t.step, algo.max_steps, algo.samples_per_step)
-        while t.step < algo.max_steps and not self.stop.is_set():
+        self._last_document = time.monotonic()
+        while published and t.step < algo.max_steps and not self.stop.is_set():
             t0 = time.monotonic()
-            docs = self._collect_step(algo.samples_per_step)
+            try:
+                docs = self._collect_step(algo.samples_per_step)
+            except DocumentTimeout:
+                # Keep what was trained (the consumed documents are gone from the group), but publish no
+                # training_finished: this is a failure, and the operator must not read it as completion.
+                if t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+                    self._checkpoint()
+                raise
             if docs is None:
                 break
             t1 = time.monotonic()
             version_before = t.version
             step_metrics = t.train_step(docs)
             t2 = time.monotonic()
-            t.publish_weights(t.version)
+            published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
             t3 = time.monotonic()
             self._event(protocol.METRICS, **self._metrics(docs, step_metrics, version_before, t1 - t0, t2 - t1, t3 - t2))
             if t.step % interval == 0:
@@ -275,7 +355,12 @@ class TrainerRole:
         interrupted = t.step < algo.max_steps
         if t.last_checkpoint is None or t.last_checkpoint[0] != t.step:
             self._checkpoint()
-        t.close_weights()
+        if self.abandoned_transfer is None:
+            t.close_weights()
+        else:
+            # close() would wait for the blocked transfer; the inference servers leave the group on
+            # training_finished, and the process exits without joining the transfer thread (see main()).
+            log.warning("not closing the weight-update group: a transfer is still blocked in it")
         step, path = t.last_checkpoint
         self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
                     documents_seen=t.documents_seen)
@@ -326,7 +411,8 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
                            backend="nccl" if device.startswith("cuda") else "gloo", device=device)
 
 
-def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None) -> TrainerRole:
+def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
+               document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S) -> TrainerRole:
     spec = ctx.spec
     if spec.trainer.nodes > 1:
         raise ValueError(f"spec.trainer.nodes={spec.trainer.nodes}: the torch backend trains on one node")
@@ -337,7 +423,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
         log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
         trainer.checkpoint_dir = Path("checkpoints")
     trainer.resume()
-    return TrainerRole(ctx, client, trainer, stop)
+    return TrainerRole(ctx, client, trainer, stop, document_timeout_s=document_timeout_s)
 
 
 def main() -> int:
@@ -350,13 +436,25 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    role: TrainerRole | None = None
     try:
         ctx = RoleContext.from_env()
+        timeout_s = document_timeout_from_env(os.environ)
         client = redis.Redis.from_url(ctx.redis_url)
-        return build_role(ctx, client, stop).run()
+        role = build_role(ctx, client, stop, document_timeout_s=timeout_s)
+        code = role.run()
+    except DocumentTimeout as exc:
+        log.error("giving up: %s (no training_finished published)", exc)
+        code = 1
     except Exception:
         log.exception("trainer failed (no training_finished published)")
-        return 1
+        code = 1
+    if role is not None and role.abandoned_transfer is not None and role.abandoned_transfer.is_alive():
+        # The abandoned transfer thread is blocked inside gloo; interpreter shutdown could wait on it (process
+        # group destructors), so leave at once: everything that matters (checkpoint, events) is written.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
