@@ -8,7 +8,6 @@ import threading
 
 import orjson
 import pytest
-
 from core_roles import Role, keys_for, make_group, role_env, tiny_spec, wait_for
 from rlkube.core import protocol
 from rlkube.core.preprocessor import PreprocessorRole, position_key

@@ -8,8 +8,16 @@ import socket
 import time
 
 import pytest
-
-from core_roles import Role, add_documents, keys_for, make_documents, read_events, role_env, tiny_spec, wait_for
+from core_roles import (
+    Role,
+    add_documents,
+    keys_for,
+    make_documents,
+    read_events,
+    role_env,
+    tiny_spec,
+    wait_for,
+)
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol, runtime
 from rlkube.core.trainer import ENV_DOCUMENT_TIMEOUT, document_timeout_from_env
