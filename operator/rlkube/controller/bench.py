@@ -241,7 +241,10 @@ async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: in
         await released.wait(lambda: all(name in released.released for name in names), 120 + 2 * n,
                             "all ResourcesReleased")
         finished_to_released = [released.released[name] - finished_at[name] for name in names]
-        log(f"N={n}: done")
+        cpu = psutil.Process(proc.pid).cpu_times()
+        me = psutil.Process().cpu_times()
+        log(f"N={n}: done; CPU seconds: operator {cpu.user + cpu.system:.1f}, "
+            f"bench (kubelet, trainer, watches) {me.user + me.system:.1f}; load {os.getloadavg()[0]:.1f}")
         return {
             "n": n,
             "create_to_children_p50": round(percentile(create_to_children, 50), 3),

@@ -425,9 +425,10 @@ def _update_event_source(p: _Pass, watching: bool) -> None:
 
 def _create_missing(p: _Pass) -> None:
     job = p.job.ref
-    for manifest in builders.static_children(job, p.password):
-        if f"{manifest['kind']}/{manifest['metadata']['name']}" not in p.obs.static_present:
-            p.actions.append(Create(manifest))
+    if any(f"{kind}/{name}" not in p.obs.static_present for kind, name in _static_names(p)):
+        for manifest in builders.static_children(job, p.password):
+            if f"{manifest['kind']}/{manifest['metadata']['name']}" not in p.obs.static_present:
+                p.actions.append(Create(manifest))
     present = {pod.name for pod in p.obs.pods}
     gated = p.status.phase in ("Pending", "Starting")
     comps = p.status.components

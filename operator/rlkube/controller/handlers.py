@@ -36,7 +36,24 @@ REQUEST_TIMEOUT = 60
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 
 
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+class LeanDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's "essence" of an object, built without deep-copying its status and managedFields first.
+
+    kopf builds the essence on every watch event (every status patch of a TrainingJob, every pod change) by
+    deep-copying the whole object and then dropping status and most metadata; profiling 50 jobs showed that
+    copy as the operator's largest CPU cost. Dropping those stanzas before the copy gives the same essence.
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields=None) -> kopf.BodyEssence:
+        if extra_fields:
+            return super().build(body=body, extra_fields=extra_fields)
+        meta = body.get("metadata") or {}
+        lean = {k: v for k, v in body.items() if k not in ("status", "metadata")}
+        lean["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}
+        return super().build(body=kopf.Body(lean), extra_fields=extra_fields)
+
+
+def apply_settings(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     settings.watching.connect_timeout = 30
@@ -45,11 +62,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     settings.persistence.finalizer = FINALIZER
     # Keep kopf's bookkeeping in annotations: the status belongs to TrainingJobStatus alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rlkube.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="rlkube.io", key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(prefix="rlkube.io", key="last-handled-configuration")
     # Our own Events say what happened; kopf's "Handler ... succeeded" lines would only add noise.
     settings.posting.level = logging.WARNING
+
+
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    apply_settings(settings)
     memo.shared = Shared(Kube(await api_client()))
     logger.info("rlkube operator configured (watch timeouts %ss/%ss)", WATCH_SERVER_TIMEOUT, WATCH_CLIENT_TIMEOUT)
 

@@ -11,6 +11,7 @@ import base64
 import logging
 from typing import Any
 
+import orjson
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -49,13 +50,14 @@ class Kube:
             "ConfigMap": self.core.create_namespaced_config_map,
         }[kind]
         try:
-            created = await create(namespace, manifest)
+            # Raw JSON: deserialising into the generated models and back costs more than the request.
+            response = await create(namespace, manifest, _preload_content=False)
+            return orjson.loads(await response.read())
         except ApiException as exc:
             if exc.status == 409:
                 return None
             metrics.API_ERRORS.labels("create", kind).inc()
             raise
-        return self.api.sanitize_for_serialization(created)
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None, grace_seconds: int) -> bool:
         """Delete (or force-delete with grace 0) one pod; False when it was already gone or replaced."""
@@ -64,7 +66,8 @@ class Kube:
             preconditions=client.V1Preconditions(uid=uid) if uid else None,
         )
         try:
-            await self.core.delete_namespaced_pod(name, namespace, body=body)
+            response = await self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            response.release()
             return True
         except ApiException as exc:
             if exc.status in (404, 409):
@@ -79,7 +82,8 @@ class Kube:
             "ConfigMap": self.core.delete_namespaced_config_map,
         }[kind]
         try:
-            await delete(name, namespace)
+            response = await delete(name, namespace, _preload_content=False)
+            response.release()
         except ApiException as exc:
             if exc.status != 404:
                 metrics.API_ERRORS.labels("delete", kind).inc()
@@ -97,7 +101,7 @@ class Kube:
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
-            await self.custom.patch_namespaced_custom_object_status(
+            response = await self.custom.patch_namespaced_custom_object_status(
                 GROUP,
                 VERSION,
                 namespace,
@@ -105,7 +109,9 @@ class Kube:
                 name,
                 {"status": status},
                 _content_type="application/merge-patch+json",
+                _preload_content=False,
             )
+            response.release()
         except ApiException as exc:
             if exc.status == 404:
                 return  # the job is gone (its finalizer was removed); nothing left to record
