@@ -255,6 +255,17 @@ async def scenario_deleted_pod_of_running_job_is_recreated(env: Env, kapi):
             "status": dict(env.recorder.status("recreate"))}
 
 
+@scenario
+async def scenario_ttl_after_finished_deletes_the_job(env: Env, kapi):
+    trainer = await start(env, kapi, "ttl", **{"runPolicy.ttlSecondsAfterFinished": 1})
+    await trainer.finished(step=40, checkpoint="/checkpoints/step-40")
+    await env.kubelet.exit("ttl-trainer-0", 0)
+    out = await result(env, kapi, "ttl", "Succeeded")
+    await env.recorder.wait(lambda: "ttl" in env.recorder.gone, 30, "the job deleted by its TTL")
+    out["events"] = await job_events(kapi, env.namespace, "ttl")
+    return out
+
+
 @pytest.fixture(scope="module")
 async def outcomes(kapi, cluster, tmp_path_factory):
     async with Env(kapi, cluster, f"fail-{uuid.uuid4().hex[:8]}", tmp_path_factory.mktemp("failures")) as env:
@@ -413,3 +424,9 @@ async def test_a_deleted_pod_of_a_running_job_is_recreated(outcomes):
     out = await outcome(outcomes, "deleted_pod_of_running_job_is_recreated")
     assert out["first"] != out["second"]
     assert out["status"]["phase"] == "Running"
+
+
+async def test_ttl_after_finished_deletes_the_finished_job(outcomes):
+    out = await outcome(outcomes, "ttl_after_finished_deletes_the_job")
+    assert cond(out["status"], "Succeeded")["status"] == "True"
+    assert_released(out)
