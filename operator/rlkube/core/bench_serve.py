@@ -4,7 +4,8 @@ Starts a private Redis and a real native inference server process for the tiny m
 process as the trainer (WeightPublisher), then measures
 - HTTP completions/s (n=8, max_tokens=4) at several client concurrencies, with latency percentiles;
 - weight updates: the trainer's blocking time per publish (announce + transfer) and the time until the server
-  reports the new version in effect (transfer + load + swap), over repeated updates.
+  reports the new version in effect (transfer + load + swap), over repeated updates, with the server idle and
+  while it generates flat out (as in a pipelined run).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ SPEC = {
 }
 
 
-async def _load(url: str, concurrency: int, seconds: float) -> dict:
+async def _load(url: str, concurrency: int, seconds: float, stop: threading.Event | None = None) -> dict:
     latencies: list[float] = []
     body = {"prompt": "12345:", "n": 8, "max_tokens": 4, "temperature": 1.0, "logprobs": 0}
     deadline = time.monotonic() + seconds
 
     async def client(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop and stop.is_set()):
             t0 = time.monotonic()
             async with session.post(url + "/v1/completions", json=body) as resp:
                 await resp.read()
@@ -105,14 +106,14 @@ def run(seconds: float, updates: int) -> dict:
             serving = [asyncio.run(_load(url, c, seconds)) for c in (1, 4, 16)]
 
             params = sum(p.numel() for p in model.parameters())
-            publish_s, effective_s = [], []
-            for v in range(1, updates + 1):
-                t0 = time.monotonic()
-                pub.publish(model.named_parameters(), version=v, step=v)
-                publish_s.append(time.monotonic() - t0)
-                while _health(url).get("model_version") != v:
-                    time.sleep(0.001)
-                effective_s.append(time.monotonic() - t0)
+            idle = _updates(pub, model, url, 1, updates)
+            # The same while the server generates flat out (4 concurrent clients), as in a pipelined run.
+            loader = threading.Thread(target=lambda: asyncio.run(_load(url, 4, 3600, stop)), daemon=True)
+            stop = threading.Event()
+            loader.start()
+            busy = _updates(pub, model, url, updates + 1, updates)
+            stop.set()
+            loader.join()
             pub.close()
         finally:
             server.terminate()
@@ -121,13 +122,26 @@ def run(seconds: float, updates: int) -> dict:
         "model_parameters": params,
         "startup_join_s": first_join_s,
         "serving": serving,
-        "weight_update": {
-            "updates": updates,
-            "publish_ms_median": 1000 * statistics.median(publish_s),
-            "publish_ms_max": 1000 * max(publish_s),
-            "in_effect_ms_median": 1000 * statistics.median(effective_s),
-            "in_effect_ms_max": 1000 * max(effective_s),
-        },
+        "weight_update_idle": idle,
+        "weight_update_serving": busy,
+    }
+
+
+def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> dict:
+    publish_s, effective_s = [], []
+    for v in range(first, first + count):
+        t0 = time.monotonic()
+        pub.publish(model.named_parameters(), version=v, step=v)
+        publish_s.append(time.monotonic() - t0)
+        while _health(url).get("model_version") != v:
+            time.sleep(0.001)
+        effective_s.append(time.monotonic() - t0)
+    return {
+        "updates": count,
+        "publish_ms_median": 1000 * statistics.median(publish_s),
+        "publish_ms_max": 1000 * max(publish_s),
+        "in_effect_ms_median": 1000 * statistics.median(effective_s),
+        "in_effect_ms_max": 1000 * max(effective_s),
     }
 
 
@@ -145,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     for s in result["serving"]:
         print(f"  concurrency {s['concurrency']:>2}: {s['requests_per_s']:7.1f} completions/s (n=8, max_tokens=4), "
               f"{s['samples_per_s']:7.1f} samples/s, p50 {s['p50_ms']:.1f} ms, p95 {s['p95_ms']:.1f} ms")
-    w = result["weight_update"]
-    print(f"  weight update x{w['updates']}: trainer blocked {w['publish_ms_median']:.1f} ms median "
-          f"({w['publish_ms_max']:.1f} max); in effect after {w['in_effect_ms_median']:.1f} ms median "
-          f"({w['in_effect_ms_max']:.1f} max)")
+    for label, key in (("idle server", "weight_update_idle"), ("server generating", "weight_update_serving")):
+        w = result[key]
+        print(f"  weight update x{w['updates']} ({label}): trainer blocked {w['publish_ms_median']:.1f} ms median "
+              f"({w['publish_ms_max']:.1f} max); in effect after {w['in_effect_ms_median']:.1f} ms median "
+              f"({w['in_effect_ms_max']:.1f} max)")
     return 0
 
 

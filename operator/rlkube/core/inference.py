@@ -252,6 +252,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s inference %(levelname)s %(message)s")
     ctx = runtime.RoleContext.from_env()
     _check_engine(ctx.spec.inference.engine)
+    # Three threads share the GIL (HTTP loop, sampling, weight follower). With the default 5 ms switch interval
+    # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
+    # the broadcast, waits with it.
+    sys.setswitchinterval(0.001)
     server, follower = build_server(ctx)
     server.engine.start()
     follower.start()
