@@ -297,6 +297,17 @@ def test_failed_trainer_with_retries_left_is_replaced_and_recreated_from_its_che
     assert gone.status.trainer_restarts == 1
 
 
+def test_backoff_limit_is_the_number_of_retries_allowed():
+    j = lambda st: job(st, **{"runPolicy.backoffLimit": 1, "runPolicy.restartPolicy.trainer": "Never"})  # noqa: E731
+    first = trainer_exited(1)
+    d = run(j(running_status()), all_pods(trainer=first))
+    assert outcome_of(d) is None and deletes(d) == [("j-trainer-0", 0)]  # retry 1 of 1
+    d = run(j(d.status), all_pods(trainer=None))
+    second = pod("trainer", phase="Failed", exit_code=1, uid="uid-second")
+    d = run(j(d.status), all_pods(trainer=second))
+    assert outcome_of(d) == ("Failed", "BackoffLimitExceeded") and d.status.trainer_restarts == 1
+
+
 def test_trainer_restart_in_place_is_counted_and_the_job_continues():
     d = run(job(running_status()), all_pods(trainer=pod("trainer", restart_count=1)))
     assert outcome_of(d) is None and d.status.trainer_restarts == 1 and "TrainerRestarted" in reasons(d)
@@ -400,7 +411,7 @@ def test_trainer_progress_checkpoints_and_skipped_entries_are_recorded():
     events = [
         ev(protocol.WEIGHTS_READY, 1000, step=5, documents_seen=160),
         ev(protocol.CHECKPOINT_SAVED, 1001, step=5, path="/checkpoints/step-5"),
-        ev(protocol.METRICS, 1002, step=5, lag=1),
+        ev(protocol.METRICS, 1002, step=5, lag_max=1, loss=0.3),
     ]
     d = run(job(running_status()), all_pods(), events, read_upto="1005-0")
     tr = d.status.trainer

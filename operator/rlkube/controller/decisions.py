@@ -181,7 +181,7 @@ def _ingest_events(p: _Pass) -> None:
         elif ev.type == protocol.METRICS:
             if step is not None:
                 tr.step = step
-            lag = payload.get("lag")
+            lag = payload.get("lag_max", payload.get("lag"))  # our trainer reports the step's worst lag
             if isinstance(lag, int | float):
                 p.status.lag = int(lag)
         elif ev.type == protocol.CHECKPOINT_SAVED:
