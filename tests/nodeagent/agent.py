@@ -8,8 +8,9 @@ time by a dispatcher thread; Secrets, ConfigMaps and PVCs are read when a contai
 Files under the state directory (the contract for tests and `make demo-cluster`):
 - `agent.json`        written once the node is registered: pid, node name, node IP, pod subnet;
 - `signals.jsonl`     one JSON line per `deletion` seen, `SIGTERM`/`SIGKILL` sent and pod `removed`, with
-                      time, namespace, pod, uid, role label, containers, grace period (the teardown order
-                      as the node saw it);
+                      time (taken just before the signal), namespace, pod, uid, role label, containers and
+                      `grace`: the deletionGracePeriodSeconds asked for on `deletion`, the grace actually given
+                      (kubelet's 2 s minimum applied) on `SIGTERM`. The teardown order as the node saw it;
 - `pods/<ns>_<name>_<uid>/state.json`  the pod's IP, phase and container pids/restarts, rewritten on change;
 - `pods/<ns>_<name>_<uid>/logs/<container>/<restartCount>.log`  the container's stdout+stderr;
 - `hosts`             the cluster's Service names for processes on the host (see harness.cluster_dns_argv);
@@ -440,8 +441,8 @@ class NodeAgent:
             log.debug("event %s for %s: %s", reason, meta["name"], exc)
 
     def signal_log(self, kind: str, w: PodWorker, containers: list[str], grace: float | None = None,
-                   reason: str | None = None) -> None:
-        entry = {"time": time.time(), "event": kind, "namespace": w.ns, "pod": w.pod_name, "uid": w.uid,
+                   reason: str | None = None, at: float | None = None) -> None:
+        entry = {"time": at or time.time(), "event": kind, "namespace": w.ns, "pod": w.pod_name, "uid": w.uid,
                  "role": w.role, "containers": containers, "grace": grace, "reason": reason}
         with self._log_lock, open(self.signals_path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")

@@ -319,14 +319,16 @@ class PodWorker(threading.Thread):
         """Restart a container whose probe failed: SIGTERM, its terminationGracePeriodSeconds, SIGKILL."""
         proc = self.procs[c.name]
         grace = max(float(self.pod["spec"].get("terminationGracePeriodSeconds", 30)), MIN_GRACE_S)
-        self.agent.signal_log("SIGTERM", self, containers=[c.name], grace=grace, reason=why)
-        self.agent.event(self.pod, "Normal", "Killing", f"Container {c.name} {why}, will be restarted")
+        sent = time.time()
         killpg(proc.pid, signal.SIGTERM)
+        self.agent.signal_log("SIGTERM", self, containers=[c.name], grace=grace, reason=why, at=sent)
+        self.agent.event(self.pod, "Normal", "Killing", f"Container {c.name} {why}, will be restarted")
         try:
-            proc.wait(timeout=grace)
+            proc.wait(timeout=max(0.0, sent + grace - time.time()))
         except subprocess.TimeoutExpired:
-            self.agent.signal_log("SIGKILL", self, containers=[c.name], reason=f"grace period {grace:g}s expired")
+            sent = time.time()
             killpg(proc.pid, signal.SIGKILL)
+            self.agent.signal_log("SIGKILL", self, containers=[c.name], reason=f"grace period {grace:g}s expired", at=sent)
             proc.wait()
         self._on_exit(c, proc.returncode, time.monotonic())
 
@@ -354,21 +356,23 @@ class PodWorker(threading.Thread):
     # ---- termination ----------------------------------------------------------------------------------------
     def _terminate(self) -> None:
         with self._lock:
-            deleted, gone = self.deletion_seen, self.gone
-            grace = self.grace if deleted else float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+            deleted = self.deletion_seen
+            requested = self.grace if deleted else None
+            grace = requested if deleted else float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
             if self.stop_grace is not None:
                 grace = min(grace if grace is not None else self.stop_grace, self.stop_grace)
             grace = max(grace if grace is not None else 0.0, MIN_GRACE_S)
         running = {name: p for name, p in self.procs.items() if p.poll() is None}
-        self.agent.signal_log("deletion", self, containers=sorted(running), grace=grace,
+        self.agent.signal_log("deletion", self, containers=sorted(running), grace=requested,
                               reason="node agent stopping" if self.stop_grace is not None else "pod deleted")
         if running:
-            self.agent.signal_log("SIGTERM", self, containers=sorted(running), grace=grace)
-            self.agent.event(self.pod, "Normal", "Killing",
-                             f"Stopping containers {sorted(running)} (grace period {grace:g}s)")
+            sent = time.time()
+            t0 = time.monotonic()
             for proc in running.values():
                 killpg(proc.pid, signal.SIGTERM)
-            t0 = time.monotonic()
+            self.agent.signal_log("SIGTERM", self, containers=sorted(running), grace=grace, at=sent)
+            self.agent.event(self.pod, "Normal", "Killing",
+                             f"Stopping containers {sorted(running)} (grace period {grace:g}s)")
             deadline = t0 + grace
             while any(p.poll() is None for p in running.values()):
                 now = time.monotonic()
@@ -379,16 +383,17 @@ class PodWorker(threading.Thread):
                         deadline = min(deadline, max(self.gone_at, t0) + MIN_GRACE_S)
                 if now >= deadline:
                     break
-                self.wake.wait(min(0.1, deadline - now))
+                self.wake.wait(min(0.05, deadline - now))
                 self.wake.clear()
             stuck = sorted(name for name, p in running.items() if p.poll() is None)
             if stuck:
-                waited = time.monotonic() - t0
-                self.agent.signal_log("SIGKILL", self, containers=stuck, reason=f"still running {waited:.1f}s after SIGTERM")
-                self.agent.event(self.pod, "Warning", "Killing",
-                                 f"Containers {stuck} did not stop within the grace period ({grace:g}s): sent SIGKILL")
+                waited, sent = time.monotonic() - t0, time.time()
                 for name in stuck:
                     killpg(running[name].pid, signal.SIGKILL)
+                self.agent.signal_log("SIGKILL", self, containers=stuck, at=sent,
+                                      reason=f"still running {waited:.2f}s after SIGTERM (grace {grace:g}s)")
+                self.agent.event(self.pod, "Warning", "Killing",
+                                 f"Containers {stuck} did not stop within the grace period ({grace:g}s): sent SIGKILL")
             for proc in running.values():
                 proc.wait()
         for name, proc in list(self.procs.items()):
