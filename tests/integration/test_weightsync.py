@@ -41,12 +41,12 @@ def peers(redis_server, tmp_path):
     """Start trainer-side publisher processes; every one is killed at teardown."""
     procs: list[subprocess.Popen] = []
 
-    def start(addr: str, first_version: int) -> subprocess.Popen:
+    def start(addr: str, first_version: int, overlap: bool = False) -> subprocess.Popen:
         with open(tmp_path / f"peer-{len(procs)}.log", "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(PEER), addr, "2", redis_server.url, PREFIX, str(first_version)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PEER_OVERLAP": "1" if overlap else "0"},
             )
         procs.append(proc)
         return proc
@@ -121,6 +121,26 @@ def test_versions_arrive_exactly_in_one_epoch(redis_client, peers, receivers):
         assert version == v
         assert_weights(state, v)
         assert trainer.stdout.readline().strip() == f"published {v}"
+
+
+def test_overlapped_transfers_arrive_in_order_after_their_announcements(redis_client, peers, receivers):
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0, overlap=True)
+    rx = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    rx.join(ann["epoch"])
+    assert rx.receive()[0] == 0
+    for v in (1, 2, 3):  # queued back to back: each publish waits only for the previous transfer
+        command(trainer, v)
+    for v in (1, 2, 3):
+        last, ann = next_announcement(redis_client, last)
+        assert ann["version"] == v
+        version, state = rx.receive()
+        assert version == v
+        assert_weights(state, v)
+    trainer.stdin.close()  # close() waits for the last transfer, then leaves
+    assert trainer.wait(timeout=20) == 0
+    assert [line.strip() for line in trainer.stdout][-1] == "closed"
 
 
 def test_restarted_trainer_opens_a_new_epoch_on_the_same_port(redis_client, peers, receivers):

@@ -3,13 +3,14 @@
 `python weightsync_peer.py ADDR WORLD REDIS_URL PREFIX START_VERSION [JOB_CONFIG]`: starts a WeightPublisher
 (announces a new epoch with START_VERSION and sends it; with JOB_CONFIG the weights are the job's tiny model
 nudged per version, else small test tensors), then publishes one version per line read from stdin (`VERSION [DOCUMENTS_SEEN]`), printing
-`published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile.
+`published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile. PEER_OVERLAP=1 overlaps transfers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def main() -> None:
         return model_weights(config[0], version) if config else make_weights(version)
 
     client = redis.Redis.from_url(url)
-    pub = WeightPublisher(client, StreamKeys(prefix), addr, int(world), timeout_s=20, watch_interval_s=0.1)
+    pub = WeightPublisher(client, StreamKeys(prefix), addr, int(world), timeout_s=20, watch_interval_s=0.1,
+                          overlap=os.environ.get("PEER_OVERLAP") == "1")
     pub.start(weights(int(first)).items(), version=int(first))
     print(f"published {first}", flush=True)
     for line in sys.stdin:

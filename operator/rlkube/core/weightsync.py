@@ -309,6 +309,10 @@ class WeightPublisher:
     inference servers join on that announcement and report healthy only then, so the trainer must call it before
     it waits for documents (the actors wait for inference health). It blocks until every server joined.
 
+    With `overlap=True`, `publish` announces, snapshots the weights and returns while the transfer runs in a
+    background thread, so the trainer's next step overlaps it; the next `publish` (and `close`) first waits for
+    that transfer and raises its error, if any. The announcement stays synchronous, so events keep their order.
+
     A failed transfer (an inference server died) reopens a new epoch, announces it and sends again, up to
     `retries` times. A restarted inference server that missed the epoch asks for a new one through the store; a
     watchdog thread then re-announces and re-sends the last published weights (kept as a snapshot, detached
@@ -317,7 +321,7 @@ class WeightPublisher:
 
     def __init__(self, redis_client, keys: protocol.StreamKeys, addr: str, world_size: int,
                  timeout_s: float = 300, backend: str = "gloo", device: str = "cpu", retries: int = 3,
-                 watch_interval_s: float = 0.5, local_host: str | None = None):
+                 watch_interval_s: float = 0.5, local_host: str | None = None, overlap: bool = False):
         self.redis = redis_client
         self.keys = keys
         self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device,
@@ -330,6 +334,9 @@ class WeightPublisher:
         self._last: tuple[list[tuple[str, torch.Tensor]], int, int, int, dict[str, Any]] | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self.overlap = overlap
+        self._inflight: threading.Thread | None = None
+        self._inflight_error: BaseException | None = None
 
     def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0, step: int | None = None,
               documents_seen: int = 0, **extra: Any) -> None:
@@ -338,6 +345,7 @@ class WeightPublisher:
             self.epoch = self.sender.open()
         self.publish(named_tensors, version, step=version if step is None else step,
                      documents_seen=documents_seen, **extra)
+        self.wait()  # start-up stays blocking: the group must exist before the trainer waits for documents
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="weight-rejoin-watchdog", daemon=True)
             self._watchdog.start()
@@ -346,24 +354,52 @@ class WeightPublisher:
                 documents_seen: int = 0, **extra: Any) -> None:
         """Announce `weights_ready` (with `epoch` and `version`), then transfer; reopen and retry on failure.
 
-        Returns once every inference server has the weights, so the caller may change them afterwards.
+        Returns once every inference server has the weights (or, with overlap, once the transfer started from
+        a snapshot); either way the caller may change the weights afterwards.
         """
+        self.wait()
         snapshot = [(n, t.detach().clone()) for n, t in named_tensors]
         with self._lock:
             if self.epoch is None:
                 raise RuntimeError("WeightPublisher.publish() before start()")
             self._last = (snapshot, int(version), int(step), int(documents_seen), extra)
-            self._send_locked()
+            if not self.overlap:
+                self._send_locked()
+                return
+            self._announce()
+        self._inflight = threading.Thread(target=self._transfer_in_background, name="weight-transfer", daemon=True)
+        self._inflight.start()
 
-    def _send_locked(self) -> None:
-        tensors, version, step, documents_seen, extra = self._last
+    def wait(self) -> None:
+        """Wait for an overlapped transfer; raise its error, if it failed."""
+        if self._inflight is not None:
+            self._inflight.join()
+            self._inflight = None
+        if self._inflight_error is not None:
+            error, self._inflight_error = self._inflight_error, None
+            raise error
+
+    def _transfer_in_background(self) -> None:
+        try:
+            with self._lock:
+                self._send_locked(announced=True)
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's next publish()/close()
+            self._inflight_error = exc
+
+    def _announce(self) -> None:
+        if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
+            self.epoch = self.sender.open()
+        _, version, step, documents_seen, extra = self._last
+        self.redis.xadd(
+            self.keys.events,
+            protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version, **extra),
+        )
+
+    def _send_locked(self, announced: bool = False) -> None:
+        tensors, version, *_ = self._last
         for attempt in range(self.retries + 1):
-            if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
-                self.epoch = self.sender.open()
-            self.redis.xadd(
-                self.keys.events,
-                protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version, **extra),
-            )
+            if not announced or attempt > 0:
+                self._announce()
             t0 = time.monotonic()
             try:
                 self.sender.send(tensors, version)
@@ -391,7 +427,13 @@ class WeightPublisher:
                 self._lock.release()
 
     def close(self) -> None:
-        """Stop the watchdog and leave the group (on training_finished)."""
+        """Finish an overlapped transfer, stop the watchdog and leave the group (before training_finished)."""
+        try:
+            self.wait()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
