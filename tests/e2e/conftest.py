@@ -10,14 +10,26 @@ import pytest
 
 from nodeagent.harness import AgentProcess
 
+AGENT_LABEL = "rlkube.io/node-agent"
+
 
 @pytest.fixture(scope="session")
 def node_agent(cluster, tmp_path_factory):
-    agent = AgentProcess(cluster, tmp_path_factory.mktemp("node-agent")).start()
+    agent = AgentProcess(cluster, tmp_path_factory.mktemp("node-agent"), namespace_selector=f"{AGENT_LABEL}=true").start()
     yield agent
     agent.stop()
     left = agent.live_processes()
     assert not left, f"container processes left after the node agent stopped: {[p.pid for p in left]}"
+
+
+@pytest.fixture
+def namespace(namespace, api_client):
+    """The root fixture's fresh namespace, labelled for the node agent (other tiers' namespaces carry only
+    rlkube.io/test, so the session's agent never competes with their own fake kubelets)."""
+    from kubernetes import client
+
+    client.CoreV1Api(api_client).patch_namespace(namespace, {"metadata": {"labels": {AGENT_LABEL: "true"}}})
+    return namespace
 
 
 @pytest.fixture

@@ -107,6 +107,7 @@ class NodeAgent:
         self.pods: dict[str, dict] = {}  # uid -> pod, every pod of a served namespace
         self.services: dict[tuple[str, str], dict] = {}
         self.ns_served: dict[str, bool] = {}
+        self.parked: dict[str, dict[str, dict]] = {}  # pods of namespaces not (yet) served, by namespace
         self.workers: dict[str, PodWorker] = {}
         self.finished: set[str] = set()
         self.reported_unschedulable: set[str] = set()
@@ -124,6 +125,9 @@ class NodeAgent:
         return client.ApiClient(cfg)
 
     def start(self) -> NodeAgent:
+        if os.geteuid() != 0:
+            raise SystemExit("the rlkube test node agent needs root: it creates network namespaces, a bridge and "
+                             "bind mounts (run the e2e tests and `make demo-cluster` as root)")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.pods_dir.mkdir(exist_ok=True)
         self.core = client.CoreV1Api(self._api())
@@ -262,10 +266,14 @@ class NodeAgent:
             for o in obj:
                 self._on_namespace("ADDED", o)
             return
-        labels = obj["metadata"].get("labels") or {}
-        self.ns_served[obj["metadata"]["name"]] = typ != "DELETED" and all(
-            labels.get(k) == v for k, v in self.selector.items()
-        )
+        name, labels = obj["metadata"]["name"], obj["metadata"].get("labels") or {}
+        served = typ != "DELETED" and all(labels.get(k) == v for k, v in self.selector.items())
+        was = self.ns_served.get(name, False)
+        self.ns_served[name] = served
+        parked = self.parked.pop(name, {}) if served or typ == "DELETED" else {}
+        if served and not was:  # labelled after its pods were created: take them now
+            for pod in parked.values():
+                self._on_pod("MODIFIED", pod)
 
     def _on_service(self, typ: str, obj) -> None:
         if typ == "SYNC":
@@ -288,6 +296,11 @@ class NodeAgent:
             return
         meta, spec = obj["metadata"], obj["spec"]
         if not self._served(meta["namespace"]):
+            parked = self.parked.setdefault(meta["namespace"], {})
+            if typ == "DELETED":
+                parked.pop(meta["uid"], None)
+            else:
+                parked[meta["uid"]] = obj
             return
         uid = meta["uid"]
         if typ == "DELETED":

@@ -27,7 +27,7 @@ TESTS_DIR = Path(__file__).resolve().parent.parent
 class AgentProcess:
     kubeconfig: Path
     state_dir: Path
-    namespace_selector: str | None = "rlkube.io/test=true"
+    namespace_selector: str | None = "rlkube.io/node-agent=true"
     namespaces: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None

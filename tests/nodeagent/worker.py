@@ -291,8 +291,8 @@ class PodWorker(threading.Thread):
                 return None
             ok, msg = probes.run_once(p.probe, spec, self.view.pod_ip, pid, env)
             p.record(ok, msg, time.monotonic())
-            if not ok:
-                self.agent.event(self.pod, "Warning", "Unhealthy", f"{kind.capitalize()} probe failed: {msg}")
+            if not ok:  # once per distinct message: kubelet folds repeats into one Event's count
+                self._event_once("Warning", "Unhealthy", f"{kind.capitalize()} probe failed: {msg}")
             return ok
 
         if "startup" in probers and not c.started:
