@@ -260,7 +260,10 @@ class ClusterJob:
             p = self.pod("redis")
             return p if p and p.status.pod_ip and p.status.phase == "Running" else None
 
-        p = wait_for(redis_pod, timeout, f"{self.name}-redis running", interval=0.2)
+        try:
+            p = wait_for(redis_pod, timeout, f"{self.name}-redis running", interval=0.2)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.diagnostics()}") from None
         secret = self.core.read_namespaced_secret(names.secret_name(self.name), self.namespace)
         password = secret_password(secret)
         spec = self.get()["spec"]
