@@ -166,3 +166,15 @@ def test_dead_inference_server_is_retried(stack, redis_client):
     assert actor.poll() is None
     redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
     assert actor.wait(timeout=20) == 0
+
+
+def test_reservations_of_a_killed_actor_are_dropped_when_the_pipeline_stalls(stack, redis_client):
+    # maxLag 0, 8 samples per step: two groups may be ahead. A killed actor left one group reserved, unwritten.
+    roles, url, _, _, _ = stack(groupSize=4, samplesPerStep=8, maxLag=0)
+    redis_client.set(LAG.reserved, 4)
+    actor = start_actor(roles, url, RLKUBE_ACTOR_STALL_SECONDS="1")
+    wait_until(lambda: "released unwritten reservations" in log_text(actor), 60, "the stall release")
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 2, 60, "the second group")
+    assert reserved(redis_client) == written(redis_client) == 8
+    redis_client.xadd(KEYS.events, protocol.training_finished(step=0))
+    assert actor.wait(timeout=20) == 0

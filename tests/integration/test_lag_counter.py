@@ -60,9 +60,25 @@ async def test_rebase_lowers_once_and_ignores_older_events(counter):
     assert await counter.on_weights_ready("1000-0", 0) == 8
 
 
-async def test_stall_release_happens_once_per_period(counter):
+async def test_stall_release_drops_unwritten_reservations_first_then_releases_credit(counter):
     await counter.reserve(8, 0)
     await counter.write(group(0, 8), 0)
+    await counter.reserve(4, 0)  # reserved by an actor that was then killed: never written
     results = await asyncio.gather(*(counter.release_if_stalled(4, 30) for _ in range(5)))
-    assert results.count(True) == 1
+    assert results.count(None) == 4 and "unwritten reservations" in results  # once per period
+    assert (await counter.reserved(), await counter.written()) == (8, 8)
+
+    await counter.redis.delete(counter.keys.stall_release)  # the 30 s period is over
+    what = await counter.release_if_stalled(4, 30)
+    assert what == "one group of credit"
     assert (await counter.reserved(), await counter.written()) == (4, 4)
+
+
+async def test_trainer_starving_reads_the_documents_group(counter, redis_client):
+    assert await counter.trainer_starving()  # no documents stream yet
+    redis_client.xgroup_create(KEYS.documents, "fast_llm_group", id="0", mkstream=True)
+    for i in range(8):
+        redis_client.xadd(KEYS.documents, {"tokens": b"", "data": str(i)})
+    assert not await counter.trainer_starving()  # a whole step (8) waits for the trainer
+    redis_client.xreadgroup("fast_llm_group", "c0", {KEYS.documents: ">"}, count=1, noack=True)
+    assert await counter.trainer_starving()

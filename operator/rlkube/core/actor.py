@@ -40,7 +40,7 @@ from rlkube.core.tasks import Task, load_task
 log = logging.getLogger("rlkube.actor")
 
 ENV_STALL_SECONDS = "RLKUBE_ACTOR_STALL_SECONDS"  # optional: holding this long without progress frees credit
-DEFAULT_STALL_S = 60.0
+DEFAULT_STALL_S = 30.0
 REQUEST_TIMEOUT_S = 300.0
 MAX_WORKERS_PER_SERVER = 8
 
@@ -269,9 +269,10 @@ class Actor:
                          self.algo.max_lag, self.view.version, self.view.documents_seen)
             else:
                 waited = time.monotonic() - max(held_since, self.view.last_event_at)
-                if waited >= self.stall_s and await self.lag.release_if_stalled(n, self.stall_s):
-                    log.warning("no trainer progress for %.0fs while holding: releasing %d samples of lag credit "
-                                "(samples that never reached the trainer, seed 6.8)", waited, n)
+                if (waited >= self.stall_s and await self.lag.trainer_starving()
+                        and (what := await self.lag.release_if_stalled(n, self.stall_s))):
+                    log.warning("no trainer progress for %.0fs while holding and the trainer lacks documents: "
+                                "released %s (samples that never reached the trainer, seed 6.8)", waited, what)
             try:
                 await asyncio.wait_for(changed.wait(), timeout=min(1.0, self.stall_s))
             except TimeoutError:

@@ -21,14 +21,18 @@ Two ways the counters can overcount and would otherwise stall the job forever (s
 - a restarted trainer resumes with a smaller D than it had reached (the documents it read after its last
   checkpoint are gone): the first actor that sees the smaller D lowers both counters by the difference, once
   (a Lua script ordered by the event's stream id, so replicas seeing the same event do it only once);
-- samples that never reach the trainer (a group dropped by the preprocessor, an actor killed with its
-  reservation): when the actors have held for `stall_s` without any new `weights_ready`, one group of credit
-  is released per `stall_s` (logged as a warning). Progress never depends on counting exactly.
+- samples that never reach the trainer (an actor killed with reservations, a group the preprocessor dropped):
+  when the actors hold, no `weights_ready` came for `stall_s` and less than a step of documents waits for the
+  trainer, one replica (once per `stall_s`) first drops the reservations that were never written (safe: the
+  write check still holds the bound), or, when there are none, releases one group of credit from both
+  counters (logged as a warning). Progress never depends on counting exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from redis.exceptions import ResponseError
 
 from rlkube.core import protocol
 
@@ -68,6 +72,24 @@ redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
 redis.call('SET', KEYS[1], position)
 return position
 """
+
+
+# KEYS: reserved, written; ARGV: n.
+_RELEASE = """
+local reserved = tonumber(redis.call('GET', KEYS[1]) or '0')
+local written = tonumber(redis.call('GET', KEYS[2]) or '0')
+if reserved > written then
+  redis.call('SET', KEYS[1], written)
+  return 'unwritten reservations'
+end
+redis.call('DECRBY', KEYS[1], ARGV[1])
+redis.call('DECRBY', KEYS[2], ARGV[1])
+return 'one group of credit'
+"""
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -111,6 +133,7 @@ class LagCounter:
         self.samples_per_step = samples_per_step
         self._rebase = client.register_script(_REBASE)
         self._write = client.register_script(_WRITE)
+        self._release = client.register_script(_RELEASE)
 
     def budget(self, documents_seen: int) -> int:
         return sample_budget(documents_seen, self.max_lag, self.samples_per_step)
@@ -142,13 +165,30 @@ class LagCounter:
             keys=[self.keys.reserved, self.keys.written, self.keys.documents_seen, self.keys.last_event],
             args=[stream_id, documents_seen]))
 
-    async def release_if_stalled(self, n: int, stall_s: float) -> bool:
-        """Release n samples of credit from both counters, at most once per stall_s across all replicas."""
-        if await self.redis.set(self.keys.stall_release, "1", nx=True, px=max(1, int(stall_s * 1000))):
-            await self.redis.decrby(self.keys.reserved, n)
-            await self.redis.decrby(self.keys.written, n)
+    async def trainer_starving(self) -> bool:
+        """Whether fewer than one step of documents waits for the trainer's consumer group."""
+        docs = self.stream_keys.documents
+        try:
+            added = int((await self.redis.xinfo_stream(docs))["entries-added"])
+            groups = await self.redis.xinfo_groups(docs)
+        except ResponseError:  # no documents stream yet
             return True
-        return False
+        for g in groups:
+            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+            if name == protocol.DOCUMENTS_GROUP:
+                read = g.get("entries-read")
+                waiting = added - int(read) if read is not None else int(g.get("lag") or 0)
+                return waiting < self.samples_per_step
+        return added < self.samples_per_step
+
+    async def release_if_stalled(self, n: int, stall_s: float) -> str | None:
+        """Unblock a stalled pipeline, at most once per stall_s across all replicas. First drops reservations
+        that were never written (an actor killed mid-group: safe, the write check still holds the bound);
+        when there are none, lowers both counters by n (samples the preprocessor dropped: the bound may be
+        exceeded by those n). Returns what it did, or None."""
+        if not await self.redis.set(self.keys.stall_release, "1", nx=True, px=max(1, int(stall_s * 1000))):
+            return None
+        return _text(await self._release(keys=[self.keys.reserved, self.keys.written], args=[n]))
 
     async def reserved(self) -> int:
         return int(await self.redis.get(self.keys.reserved) or 0)
