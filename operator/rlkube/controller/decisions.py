@@ -609,7 +609,10 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
             st.completion_time = st.completion_time or fmt_time(now)
         else:
             cond = get(st.conditions, decided) if decided else None
-            _set_phase(p, "Draining", cond.reason if cond else "Deleted", cond.message if cond else "job deleted")
+            if cond is not None:
+                _set_phase(p, "Draining", cond.reason, cond.message)
+            else:
+                _set_phase(p, "Draining", "Deleted", "the TrainingJob is being deleted")
         if is_true(st.conditions, "Stalled") and decided != "Failed":
             p.condition("Stalled", "False", "NotRunning", event=False)
     else:
@@ -624,6 +627,8 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
         and not (reason == "Suspended" and released)
     )
     _update_event_source(p, watching)
+    if not watching and get(st.conditions, "EventSourceReachable") is not None:
+        p.condition("EventSourceReachable", "False", "RedisReleased", "the job's Redis is torn down", event=False)
 
     terminal = st.phase in ("Succeeded", "Failed")
     ttl = job.spec.run_policy.ttl_seconds_after_finished if job.spec else None

@@ -90,6 +90,7 @@ class FakeKubelet:
         self.core = client.CoreV1Api(self.api)
         self.pods: dict[str, PodRecord] = {}  # by uid
         self.by_name: dict[str, str] = {}  # name -> uid of the latest pod with that name
+        self.by_job: dict[str, list[PodRecord]] = {}  # job -> its pods, in order of appearance
         self.redis: dict[str, RedisServer] = {}  # uid -> server
         self._seq = itertools.count(1)
         self._task: asyncio.Task | None = None
@@ -183,6 +184,7 @@ class FakeKubelet:
                 return
             record = self.pods[uid] = PodRecord(name, uid, role, job, seq, now)
             self.by_name[name] = uid
+            self.by_job.setdefault(job, []).append(record)
             unbound = not (pod.get("spec") or {}).get("nodeName") and not meta.get("deletionTimestamp")
             if unbound and not self._matches(self.paused, job, role):
                 self._spawn(self._run(pod))
@@ -376,7 +378,7 @@ class FakeKubelet:
         return None
 
     def job_pods(self, job: str) -> list[PodRecord]:
-        return [r for r in self.pods.values() if r.job == job]
+        return list(self.by_job.get(job, ()))
 
     def live(self, job: str) -> list[PodRecord]:
         return [r for r in self.job_pods(job) if r.gone_seq is None]
