@@ -32,7 +32,7 @@ deps-apt:
 
 deps-pip:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,megatron]'
 
 control-plane:
 	bash tests/cluster/build-control-plane.sh

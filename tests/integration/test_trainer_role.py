@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -43,11 +44,12 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
     add_documents(redis_client, keys, make_documents(12, version=0))
     # Block on the events stream and inspect the checkpoint the moment training_finished arrives.
     last, finished = "0-0", None
-    deadline_role = trainer
+    deadline = time.monotonic() + START_TIMEOUT
     while finished is None:
-        got = redis_client.xread({keys.events: last}, block=START_TIMEOUT * 1000)
-        assert got, f"no event within {START_TIMEOUT}s:\n{deadline_role.log()}"
-        for sid, fields in got[0][1]:
+        # short blocks: redis-py 8 clients time out socket reads after 5 s by default
+        got = redis_client.xread({keys.events: last}, block=1000)
+        assert got or time.monotonic() < deadline, f"no event within {START_TIMEOUT}s:\n{trainer.log()}"
+        for sid, fields in got[0][1] if got else []:
             last = sid
             event = protocol.decode_event(sid, fields)
             if event is not None and event.type == protocol.TRAINING_FINISHED:

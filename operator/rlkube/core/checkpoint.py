@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,22 +169,37 @@ def prune(root: Path, keep: int = DEFAULT_KEEP) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> CheckpointMeta:
-    """Restore `model` (strict: a missing or unexpected key raises) and `optimizer` from a complete checkpoint."""
+def load_checkpoint_state(
+    path: Path,
+    apply: Callable[[dict[str, torch.Tensor], dict[str, Any] | None], None],
+    with_optimizer: bool = True,
+) -> CheckpointMeta:
+    """Read a complete checkpoint and hand (model state, optimizer state or None) to `apply`, which must copy
+    what it keeps (a backend's `load_state`); the loaded tensors are dropped before returning."""
     path = Path(path)
     meta = read_meta(path)
     if meta is None:
         raise ValueError(f"{path} is not a complete checkpoint")
     state = load_file(str(path / MODEL_FILE))
+    opt_state = None
     try:
-        model.load_state_dict(state, strict=True)
+        if with_optimizer:
+            opt_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        apply(state, opt_state)
     finally:
-        # load_file may hand back tensors backed by a mapping of the file; load_state_dict copied them, so drop
-        # them now, before anything can prune this directory.
-        del state
+        # load_file may hand back tensors backed by a mapping of the file; `apply` copied them, so drop them
+        # now, before anything can prune this directory.
+        del state, opt_state
         gc.collect()
-    if optimizer is not None:
-        opt_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(opt_state)
-        del opt_state
     return meta
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> CheckpointMeta:
+    """Restore `model` (strict: a missing or unexpected key raises) and `optimizer` from a complete checkpoint."""
+
+    def apply(model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
+        model.load_state_dict(model_state, strict=True)
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+
+    return load_checkpoint_state(path, apply, with_optimizer=optimizer is not None)

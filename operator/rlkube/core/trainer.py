@@ -171,7 +171,8 @@ class Trainer:
             raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         step = self.step if step is None else step
         model_state, optim_state = self.backend.state()
-        meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version)
+        meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
+                                   extra={"backend": self.spec.trainer.backend})
         path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state)
         self.last_checkpoint = (step, path)
         return path
@@ -183,7 +184,7 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
-        meta = ckpt.load_checkpoint(path, self.backend.model, self.backend.optimizer)
+        meta = ckpt.load_checkpoint_state(path, self.backend.load_state)
         self.step, self.documents_seen = meta.step, meta.documents_seen
         self.last_checkpoint = (meta.step, path)
         log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
@@ -415,7 +416,8 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
                document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S) -> TrainerRole:
     spec = ctx.spec
     if spec.trainer.nodes > 1:
-        raise ValueError(f"spec.trainer.nodes={spec.trainer.nodes}: the torch backend trains on one node")
+        raise ValueError(f"spec.trainer.nodes={spec.trainer.nodes}: the {spec.trainer.backend} backend of "
+                         "`python -m rlkube.core.trainer` trains on one node")
     device = "cuda" if spec.trainer.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
     trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=_make_publisher(ctx, client, device),
                       device=device)

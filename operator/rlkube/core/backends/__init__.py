@@ -1,6 +1,8 @@
 """Training backends behind one interface (design.md section 6), chosen by `spec.trainer.backend`.
 
-`torch` is implemented here. `megatron` lives in its own module when installed (it needs megatron-core);
+`torch` trains the built-in model with plain torch. `megatron` trains a megatron-core GPTModel of the same
+architecture (module `megatron_backend`, importable only where the `megatron` extra is installed; on CPU through
+the shim in `megatron_cpu`); both read and write the same checkpoints and publish the same weights.
 `fast-llm` is never run by our trainer role: the trainer pod runs Fast-LLM itself and we only speak its Redis
 protocol. Asking for a backend that is not available raises `BackendUnavailable` naming the field.
 """
@@ -29,7 +31,7 @@ def build_backend(spec: TrainingJobSpec, device: str = "cpu") -> TrainerBackend:
     if name == "fast-llm":
         raise BackendUnavailable(
             "spec.trainer.backend 'fast-llm': the trainer pod runs Fast-LLM itself (image trainer-fast-llm); "
-            "`python -m rlkube.core.trainer` only implements the torch backend"
+            "`python -m rlkube.core.trainer` implements the torch and megatron backends"
         )
     target = _BACKENDS.get(name)
     if target is None:

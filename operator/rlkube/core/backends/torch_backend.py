@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
+from rlkube.core.backends.base import batch_loss
 from rlkube.core.batch import Batch
-from rlkube.core.losses import LossConfig, LossStats, policy_loss, token_entropy
-from rlkube.core.model import build_model, build_tokenizer, token_logprobs
+from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.model import build_model, build_tokenizer
 
 
 class TorchBackend:
@@ -29,15 +30,8 @@ class TorchBackend:
         self.grad_clip_norm = algo.grad_clip_norm
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
-        tokens = batch.tokens.to(self.device)
-        mask = batch.loss_mask.to(self.device)
-        logits = self.model(tokens)
-        new_logp = token_logprobs(logits, tokens, self.temperature)
-        # A document without sampling log-probs (e.g. SFT data) is treated as on-policy: ratio 1.
-        old = torch.where(batch.has_old_logprobs.to(self.device)[:, None], batch.old_logprobs.to(self.device),
-                          new_logp.detach())
-        out = policy_loss(new_logp, old, batch.advantages.to(self.device), mask, self.loss_config,
-                          normalizer=normalizer, entropy=token_entropy(logits[:, :-1]))
+        logits = self.model(batch.tokens.to(self.device))
+        out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer)
         out.loss.backward()
         return out.stats
 
@@ -53,3 +47,8 @@ class TorchBackend:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.model.state_dict(), self.optimizer.state_dict()
+
+    def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
+        self.model.load_state_dict(model_state, strict=True)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)

@@ -1,0 +1,103 @@
+"""megatron-core on CPU: the small compatibility shim of design.md section 6, and megatron's process state.
+
+megatron-core (0.16.1, the last release for Python 3.11) assumes CUDA in three places that a CPU forward and
+backward of a GPTModel reach:
+1. the model-parallel RNG tracker (`tensor_parallel.random.CudaRNGStatesTracker`), forked around dropout, keeps
+   CUDA generator states (`torch.cuda.get_rng_state`). `CpuRNGStatesTracker` keeps CPU generator states instead
+   and forks the CPU default generator the same way;
+2. `parallel_state`'s global memory buffer (`utils.GlobalMemoryBuffer`, used by the local attention for its
+   score matrix) allocates on `torch.cuda.current_device()`. `DeviceMemoryBuffer` allocates on the model's device;
+3. the local attention's default causal mask is built with `device="cuda"` when no mask is passed; the backend
+   always passes its own mask (`causal_mask`).
+Everything else (model construction with `use_cpu_initialization`, the tensor-parallel layers at size 1, the
+transformer block) runs unchanged. On a GPU none of this is installed: megatron's own CUDA tracker is seeded.
+
+megatron-core also needs torch.distributed and its model-parallel groups even for one rank: `initialize` starts
+a one-rank group on an in-process HashStore (no port; gloo on CPU, NCCL on CUDA) unless the process already has
+one. The weight-update group (rlkube.core.weightsync) is built by hand and does not touch the default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+with warnings.catch_warnings():
+    # "Transformer Engine and Apex are not installed. Falling back to ..." (expected: we use the local spec)
+    warnings.simplefilter("ignore", UserWarning)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.utils import GlobalMemoryBuffer
+
+MODEL_PARALLEL_RNG = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+SEED_OFFSET = 2718  # megatron's model_parallel_cuda_manual_seed offsets the tensor-parallel seed by this
+
+
+class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
+    """megatron's RNG tracker over CPU generator states: `fork(name)` swaps the CPU default generator's state
+    for the named one and back, so dropout inside the fork draws from the tracked stream."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name!r} is not tracked")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+class DeviceMemoryBuffer(GlobalMemoryBuffer):
+    """megatron's reusable scratch buffer, allocated on a given device instead of the current CUDA device."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        needed = math.prod(tensor_shape)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < needed:
+            buf = self.buffer[(name, dtype)] = torch.empty(needed, dtype=dtype, device=self.device)
+        return buf[:needed].view(*tensor_shape)
+
+
+def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """megatron's mask convention: [1, 1, T, T] bool, True where attention is NOT allowed (the future)."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def initialize(seed: int, device: torch.device) -> None:
+    """One-rank torch.distributed + megatron model-parallel state (tensor/pipeline parallel 1), and the RNG
+    tracker seeded like megatron's `model_parallel_cuda_manual_seed`. Safe to call again (a new seed)."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if device.type == "cuda":
+        megatron_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        return
+    tracker = CpuRNGStatesTracker()
+    tracker.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET)
+    megatron_random._CUDA_RNG_STATE_TRACKER = tracker
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    if not isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, DeviceMemoryBuffer):
+        parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer(device)
