@@ -25,7 +25,6 @@ import redis
 import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
-
 from nodeagent.harness import AgentProcess, wait_for
 from rlkube.api.spec import TEARDOWN_ORDER
 from rlkube.controller import names
@@ -107,7 +106,7 @@ class EventFollower(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        conn = redis.Redis.from_url(self.url, password=self.password, socket_connect_timeout=3, socket_timeout=10)
+        conn = redis.Redis.from_url(self.url, password=self.password, socket_connect_timeout=3, socket_timeout=5)
         last = "0-0"
         while not self._halt.is_set():
             try:
@@ -130,6 +129,8 @@ class EventFollower(threading.Thread):
                         self.metrics.append(event.payload)
                     elif event.type == protocol.TRAINING_FINISHED and self.finished is None:
                         self.finished = event
+            if self.finished is not None:
+                break  # nothing after it matters, and the Redis pod is about to go away
         conn.close()
 
     def stop(self) -> None:
@@ -308,8 +309,8 @@ class ClusterJob:
 
     def diagnostics(self) -> str:
         st = self.status()
-        lines = [f"phase={st.get('phase')} reason={st.get('reason')} message={st.get('message')} "
-                 f"progress={st.get('progress')} teardown={st.get('teardown')}"]
+        lines = [(f"phase={st.get('phase')} reason={st.get('reason')} message={st.get('message')} "
+                  f"progress={st.get('progress')} teardown={st.get('teardown')}")]
         for c in st.get("conditions") or []:
             lines.append(f"  {c['type']}={c['status']} {c.get('reason')}: {c.get('message', '')}")
         try:

@@ -7,7 +7,6 @@ cleanly and leave no container process behind.
 from __future__ import annotations
 
 import pytest
-
 from nodeagent.harness import AgentProcess
 
 AGENT_LABEL = "rlkube.io/node-agent"

@@ -19,19 +19,24 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # clusterjob, nodeagent, cluster
 
-import urllib3  # noqa: E402
-import yaml  # noqa: E402
-from kubernetes import client, config  # noqa: E402
-from kubernetes.client.rest import ApiException  # noqa: E402
-from rich.console import Console, Group  # noqa: E402
-from rich.live import Live  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from cluster.control_plane import ControlPlane  # noqa: E402
-from clusterjob import EXAMPLE, ClusterJob, OperatorProcess, stage_names  # noqa: E402
-from nodeagent.harness import AgentProcess, wait_for  # noqa: E402
-from rlkube.api.crd import crd as make_crd  # noqa: E402
+import urllib3
+import yaml
+from cluster.control_plane import ControlPlane
+from clusterjob import EXAMPLE, ClusterJob, OperatorProcess, stage_names
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from nodeagent.harness import AgentProcess, wait_for
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rlkube.api.crd import crd as make_crd
 
 NAMESPACE = "rlkube-demo"
 console = Console()

@@ -10,10 +10,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 from clusterjob import FULL_ORDER, example, stage_names
-
 from nodeagent.harness import wait_for
 
 MAX_STEPS = 20
@@ -68,7 +66,7 @@ def test_trainer_killed_mid_run_restarts_in_place_and_resumes_from_its_checkpoin
     assert st["components"]["trainer"]["restarts"] == 1, st["components"]
     assert len(job.uids_per_pod()[f"{job.name}-trainer-0"]) == 1  # restarted in place, not recreated
     log = job.agent.container_log(job.namespace, f"{job.name}-trainer-0")
-    m = re.search(r"==> trainer/1\.log <==.*?resumed from \S+ \(step (\d+)", log, re.S)
+    m = re.search(r"==> trainer/1\.log <==.*?resumed from \S+ \(step (\d+)", log, re.DOTALL)
     assert m, f"the restarted trainer did not resume from a checkpoint:\n{log[-3000:]}"
     assert 5 <= int(m.group(1)) <= killed_at
     assert [m["step"] for m in job.follower.metrics][-1] == MAX_STEPS

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from kubernetes.client.rest import ApiException
-
 from nodeagent.harness import pod_condition, wait_for
 
 
@@ -125,7 +124,7 @@ def test_delete_sends_sigterm_to_the_group_then_sigkill_after_the_grace_period(n
     core_api.create_namespaced_pod(namespace, pod("polite", [polite], grace=3, labels={"rlkube.io/role": "actor"}))
     core_api.create_namespaced_pod(namespace, pod("stubborn", [stubborn], grace=2, labels={"rlkube.io/role": "trainer"}))
     for name in ("polite", "stubborn"):
-        wait_for(lambda: "up" in node_agent.container_log(namespace, name), 30, f"{name} up")
+        wait_for(lambda name=name: "up" in node_agent.container_log(namespace, name), 30, f"{name} up")
     assert len(node_agent.live_processes(namespace)) == 4  # two mains and their `sleep` children
 
     t0 = time.monotonic()
@@ -325,7 +324,7 @@ def test_init_containers_isolated_ports_and_unschedulable_pods(node_agent, core_
     assert p.status.init_container_statuses[0].state.terminated.exit_code == 0
     assert "MAIN from init" in node_agent.container_log(namespace, "with-init", "main")
     for name in ("store-a", "store-b"):
-        wait_for(lambda: pod_condition(read(core_api, namespace, name), "Ready") == "True", 30, f"{name} Ready")
+        wait_for(lambda name=name: pod_condition(read(core_api, namespace, name), "Ready") == "True", 30, f"{name} Ready")
 
     def unschedulable():
         p = read(core_api, namespace, "wants-gpu")

@@ -47,7 +47,7 @@ MERGE = "application/merge-patch+json"
 
 
 def now_rfc3339() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def unschedulable_reason(pod: dict, node_labels: dict[str, str]) -> str | None:

@@ -45,7 +45,7 @@ def expand(text: str, env: Mapping[str, str]) -> str:
                 i += 2
             else:
                 name = text[i + 2 : close]
-                out.append(env[name] if name in env else f"$({name})")
+                out.append(env.get(name, f"$({name})"))
                 i = close + 1
         else:
             out.append("$" + nxt)

@@ -32,7 +32,7 @@ class NetworkError(RuntimeError):
 
 
 def _ip(*args: str, input: str | None = None, check: bool = True) -> str:
-    proc = subprocess.run(["ip", *args], input=input, capture_output=True, text=True)
+    proc = subprocess.run(["ip", *args], input=input, capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:
         raise NetworkError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 def rfc3339(epoch: float | None) -> str | None:
     if epoch is None:
         return None
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def exit_code_of(returncode: int) -> tuple[int, int | None]:

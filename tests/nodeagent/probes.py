@@ -44,7 +44,7 @@ def run_once(probe: dict, container: dict, pod_ip: str, pid: int | None, env: di
             if pid is None:
                 return False, "container not running"
             argv = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", *probe["exec"]["command"]]
-            proc = subprocess.run(argv, env=env, capture_output=True, timeout=timeout)
+            proc = subprocess.run(argv, env=env, capture_output=True, timeout=timeout, check=False)
             out = (proc.stdout + proc.stderr).decode(errors="replace").strip()
             return proc.returncode == 0, f"exec probe exited {proc.returncode}: {out[-200:]}"
         return False, f"probe type {sorted(probe)} is not supported by the rlkube test node agent"

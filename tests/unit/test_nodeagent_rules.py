@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 
 import pytest
-
 from nodeagent.agent import unschedulable_reason
 from nodeagent.envvars import ConfigError, container_argv, container_env, expand
 from nodeagent.hostsfile import hosts_file, service_records
@@ -37,7 +36,7 @@ def _pod(**spec):
 
 def test_env_sources_order_and_references():
     data = {("secret", "s"): {"password": "pw"}, ("configmap", "c"): {"k": "v", "bad key": "x"}}
-    lookup = lambda kind, ns, name: data.get((kind, name))  # noqa: E731
+    lookup = lambda kind, ns, name: data.get((kind, name))
     container = {
         "name": "c",
         "envFrom": [{"configMapRef": {"name": "c"}, "prefix": "CM_"}],
@@ -59,8 +58,8 @@ def test_env_sources_order_and_references():
 
 
 def test_missing_secret_or_key_is_a_config_error_naming_it():
-    lookup = lambda kind, ns, name: {"other": "x"} if name == "s" else None  # noqa: E731
-    ref = lambda name, key: {"name": "c", "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]}  # noqa: E731
+    lookup = lambda kind, ns, name: {"other": "x"} if name == "s" else None
+    ref = lambda name, key: {"name": "c", "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]}
     with pytest.raises(ConfigError, match='secret "gone" not found'):
         container_env(_pod(), ref("gone", "k"), lookup, None, None)
     with pytest.raises(ConfigError, match="couldn't find key password in Secret ns/s"):
