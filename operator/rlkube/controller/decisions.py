@@ -517,10 +517,6 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
     st.teardown = step.status
     p.actions += step.actions
     p.events += step.events
-    for stage in step.finished_stages:
-        started, finished = parse_time(stage.started_at), parse_time(stage.finished_at)
-        took = (finished - started).total_seconds() if started and finished else 0.0
-        p.event("Normal", "TeardownStageDone", f"{stage.name} stopped in {took:.1f}s ({stage.forced} forced)")
     if step.deadline is not None:
         p.wake_at(step.deadline)
     if step.done and not was_done:
@@ -528,7 +524,8 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
         p.teardown_seconds = (p.now - first).total_seconds() if first else 0.0
         for manifest_kind, name in _static_names(p):
             p.actions.append(DeleteObject(manifest_kind, name))
-        p.condition("ResourcesReleased", "True", "AllPodsGone", f"teardown ({reason}) finished")
+        last = f": {teardown.describe(step.finished_stages[-1])}" if step.finished_stages else ""
+        p.condition("ResourcesReleased", "True", "AllPodsGone", f"teardown ({reason}) finished{last}")
     return step.done
 
 

@@ -58,6 +58,8 @@ def advance(
     step = Step(td)
     if td.stage == DONE:
         return step
+    # One Event per stage: "<previous> stopped in Xs; stopping <next>" (Events are API writes too).
+    note = ""
     for role in TEARDOWN_ORDER:
         stage = next((s for s in td.stages if s.name == role), None)
         if stage is not None and stage.finished_at is not None:
@@ -70,7 +72,7 @@ def advance(
             td.stage = role
             if targets:
                 step.events.append(
-                    Event("Normal", "TeardownStage", f"stopping {role}: {len(targets)} pod(s), grace {period}s")
+                    Event("Normal", "TeardownStage", f"{note}stopping {role}: {len(targets)} pod(s), grace {period}s")
                 )
             if role == "redis" and external_streams:
                 step.actions.append(DeleteStreams(external_streams))
@@ -99,5 +101,13 @@ def advance(
             return step
         stage.finished_at = fmt_time(now)
         step.finished_stages.append(stage)
+        note = f"{describe(stage)}; "
     td.stage = DONE
     return step
+
+
+def describe(stage: TeardownStage) -> str:
+    started, finished = parse_time(stage.started_at), parse_time(stage.finished_at)
+    took = (finished - started).total_seconds() if started and finished else 0.0
+    forced = f", {stage.forced} force-deleted" if stage.forced else ""
+    return f"{stage.name} stopped in {took:.1f}s{forced}"
