@@ -118,7 +118,7 @@ async def job_loop(
 
 
 async def job_wake(memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **_: Any) -> None:
-    _shared(memo, pods_by_job).loop(namespace, name).wake.set()
+    _shared(memo, pods_by_job).loop(namespace, name).notify()
 
 
 async def job_deleted(

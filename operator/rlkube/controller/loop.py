@@ -70,11 +70,6 @@ class Shared:
             self.loops[key] = JobLoop(self, namespace, name)
         return self.loops[key]
 
-    def wake(self, namespace: str, name: str) -> None:
-        loop = self.loops.get((namespace, name))
-        if loop is not None:
-            loop.wake.set()
-
     async def forget(self, namespace: str, name: str) -> None:
         loop = self.loops.pop((namespace, name), None)
         if loop is not None:
@@ -161,7 +156,7 @@ class JobLoop:
         self.shared = shared
         self.namespace = namespace
         self.name = name
-        self.wake = asyncio.Event()
+        self._wakers: set[asyncio.Event] = set()  # one per running loop (the daemon, a deletion)
         self.lock = asyncio.Lock()
         self.status: TrainingJobStatus | None = None  # what this process last wrote (authoritative)
         self.written: dict | None = None
@@ -179,10 +174,15 @@ class JobLoop:
                 del self.inflight[name]
         if event_type == "DELETED":
             self.gone.discard(uid)
-        self.wake.set()
+        self.notify()
 
-    async def _sleep(self, timeout: float, stopped: kopf.DaemonStopped | None) -> None:
-        waiters = [asyncio.ensure_future(self.wake.wait())]
+    def notify(self) -> None:
+        """Something changed: every loop running for this job makes a pass."""
+        for waker in self._wakers:
+            waker.set()
+
+    async def _sleep(self, wake: asyncio.Event, timeout: float, stopped: kopf.DaemonStopped | None) -> None:
+        waiters = [asyncio.ensure_future(wake.wait())]
         if stopped is not None:
             waiters.append(asyncio.ensure_future(stopped.wait()))
         try:
@@ -195,10 +195,18 @@ class JobLoop:
 
     async def run(self, body: Any, stopped: kopf.DaemonStopped | None = None, until_released: bool = False) -> None:
         """Reconcile until the job is finished (daemon) or released (deletion), or `stopped` is set."""
+        wake = asyncio.Event()
+        self._wakers.add(wake)
+        try:
+            await self._run(wake, body, stopped, until_released)
+        finally:
+            self._wakers.discard(wake)
+
+    async def _run(self, wake: asyncio.Event, body: Any, stopped: kopf.DaemonStopped | None, until_released: bool):
         while True:
             if stopped is not None and stopped:
                 return
-            self.wake.clear()
+            wake.clear()
             try:
                 async with asyncio.timeout(PASS_TIMEOUT):
                     decision = await self.reconcile(body)
@@ -207,7 +215,7 @@ class JobLoop:
                 delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
                 self.errors += 1
                 log.warning("%s/%s: reconcile failed (%s); retrying in %ss", self.namespace, self.name, exc, delay)
-                await self._sleep(delay, stopped)
+                await self._sleep(wake, delay, stopped)
                 continue
             if until_released and decision.released:
                 return
@@ -215,7 +223,7 @@ class JobLoop:
                 return
             timeout = RESYNC_SECONDS if decision.requeue_after is None else min(decision.requeue_after, RESYNC_SECONDS)
             # A deadline just passed: come back a moment later so `now >= deadline` holds.
-            await self._sleep(timeout + 0.01, stopped)
+            await self._sleep(wake, timeout + 0.01, stopped)
 
     async def reconcile(self, body: Any) -> Decision:
         async with self.lock:
@@ -338,7 +346,7 @@ class JobLoop:
             await self.stop_watcher()
         if target is not None and self.watcher is None:
             start = decision.status.trainer.last_event_id
-            self.watcher = EventWatcher(target, start, self.wake.set).start()
+            self.watcher = EventWatcher(target, start, self.notify).start()
 
     async def stop_watcher(self) -> None:
         if self.watcher is not None:
