@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"layers": 2, "hiddenSize": 64, "heads": 4, "maxSequenceLength": 32}
 
 
-def spec_of(backend: str, **algorithm):
+def spec_of(backend: str, dtype: str = "float32", **algorithm):
     return parse_spec({
-        "model": {"path": "builtin://tiny-lm", "seed": 5, "architecture": ARCH},
+        "model": {"path": "builtin://tiny-lm", "seed": 5, "architecture": ARCH, "dtype": dtype},
         "algorithm": {"maxSteps": 10, "samplesPerStep": 8, "learningRate": 0.003, **algorithm},
         "inference": {"engine": "native"},
         "trainer": {"backend": backend},
@@ -144,6 +144,18 @@ def test_same_training_trajectory_as_the_torch_backend():
         # a weight by a visible fraction of lr, so the bound is loose per element and tight on average.
         diff = (published[name] - tensor).abs()
         assert diff.max() < 3e-4 and diff.mean() < 1e-6, (name, float(diff.max()), float(diff.mean()))
+
+
+def test_bfloat16_parameters_like_the_torch_backend():
+    meg, ref = Trainer(spec_of("megatron", "bfloat16")), Trainer(spec_of("torch", "bfloat16"))
+    assert all(p.dtype == torch.bfloat16 for p in meg.model.parameters())
+    docs = documents()
+    m, r = meg.train_step(docs), ref.train_step(docs)
+    assert m["loss"] == pytest.approx(r["loss"], rel=2e-2)
+    published = dict(meg.backend.weights())
+    assert all(t.dtype == torch.bfloat16 for t in published.values())  # no cast on the way to inference (6.15)
+    for name, tensor in ref.model.state_dict().items():
+        assert (published[name].float() - tensor.float()).abs().mean() < 1e-3, name
 
 
 def test_checkpoint_resumes_exactly_and_on_the_torch_backend(tmp_path):

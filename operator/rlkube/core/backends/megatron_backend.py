@@ -62,6 +62,8 @@ def build_gpt_model(cfg: TinyConfig, dtype: torch.dtype = torch.float32) -> GPTM
         activation_func=torch.nn.functional.gelu,  # exact (erf) GELU, like nn.GELU()
         normalization="LayerNorm",
         params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=False,  # overwritten by the job's initial weights
         bias_dropout_fusion=False,
@@ -97,7 +99,10 @@ class MegatronBackend:
         self.config: TinyConfig = initial.config
         self.heads = self.config.heads
         self.max_sequence_length = self.config.max_sequence_length
-        self.model = build_gpt_model(self.config, _DTYPES[spec.model.dtype]).to(self.device)
+        # .to(dtype) as megatron's Float16Module does: some modules (the torch LayerNorm of the local spec) are
+        # created in float32 whatever params_dtype says.
+        dtype = _DTYPES[spec.model.dtype]
+        self.model = build_gpt_model(self.config, dtype).to(device=self.device, dtype=dtype)
         # TinyLM's parameter order: the order of the checkpoint's optimizer state and of published weights.
         self.tiny_names = list(initial.state_dict().keys())
         self.names = [name for name, _ in self.model.named_parameters()]
