@@ -242,7 +242,6 @@ class TrainerRole:
         self.consumer = protocol.consumer_name(ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
-        self._last_document = time.monotonic()
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
 
@@ -307,6 +306,8 @@ class TrainerRole:
     def _collect_step(self, want: int) -> list[protocol.Document] | None:
         """Exactly `want` documents, or None when asked to stop before they arrived."""
         docs: list[protocol.Document] = []
+        # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
+        last_document = time.monotonic()
         while len(docs) < want:
             if self.stop.is_set():
                 if docs:
@@ -315,8 +316,8 @@ class TrainerRole:
             got = self.read_documents(want - len(docs))
             now = time.monotonic()
             if got:
-                self._last_document = now
-            elif now - self._last_document > self.document_timeout_s:
+                last_document = now
+            elif now - last_document > self.document_timeout_s:
                 raise DocumentTimeout(
                     f"no training document for {self.document_timeout_s:g}s ({ENV_DOCUMENT_TIMEOUT}); "
                     f"{len(docs)}/{want} documents of step {self.trainer.step + 1} received"
@@ -331,7 +332,6 @@ class TrainerRole:
         ensure_group(self.redis, self.keys)
         published = self._transfer("initial weights", t.start_weights)
         log.info("training from step %d to %d, %d documents per step", t.step, algo.max_steps, algo.samples_per_step)
-        self._last_document = time.monotonic()
         while published and t.step < algo.max_steps and not self.stop.is_set():
             t0 = time.monotonic()
             try:
