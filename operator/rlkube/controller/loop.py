@@ -101,7 +101,8 @@ def merge_patch(old: dict, new: dict) -> dict:
 
 def describe(action: Any) -> str:
     if isinstance(action, Create):
-        return f"create {action.kind}/{action.name}"
+        # Non-pod children are not watched: after a restart they are "ensured" (a 409 means present).
+        return f"{'create' if action.kind == 'Pod' else 'ensure'} {action.kind}/{action.name}"
     if isinstance(action, DeletePod):
         return f"{'force-' if action.force else ''}delete Pod/{action.name} (grace {action.grace_seconds}s)"
     if isinstance(action, DeleteObject):
