@@ -156,3 +156,11 @@ async def test_full_success_sequence_with_evidence_and_ordered_teardown(env: Env
     for a, b in pairwise(stages):
         assert a["finishedAt"] <= b["startedAt"]
     assert await children(kapi, env.namespace, "ok") == {}
+
+    metrics = await env.operator.metrics()
+    assert 'rlkube_trainingjobs{phase="Succeeded"} 1.0' in metrics
+    assert 'rlkube_teardown_duration_seconds_count{reason="Succeeded"} 1.0' in metrics
+    lag = next(line for line in metrics.splitlines() if line.startswith("rlkube_trainer_event_lag_seconds_count"))
+    assert float(lag.split()[-1]) >= 5  # every event read: 3 weights_ready, checkpoint_saved, training_finished
+    passes = next(line for line in metrics.splitlines() if line.startswith("rlkube_reconcile_duration_seconds_count"))
+    assert float(passes.split()[-1]) > 0
