@@ -227,6 +227,7 @@ class DocumentTimeout(RuntimeError):
 
 
 TRANSFER_POLL_S = 0.2  # how often the main thread checks for SIGTERM while a weight transfer runs
+TRANSFER_GRACE_S = 2.0  # after SIGTERM, how much longer a running transfer may take before it is abandoned
 
 
 class TrainerRole:
@@ -265,7 +266,8 @@ class TrainerRole:
         thread = threading.Thread(target=target, name=f"weights-{what}", daemon=True)
         thread.start()
         while not done.wait(TRANSFER_POLL_S):
-            if self.stop.is_set():
+            # A transfer that is merely slow may finish within a short grace; one waiting for a peer will not.
+            if self.stop.is_set() and not done.wait(TRANSFER_GRACE_S):
                 log.warning("stop requested: abandoning the weight transfer (%s), which is still blocked", what)
                 self.abandoned_transfer = thread
                 return False
@@ -357,8 +359,9 @@ class TrainerRole:
         if t.last_checkpoint is None or t.last_checkpoint[0] != t.step:
             self._checkpoint()
         if self.abandoned_transfer is None:
-            t.close_weights()
-        else:
+            # close() first waits for a transfer still running (WeightPublisher(overlap=True)): interruptible too
+            self._transfer("close", t.close_weights)
+        if self.abandoned_transfer is not None:
             # close() would wait for the blocked transfer; the inference servers leave the group on
             # training_finished, and the process exits without joining the transfer thread (see main()).
             log.warning("not closing the weight-update group: a transfer is still blocked in it")
