@@ -35,7 +35,7 @@ T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 ALL_STATIC = frozenset(
     {"ConfigMap/j-config", "Secret/j-redis", "Service/j-redis", "Service/j-inference", "Service/j-trainer"}
 )
-REACHABLE = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0")
+REACHABLE = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", caught_up=True)
 
 
 def raw_spec(**overrides) -> dict:
@@ -351,6 +351,17 @@ def test_an_actor_that_ends_before_training_finished_is_replaced_and_the_job_con
     assert creates(d) == ["j-actor-0"]
 
 
+def test_a_producer_that_exited_0_is_not_replaced_before_the_stream_was_read_to_its_end():
+    # Right after an operator restart the watcher has not read the stream yet: the training_finished that made
+    # the actor stop may be there, unread. Replace nothing until the watcher has caught up.
+    done = pod("actor", phase="Succeeded", exit_code=0)
+    connecting = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", caught_up=False)
+    d = run(job(running_status()), all_pods(actor=done), source=connecting)
+    assert deletes(d) == [] and creates(d) == []
+    d = run(job(d.status), all_pods(actor=done), [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)])
+    assert deletes(d) == [] and d.status.completion.stream_id is not None
+
+
 def test_producers_may_exit_0_once_training_finished_was_published():
     finished = [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)]
     d = run(job(running_status()), all_pods(actor=pod("actor", phase="Succeeded", exit_code=0)), finished)
@@ -499,4 +510,5 @@ def test_external_redis_streams_are_deleted_in_the_last_stage():
     j = lambda st, **kw: job(st, **{"redis.mode": "external", "redis.url": "redis://r:6379/0"}, **kw)
     d = run(j(None, deleting=True), [])
     (streams,) = [a for a in d.actions if isinstance(a, DeleteStreams)]
-    assert streams.keys == ("ns/j/fast_llm_events", "ns/j/fast_llm_streaming", "ns/j/rollouts")
+    assert streams.keys == tuple(protocol.StreamKeys.for_job("ns", "j").all())
+    assert {"ns/j/fast_llm_events", "ns/j/fast_llm_streaming", "ns/j/rollouts"} <= set(streams.keys)

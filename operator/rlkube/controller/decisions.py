@@ -297,7 +297,11 @@ def _handle_failures(p: _Pass) -> None:
                 ckpt = p.status.trainer.last_checkpoint
                 resume = f", resuming from checkpoint step {ckpt.step}" if ckpt else ""
                 _replace(p, pod, f"failed ({code}), restart {comp.restarts + 1} of {backoff}{resume}")
-            elif pod.phase == "Failed" or (pod.phase == "Succeeded" and not finished_event):
+            elif pod.phase == "Failed":
+                _replace(p, pod, f"ended ({code}) before training finished")
+            elif pod.phase == "Succeeded" and not finished_event and p.obs.event_source.caught_up:
+                # A producer stops by itself on training_finished: exit 0 is a failure only if that event is
+                # really not in the stream (not merely unread yet, e.g. right after an operator restart).
                 _replace(p, pod, f"ended ({code}) before training finished")
     trainer = p.status.components["trainer"]
     p.status.trainer_restarts = trainer.restarts

@@ -103,6 +103,9 @@ class EventSource:
     state: Literal["Unknown", "Reachable", "Unreachable"] = "Unknown"
     reason: str = "WaitingForRedis"
     message: str = ""
+    caught_up: bool = False
+    """The watcher has read the stream to its end since it (re)connected: a missing event is really missing
+    (not merely unread, as right after an operator restart or a Redis outage)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ BLOCK_MS = 5000
 """XREAD block time. The socket timeout is longer, so a silent Redis shows up as a timeout error."""
 RETRY_MAX = 5.0
 STOP_TIMEOUT = 2.0
+CATCH_UP_BATCH = 500
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class EventWatcher:
         self.buffer = [e for e in self.buffer if stream_id_key(e.stream_id) > floor]
 
     def _set_source(self, source: EventSource) -> None:
-        if source.state != self.source.state or source.reason != self.source.reason:
+        if (source.state, source.reason, source.caught_up) != (self.source.state, self.source.reason,
+                                                               self.source.caught_up):
             self.source = source
             self.on_change()
         else:
@@ -96,6 +98,13 @@ class EventWatcher:
                 await client.ping()
                 self._set_source(EventSource("Reachable", "Connected", self.target.describe()))
                 delay = 0.2
+                # Catch up without blocking first, so the reconcile loop soon knows what is NOT in the stream.
+                while True:
+                    reply = await client.xread({self.target.stream: self.last_id}, count=CATCH_UP_BATCH)
+                    read = self._ingest(reply) if reply else 0
+                    if read < CATCH_UP_BATCH:
+                        break
+                self._set_source(EventSource("Reachable", "Connected", self.target.describe(), caught_up=True))
                 while True:
                     reply = await client.xread({self.target.stream: self.last_id}, block=BLOCK_MS, count=500)
                     if reply:
@@ -115,10 +124,12 @@ class EventWatcher:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX)
 
-    def _ingest(self, reply) -> None:
+    def _ingest(self, reply) -> int:
+        """Buffer the entries of one XREAD reply; returns how many entries it held."""
         now = time.time()
-        added = False
+        read = 0
         for _stream, entries in reply:
+            read += len(entries)
             for sid, fields in entries:
                 sid = sid.decode() if isinstance(sid, bytes) else str(sid)
                 self.last_id = sid
@@ -126,8 +137,8 @@ class EventWatcher:
                 if event is None:
                     continue
                 self.buffer.append(event)
-                added = True
                 metrics.TRAINER_EVENT_LAG.observe(max(0.0, now - int(sid.split("-")[0]) / 1000))
         # Skipped (malformed or unknown) entries still advance `last_id`, the read position the status records.
-        if added or reply:
+        if read:
             self.on_change()
+        return read
