@@ -298,7 +298,7 @@ def test_failed_trainer_with_retries_left_is_replaced_and_recreated_from_its_che
 
 
 def test_backoff_limit_is_the_number_of_retries_allowed():
-    j = lambda st: job(st, **{"runPolicy.backoffLimit": 1, "runPolicy.restartPolicy.trainer": "Never"})  # noqa: E731
+    j = lambda st: job(st, **{"runPolicy.backoffLimit": 1, "runPolicy.restartPolicy.trainer": "Never"})
     first = trainer_exited(1)
     d = run(j(running_status()), all_pods(trainer=first))
     assert outcome_of(d) is None and deletes(d) == [("j-trainer-0", 0)]  # retry 1 of 1
