@@ -1,16 +1,19 @@
 """The preprocessor role against a real Redis: stops on training_finished (never on counts), backpressure,
-partial groups, malformed entries."""
+partial groups, malformed entries, and exactly-once over the rollouts consumer group (restarts, several
+replicas at once, entries a dead replica left pending)."""
 
 from __future__ import annotations
 
+import collections
+import re
 import signal
 import threading
 
 import orjson
 import pytest
-from core_roles import Role, keys_for, make_group, role_env, tiny_spec, wait_for
+from core_roles import Role, keys_for, make_documents, make_group, role_env, tiny_spec, wait_for
 from rlkube.core import protocol
-from rlkube.core.preprocessor import PreprocessorRole, position_key
+from rlkube.core.preprocessor import PreprocessorRole, ensure_rollouts_group
 from rlkube.core.runtime import RoleContext
 from rlkube.core.trainer import ensure_group
 
@@ -23,6 +26,26 @@ def roles():
     yield started
     for r in started:
         r.kill()
+
+
+def rollouts_state(client, keys) -> dict:
+    """The preprocessors' consumer group on the rollouts stream: XINFO GROUPS entry with decoded names."""
+    (group,) = [g for g in client.xinfo_groups(keys.rollouts) if g["name"] == protocol.ROLLOUTS_GROUP.encode()]
+    return group
+
+
+def rollouts_done(client, keys) -> bool:
+    """Every rollout entry was delivered to a preprocessor and acknowledged (its documents are written)."""
+    last = client.xrevrange(keys.rollouts, count=1)[0][0]
+    group = rollouts_state(client, keys)
+    return group["last-delivered-id"] == last and group["pending"] == 0
+
+
+def documents_per_version(client, keys) -> collections.Counter:
+    """How many documents each group produced (the tests give every group its own model_version)."""
+    docs = [protocol.decode_document(f) for _, f in client.xrange(keys.documents)]
+    assert all(len(set(d.model_version.tolist())) == 1 for d in docs)
+    return collections.Counter(int(d.model_version[0]) for d in docs)
 
 
 def consume(client, keys, consumer="fast_llm_consumer_0") -> int:
@@ -126,6 +149,7 @@ def test_partial_groups_malformed_entries_and_unknown_events(redis_client, redis
     pre = PreprocessorRole(ctx, redis_client, threading.Event())
     wait_for(lambda: (pre.poll(), pre.groups == 2)[1], 10, "the two valid groups")
     assert pre.skipped == 3 and not pre.finished
+    assert rollouts_done(redis_client, keys)  # the skipped entries are acknowledged too: never re-read
     assert sum("skipping rollout entry" in r.getMessage() for r in caplog.records) == 3
     assert sum("skipping event" in r.getMessage() for r in caplog.records) == 2
     assert any("unknown type 'mystery'" in r.getMessage() for r in caplog.records)
@@ -138,34 +162,45 @@ def test_partial_groups_malformed_entries_and_unknown_events(redis_client, redis
     assert pre.run() == 0 and pre.finished
 
 
-def test_a_restarted_preprocessor_continues_where_it_stopped(redis_client, redis_server, tmp_path):
-    """The read position survives the process: a new instance (a restart) writes no duplicate documents."""
+def test_malformed_entries_are_acknowledged_and_a_new_instance_writes_no_duplicates(redis_client, redis_server,
+                                                                                   tmp_path):
+    """Everything read is acknowledged (skipped entries too), so a new instance of the same replica (a restart)
+    replays nothing; an entry read but not written before a crash is written exactly once by the next one."""
     ctx = _ctx(tmp_path, redis_server, "restart", samplesPerStep=32, groupSize=4)
     keys = ctx.keys
     ensure_group(redis_client, keys)
     for i in range(3):
-        redis_client.xadd(keys.rollouts, make_group(f"a{i}", [0.0, 1.0, 0.5, 0.25], expected=4).encode())
-    redis_client.xadd(keys.rollouts, {"group": b"{not json"})  # skipped, but read: the position passes it
+        redis_client.xadd(keys.rollouts, make_group(f"a{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
+    redis_client.xadd(keys.rollouts, {"group": b"{not json"})  # skipped, but acknowledged
     first = PreprocessorRole(ctx, redis_client, threading.Event())
     wait_for(lambda: (first.poll(), first.groups == 3 and first.skipped == 1)[1], 10, "the first three groups")
     assert redis_client.xlen(keys.documents) == 12
-    last_id = redis_client.xrevrange(keys.rollouts, count=1)[0][0].decode()
-    assert redis_client.get(position_key(keys)).decode() == last_id
+    assert rollouts_done(redis_client, keys)
 
     second = PreprocessorRole(ctx, redis_client, threading.Event())  # the restarted process
-    assert second.rollouts_pos == last_id
     for _ in range(3):
         second.poll()
     assert redis_client.xlen(keys.documents) == 12, "a restart replayed rollouts already turned into documents"
-    redis_client.xadd(keys.rollouts, make_group("b0", [1.0, 0.0, 0.0, 1.0], expected=4).encode())
-    wait_for(lambda: (second.poll(), second.groups == 1)[1], 10, "the group written after the restart")
+    assert second.groups == 0 and second.pending_from is None
+
+    # A crash between reading and writing: the entry stays pending for this replica's consumer ...
+    redis_client.xadd(keys.rollouts, make_group("b0", [1.0, 0.0, 0.0, 1.0], expected=4, version=7).encode())
+    got = redis_client.xreadgroup(protocol.ROLLOUTS_GROUP, second.consumer, {keys.rollouts: ">"}, count=10)
+    assert len(got[0][1]) == 1 and rollouts_state(redis_client, keys)["pending"] == 1
+    # ... and the next run writes it first, once.
+    third = PreprocessorRole(ctx, redis_client, threading.Event())
+    third.poll()
+    assert third.groups == 1 and rollouts_done(redis_client, keys)
+    for _ in range(2):
+        third.poll()
+    assert documents_per_version(redis_client, keys) == {0: 4, 1: 4, 2: 4, 7: 4}
     docs = [protocol.decode_document(f) for _, f in redis_client.xrange(keys.documents)]
-    assert len(docs) == 16
     assert [d.reward for d in docs[12:]] == [1.0, 0.0, 0.0, 1.0]
 
 
-def test_documents_and_position_are_written_together(redis_client, redis_server, tmp_path):
-    """One MULTI/EXEC: a crash can never leave documents without the position that covers them."""
+def test_documents_and_the_acknowledgement_are_one_atomic_step(redis_client, redis_server, tmp_path):
+    """One Lua script writes a group's documents and acknowledges its entry: a crash leaves both or neither.
+    Nothing is written outside it."""
     ctx = _ctx(tmp_path, redis_server, "atomic", samplesPerStep=32, groupSize=4)
     keys = ctx.keys
     redis_client.xadd(keys.rollouts, make_group("a", [0.0, 1.0, 0.5, 0.25], expected=4).encode())
@@ -174,8 +209,117 @@ def test_documents_and_position_are_written_together(redis_client, redis_server,
         wait_for(lambda: (pre.poll(), pre.groups == 1)[1], 10, "one group")
         commands = []
         for cmd in monitor.listen():
-            commands.append(cmd["command"].split()[0].upper())
-            if commands[-1] == "EXEC":
+            commands.append((cmd["client_type"], cmd["command"].split()[0].upper()))
+            if commands[-1] == ("lua", "XACK"):
                 break
-    tail = commands[commands.index("MULTI"):]
-    assert tail == ["MULTI", "XADD", "XADD", "XADD", "XADD", "SET", "EXEC"], tail
+    in_script = [name for kind, name in commands if kind == "lua"]
+    assert in_script == ["XPENDING", "XADD", "XADD", "XADD", "XADD", "XACK"], commands
+    outside = [name for kind, name in commands if kind != "lua"]
+    assert "EVALSHA" in outside and "XADD" not in outside and "XACK" not in outside, commands
+    assert rollouts_done(redis_client, keys) and redis_client.xlen(keys.documents) == 4
+
+
+def test_an_entry_claimed_by_another_replica_is_not_written(redis_client, redis_server, tmp_path):
+    """The commit checks ownership: a replica that stalled past the claim time and lost its entry to another
+    writes nothing for it (the other one does)."""
+    ctx = _ctx(tmp_path, redis_server, "fence", samplesPerStep=32, groupSize=4)
+    keys = ctx.keys
+    pre = PreprocessorRole(ctx, redis_client, threading.Event())
+    sid = redis_client.xadd(keys.rollouts, make_group("a", [0.0, 1.0, 0.5, 0.25], expected=4).encode()).decode()
+    redis_client.xreadgroup(protocol.ROLLOUTS_GROUP, "preprocessor-5", {keys.rollouts: ">"}, count=1)
+    docs = make_documents(4)
+    assert pre.commit(sid, docs) is False
+    assert redis_client.xlen(keys.documents) == 0
+    assert redis_client.xpending(keys.rollouts, protocol.ROLLOUTS_GROUP)["consumers"] == [
+        {"name": b"preprocessor-5", "pending": 1}]
+    redis_client.xclaim(keys.rollouts, protocol.ROLLOUTS_GROUP, pre.consumer, 0, [sid])
+    assert pre.commit(sid, docs) is True
+    assert redis_client.xlen(keys.documents) == 4 and rollouts_state(redis_client, keys)["pending"] == 0
+    assert pre.commit(sid, docs) is False  # acknowledged: a second commit of the same entry writes nothing
+    assert redis_client.xlen(keys.documents) == 4
+
+
+def test_entries_left_pending_by_a_dead_replica_are_claimed_after_the_idle_time(redis_client, redis_server,
+                                                                                tmp_path):
+    ctx = _ctx(tmp_path, redis_server, "claim", samplesPerStep=64, groupSize=4)
+    keys = ctx.keys
+    for i in range(10):
+        redis_client.xadd(keys.rollouts, make_group(f"g{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
+    pre = PreprocessorRole(ctx, redis_client, threading.Event(), claim_idle_ms=60_000)
+    # replica 1 reads three entries and dies before writing them
+    redis_client.xreadgroup(protocol.ROLLOUTS_GROUP, "preprocessor-1", {keys.rollouts: ">"}, count=3)
+    wait_for(lambda: (pre.poll(), pre.groups == 7)[1], 10, "the seven entries nobody had read")
+    pre.poll()
+    assert pre.groups == 7 and pre.claimed == 0  # not idle long enough: a live replica may be writing them
+    assert rollouts_state(redis_client, keys)["pending"] == 3
+    pre.claim_idle_ms = 100
+    wait_for(lambda: (pre.poll(), pre.groups == 10)[1], 10, "the dead replica's three entries")
+    assert pre.claimed == 3 and rollouts_done(redis_client, keys)
+    assert documents_per_version(redis_client, keys) == {i: 4 for i in range(10)}
+
+
+def _stopped_after(role: Role) -> int:
+    """Groups a role process wrote, from its training_finished log line."""
+    (groups,) = re.findall(r"stopping after (\d+) groups", role.log())
+    return int(groups)
+
+
+def test_two_replicas_at_once_write_each_group_exactly_once(redis_client, redis_server, tmp_path, roles):
+    spec = tiny_spec(samplesPerStep=256, groupSize=4)  # room for every document: no backpressure here
+    keys = keys_for("two", spec)
+    ensure_group(redis_client, keys)
+    replicas = [Role("rlkube.core.preprocessor", role_env(tmp_path, "two", spec, redis_server.url, RLKUBE_INDEX=str(i)),
+                     tmp_path / f"pre-{i}.log") for i in range(2)]
+    roles.extend(replicas)
+    for r in replicas:
+        wait_for(lambda r=r: "reading" in r.log(), START_TIMEOUT, "start-up", r)
+    # Bursts while both replicas wait on the group: each XADD wakes one of them.
+    n = 0
+    for _ in range(4):
+        pipe = redis_client.pipeline(transaction=False)
+        for _ in range(10):
+            pipe.xadd(keys.rollouts, make_group(f"g{n}", [0.0, 1.0, 0.5, 0.25], expected=4, version=n).encode())
+            n += 1
+        pipe.execute()
+        wait_for(lambda: rollouts_done(redis_client, keys), 30, "every rollout acknowledged", replicas[0])
+    assert documents_per_version(redis_client, keys) == {i: 4 for i in range(40)}
+    consumers = {c["name"].decode() for c in redis_client.xinfo_consumers(keys.rollouts, protocol.ROLLOUTS_GROUP)}
+    assert consumers == {"preprocessor-0", "preprocessor-1"}
+    redis_client.xadd(keys.events, protocol.training_finished(step=1))
+    assert [r.wait(15) for r in replicas] == [0, 0]
+    written = [_stopped_after(r) for r in replicas]
+    assert sum(written) == 40 and min(written) > 0, written
+
+
+def test_a_killed_replica_restarts_without_duplicates_or_losses(redis_client, redis_server, tmp_path, roles):
+    spec = tiny_spec(samplesPerStep=4, groupSize=4)  # at most 8 unread documents: the replica holds often
+    keys = keys_for("kill", spec)
+    ensure_group(redis_client, keys)
+    for i in range(16):
+        redis_client.xadd(keys.rollouts, make_group(f"g{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
+    # An earlier run of replica 0 read two entries and died before writing them.
+    ensure_rollouts_group(redis_client, keys)
+    redis_client.xreadgroup(protocol.ROLLOUTS_GROUP, "preprocessor-0", {keys.rollouts: ">"}, count=2)
+    env = role_env(tmp_path, "kill", spec, redis_server.url, RLKUBE_INDEX="0")
+    first = Role("rlkube.core.preprocessor", env, tmp_path / "pre-first.log")
+    roles.append(first)
+    read = [0]
+
+    def read_at_least(n):
+        read[0] += consume_n(redis_client, keys, 3)
+        return read[0] >= n
+
+    wait_for(lambda: read_at_least(24), START_TIMEOUT, "24 documents before the kill", first)
+    assert "re-processing 2 rollout entries" in first.log()
+    first.proc.send_signal(signal.SIGKILL)
+    assert first.wait(10) == -signal.SIGKILL
+    second = Role("rlkube.core.preprocessor", env, tmp_path / "pre-second.log")
+    roles.append(second)
+    for i in range(16, 20):
+        redis_client.xadd(keys.rollouts, make_group(f"g{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
+    wait_for(lambda: (read_at_least(80), rollouts_done(redis_client, keys))[1], START_TIMEOUT,
+             "every rollout acknowledged", second)
+    assert documents_per_version(redis_client, keys) == {i: 4 for i in range(20)}
+    assert read[0] + consume(redis_client, keys) == 80
+    redis_client.xadd(keys.events, protocol.training_finished(step=5))
+    assert second.wait(15) == 0

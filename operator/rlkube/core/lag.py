@@ -102,9 +102,8 @@ class LagKeys:
 
     @classmethod
     def for_job(cls, keys: protocol.StreamKeys) -> LagKeys:
-        p = keys.prefix + "actor/"
-        return cls(p + "samples_reserved", p + "samples_written", p + "documents_seen", p + "last_event",
-                   p + "stall_release")
+        return cls(keys.actor_samples_reserved, keys.actor_samples_written, keys.actor_documents_seen,
+                   keys.actor_last_event, keys.actor_stall_release)
 
 
 def sample_budget(documents_seen: int, max_lag: int, samples_per_step: int) -> int:

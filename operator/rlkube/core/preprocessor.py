@@ -10,11 +10,22 @@ Rules it keeps (seed-systems section 6):
 - Partial groups are used as they are; a group of one has no baseline (advantage 0) and is dropped (6.10).
 - Backpressure: while the trainer's consumer group lags the documents stream by more than
   2 x samplesPerStep entries (XINFO: entries-added - entries-read) it stops reading rollouts, so documents are
-  never produced far ahead of the trainer and their policy versions stay fresh.
+  never produced far ahead of the trainer and their policy versions stay fresh. Each replica checks on its
+  own, so with N replicas the bound can be overshot by up to N reads (READ_COUNT groups at most each).
 - Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers, 6.12).
-- Malformed rollout entries and unknown events are logged and skipped.
-- Its read position in the rollouts stream is kept in Redis (`position_key`), written in the same transaction
-  as the documents of each group, so a restarted preprocessor continues exactly where it stopped.
+- Malformed rollout entries and unknown events are logged and skipped (a skipped rollout entry is acknowledged).
+
+Any number of replicas share the rollouts through one consumer group (`protocol.ROLLOUTS_GROUP`), replica i
+reading as consumer `preprocessor-{i}`, so every group becomes documents exactly once:
+- New entries come from XREADGROUP '>'; each group's documents are written and its entry acknowledged by one
+  Lua script, which is atomic (a crash leaves both or neither) and first checks that the entry is still
+  pending for this consumer, so an entry claimed away from a replica that stalled is not written twice.
+- A (re)started replica first re-reads its own pending entries (XREADGROUP from id 0): the ones it had read but
+  not written before it died.
+- Entries left pending by a replica that never comes back (scaled down) are taken over with XAUTOCLAIM once
+  they have been idle for `claim_idle_ms`.
+Events are read by every replica with plain XREAD from the start of the stream (not through a group): each
+replica must see training_finished, including one published while it was down.
 """
 
 from __future__ import annotations
@@ -35,9 +46,28 @@ from rlkube.core.runtime import RoleContext
 
 log = logging.getLogger("rlkube.preprocessor")
 
-READ_BLOCK_MS = 1000
+READ_BLOCK_MS = 500  # also bounds how late training_finished is noticed while waiting for rollouts
 HOLD_POLL_MS = 200  # while holding for backpressure: how long each wait on the events stream blocks
 READ_COUNT = 16
+# An entry pending this long for another consumer belongs to a dead replica: a live one writes an entry
+# milliseconds after reading it.
+CLAIM_IDLE_MS = 30_000
+
+# Writes one rollout entry's documents and acknowledges the entry, atomically, if the entry is still pending
+# for this consumer (another replica may have claimed it while we stalled). Returns 1, or 0 when not ours.
+# KEYS: rollouts, documents; ARGV: group, consumer, entry id, then per document its field count and fields.
+_COMMIT = """
+local owned = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #owned == 0 then return 0 end
+local i = 4
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -106,19 +136,22 @@ def trainer_lag(client: redis.Redis, keys: protocol.StreamKeys) -> int:
     return added  # the trainer has not created its group yet: nothing was read
 
 
-def position_key(keys: protocol.StreamKeys) -> str:
-    """Where the preprocessor keeps its read position in the rollouts stream (the last id it turned into
-    documents), so that a restarted preprocessor continues there instead of replaying the stream."""
-    return keys.prefix + "preprocessor/rollouts_position"
-
-
 def _sid(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def ensure_rollouts_group(client: redis.Redis, keys: protocol.StreamKeys) -> None:
+    """The preprocessors' consumer group on the rollouts stream, from its first entry (idempotent)."""
+    try:
+        client.xgroup_create(keys.rollouts, protocol.ROLLOUTS_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
 class PreprocessorRole:
     def __init__(self, ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
-                 max_ahead: int | None = None):
+                 max_ahead: int | None = None, claim_idle_ms: int = CLAIM_IDLE_MS):
         algo = ctx.spec.algorithm
         self.ctx, self.redis, self.keys = ctx, client, ctx.keys
         self.stop = stop or threading.Event()
@@ -129,17 +162,19 @@ class PreprocessorRole:
             drop_singletons=algo.loss != "sft",
         )
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
-        # The rollouts position is persisted (position_key) together with the documents of each entry, so a
-        # restarted preprocessor neither replays groups it already wrote nor skips any. Events are re-read from
-        # the start on purpose: a training_finished published while we were down must still stop us.
-        self.position_key = position_key(self.keys)
-        saved = client.get(self.position_key)
-        self.rollouts_pos = _sid(saved) if saved else "0-0"
-        if saved:
-            log.info("continuing the rollouts stream after %s", self.rollouts_pos)
+        self.consumer = protocol.preprocessor_consumer(ctx.index)
+        self.claim_idle_ms = claim_idle_ms
+        ensure_rollouts_group(client, self.keys)
+        self._commit = client.register_script(_COMMIT)
+        # Own pending entries are re-read first (from this id; None once they are all written): entries a
+        # previous run of this replica read but died before writing.
+        self.pending_from: str | None = "0"
+        self.claim_from = "0-0"  # XAUTOCLAIM's cursor through the group's pending entries
+        # Events are re-read from the start on purpose: a training_finished published while we were down must
+        # still stop us.
         self.events_pos = "0-0"
         self.finished = False
-        self.groups = self.documents = self.skipped = 0
+        self.groups = self.documents = self.skipped = self.claimed = self.lost = 0
         self.holds = 0
 
     def _handle_events(self, entries) -> None:
@@ -151,60 +186,110 @@ class PreprocessorRole:
                          self.groups, self.documents)
                 self.finished = True
 
+    def _read_events(self, block: int | None = None) -> None:
+        got = self.redis.xread({self.keys.events: self.events_pos}, count=100, block=block)
+        for _, entries in got or []:
+            self._handle_events(entries)
+
+    def commit(self, entry_id: str, docs: list[protocol.Document]) -> bool:
+        """Write `docs` and acknowledge rollout entry `entry_id` in one atomic step, if the entry is still
+        pending for this consumer; False (nothing written) when another replica has claimed it."""
+        args: list = [protocol.ROLLOUTS_GROUP, self.consumer, entry_id]
+        for doc in docs:
+            fields = protocol.encode_document(doc)
+            args.append(2 * len(fields))
+            for name, value in fields.items():
+                args += [name, value]
+        return bool(self._commit(keys=[self.keys.rollouts, self.keys.documents], args=args))
+
     def _handle_rollouts(self, entries) -> None:
         for sid, fields in entries:
-            self.rollouts_pos = _sid(sid)
-            try:
-                group = protocol.RolloutGroup.decode(fields)
-            except ValueError as exc:
+            sid = _sid(sid)
+            group, problem = None, None
+            if not fields:  # a pending entry deleted from the stream (XDEL/XTRIM) comes back without fields
+                problem = "gone from the stream"
+            else:
+                try:
+                    group = protocol.RolloutGroup.decode(fields)
+                except ValueError as exc:
+                    problem = str(exc)
+            docs = group_to_documents(group, self.cfg) if group is not None else []
+            # A skipped entry is acknowledged too (with no documents), or it would be re-read forever.
+            if not self.commit(sid, docs):
+                self.lost += 1
+                log.warning("rollout entry %s was claimed by another preprocessor; not writing it", sid)
+            elif group is None:
                 self.skipped += 1
-                log.warning("skipping rollout entry %s: %s", self.rollouts_pos, exc)
-                self.redis.set(self.position_key, self.rollouts_pos)
-                continue
-            docs = group_to_documents(group, self.cfg)
-            # Documents and the position that covers them in one MULTI/EXEC: after a crash either both are
-            # there or neither, so every group becomes documents exactly once.
-            pipe = self.redis.pipeline(transaction=True)
-            for doc in docs:
-                pipe.xadd(self.keys.documents, protocol.encode_document(doc))
-            pipe.set(self.position_key, self.rollouts_pos)
-            pipe.execute()
-            self.groups += 1
-            self.documents += len(docs)
+                log.warning("skipping rollout entry %s: %s", sid, problem)
+            else:
+                self.groups += 1
+                self.documents += len(docs)
+
+    def _read_rollouts(self, count: int) -> list:
+        """Up to `count` rollout entries this replica should process now: its own pending ones first, then
+        entries a dead replica left pending, then new ones (blocking up to READ_BLOCK_MS)."""
+        try:
+            return self._read_rollouts_from_group(count)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream or the group is gone (a Redis that lost its data): start over from its first entry.
+            log.warning("%s has no group %s (%s); creating it", self.keys.rollouts, protocol.ROLLOUTS_GROUP, exc)
+            ensure_rollouts_group(self.redis, self.keys)
+            return []
+
+    def _read_rollouts_from_group(self, count: int) -> list:
+        stream = self.keys.rollouts
+        if self.pending_from is not None:
+            got = self.redis.xreadgroup(protocol.ROLLOUTS_GROUP, self.consumer, {stream: self.pending_from},
+                                        count=count)
+            entries = [e for _, es in got or [] for e in es]
+            if entries:
+                self.pending_from = _sid(entries[-1][0])
+                log.info("re-processing %d rollout entries this replica had read before it restarted", len(entries))
+                return entries
+            self.pending_from = None
+        cursor, entries, *_ = self.redis.xautoclaim(stream, protocol.ROLLOUTS_GROUP, self.consumer,
+                                                    self.claim_idle_ms, start_id=self.claim_from, count=count)
+        self.claim_from = _sid(cursor)
+        if entries:
+            self.claimed += len(entries)
+            log.warning("claimed %d rollout entries left pending by another preprocessor for over %d ms",
+                        len(entries), self.claim_idle_ms)
+            return entries
+        got = self.redis.xreadgroup(protocol.ROLLOUTS_GROUP, self.consumer, {stream: ">"}, count=count,
+                                    block=READ_BLOCK_MS)
+        return [e for _, es in got or [] for e in es]
 
     def poll(self) -> None:
         """One round: events always; rollouts only while the trainer is not too far behind."""
-        got = self.redis.xread({self.keys.events: self.events_pos}, count=100)
-        for _, entries in got or []:
-            self._handle_events(entries)
+        self._read_events()
         if self.finished:
             return
         room = self.max_ahead - trainer_lag(self.redis, self.keys)
         if room <= 0:
             self.holds += 1
             # Hold, but keep listening: training_finished must still stop us promptly.
-            got = self.redis.xread({self.keys.events: self.events_pos}, count=100, block=HOLD_POLL_MS)
-            for _, entries in got or []:
-                self._handle_events(entries)
+            self._read_events(block=HOLD_POLL_MS)
             return
         # Read only as many groups as fit in the room left, so the bound is overshot by less than one group.
         count = max(1, min(READ_COUNT, -(-room // self.ctx.spec.algorithm.group_size)))
-        got = self.redis.xread({self.keys.events: self.events_pos, self.keys.rollouts: self.rollouts_pos},
-                               count=count, block=READ_BLOCK_MS)
-        by_stream = {_sid(stream): entries for stream, entries in got or []}
-        self._handle_events(by_stream.get(self.keys.events, []))
-        if not self.finished:  # documents produced after training_finished would never be read
-            self._handle_rollouts(by_stream.get(self.keys.rollouts, []))
+        entries = self._read_rollouts(count)
+        if entries:
+            self._read_events()  # the read may have blocked: documents written after training_finished are unused
+        if not self.finished:  # entries left unwritten stay pending: nothing is lost
+            self._handle_rollouts(entries)
 
     def run(self) -> int:
-        log.info("reading %s, writing %s (holding beyond %d unread documents)", self.keys.rollouts,
-                 self.keys.documents, self.max_ahead)
+        log.info("reading %s as %s/%s, writing %s (holding beyond %d unread documents)", self.keys.rollouts,
+                 protocol.ROLLOUTS_GROUP, self.consumer, self.keys.documents, self.max_ahead)
         last_report = time.monotonic()
         while not self.finished and not self.stop.is_set():
             self.poll()
             if time.monotonic() - last_report > 10:
                 last_report = time.monotonic()
-                log.info("%d groups -> %d documents (%d entries skipped)", self.groups, self.documents, self.skipped)
+                log.info("%d groups -> %d documents (%d entries skipped, %d claimed)", self.groups, self.documents,
+                         self.skipped, self.claimed)
         if not self.finished:
             log.info("stopped by signal after %d groups", self.groups)
         return 0

@@ -23,6 +23,7 @@ EVENTS_STREAM = "fast_llm_events"
 DOCUMENTS_STREAM = "fast_llm_streaming"
 DOCUMENTS_GROUP = "fast_llm_group"
 ROLLOUTS_STREAM = "rollouts"
+ROLLOUTS_GROUP = "preprocessor"  # consumer group of the preprocessor replicas on the rollouts stream
 EVENT_FIELD = "event"
 
 WEIGHTS_READY = "weights_ready"
@@ -36,9 +37,16 @@ def consumer_name(rank: int) -> str:
     return f"fast_llm_consumer_{rank}"
 
 
+def preprocessor_consumer(index: int) -> str:
+    """Consumer of preprocessor replica `index` in ROLLOUTS_GROUP: stable across restarts of that replica, so
+    a restarted one finds the entries it had read but not yet acknowledged."""
+    return f"preprocessor-{index}"
+
+
 @dataclass(frozen=True)
 class StreamKeys:
-    """Every Redis key of one job."""
+    """Every Redis key of one job. Roles take their key names from here and never build them themselves, so
+    `all()` (what the operator deletes from an external Redis at teardown) cannot miss one."""
 
     prefix: str
 
@@ -58,8 +66,31 @@ class StreamKeys:
     def rollouts(self) -> str:
         return self.prefix + ROLLOUTS_STREAM
 
+    # The actors' lag counters (rlkube.core.lag), shared by every actor replica.
+    @property
+    def actor_samples_reserved(self) -> str:
+        return self.prefix + "actor/samples_reserved"
+
+    @property
+    def actor_samples_written(self) -> str:
+        return self.prefix + "actor/samples_written"
+
+    @property
+    def actor_documents_seen(self) -> str:
+        return self.prefix + "actor/documents_seen"
+
+    @property
+    def actor_last_event(self) -> str:
+        return self.prefix + "actor/last_event"
+
+    @property
+    def actor_stall_release(self) -> str:
+        return self.prefix + "actor/stall_release"
+
     def all(self) -> list[str]:
-        return [self.events, self.documents, self.rollouts]
+        """Every key any role creates (streams with their consumer groups, counters)."""
+        return [self.events, self.documents, self.rollouts, self.actor_samples_reserved, self.actor_samples_written,
+                self.actor_documents_seen, self.actor_last_event, self.actor_stall_release]
 
 
 # --- trainer events -------------------------------------------------------------------------------
