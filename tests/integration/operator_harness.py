@@ -265,13 +265,20 @@ class Env:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.operator.stop()
-        for r in self._redis:
-            await r.aclose()
-        await self.recorder.close()
-        await self.kubelet.close()
-        with contextlib.suppress(ApiException):
-            await client.CoreV1Api(self.api).delete_namespace(self.namespace)
+        # Each step runs even if an earlier one fails: no operator or redis-server may outlive the test.
+        try:
+            self.operator.stop()
+            for r in self._redis:
+                await r.aclose()
+        finally:
+            try:
+                await self.recorder.close()
+            finally:
+                try:
+                    await self.kubelet.close()
+                finally:
+                    with contextlib.suppress(ApiException):
+                        await client.CoreV1Api(self.api).delete_namespace(self.namespace)
 
     async def trainer(self, job: str, timeout: float = 30):
         """A TrainerPlayer on the job's managed Redis (the real redis-server the fake kubelet runs)."""

@@ -108,16 +108,17 @@ class FakeKubelet:
         return self
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for server in self.redis.values():
-            await asyncio.to_thread(server.stop)
-        self.redis.clear()
+        try:
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            for server in self.redis.values():  # real redis-servers: never leave one behind
+                await asyncio.to_thread(server.stop)
+            self.redis.clear()
         if self._own_dir and self.redis_dir is not None:
             shutil.rmtree(self.redis_dir, ignore_errors=True)
 
