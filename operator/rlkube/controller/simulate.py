@@ -19,7 +19,6 @@ The test cluster is a real kube-apiserver without kubelet or scheduler, so pods 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
