@@ -18,11 +18,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 import yaml
+from cluster.control_plane import free_port
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from nodeagent.harness import AgentProcess, wait_for
@@ -55,14 +57,18 @@ class OperatorProcess:
     log_path: Path
     proc: subprocess.Popen | None = None
     starts: int = 0
+    metrics_port: int = 0
 
     def start(self) -> OperatorProcess:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         with open(self.log_path, "ab") as logf:
             logf.write(f"---- operator start #{self.starts + 1} ----\n".encode())
             logf.flush()
+            # setpriv --pdeathsig: the operator dies with the test process that started it (no orphan).
+            self.metrics_port = free_port()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rlkube.cli", "operator", "-n", self.namespace, "--metrics-port", "0"],
+                ["setpriv", "--pdeathsig", "KILL", "--", sys.executable, "-m", "rlkube.cli", "operator",
+                 "-n", self.namespace, "--metrics-port", str(self.metrics_port)],
                 env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.starts += 1
@@ -82,6 +88,17 @@ class OperatorProcess:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def passes(self, job: str) -> int:
+        """Reconcile passes this operator process made for `job`, from its Prometheus metrics (0 before the
+        first pass or while it starts)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return 0
+        needle = f'rlkube_reconcile_passes_total{{namespace="{self.namespace}",trainingjob="{job}"}}'
+        return next((int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(needle)), 0)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -6,15 +6,22 @@ cleanly and leave no container process behind.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from nodeagent.harness import AgentProcess
 
 AGENT_LABEL = "rlkube.io/node-agent"
 
 
+SESSION_TOKEN = uuid.uuid4().hex[:12]
+
+
 @pytest.fixture(scope="session")
 def node_agent(cluster, tmp_path_factory):
-    agent = AgentProcess(cluster, tmp_path_factory.mktemp("node-agent"), namespace_selector=f"{AGENT_LABEL}=true").start()
+    # Served namespaces carry this session's token: two sessions on one cluster never compete for pods.
+    agent = AgentProcess(cluster, tmp_path_factory.mktemp("node-agent"),
+                         namespace_selector=f"{AGENT_LABEL}={SESSION_TOKEN}").start()
     yield agent
     agent.stop()
     left = agent.live_processes()
@@ -22,12 +29,12 @@ def node_agent(cluster, tmp_path_factory):
 
 
 @pytest.fixture
-def namespace(namespace, api_client):
-    """The root fixture's fresh namespace, labelled for the node agent (other tiers' namespaces carry only
-    rlkube.io/test, so the session's agent never competes with their own fake kubelets)."""
+def namespace(namespace, api_client, node_agent):
+    """The root fixture's fresh namespace, labelled for this session's node agent (other tiers' namespaces
+    carry only rlkube.io/test, so the agent never competes with their own fake kubelets)."""
     from kubernetes import client
 
-    client.CoreV1Api(api_client).patch_namespace(namespace, {"metadata": {"labels": {AGENT_LABEL: "true"}}})
+    client.CoreV1Api(api_client).patch_namespace(namespace, {"metadata": {"labels": {AGENT_LABEL: SESSION_TOKEN}}})
     return namespace
 
 
@@ -58,7 +65,8 @@ def job(api_client, node_agent, namespace, operator):
     j.recorder.stop()
     if j.follower is not None:
         j.follower.stop()
-    if j.name and j.get() is not None and (j.status().get("phase") not in ("Succeeded", "Failed")):
+    if j.name and j.get() is not None:
+        # Deleted while its operator runs, so the finalizer is released and the namespace can go too.
         if not operator.alive():
             operator.start()
         j.delete()

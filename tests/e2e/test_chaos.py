@@ -86,13 +86,29 @@ def test_actor_killed_mid_run_is_restarted_and_the_job_continues(job):
     assert_clean_end(job)
 
 
+def assert_nothing_duplicated(job, st: dict) -> None:
+    assert stage_names(st) == FULL_ORDER  # every stage once, in order
+    assert {n: len(u) for n, u in job.uids_per_pod().items() if len(u) != 1} == {}  # no pod created twice
+    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    assert all(c["restarts"] == 0 for c in st["components"].values()), st["components"]
+
+
 def test_operator_killed_mid_run_and_during_teardown_resumes_without_duplicates(job, operator):
-    job.apply(chaos_example())
+    job.apply(chaos_example(**{"spec.algorithm.maxSteps": 40}))
     job.follow()
     job.wait_step(3, 300)
     operator.kill()
     job.wait_step(6, 300)  # the job trains on without its operator
-    operator.start()
+    # Freeze the trainer while the operator comes back (a slow node): it must find the job still mid-run.
+    trainer = job.pid("trainer")
+    os.kill(trainer, signal.SIGSTOP)
+    restarted_at = job.follower.step
+    try:
+        operator.start()
+        wait_for(lambda: operator.passes(job.name) >= 2, 60, "the restarted operator reconciling", interval=0.2)
+        assert job.follower.finished is None
+    finally:
+        os.kill(trainer, signal.SIGCONT)
     # Kill it again the moment teardown has begun (its first stage is written with phase Draining).
     wait_for(lambda: job.status().get("phase") in ("Draining", *TERMINAL), 300, "teardown begins", interval=0.02)
     operator.kill()
@@ -101,13 +117,31 @@ def test_operator_killed_mid_run_and_during_teardown_resumes_without_duplicates(
     operator.start()
 
     tj = job.wait_phase(TERMINAL, 300)
-    assert_succeeded_with_every_step(job, tj)
     st = tj["status"]
-    print(f"\noperator killed during teardown stage {stage_at_kill!r}; started {operator.starts} times")
-    assert stage_names(st) == FULL_ORDER  # every stage once, in order
-    assert {n: len(u) for n, u in job.uids_per_pod().items() if len(u) != 1} == {}  # no pod created twice
-    assert job.order("deletion") == FULL_ORDER
-    assert all(c["restarts"] == 0 for c in st["components"].values()), st["components"]
+    print(f"\noperator back at step {restarted_at}, killed again during teardown stage {stage_at_kill!r}")
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["completion"]["finalStep"] == 40 and st["trainer"]["step"] == 40
+    assert_nothing_duplicated(job, st)
+    assert_clean_end(job)
+
+
+def test_operator_down_while_training_finishes_does_not_recreate_stopped_producers(job, operator):
+    """The operator is away when the trainer publishes training_finished and the producers stop on it
+    (exit 0). Restarted, it must read the event before judging those pods, not replace them."""
+    job.apply(chaos_example())
+    job.follow()
+    job.wait_step(3, 300)
+    operator.kill()
+
+    def producers_done():
+        pods = [job.pod("actor"), job.pod("preprocessor")]
+        return all(p is not None and p.status.phase == "Succeeded" for p in pods)
+
+    wait_for(lambda: job.follower.finished is not None and producers_done(), 300, "producers stopped on the event")
+    operator.start()
+    tj = job.wait_phase(TERMINAL, 300)
+    assert_succeeded_with_every_step(job, tj)
+    assert_nothing_duplicated(job, tj["status"])
     assert_clean_end(job)
 
 

@@ -40,8 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         namespace_selector=args.namespace_selector, backoff_base=args.backoff_base,
         backoff_max=args.backoff_max, stop_grace=args.stop_grace, threads=args.threads,
     )
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the test session that started us died without stopping us: stop anyway
+        while not stop.wait(1.0):
+            if os.getppid() != parent:
+                stop.set()
+
     try:
         agent.start()
+        threading.Thread(target=orphaned, daemon=True, name="parent-watch").start()
         while not stop.wait(3600):
             pass
     finally:

@@ -86,7 +86,9 @@ class AgentProcess:
         path = self.state_dir / "signals.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        text = path.read_text()
+        complete = text[: text.rfind("\n") + 1]  # the agent may be appending a line right now
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     def pod_states(self, namespace: str | None = None) -> list[dict]:
         out = []
