@@ -9,13 +9,14 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from kubernetes.client.rest import ApiException
-from nodeagent.harness import pod_condition, wait_for
+from nodeagent.harness import cluster_dns_argv, pod_condition, wait_for
 
 
 def pod(name, containers, restart="Always", grace=5, labels=None, **spec):
@@ -169,10 +170,10 @@ def test_env_secrets_configmaps_volumes_and_a_claim_that_outlives_its_pod(node_a
         "out['hostname'] = socket.gethostname()\n"
         "out['config'] = open('/etc/rlkube-e2e/config/app.json').read()\n"
         "out['secret'] = open('/etc/rlkube-e2e/secret/password').read()\n"
-        "open('/scratch/x', 'w').write('scratch')\n"
+        "open('/rlkube-e2e/scratch/x', 'w').write('scratch')\n"
         "try:\n    open('/etc/rlkube-e2e/config/new', 'w')\n    out['readonly'] = False\n"
         "except OSError:\n    out['readonly'] = True\n"
-        "open('/data/from-writer', 'w').write('written by ' + os.environ['NAME'])\n"
+        "open('/rlkube-e2e/data/from-writer', 'w').write('written by ' + os.environ['NAME'])\n"
         "out['hosts_has_me'] = any(os.environ['IP'] in line and socket.gethostname() in line for line in open('/etc/hosts'))\n"
         "print('REPORT ' + json.dumps(out), flush=True)\n"
     )
@@ -190,8 +191,8 @@ def test_env_secrets_configmaps_volumes_and_a_claim_that_outlives_its_pod(node_a
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/rlkube-e2e/config", "readOnly": True},
             {"name": "secret", "mountPath": "/etc/rlkube-e2e/secret"},
-            {"name": "scratch", "mountPath": "/scratch"},
-            {"name": "data", "mountPath": "/data"},
+            {"name": "scratch", "mountPath": "/rlkube-e2e/scratch"},
+            {"name": "data", "mountPath": "/rlkube-e2e/data"},
         ],
     }
     volumes = [
@@ -228,8 +229,8 @@ def test_env_secrets_configmaps_volumes_and_a_claim_that_outlives_its_pod(node_a
     assert not Path("/etc/rlkube-e2e/config/app.json").exists()  # the binds stayed inside the pod
     assert core_api.read_namespaced_persistent_volume_claim("data", namespace).status.phase == "Bound"
 
-    reader = py("main", "print('READ ' + open('/data/from-writer').read(), flush=True)",
-                volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    reader = py("main", "print('READ ' + open('/rlkube-e2e/data/from-writer').read(), flush=True)",
+                volumeMounts=[{"name": "data", "mountPath": "/rlkube-e2e/data"}])
     core_api.create_namespaced_pod(namespace, pod("reader", [reader], "Never", volumes=[volumes[3]]))
     p = wait_for(lambda: phase_is(core_api, namespace, "reader", "Succeeded", "Failed"), 30, "reader finished")
     assert p.status.phase == "Succeeded"
@@ -278,19 +279,22 @@ def test_service_names_resolve_to_ready_pods_and_follow_changes(node_agent, core
     assert {out[n] for n in out if n.startswith("srv")} == {srv_ip}
     assert out["reply"] == "hello from srv-0"
     assert out["late"] == p.status.pod_ip
-    # Processes on the host get the same names through the agent's host view.
-    assert f"srv.{namespace}.svc.cluster.local" in (node_agent.state_dir / "hosts").read_text()
+    # A process on the host resolves the same names through the agent's host view of /etc/hosts.
+    argv = cluster_dns_argv(node_agent.state_dir / "hosts", ["getent", "hosts", f"srv-0.srv.{namespace}.svc"])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
+    assert out.split()[0] == srv_ip
 
 
 def test_exec_probes_run_inside_the_pod_and_liveness_restarts(node_agent, core_api, namespace):
     code = ("import os, time\n"
-            "if os.path.exists('/state/dead'):\n    os.remove('/state/dead'); print('second life', flush=True)\n"
-            "else:\n    time.sleep(1); open('/state/ready', 'w').close(); time.sleep(2); open('/state/dead', 'w').close()\n"
+            "d = '/rlkube-e2e/state'\n"
+            "if os.path.exists(f'{d}/dead'):\n    os.remove(f'{d}/dead'); print('second life', flush=True)\n"
+            "else:\n    time.sleep(1); open(f'{d}/ready', 'w').close(); time.sleep(2); open(f'{d}/dead', 'w').close()\n"
             "time.sleep(1000)")
-    c = py("main", code, volumeMounts=[{"name": "state", "mountPath": "/state"}],
-           readinessProbe={"exec": {"command": ["cat", "/state/ready"]}, "periodSeconds": 1},
-           livenessProbe={"exec": {"command": ["test", "!", "-e", "/state/dead"]}, "periodSeconds": 1, "initialDelaySeconds": 1,
-                          "failureThreshold": 1})
+    c = py("main", code, volumeMounts=[{"name": "state", "mountPath": "/rlkube-e2e/state"}],
+           readinessProbe={"exec": {"command": ["cat", "/rlkube-e2e/state/ready"]}, "periodSeconds": 1},
+           livenessProbe={"exec": {"command": ["test", "!", "-e", "/rlkube-e2e/state/dead"]}, "periodSeconds": 1,
+                          "initialDelaySeconds": 1, "failureThreshold": 1})
     core_api.create_namespaced_pod(namespace, pod("probed", [c], grace=1, volumes=[{"name": "state", "emptyDir": {}}]))
     wait_for(lambda: pod_condition(read(core_api, namespace, "probed"), "Ready") == "True", 30, "probed Ready")
 
@@ -306,9 +310,10 @@ def test_exec_probes_run_inside_the_pod_and_liveness_restarts(node_agent, core_a
 
 
 def test_init_containers_isolated_ports_and_unschedulable_pods(node_agent, core_api, namespace):
-    init = py("init", "open('/work/msg', 'w').write('from init')", volumeMounts=[{"name": "w", "mountPath": "/work"}])
-    main = py("main", "print('MAIN ' + open('/work/msg').read(), flush=True)",
-              volumeMounts=[{"name": "w", "mountPath": "/work"}])
+    init = py("init", "open('/rlkube-e2e/init/msg', 'w').write('from init')",
+              volumeMounts=[{"name": "w", "mountPath": "/rlkube-e2e/init"}])
+    main = py("main", "print('MAIN ' + open('/rlkube-e2e/init/msg').read(), flush=True)",
+              volumeMounts=[{"name": "w", "mountPath": "/rlkube-e2e/init"}])
     core_api.create_namespaced_pod(namespace, pod("with-init", [main], "Never", initContainers=[init],
                                                   volumes=[{"name": "w", "emptyDir": {}}]))
     # Two pods listening on 0.0.0.0:29500 at once: each has its own network namespace.
