@@ -28,16 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster.control_plane import ControlPlane  # noqa: E402
+from cluster.tracked import STARTED_PIDS, track  # noqa: E402
 
 from rlkube.local.redis_server import RedisServer  # noqa: E402
-
-STARTED_PIDS: list[tuple[str, int]] = []
-
-
-def track(name: str, pid: int) -> None:
-    """Register a server process that must be gone when the session ends."""
-    STARTED_PIDS.append((name, pid))
-
 
 def pytest_collection_modifyitems(items):
     # The tier marker follows the directory, so `-m unit` etc. select by tier without decorating every test.

@@ -264,13 +264,22 @@ class ClusterJob:
             raise
 
     def pid(self, role: str, index: int = 0) -> int:
-        """The pid of the role's container process, as the node agent started it."""
+        """The pid of the role's container process, as the node agent started it (waits until it runs)."""
         pod_name = names.pod_name(self.name, role, index)
-        state = self.agent.pod_state(self.namespace, pod_name)
-        assert state, f"the node agent never ran {pod_name}"
-        (container,) = state["containers"].values()
-        assert container["state"] == "running", f"{pod_name} is not running: {container}"
-        return container["pid"]
+
+        def running():
+            state = self.agent.pod_state(self.namespace, pod_name)
+            if not state:
+                return None
+            (container,) = state["containers"].values()
+            return container["pid"] if container["state"] == "running" and container["pid"] else None
+
+        try:
+            return wait_for(running, 60, f"{pod_name} running", interval=0.1)
+        except TimeoutError:
+            raise AssertionError(
+                f"{pod_name} never ran: {self.agent.pod_state(self.namespace, pod_name)}\n{self.diagnostics()}"
+            ) from None
 
     def follow(self, timeout: float = 120) -> EventFollower:
         """Start following the trainer's events once the managed Redis pod is up."""

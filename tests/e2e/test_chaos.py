@@ -15,6 +15,7 @@ from clusterjob import FULL_ORDER, example, stage_names
 from nodeagent.harness import wait_for
 
 MAX_STEPS = 20
+MID_RUN_STEPS = 100  # the operator-restart test needs the job still mid-run when the operator is back
 TERMINAL = ("Succeeded", "Failed")
 
 
@@ -94,7 +95,9 @@ def assert_nothing_duplicated(job, st: dict) -> None:
 
 
 def test_operator_killed_mid_run_and_during_teardown_resumes_without_duplicates(job, operator):
-    job.apply(chaos_example(**{"spec.algorithm.maxSteps": 40}))
+    # Long enough that the job cannot finish between "step 6 seen" and the trainer being frozen, even on a
+    # loaded machine (40 steps were once too few under the full suite).
+    job.apply(chaos_example(**{"spec.algorithm.maxSteps": MID_RUN_STEPS}))
     job.follow()
     job.wait_step(3, 300)
     operator.kill()
@@ -120,7 +123,7 @@ def test_operator_killed_mid_run_and_during_teardown_resumes_without_duplicates(
     st = tj["status"]
     print(f"\noperator back at step {restarted_at}, killed again during teardown stage {stage_at_kill!r}")
     assert st["phase"] == "Succeeded", job.diagnostics()
-    assert st["completion"]["finalStep"] == 40 and st["trainer"]["step"] == 40
+    assert st["completion"]["finalStep"] == MID_RUN_STEPS and st["trainer"]["step"] == MID_RUN_STEPS
     assert_nothing_duplicated(job, st)
     assert_clean_end(job)
 

@@ -103,7 +103,7 @@ def test_server_rejects_a_broken_render(api_client, namespace):
 
 @pytest.fixture(scope="module")
 def rbac_cluster(tmp_path_factory):
-    from conftest import track
+    from cluster.tracked import track
 
     cp = ControlPlane(tmp_path_factory.mktemp("rbac-cp"), with_controller_manager=False, authorization_mode="RBAC")
     cp.start()
