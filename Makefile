@@ -3,7 +3,10 @@
 #   make test   runs every test tier against real Redis and a real kube-apiserver
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
-APT_PACKAGES = redis-server etcd-server golang-go rsync make dpkg-dev openssl iproute2 \
+# `make demo` needs only Redis; the tests also need etcd, the node agent's iproute2, and the Go toolchain and
+# vendored-library replacements that build kube-apiserver.
+APT_DEMO = redis-server
+APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 \
                golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
@@ -11,8 +14,10 @@ export DEBIAN_FRONTEND = noninteractive
 
 .PHONY: demo test deps deps-apt deps-pip control-plane crd demo-cluster
 
-demo: deps
-	rlkube local examples/tiny-cpu.yaml
+demo:
+	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
+	$(MAKE) deps-pip
+	$(PYTHON) -m rlkube.cli local examples/tiny-cpu.yaml
 
 # The same job on a real kube-apiserver: the operator creates pods, the test node agent runs them (tests/nodeagent).
 demo-cluster: deps control-plane
@@ -38,6 +43,6 @@ control-plane:
 	bash tests/cluster/build-control-plane.sh
 
 crd:
-	rlkube crd > crds/rlkube.io_trainingjobs.yaml
+	$(PYTHON) -m rlkube.cli crd > crds/rlkube.io_trainingjobs.yaml
 	# The Helm chart ships the same file (tests/unit/test_chart.py fails when they differ).
 	cp crds/rlkube.io_trainingjobs.yaml charts/rlkube/crds/rlkube.io_trainingjobs.yaml
