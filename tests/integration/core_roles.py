@@ -1,19 +1,29 @@
-"""Helpers for the trainer/preprocessor role tests: job configs, role subprocesses with the runtime.py env,
-synthetic documents and rollout groups, and event polling with deadlines."""
+"""Helpers for the trainer/preprocessor role tests: job configs, role subprocesses with the runtime.py env (and the
+fixtures that stop them), a trainer and an inference server joined by a weight-update group, synthetic documents
+and rollout groups, and event polling with deadlines."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 import yaml
-
+from cluster.control_plane import free_port
+from rlkube.api.validation import parse_spec
+from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol, runtime
+from rlkube.core.model import build_model, token_logprobs
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test"
@@ -67,6 +77,103 @@ class Role:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._log.close()
+
+
+def stop_roles(started: list[Role], grace: float = 0.0) -> None:
+    """With `grace`: SIGTERM every role still running, in start order, and fail (TimeoutExpired) when one has not
+    exited `grace` seconds later. Then SIGKILL whatever is left."""
+    try:
+        if grace:
+            for r in started:
+                if r.proc.poll() is None:
+                    r.proc.terminate()
+            for r in started:
+                r.proc.wait(timeout=grace)
+    finally:
+        for r in started:
+            r.kill()
+
+
+@pytest.fixture(name="roles")
+def roles_fixture():
+    """The roles a test starts (start_role appends them); SIGKILLed at teardown."""
+    started: list[Role] = []
+    yield started
+    stop_roles(started)
+
+
+@pytest.fixture(name="graceful_roles")
+def graceful_roles_fixture():
+    """Like `roles`, but SIGTERMed at teardown in start order (inference before the trainer, as the teardown order
+    says), so they leave the weight-update group cleanly; SIGKILLed after 15 s."""
+    started: list[Role] = []
+    yield started
+    stop_roles(started, grace=15)
+
+
+def start_role(roles: list[Role], role: str, tmp: Path, job: str, spec: dict, redis_url: str, **env: str) -> Role:
+    """`python -m rlkube.core.<role>` for the job, logging to its own file, added to `roles` for teardown."""
+    process = Role(f"rlkube.core.{role}", role_env(tmp, job, spec, redis_url, **env),
+                   tmp / f"{job}-{role}-{len(roles)}.log")
+    roles.append(process)
+    return process
+
+
+def start_trainer(roles: list[Role], tmp: Path, job: str, spec: dict, redis_url: str, ckpt_dir: Path | None = None,
+                  **env: str) -> Role:
+    """The trainer role, checkpointing under `ckpt_dir` (tmp/ckpt unless given)."""
+    return start_role(roles, "trainer", tmp, job, spec, redis_url,
+                      **{runtime.ENV_CHECKPOINT_DIR: str(ckpt_dir or tmp / "ckpt")}, **env)
+
+
+def http_json(url: str, body: dict | None = None) -> tuple[int, dict]:
+    """GET (or POST `body`) and the JSON reply; (0, {}) while nothing listens."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except OSError:
+        return 0, {}
+
+
+def start_trainer_and_inference(roles: list[Role], tmp: Path, job: str, spec: dict, redis_url: str,
+                                timeout: float) -> tuple[Role, str]:
+    """The native inference server and the trainer, joined by a weight-update group on a free port: (the trainer,
+    the server's URL) once the server is healthy (it has joined the group and received version 0)."""
+    sync = {runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{free_port()}"}
+    http = free_port()
+    inference = start_role(roles, "inference", tmp, job, spec, redis_url, **sync, RLKUBE_PORT=str(http))
+    trainer = start_trainer(roles, tmp, job, spec, redis_url, **sync)
+    url = f"http://127.0.0.1:{http}"
+    wait_for(lambda: http_json(url + "/health")[0] == 200, timeout, "inference joined the group", inference)
+    return trainer, url
+
+
+def assert_serves_checkpoint(url: str, spec: dict, checkpoint: Path, version: int, n: int) -> None:
+    """The server at `url` is at `version`, and its log-probs of n sampled completions are those of the checkpoint's
+    weights (a strict load of TinyLM's state_dict) and clearly not the initial weights'."""
+    status, body = http_json(url + "/health")
+    assert status == 200 and body["model_version"] == version, body
+    status, reply = http_json(url + "/v1/completions", {"model": "builtin://tiny-lm", "prompt": "42:", "n": n,
+                                                        "max_tokens": 4, "temperature": 1.0, "logprobs": 0, "seed": 3})
+    assert status == 200 and reply["model_version"] == version, reply
+    trained, initial = build_model(parse_spec(spec).model), build_model(parse_spec(spec).model)
+    trained.load_state_dict(load_file(str(checkpoint / ckpt.MODEL_FILE)), strict=True)
+    moved = 0.0
+    for choice in reply["choices"]:
+        tokens = torch.tensor([choice["prompt_token_ids"] + choice["token_ids"]])
+        start = len(choice["prompt_token_ids"]) - 1
+        with torch.no_grad():
+            want = token_logprobs(trained(tokens), tokens)[0, start:].tolist()
+            before = token_logprobs(initial(tokens), tokens)[0, start:].tolist()
+        got = choice["logprobs"]["token_logprobs"]
+        assert got == pytest.approx(want, abs=1e-4)
+        moved = max(moved, max(abs(a - b) for a, b in zip(got, before, strict=True)))
+    print(f"largest log-prob change vs the initial weights: {moved:.4f}")
+    assert moved > 0.05, "the served weights are still the initial ones"
 
 
 def make_documents(n: int, version: int = 0, seed: int = 0, prompt_len: int = 4, completion_len: int = 3):

@@ -7,20 +7,15 @@ checkpoint resumes on megatron exactly, and on the torch backend).
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-import yaml
+from learning_run import assert_reward_rose, learning_run, tiny_cpu_spec
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.api.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol
 from rlkube.core.model import CharTokenizer, build_model
-from rlkube.core.preprocessor import DocumentConfig, group_to_documents
-from rlkube.core.tasks import load_task
 from rlkube.core.trainer import Trainer
 
 pytestmark = [
@@ -28,7 +23,6 @@ pytestmark = [
     # megatron 0.16 warns on every tensor-parallel layer call without an explicit tp_group (size 1 here)
     pytest.mark.filterwarnings("ignore:.*tp_group is None:DeprecationWarning"),
 ]
-ROOT = Path(__file__).resolve().parents[2]
 
 ARCH = {"layers": 2, "hiddenSize": 64, "heads": 4, "maxSequenceLength": 32}
 
@@ -193,59 +187,10 @@ def test_checkpoint_resumes_exactly_and_on_the_torch_backend(tmp_path):
         assert torch.equal(tensor, on_torch.model.state_dict()[name]), name
 
 
-@torch.no_grad()
-def _sample(model, tok: CharTokenizer, prompt: list[int], n: int, max_new: int, temperature: float):
-    out = torch.tensor([prompt] * n)
-    done = torch.zeros(n, dtype=torch.bool)
-    comps: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list[float]] = [[] for _ in range(n)]
-    for _ in range(max_new):
-        logp = torch.log_softmax(model(out)[:, -1] / temperature, dim=-1)
-        nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
-        for i in range(n):
-            if not done[i]:
-                comps[i].append(int(nxt[i]))
-                lps[i].append(float(logp[i, nxt[i]]))
-        done |= nxt == tok.eos_id
-        if done.all():
-            break
-        out = torch.cat([out, nxt[:, None]], dim=1)
-    return comps, lps
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_short_learning_run_raises_the_reward(seed):
     """examples/tiny-cpu.yaml's job on the megatron backend, sampling from a TinyLM that receives the published
     weights after every step (what the native inference server does): reverse-digits reward rises."""
-    job = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    job["spec"]["trainer"]["backend"] = "megatron"
-    spec = parse_spec(job["spec"])
-    algo = spec.algorithm
-    tok, task = CharTokenizer(), load_task(spec.task)
-    trainer = Trainer(spec)
-    server = build_model(spec.model)  # the inference side: starts from the same weights
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    cfg = DocumentConfig(estimator=algo.advantage, max_length=spec.model.architecture.max_sequence_length)
-    rewards = []
-    for step in range(40):
-        docs, step_rewards = [], []
-        for g in range(algo.samples_per_step // algo.group_size):
-            prompt = task.prompt(rng)
-            ids = tok.encode(prompt.text)
-            comps, lps = _sample(server, tok, ids, algo.group_size, algo.max_new_tokens, algo.temperature)
-            samples = [protocol.Sample(c, lp, task.reward(prompt, tok.decode(c))) for c, lp in zip(comps, lps, strict=True)]
-            step_rewards += [s.reward for s in samples]
-            docs += group_to_documents(protocol.RolloutGroup(f"{step}-{g}", ids, samples, trainer.version,
-                                                             algo.group_size), cfg)
-        metrics = trainer.train_step(docs)
-        # the server sampled with the weights the trainer had: on-policy, ratio 1
-        assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-        server.load_state_dict(dict(trainer.backend.weights()), strict=True)
-        rewards.append(sum(step_rewards) / len(step_rewards))
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"megatron backend, seed {seed}: reward first-10 {first:.3f} last-10 {last:.3f}")
+    rewards = learning_run(tiny_cpu_spec(backend="megatron"), seed, steps=40, served=True)
     # the torch backend's learnability test asserts the same margins for the same job
-    assert last - first > 0.10, rewards
-    assert last > 2 * first, rewards
-
+    assert_reward_rose(rewards, f"megatron backend, seed {seed}")

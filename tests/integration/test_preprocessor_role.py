@@ -11,21 +11,23 @@ import threading
 
 import orjson
 import pytest
-from core_roles import Role, keys_for, make_documents, make_group, role_env, tiny_spec, wait_for
+from core_roles import (
+    Role,
+    keys_for,
+    make_documents,
+    make_group,
+    role_env,
+    roles_fixture,  # noqa: F401  (fixture roles)
+    start_role,
+    tiny_spec,
+    wait_for,
+)
 from rlkube.core import protocol
 from rlkube.core.preprocessor import PreprocessorRole, ensure_rollouts_group
 from rlkube.core.runtime import RoleContext
 from rlkube.core.trainer import ensure_group
 
 START_TIMEOUT = 60
-
-
-@pytest.fixture
-def roles():
-    started: list[Role] = []
-    yield started
-    for r in started:
-        r.kill()
 
 
 def rollouts_state(client, keys) -> dict:
@@ -58,8 +60,7 @@ def test_runs_past_any_sample_count_and_stops_only_on_training_finished(redis_cl
     spec = tiny_spec(maxSteps=2, samplesPerStep=4, groupSize=4)
     keys = keys_for("stop", spec)
     ensure_group(redis_client, keys)
-    role = Role("rlkube.core.preprocessor", role_env(tmp_path, "stop", spec, redis_server.url), tmp_path / "pre.log")
-    roles.append(role)
+    role = start_role(roles, "preprocessor", tmp_path, "stop", spec, redis_server.url)
     # 6 groups x 4 = 24 samples: three times maxSteps x samplesPerStep
     for i in range(6):
         redis_client.xadd(keys.rollouts, make_group(f"g{i}", [0.1 * i, 0.5, 0.9, 0.2], expected=4).encode())
@@ -83,8 +84,7 @@ def test_runs_past_any_sample_count_and_stops_only_on_training_finished(redis_cl
 def test_sigterm_exits_zero_promptly(redis_client, redis_server, tmp_path, roles):
     spec = tiny_spec()
     keys = keys_for("term", spec)
-    role = Role("rlkube.core.preprocessor", role_env(tmp_path, "term", spec, redis_server.url), tmp_path / "pre.log")
-    roles.append(role)
+    role = start_role(roles, "preprocessor", tmp_path, "term", spec, redis_server.url)
     wait_for(lambda: "reading" in role.log(), START_TIMEOUT, "start-up", role)
     role.proc.send_signal(signal.SIGTERM)
     assert role.wait(10) == 0
@@ -268,9 +268,8 @@ def test_two_replicas_at_once_write_each_group_exactly_once(redis_client, redis_
     spec = tiny_spec(samplesPerStep=256, groupSize=4)  # room for every document: no backpressure here
     keys = keys_for("two", spec)
     ensure_group(redis_client, keys)
-    replicas = [Role("rlkube.core.preprocessor", role_env(tmp_path, "two", spec, redis_server.url, RLKUBE_INDEX=str(i)),
-                     tmp_path / f"pre-{i}.log") for i in range(2)]
-    roles.extend(replicas)
+    replicas = [start_role(roles, "preprocessor", tmp_path, "two", spec, redis_server.url, RLKUBE_INDEX=str(i))
+                for i in range(2)]
     for r in replicas:
         wait_for(lambda r=r: "reading" in r.log(), START_TIMEOUT, "start-up", r)
     # Bursts while both replicas wait on the group: each XADD wakes one of them.
@@ -300,9 +299,7 @@ def test_a_killed_replica_restarts_without_duplicates_or_losses(redis_client, re
     # An earlier run of replica 0 read two entries and died before writing them.
     ensure_rollouts_group(redis_client, keys)
     redis_client.xreadgroup(protocol.ROLLOUTS_GROUP, "preprocessor-0", {keys.rollouts: ">"}, count=2)
-    env = role_env(tmp_path, "kill", spec, redis_server.url, RLKUBE_INDEX="0")
-    first = Role("rlkube.core.preprocessor", env, tmp_path / "pre-first.log")
-    roles.append(first)
+    first = start_role(roles, "preprocessor", tmp_path, "kill", spec, redis_server.url, RLKUBE_INDEX="0")
     read = [0]
 
     def read_at_least(n):
@@ -313,8 +310,7 @@ def test_a_killed_replica_restarts_without_duplicates_or_losses(redis_client, re
     assert "re-processing 2 rollout entries" in first.log()
     first.proc.send_signal(signal.SIGKILL)
     assert first.wait(10) == -signal.SIGKILL
-    second = Role("rlkube.core.preprocessor", env, tmp_path / "pre-second.log")
-    roles.append(second)
+    second = start_role(roles, "preprocessor", tmp_path, "kill", spec, redis_server.url, RLKUBE_INDEX="0")
     for i in range(16, 20):
         redis_client.xadd(keys.rollouts, make_group(f"g{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
     wait_for(lambda: (read_at_least(80), rollouts_done(redis_client, keys))[1], START_TIMEOUT,

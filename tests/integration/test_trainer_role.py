@@ -5,34 +5,26 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
 import torch
-from safetensors.torch import load_file
-
 from core_roles import (
-    Role, add_documents, keys_for, make_documents, read_events, role_env, tiny_spec, wait_for, wait_for_event,
+    add_documents,
+    keys_for,
+    make_documents,
+    read_events,
+    role_env,
+    roles_fixture,  # noqa: F401  (fixture roles)
+    start_trainer,
+    tiny_spec,
+    wait_for,
+    wait_for_event,
 )
 from rlkube.api.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol, runtime
 from rlkube.core.model import build_model
+from safetensors.torch import load_file
 
 START_TIMEOUT = 60  # python + torch import on a loaded 2-core machine
-
-
-@pytest.fixture
-def roles():
-    started: list[Role] = []
-    yield started
-    for r in started:
-        r.kill()
-
-
-def start_trainer(roles, tmp_path, redis_server, job, spec, ckpt_dir):
-    env = role_env(tmp_path, job, spec, redis_server.url, **{runtime.ENV_CHECKPOINT_DIR: str(ckpt_dir)})
-    role = Role("rlkube.core.trainer", env, tmp_path / f"{job}-trainer-{len(roles)}.log")
-    roles.append(role)
-    return role
 
 
 def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redis_server, tmp_path, roles):
@@ -40,7 +32,7 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
     spec["trainer"]["checkpoint"] = {"intervalSteps": 2}
     keys = keys_for("fin", spec)
     ckpt_dir = tmp_path / "ckpt"
-    trainer = start_trainer(roles, tmp_path, redis_server, "fin", spec, ckpt_dir)
+    trainer = start_trainer(roles, tmp_path, "fin", spec, redis_server.url)
     add_documents(redis_client, keys, make_documents(12, version=0))
     # Block on the events stream and inspect the checkpoint the moment training_finished arrives.
     last, finished = "0-0", None
@@ -90,7 +82,7 @@ def test_killed_trainer_resumes_from_its_checkpoint(redis_client, redis_server, 
     spec["trainer"]["checkpoint"] = {"intervalSteps": 2}
     keys = keys_for("resume", spec)
     ckpt_dir = tmp_path / "ckpt"
-    first = start_trainer(roles, tmp_path, redis_server, "resume", spec, ckpt_dir)
+    first = start_trainer(roles, tmp_path, "resume", spec, redis_server.url)
     add_documents(redis_client, keys, make_documents(8, version=0, seed=1))
     wait_for_event(redis_client, keys, protocol.CHECKPOINT_SAVED, START_TIMEOUT, first, where=lambda e: e.step == 2)
     first.proc.send_signal(signal.SIGKILL)  # no chance to publish anything
@@ -99,7 +91,7 @@ def test_killed_trainer_resumes_from_its_checkpoint(redis_client, redis_server, 
     saved = load_file(str(ckpt_dir / "step-000002" / ckpt.MODEL_FILE))
 
     redis_client.delete(keys.events)  # so that every event below is the new process's
-    second = start_trainer(roles, tmp_path, redis_server, "resume", spec, ckpt_dir)
+    second = start_trainer(roles, tmp_path, "resume", spec, redis_server.url)
     ready = wait_for_event(redis_client, keys, protocol.WEIGHTS_READY, START_TIMEOUT, second)
     assert ready.payload["version"] == 2 and ready.payload["documents_seen"] == 8
     add_documents(redis_client, keys, make_documents(8, version=2, seed=2))
@@ -128,7 +120,7 @@ def test_killed_trainer_resumes_from_its_checkpoint(redis_client, redis_server, 
 def test_sigterm_finishes_the_step_checkpoints_and_reports_interrupted(redis_client, redis_server, tmp_path, roles):
     spec = tiny_spec(maxSteps=50, samplesPerStep=4)
     keys = keys_for("term", spec)
-    trainer = start_trainer(roles, tmp_path, redis_server, "term", spec, tmp_path / "ckpt")
+    trainer = start_trainer(roles, tmp_path, "term", spec, redis_server.url)
     add_documents(redis_client, keys, make_documents(8))
     wait_for_event(redis_client, keys, protocol.METRICS, START_TIMEOUT, trainer, where=lambda e: e.step == 2)
     trainer.proc.send_signal(signal.SIGTERM)  # now waiting for documents that never come
@@ -145,7 +137,7 @@ def test_a_crash_mid_run_exits_nonzero_without_finished_event(redis_client, redi
     keys = keys_for("crash", spec)
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("the first checkpoint save fails here")
-    trainer = start_trainer(roles, tmp_path, redis_server, "crash", spec, blocker)
+    trainer = start_trainer(roles, tmp_path, "crash", spec, redis_server.url, ckpt_dir=blocker)
     add_documents(redis_client, keys, make_documents(12))
     assert trainer.wait(START_TIMEOUT) == 1
     assert "no training_finished published" in trainer.log()

@@ -4,17 +4,18 @@ transfer is blocked (no inference server joins, or one died), and giving up when
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import pytest
 from core_roles import (
     Role,
     add_documents,
+    free_port,
     keys_for,
     make_documents,
     read_events,
-    role_env,
+    roles_fixture,  # noqa: F401  (fixture roles)
+    start_trainer,
     tiny_spec,
     wait_for,
 )
@@ -25,28 +26,6 @@ from rlkube.core.weightsync import WeightReceiver
 
 START_TIMEOUT = 60
 GRACE = 10  # well inside the trainer's default teardown grace period (30 s); gloo's own timeout is 300 s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def roles():
-    started: list[Role] = []
-    yield started
-    for r in started:
-        r.kill()
-
-
-def _trainer(roles, tmp_path, redis_server, job, spec, **env):
-    env = role_env(tmp_path, job, spec, redis_server.url,
-                   **{runtime.ENV_CHECKPOINT_DIR: str(tmp_path / "ckpt")}, **env)
-    role = Role("rlkube.core.trainer", env, tmp_path / f"{job}-trainer.log")
-    roles.append(role)
-    return role
 
 
 def _assert_stops_interrupted(role: Role, client, keys, step: int) -> float:
@@ -66,8 +45,8 @@ def test_sigterm_while_no_inference_server_ever_joins(redis_client, redis_server
     """The start-up transfer waits for every inference rank to join the group (up to gloo's 300 s)."""
     spec = tiny_spec(maxSteps=5, samplesPerStep=4)
     keys = keys_for("nojoin", spec)
-    trainer = _trainer(roles, tmp_path, redis_server, "nojoin", spec,
-                       **{runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{_free_port()}"})
+    trainer = start_trainer(roles, tmp_path, "nojoin", spec, redis_server.url,
+                            **{runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{free_port()}"})
     # weights_ready is announced before the transfer starts: from then on the trainer is blocked in it
     wait_for(lambda: read_events(redis_client, keys, protocol.WEIGHTS_READY), START_TIMEOUT, "weights_ready", trainer)
     took = _assert_stops_interrupted(trainer, redis_client, keys, step=0)
@@ -78,8 +57,8 @@ def test_sigterm_while_the_transfer_waits_for_a_dead_inference_server(redis_clie
     """An inference server joins, receives version 0 and dies: the next publish reopens a group that nobody joins."""
     spec = tiny_spec(maxSteps=5, samplesPerStep=4)
     keys = keys_for("dead", spec)
-    addr = f"127.0.0.1:{_free_port()}"
-    trainer = _trainer(roles, tmp_path, redis_server, "dead", spec, **{runtime.ENV_WEIGHT_SYNC: addr})
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = start_trainer(roles, tmp_path, "dead", spec, redis_server.url, **{runtime.ENV_WEIGHT_SYNC: addr})
     ready = wait_for(lambda: read_events(redis_client, keys, protocol.WEIGHTS_READY), START_TIMEOUT,
                      "weights_ready", trainer)
     rx = WeightReceiver(addr, rank=1, world_size=2, timeout_s=20, local_host="127.0.0.1")
@@ -99,7 +78,7 @@ def test_sigterm_while_the_transfer_waits_for_a_dead_inference_server(redis_clie
 def test_no_document_for_the_timeout_exits_nonzero_without_finished(redis_client, redis_server, tmp_path, roles):
     spec = tiny_spec(maxSteps=5, samplesPerStep=4)
     keys = keys_for("starved", spec)
-    trainer = _trainer(roles, tmp_path, redis_server, "starved", spec, **{ENV_DOCUMENT_TIMEOUT: "3"})
+    trainer = start_trainer(roles, tmp_path, "starved", spec, redis_server.url, **{ENV_DOCUMENT_TIMEOUT: "3"})
     add_documents(redis_client, keys, make_documents(4))  # one step, then nothing
     assert trainer.wait(START_TIMEOUT) == 1, trainer.log()
     assert "no training document for 3s" in trainer.log()

@@ -31,7 +31,6 @@ replica must see training_finished, including one published while it was down.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ import redis
 
 from rlkube.core import protocol
 from rlkube.core.advantages import group_advantages
+from rlkube.core.roles import stop_on_signals
 from rlkube.core.runtime import RoleContext
 
 log = logging.getLogger("rlkube.preprocessor")
@@ -296,15 +296,7 @@ class PreprocessorRole:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s preprocessor %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals("preprocessor", log)
     try:
         ctx = RoleContext.from_env()
         return PreprocessorRole(ctx, redis.Redis.from_url(ctx.redis_url), stop).run()

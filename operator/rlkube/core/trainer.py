@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from rlkube.core import protocol
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.batch import Batch, collate
 from rlkube.core.losses import LossStats
+from rlkube.core.roles import stop_on_signals
 from rlkube.core.runtime import RoleContext
 
 log = logging.getLogger("rlkube.trainer")
@@ -432,15 +432,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("signal %d: finishing the current step, then checkpoint and training_finished", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals("trainer", log, "finishing the current step, then checkpoint and training_finished")
     role: TrainerRole | None = None
     try:
         ctx = RoleContext.from_env()

@@ -1,0 +1,89 @@
+"""The learnability run that the torch backend's unit test and the megatron backend's test share: examples/tiny-cpu.yaml's
+job, sampled with torch, grouped into RolloutGroups, turned into documents by the preprocessor's code and trained
+with Trainer.train_step, and the reward-rise margins both assert for it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.api.validation import parse_spec
+from rlkube.core import protocol
+from rlkube.core.model import CharTokenizer, build_model
+from rlkube.core.preprocessor import DocumentConfig, group_to_documents
+from rlkube.core.tasks import load_task
+from rlkube.core.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_cpu_spec(backend: str = "torch", **algorithm) -> TrainingJobSpec:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    doc["spec"]["trainer"]["backend"] = backend
+    doc["spec"]["algorithm"].update(algorithm)
+    return parse_spec(doc["spec"])
+
+
+@torch.no_grad()
+def sample_group(model, tok: CharTokenizer, prompt_ids: list[int], n: int, max_new: int, temperature: float):
+    """n completions of one prompt: (tokens incl. <eos> when produced, sampling log-probs)."""
+    out = torch.tensor([prompt_ids] * n)
+    done = torch.zeros(n, dtype=torch.bool)
+    comps: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    for _ in range(max_new):
+        logp = torch.log_softmax(model(out)[:, -1] / temperature, dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
+        for i in range(n):
+            if not done[i]:
+                comps[i].append(int(nxt[i]))
+                lps[i].append(float(logp[i, nxt[i]]))
+        done |= nxt == tok.eos_id
+        if done.all():
+            break
+        out = torch.cat([out, nxt[:, None]], dim=1)
+    return comps, lps
+
+
+def learning_run(spec: TrainingJobSpec, seed: int, steps: int, served: bool = False) -> list[float]:
+    """The mean reward of every step. `served`: sample from a separate TinyLM that receives the trainer's published
+    weights after every step (what the native inference server does; needed where the backend's model is not TinyLM),
+    else from the trainer's own model."""
+    algo = spec.algorithm
+    tok, task = CharTokenizer(), load_task(spec.task)
+    trainer = Trainer(spec)
+    policy = build_model(spec.model) if served else trainer.model  # served: starts from the same weights
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    cfg = DocumentConfig(estimator=algo.advantage, max_length=spec.model.architecture.max_sequence_length)
+    rewards = []
+    for step in range(steps):
+        docs, step_rewards = [], []
+        for g in range(algo.samples_per_step // algo.group_size):
+            prompt = task.prompt(rng)
+            ids = tok.encode(prompt.text)
+            comps, lps = sample_group(policy, tok, ids, algo.group_size, algo.max_new_tokens, algo.temperature)
+            samples = [protocol.Sample(c, lp, task.reward(prompt, tok.decode(c))) for c, lp in zip(comps, lps, strict=True)]
+            step_rewards += [s.reward for s in samples]
+            group = protocol.RolloutGroup(f"{step}-{g}", ids, samples, model_version=trainer.version,
+                                          expected_size=algo.group_size)
+            docs += group_to_documents(group, cfg)
+        metrics = trainer.train_step(docs)
+        # On-policy: the trainer's log-probs of the sampled tokens equal the sampling ones before the update.
+        assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        if served:
+            policy.load_state_dict(dict(trainer.backend.weights()), strict=True)
+        rewards.append(sum(step_rewards) / len(step_rewards))
+    return rewards
+
+
+def assert_reward_rose(rewards: list[float], label: str) -> None:
+    """The mean reward of the last 10 steps beats the first 10's by 0.10 and by 2x."""
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"{label}: reward first-10 {first:.3f} last-10 {last:.3f}")
+    assert last - first > 0.10, rewards
+    assert last > 2 * first, rewards
