@@ -152,6 +152,23 @@ def start_trainer_and_inference(roles: list[Role], tmp: Path, job: str, spec: di
     return trainer, url
 
 
+def train_with_inference(roles: list[Role], tmp: Path, job: str, spec: dict, client, redis_url: str,
+                         timeout: float) -> tuple[Role, str, protocol.TrainerEvent]:
+    """The whole job (maxSteps x samplesPerStep documents) with the trainer and the native inference server joined by
+    a weight-update group: the trainer exits 0 after publishing every version in order, each with its group epoch.
+    Returns (the trainer, the server's URL, training_finished)."""
+    trainer, url = start_trainer_and_inference(roles, tmp, job, spec, redis_url, timeout)
+    keys, steps = keys_for(job, spec), spec["algorithm"]["maxSteps"]
+    add_documents(client, keys, make_documents(steps * spec["algorithm"]["samplesPerStep"]))
+    assert trainer.wait(timeout) == 0, trainer.log()
+    finished = read_events(client, keys, protocol.TRAINING_FINISHED)[0]
+    assert finished.payload["step"] == steps
+    ready = read_events(client, keys, protocol.WEIGHTS_READY)
+    assert [e.payload["version"] for e in ready] == list(range(steps + 1)), ready
+    assert all(e.payload.get("epoch") for e in ready), ready  # every transfer names its group epoch
+    return trainer, url, finished
+
+
 def assert_serves_checkpoint(url: str, spec: dict, checkpoint: Path, version: int, n: int) -> None:
     """The server at `url` is at `version`, and its log-probs of n sampled completions are those of the checkpoint's
     weights (a strict load of TinyLM's state_dict) and clearly not the initial weights'."""

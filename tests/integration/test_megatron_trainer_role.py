@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import pytest
 from core_roles import (
-    add_documents,
     assert_serves_checkpoint,
     graceful_roles_fixture,  # noqa: F401  (fixture graceful_roles)
     keys_for,
-    make_documents,
     read_events,
-    start_trainer_and_inference,
     tiny_spec,
+    train_with_inference,
 )
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
@@ -32,16 +30,11 @@ def test_megatron_trainer_weights_are_served_by_native_inference(redis_client, r
                                                                  graceful_roles):
     spec = tiny_spec(maxSteps=3, samplesPerStep=4, learningRate=0.01)
     spec["trainer"]["backend"] = "megatron"
-    keys = keys_for("meg", spec)
-    trainer, url = start_trainer_and_inference(graceful_roles, tmp_path, "meg", spec, redis_server.url, START_TIMEOUT)
-    add_documents(redis_client, keys, make_documents(12))
-    assert trainer.wait(START_TIMEOUT) == 0, trainer.log()
+    trainer, url, finished = train_with_inference(graceful_roles, tmp_path, "meg", spec, redis_client,
+                                                  redis_server.url, START_TIMEOUT)
     assert "Traceback" not in trainer.log(), trainer.log()
-    finished = read_events(redis_client, keys, protocol.TRAINING_FINISHED)[0]
-    assert finished.payload["step"] == 3 and finished.payload["interrupted"] is False
-    ready = read_events(redis_client, keys, protocol.WEIGHTS_READY)
-    assert [e.payload["version"] for e in ready] == [0, 1, 2, 3]
-    assert [e.step for e in read_events(redis_client, keys, protocol.METRICS)] == [1, 2, 3]
+    assert finished.payload["interrupted"] is False
+    assert [e.step for e in read_events(redis_client, keys_for("meg", spec), protocol.METRICS)] == [1, 2, 3]
     path = ckpt.Path(finished.payload["checkpoint"])
     assert ckpt.read_meta(path).extra == {"backend": "megatron"}
     # the checkpoint is TinyLM's state_dict (strict load), and the server computes with exactly those weights
