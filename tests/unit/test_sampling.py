@@ -8,7 +8,7 @@ import pytest
 import torch
 from rlkube.api.spec import ModelSpec
 from rlkube.core.model import CharTokenizer, build_model, token_logprobs
-from rlkube.core.sampling import GenerationRequest, SamplingEngine
+from rlkube.core.sampling import EngineStopped, GenerationRequest, SamplingEngine
 
 TOK = CharTokenizer()
 
@@ -117,3 +117,16 @@ def test_versions_going_back_release_waiting_requests(model):
         assert waiting.result(timeout=30).version == 5
     finally:
         engine.stop()
+
+
+def test_shutdown_refuses_waiting_and_new_requests_at_once(model):
+    # A server stopping must not hold a request for MIN_VERSION_WAIT_S (its graceful shutdown would wait for it).
+    engine = SamplingEngine(model, TOK, version=0).start()
+    waiting = engine.submit(req("1:", min_version=3))
+    assert engine.submit(req("2:")).result(timeout=30).version == 0  # the worker is running and idle again
+    assert not waiting.done()
+    assert engine.stop(timeout=30)
+    with pytest.raises(EngineStopped):
+        waiting.result(timeout=0)
+    with pytest.raises(EngineStopped):
+        engine.submit(req("3:")).result(timeout=0)

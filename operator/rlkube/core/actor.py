@@ -7,6 +7,8 @@ XADD one `RolloutGroup` entry with the per-token sampling log-probs.
 
 Rules it keeps (seed-systems section 6):
 - It stops (exit 0) on `training_finished`, NEVER by counting samples (6.1); SIGTERM also exits 0 promptly.
+  A stop interrupts every wait (an HTTP request a server holds or never answers, a back-off, the lag bound),
+  never a Redis write: a reservation is either used by a written group or given back, never both or neither.
 - A group's `model_version` is the version of the weights that sampled it, stamped at the rollout's start
   (6.9): the server's `model_version` (the policy its batch started with), else the trainer version the actor
   knew when it sent the request.
@@ -18,6 +20,7 @@ Rules it keeps (seed-systems section 6):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -26,7 +29,9 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -38,6 +43,7 @@ from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.tasks import Task, load_task
 
 log = logging.getLogger("rlkube.actor")
+T = TypeVar("T")
 
 ENV_STALL_SECONDS = "RLKUBE_ACTOR_STALL_SECONDS"  # optional: holding this long without progress frees credit
 DEFAULT_STALL_S = 30.0
@@ -65,6 +71,10 @@ class InferenceError(RuntimeError):
 
 class BadPrompt(InferenceError):
     pass
+
+
+class Stopped(Exception):
+    """The actor was asked to stop while it waited (see Actor.until_stopped)."""
 
 
 class Actor:
@@ -96,13 +106,43 @@ class Actor:
         self.seen_at: dict[int, int] = {}  # version -> documents_seen announced with it
         self.resampled = 0
 
+    # --- stopping ------------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self.stop.set()
+        self.changed.set()  # wakes the workers holding at the lag bound
+        self.changed = asyncio.Event()
+
+    async def until_stopped(self, aw: Awaitable[T]) -> T:
+        """Await `aw` unless the actor is asked to stop first: then cancel it and raise Stopped. Only for waits
+        that may be abandoned (an HTTP request, a pause), never for a Redis write."""
+        task = asyncio.ensure_future(aw)
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            stopping.cancel()
+        if task.done():
+            return task.result()  # done first (or together with the stop): its outcome counts
+        task.cancel()
+        await asyncio.wait({task})  # let it clean up (an HTTP request releases its connection)
+        raise Stopped
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep, but no longer than until the actor is asked to stop."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), timeout=seconds)
+
     # --- events --------------------------------------------------------------------------------------
 
     async def _apply(self, event: protocol.TrainerEvent) -> None:
         if event.type == protocol.TRAINING_FINISHED:
             log.info("training_finished (%s): stopping after %d groups", event.stream_id, self.groups)
             self.view.finished = True
-            self.stop.set()
+            self.stop.set()  # the workers are woken below
         elif event.type == protocol.WEIGHTS_READY:
             version, seen = documents_seen_of(event.payload, self.algo.samples_per_step)
             lowered = await self.lag.on_weights_ready(event.stream_id, seen)
@@ -147,7 +187,7 @@ class Actor:
                 reply = await self.redis.xread({self.keys.events: last_id}, block=1000, count=64)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("events stream unreachable (%s); retrying", exc)
-                await asyncio.sleep(1.0)
+                await self.pause(1.0)
                 continue
             for _, entries in reply or []:
                 for sid, fields in entries:
@@ -160,20 +200,26 @@ class Actor:
 
     async def wait_for_inference(self, session: aiohttp.ClientSession) -> None:
         pending = set(self.urls)
-        last_log = 0.0
+        last_log: float | None = None
         while pending and not self.stop.is_set():
             for url in list(pending):
                 try:
-                    async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                        if resp.status == 200:
-                            pending.discard(url)
+                    if await self.until_stopped(self._healthy(session, url)):
+                        pending.discard(url)
                 except (TimeoutError, aiohttp.ClientError):
                     pass
-            if pending and time.monotonic() - last_log > 30:
+                except Stopped:
+                    return
+            if pending and (last_log is None or time.monotonic() - last_log > 30):
                 log.info("waiting for inference health: %s", ", ".join(sorted(pending)))
                 last_log = time.monotonic()
             if pending:
-                await asyncio.sleep(0.5)
+                await self.pause(0.5)
+
+    @staticmethod
+    async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            return resp.status == 200
 
     async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str,
                         min_version: int | None) -> dict:
@@ -216,14 +262,17 @@ class Actor:
         while not self.stop.is_set():
             url = self.urls[next(self._servers)]
             try:
-                reply = await self._complete(session, url, prompt.text, min_version)
+                # A server may hold the request (min_model_version) or never answer (frozen): a stop ends it.
+                reply = await self.until_stopped(self._complete(session, url, prompt.text, min_version))
                 break
+            except Stopped:
+                return None
             except BadPrompt as exc:
                 log.error("%s; skipping it", exc)
                 return None
             except InferenceError as exc:
                 log.warning("inference request failed (%s); retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
+                await self.pause(delay)
                 delay = min(delay * 2, 5.0)
         else:
             return None
@@ -299,7 +348,7 @@ class Actor:
                     # this one was written first. Sample again with the newest weights.
                     self.resampled += 1
                     retry += 1
-                    await asyncio.sleep(min(0.01 * 2**retry, 1.0))
+                    await self.pause(min(0.01 * 2**retry, 1.0))
                     group = await self.sample_group(session, self.view.version)
             finally:
                 if not produced:
@@ -334,7 +383,7 @@ class Actor:
             # Without events the actor can neither follow the lag bound nor stop: fail loudly (a restart helps).
             log.error("following the events stream failed: %r", task.exception())
             self.failed = task.exception()
-            self.stop.set()
+            self.request_stop()
 
     async def run(self) -> int:
         events = asyncio.create_task(self.follow_events(), name="events")
@@ -378,7 +427,7 @@ async def amain() -> int:
     actor = Actor(ctx, client, task, stall_s=stall_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.stop.set()))
+        loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.request_stop()))
     try:
         return await actor.run()
     finally:

@@ -12,6 +12,16 @@ requests are never gated on the update). /health answers 200 only once the first
 `training_finished` it leaves the group, as the trainer does on the same event (6.5), and the server keeps
 serving until SIGTERM, then exits 0.
 
+SIGTERM must end the process within a teardown grace period (seconds) in every state, and the follower may be
+blocked inside the group then: in the rendezvous of an announced epoch or in a receive that the trainer (alive,
+frozen, or gone before its store answered) does not complete, for up to RECEIVE_TIMEOUT_S. Gloo cannot interrupt
+that (ProcessGroupGloo.abort() does nothing), destroying the group waits for the blocked collective
+(~ProcessGroupGloo joins its worker threads), and the interpreter's exit may wait for it too or abort in C++
+teardown. So a follower still blocked after a short wait is left as it is, group included, and the process
+leaves with os._exit(0). Requests get the same care: on
+shutdown the engine refuses those not yet sampled (503; one may wait MIN_VERSION_WAIT_S for a version) instead
+of holding the server's graceful shutdown.
+
 `engine: vllm` is launched differently (the vLLM image); asked of this module, it fails fast with a clear message.
 """
 
@@ -21,6 +31,7 @@ import asyncio
 import copy
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
@@ -40,12 +51,17 @@ from rlkube.core.openai_api import (
     models_response,
     parse_completion_request,
 )
-from rlkube.core.sampling import SamplingEngine
+from rlkube.core.sampling import EngineStopped, SamplingEngine
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError
 
 log = logging.getLogger("rlkube.inference")
 
 RECEIVE_TIMEOUT_S = 120.0  # per collective once an announcement was seen; the trainer sends right after it
+EVENTS_BLOCK_MS = 200  # XREAD block of the follower: how soon it notices a stop while idle
+# After SIGTERM: in-flight requests get HTTP_SHUTDOWN_S (only a running batch is left to finish, see above); the
+# follower and the sampling thread get STOP_WAIT_S each before they are left behind.
+HTTP_SHUTDOWN_S = 1.0
+STOP_WAIT_S = 0.5
 
 
 def _text(value: Any) -> str:
@@ -79,11 +95,20 @@ class WeightFollower:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Follow no further event (does not block: the server's shutdown calls it first thing)."""
+        self._stop.set()
+
+    def stop(self, timeout: float = STOP_WAIT_S) -> bool:
+        """Stop following and leave the group. False when the thread is still blocked in the group after
+        `timeout` s: then the group is left alone (destroying it would wait for the blocked collective)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                return False
         self.receiver.close()
+        return True
 
     def _catch_up(self) -> str:
         """Handle the latest weights_ready/training_finished already in the stream; return where to go on."""
@@ -107,7 +132,7 @@ class WeightFollower:
                     if last_id is None:
                         last_id = self._catch_up()
                         continue
-                    reply = self.redis.xread({self.keys.events: last_id}, block=500, count=16)
+                    reply = self.redis.xread({self.keys.events: last_id}, block=EVENTS_BLOCK_MS, count=16)
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Redis may come up after us (pods start together) or restart: keep trying.
                     log.warning("events stream unreachable (%s); retrying", exc)
@@ -119,12 +144,14 @@ class WeightFollower:
                         event = protocol.decode_event(sid, fields)
                         if event is not None:
                             self.handle(event)
-                        if self.finished.is_set():
+                        if self.finished.is_set() or self._stop.is_set():
                             break
         except Exception:
             log.exception("weight follower stopped")
 
     def handle(self, event: protocol.TrainerEvent) -> None:
+        if self._stop.is_set():
+            return  # stopping: joining a group now could only block the exit
         if event.type == protocol.TRAINING_FINISHED:
             log.info("training_finished (%s): leaving the weight-update group; serving until SIGTERM",
                      event.stream_id)
@@ -181,7 +208,15 @@ class InferenceServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.on_shutdown.append(self.on_shutdown)
         return app
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        """First step of the graceful shutdown (listening has stopped; in-flight requests are waited for next):
+        no new weight update, and no request left waiting in the engine, so that wait is only the running batch."""
+        if self.follower is not None:
+            self.follower.request_stop()
+        self.engine.shutdown()
 
     def healthy(self) -> bool:
         return self.follower is None or self.follower.synced.is_set()
@@ -212,7 +247,11 @@ class InferenceServer:
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status, dumps=_dumps)
         self.requests += 1
-        result = await asyncio.wrap_future(self.engine.submit(req))
+        try:
+            result = await asyncio.wrap_future(self.engine.submit(req))
+        except EngineStopped as exc:
+            error = RequestError(str(exc), status=503, type_="server_shutting_down")
+            return web.json_response(error.body(), status=503, dumps=_dumps)
         return web.json_response(completion_response(req, result, self.served), dumps=_dumps)
 
 
@@ -262,12 +301,20 @@ def main() -> int:
     port = ctx.port or runtime.INFERENCE_PORT
     log.info("native inference for %s on %s:%d (rank %d of %d in the weight-update group)", server.served.name,
              ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
-    # run_app turns SIGTERM/SIGINT into a graceful shutdown and returns.
-    web.run_app(server.app(), host=ctx.bind_host, port=port, print=None, shutdown_timeout=5,
+    # run_app turns SIGTERM/SIGINT into a graceful shutdown (InferenceServer.on_shutdown first) and returns.
+    web.run_app(server.app(), host=ctx.bind_host, port=port, print=None, shutdown_timeout=HTTP_SHUTDOWN_S,
                 access_log=None)
     log.info("stopping")
-    follower.stop()
-    server.engine.stop()
+    left_group = follower.stop(STOP_WAIT_S)
+    sampler_done = server.engine.stop(STOP_WAIT_S)
+    if not (left_group and sampler_done):
+        # A thread still blocked in the weight-update group (or a torch batch still running) would make the
+        # interpreter's exit wait for, or crash on, it (see the module docstring): leave without that.
+        log.warning("exiting now: %s", "the weight follower is blocked in the weight-update group (the trainer "
+                    "neither completes the rendezvous nor sends)" if not left_group else "a batch is still running")
+        logging.shutdown()
+        os._exit(0)
+    log.info("stopped")
     return 0
 
 

@@ -12,6 +12,9 @@ A request may ask for `min_version` (the actor does, right after a `weights_read
 follows it): it waits, without holding up the others, until that version is in, the versions go back (a
 restarted trainer) or MIN_VERSION_WAIT_S passed.
 
+Shutting down (`shutdown()`/`stop()`) never waits for such a request: every request not yet in a batch fails at
+once with `EngineStopped` (the server answers 503), and only the batch being sampled is finished.
+
 Log-probs are those of the distribution actually sampled from, i.e. of logits / temperature (for temperature 0,
 of the raw logits), which is what the trainer's importance ratio needs (`model.token_logprobs` with the same
 temperature reproduces them).
@@ -35,6 +38,10 @@ log = logging.getLogger(__name__)
 # A request asking for newer weights waits this long at most, then runs anyway: the announced transfer normally
 # follows within milliseconds on the tiny models this engine serves, but the trainer may die before it.
 MIN_VERSION_WAIT_S = 5.0
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down: a request it had not started sampling is refused with this."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,9 @@ class SamplingEngine:
     def submit(self, req: GenerationRequest) -> Future:
         fut: Future = Future()
         with self._cv:
+            if self._stop.is_set():
+                fut.set_exception(EngineStopped("the inference server is shutting down"))
+                return fut
             self._pending.append((req, fut, time.monotonic() + MIN_VERSION_WAIT_S))
             self._cv.notify_all()
         return fut
@@ -130,12 +140,24 @@ class SamplingEngine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
+    def shutdown(self) -> None:
+        """Take no more requests and refuse the waiting ones (EngineStopped); the running batch still finishes.
+        Does not block (an event loop may call it)."""
         with self._cv:
+            self._stop.set()
+            refused, self._pending = self._pending, []
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for _, fut, _ in refused:
+            if fut.set_running_or_notify_cancel():  # False: the asker gave up already (cancelled)
+                fut.set_exception(EngineStopped("the inference server is shutting down"))
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """shutdown(), then wait up to `timeout` s for the running batch; True when the worker thread ended."""
+        self.shutdown()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
     def _take_ready(self) -> list[tuple[GenerationRequest, Future]]:
         """Wait for requests that may run now (their min_version is reached or their wait is over)."""

@@ -101,8 +101,10 @@ def _drop_group(pg: dist.ProcessGroup | None) -> None:
     if pg is None:
         return
     try:
-        # abort() closes the connections at once, so a peer blocked in a collective fails instead of waiting
-        # for its timeout.
+        # What makes a peer blocked in a collective fail at once is the group's destruction (it closes the
+        # connections) when the caller drops its reference; gloo's abort() does nothing (torch 2.13), NCCL's
+        # aborts the communicators. The destructor waits for a collective still running in this process, so
+        # never drop a group another thread is blocked in (the inference server leaves such a one alone).
         pg.abort()
     except Exception as exc:  # noqa: BLE001 - best effort on a group that is already broken
         log.debug("weight-sync group abort: %s", exc)
@@ -191,6 +193,13 @@ class WeightSender(_Endpoint):
     def rejoin_requested(self) -> bool:
         """True when an inference server found the current epoch formed without it (it restarted)."""
         return self.epoch is not None and self._store is not None and self._prefixed().check([_REJOIN])
+
+    def form(self) -> None:
+        """Form the current epoch's group now (send() does it on first use); blocks until every rank joined."""
+        if self.epoch is None:
+            raise RuntimeError("WeightSender.form() before open()")
+        if self.pg is None:
+            self._form()
 
     def _form(self) -> None:
         store = self._prefixed()
