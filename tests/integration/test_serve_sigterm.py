@@ -188,8 +188,18 @@ def start_actor(roles: RoleProcesses, url: str):
     return roles.start_role("actor", RLKUBE_INFERENCE_URLS=url)
 
 
+def counters(redis_client) -> tuple[int, int]:
+    return int(redis_client.get(LAG.reserved) or 0), int(redis_client.get(LAG.written) or 0)
+
+
+def wait_full(redis_client) -> None:
+    """Until the actor is full at the lag bound with nothing in flight: (maxLag 1 + 1) x 8 = 16 samples reserved,
+    every one written (so no request is under way and none can start before the next weights_ready)."""
+    wait_until(lambda: counters(redis_client) == (16, 16), 60, "16 samples reserved and written")
+
+
 def assert_no_reservation_leaked(redis_client) -> None:
-    reserved, written = (int(redis_client.get(k) or 0) for k in (LAG.reserved, LAG.written))
+    reserved, written = counters(redis_client)
     assert reserved == written, f"{reserved} samples reserved, {written} written"
 
 
@@ -203,7 +213,8 @@ def test_actor_waiting_for_inference_health(roles):
 def test_actor_holding_at_the_lag_bound(roles, redis_client):
     url, _ = synced_server(roles)
     actor = start_actor(roles, url)
-    wait_until(lambda: "holding:" in log_text(actor), 60, "the actor holding")
+    wait_full(redis_client)
+    wait_until(lambda: "holding:" in log_text(actor), 10, "the actor holding")
     sigterm(actor, "actor, holding")
     assert_no_reservation_leaked(redis_client)
 
@@ -211,7 +222,7 @@ def test_actor_holding_at_the_lag_bound(roles, redis_client):
 def test_actor_in_requests_the_server_holds(roles, redis_client):
     url, _ = synced_server(roles)
     actor = start_actor(roles, url)
-    wait_until(lambda: "holding:" in log_text(actor), 60, "the actor holding")
+    wait_full(redis_client)
     before = health(url)["requests"]
     # Version 1 announced (8 documents consumed: room for 2 more groups) without an epoch, so the server never
     # gets it: the actor's next requests ask for it, and the server holds them (MIN_VERSION_WAIT_S).
@@ -224,13 +235,12 @@ def test_actor_in_requests_the_server_holds(roles, redis_client):
 def test_actor_in_requests_to_a_frozen_server(roles, redis_client):
     url, server = synced_server(roles)
     actor = start_actor(roles, url)
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 1, 60, "a first group")
+    wait_full(redis_client)
     server.send_signal(signal.SIGSTOP)  # connections are accepted by the kernel, never answered
     try:
         redis_client.xadd(KEYS.events, protocol.weights_ready(1, 8, version=1))
-        # Room for more groups now: the actor's workers are in requests that will not be answered.
-        wait_until(lambda: int(redis_client.get(LAG.reserved) or 0) > int(redis_client.get(LAG.written) or 0), 30,
-                   "a reservation in flight")
+        # Room for 2 more groups: reserved after the freeze, so their requests cannot be answered.
+        wait_until(lambda: counters(redis_client)[0] > 16, 30, "a reservation after the freeze")
         sigterm(actor, "actor, requests to a frozen server")
         assert_no_reservation_leaked(redis_client)
     finally:
