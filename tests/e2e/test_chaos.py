@@ -149,7 +149,9 @@ def test_operator_down_while_training_finishes_does_not_recreate_stopped_produce
 
 
 def test_trainingjob_deleted_mid_run_tears_down_in_order_and_leaves_nothing(job):
-    job.apply(chaos_example())
+    # Enough steps that the job is surely still running when it is deleted (20 once finished in ~3 s, before
+    # the test acted, and the producers had already stopped on training_finished).
+    job.apply(chaos_example(**{"spec.algorithm.maxSteps": MID_RUN_STEPS}))
     job.follow()
     job.wait_step(3, 300)
     job.delete()
