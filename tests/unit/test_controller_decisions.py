@@ -85,9 +85,10 @@ def ms(t: datetime) -> int:
     return int(t.timestamp() * 1000)
 
 
-def run(j: JobView, pods=(), events=(), now=T0, source=REACHABLE, static=ALL_STATIC, read_upto=None) -> Decision:
+def run(j: JobView, pods=(), events=(), now=T0, source=REACHABLE, static=ALL_STATIC, read_upto=None,
+        read_to_end=True) -> Decision:
     obs = Observed(pods=tuple(pods), events=tuple(events), read_upto=read_upto, event_source=source,
-                   static_present=frozenset(static))
+                   events_read_to_end=read_to_end, static_present=frozenset(static))
     return decide(j, obs, now, password="pw")
 
 
@@ -351,14 +352,29 @@ def test_an_actor_that_ends_before_training_finished_is_replaced_and_the_job_con
     assert creates(d) == ["j-actor-0"]
 
 
-def test_a_producer_that_exited_0_is_not_replaced_before_the_stream_was_read_to_its_end():
-    # Right after an operator restart the watcher has not read the stream yet: the training_finished that made
-    # the actor stop may be there, unread. Replace nothing until the watcher has caught up.
-    done = pod("actor", phase="Succeeded", exit_code=0)
-    connecting = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", caught_up=False)
-    d = run(job(running_status()), all_pods(actor=done), source=connecting)
-    assert deletes(d) == [] and creates(d) == []
-    d = run(job(d.status), all_pods(actor=done), [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)])
+@pytest.mark.parametrize(
+    "source",
+    [
+        # Right after an operator restart: the watcher has not read the stream yet.
+        EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", caught_up=False),
+        # The CI window: the watcher had read to the end long ago and sits in a blocked XREAD whose reply (the
+        # training_finished that stopped the producers) the operator has not applied yet, when the pods' exit
+        # arrives. Only a read made in this pass, after the pods were seen, tells.
+        REACHABLE,
+        # Redis unreachable: nothing can be read, so nothing is judged.
+        EventSource("Unreachable", "ConnectionError", "redis://10.0.0.9:6379/0: refused"),
+    ],
+    ids=["not-caught-up", "caught-up-but-no-fresh-read", "unreachable"],
+)
+@pytest.mark.parametrize("role", ["actor", "preprocessor"])
+def test_a_producer_that_exited_0_is_not_replaced_without_a_fresh_read_to_the_stream_end(source, role):
+    done = pod(role, phase="Succeeded", exit_code=0)
+    d = run(job(running_status()), all_pods(**{role: done}), source=source, read_to_end=False)
+    assert deletes(d) == [] and creates(d) == [] and "ComponentRestarted" not in reasons(d)
+    assert d.status.components[role].restarts == 0
+    assert d.requeue_after is not None and d.requeue_after <= 2.0  # looks again soon
+    # The fresh read finds the event: the exit 0 was the normal stop, nothing is replaced.
+    d = run(job(d.status), all_pods(**{role: done}), [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)])
     assert deletes(d) == [] and d.status.completion.stream_id is not None
 
 

@@ -59,6 +59,8 @@ from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
 from rlkube.core import protocol
 
+UNREAD_RECHECK_SECONDS = 2.0
+"""How soon a pass looks again at a producer that exited 0 while the event stream could not be read to its end."""
 REPLACED_MEMORY = 20
 """How many replaced-pod UIDs a component remembers (enough: a UID matters only while its pod exists)."""
 
@@ -299,10 +301,15 @@ def _handle_failures(p: _Pass) -> None:
                 _replace(p, pod, f"failed ({code}), restart {comp.restarts + 1} of {backoff}{resume}")
             elif pod.phase == "Failed":
                 _replace(p, pod, f"ended ({code}) before training finished")
-            elif pod.phase == "Succeeded" and not finished_event and p.obs.event_source.caught_up:
+            elif pod.phase == "Succeeded" and not finished_event:
                 # A producer stops by itself on training_finished: exit 0 is a failure only if that event is
-                # really not in the stream (not merely unread yet, e.g. right after an operator restart).
-                _replace(p, pod, f"ended ({code}) before training finished")
+                # really not in the stream, not merely unread yet (operator restart, a watcher that lags).
+                # Only a read to the stream's end made after this pod was seen ended proves that; without one
+                # (Redis unreachable) wait and look again.
+                if p.obs.events_read_to_end:
+                    _replace(p, pod, f"ended ({code}) before training finished")
+                else:
+                    p.wake_at(p.now + timedelta(seconds=UNREAD_RECHECK_SECONDS))
     trainer = p.status.components["trainer"]
     p.status.trainer_restarts = trainer.restarts
     if trainer.restarts > before:

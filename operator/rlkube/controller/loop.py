@@ -231,7 +231,12 @@ class JobLoop:
             t0 = time.perf_counter()
             status = self.status if self.status is not None else parse_status(body.get("status"))
             job = job_view(body, status)
-            obs = self._observe(job)
+            pods = self._pods()
+            fresh = False
+            if self.watcher is not None and self._exit_0_to_judge(job, pods):
+                # Pods first, then the read: whatever made those pods stop is in the stream by now.
+                fresh = await self.watcher.read_to_end()
+            obs = self._observe(job, pods, fresh)
             decision = decide(job, obs, now(), password=secrets.token_urlsafe(24))
             if decision.actions or decision.events:
                 td = decision.status.teardown
@@ -260,7 +265,15 @@ class JobLoop:
 
     # -- observe ----------------------------------------------------------------------------------
 
-    def _observe(self, job: JobView) -> Observed:
+    @staticmethod
+    def _exit_0_to_judge(job: JobView, pods: list[PodView]) -> bool:
+        """A non-trainer pod exited 0 and no training_finished is recorded: the decision needs a fresh read."""
+        completion = job.status.completion
+        if completion is not None and completion.stream_id is not None:
+            return False
+        return any(p.role != "trainer" and p.phase == "Succeeded" and not p.deleting for p in pods)
+
+    def _pods(self) -> list[PodView]:
         index = self.shared.pod_index
         indexed: list[PodView] = list(index.get((self.namespace, self.name), [])) if index is not None else []
         pods = [p for p in indexed if p.uid not in self.gone]
@@ -271,6 +284,9 @@ class JobLoop:
                 del self.inflight[name]
             elif name not in seen:
                 pods.append(view)
+        return pods
+
+    def _observe(self, job: JobView, pods: list[PodView], events_read_to_end: bool) -> Observed:
         events: tuple = ()
         read_upto = None
         source = EventSource()
@@ -285,6 +301,7 @@ class JobLoop:
             events=events,
             read_upto=read_upto,
             event_source=source,
+            events_read_to_end=events_read_to_end,
             static_present=frozenset(self.static_present),
         )
 

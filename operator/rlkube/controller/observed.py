@@ -118,6 +118,9 @@ class Observed:
     read_upto: str | None = None
     """Last stream id the watcher read, malformed entries included (they are skipped, not re-read)."""
     event_source: EventSource = field(default_factory=EventSource)
+    events_read_to_end: bool = False
+    """This pass read the event stream to its end AFTER it observed `pods` (a fresh, successful read): an event
+    missing from `events` is then really not in the stream, not merely unread (watcher lag, operator restart)."""
     static_present: frozenset[str] = frozenset()
     """`Kind/name` of the non-pod children known to exist (they are not watched: created once, 409 = present)."""
 

@@ -77,6 +77,30 @@ class EventWatcher:
         floor = stream_id_key(upto)
         self.buffer = [e for e in self.buffer if stream_id_key(e.stream_id) > floor]
 
+    async def read_to_end(self) -> bool:
+        """Read the stream to its end NOW, on a connection of its own, and buffer what it holds.
+
+        The blocked XREAD of `_run` may deliver an entry late (a busy event loop, a reconnect, a lost push), so
+        "the watcher has read to the end" is no proof that an entry published a moment ago is buffered. A pass
+        that must know an event is really NOT in the stream (a producer's exit 0 without training_finished)
+        calls this after it has looked at the pods: the read starts after those pods ended, so anything that
+        made them stop is in the buffer when it returns True. False: Redis could not be read (judge nothing).
+        """
+        client = aioredis.Redis.from_url(
+            self.target.url, password=self.target.password, socket_connect_timeout=3, socket_timeout=3
+        )
+        try:
+            while True:
+                reply = await client.xread({self.target.stream: self.last_id}, count=CATCH_UP_BATCH)
+                if (self._ingest(reply) if reply else 0) < CATCH_UP_BATCH:
+                    return True
+        except (RedisError, OSError) as exc:
+            log.warning("trainer events: reading %s to its end failed: %s", self.target.describe(), exc)
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
     def _set_source(self, source: EventSource) -> None:
         if (source.state, source.reason, source.caught_up) != (self.source.state, self.source.reason,
                                                                self.source.caught_up):
@@ -132,6 +156,8 @@ class EventWatcher:
             read += len(entries)
             for sid, fields in entries:
                 sid = sid.decode() if isinstance(sid, bytes) else str(sid)
+                if stream_id_key(sid) <= stream_id_key(self.last_id):
+                    continue  # already read by `read_to_end` while this XREAD was in flight
                 self.last_id = sid
                 event = decode_event(sid, fields)
                 if event is None:
