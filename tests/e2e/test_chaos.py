@@ -30,11 +30,11 @@ def chaos_example(**overrides) -> dict:
     })
 
 
-def assert_succeeded_with_every_step(job, tj: dict) -> None:
+def assert_succeeded_with_every_step(job, tj: dict, steps: int = MAX_STEPS) -> None:
     st = tj["status"]
     assert st["phase"] == "Succeeded", job.diagnostics()
-    assert st["completion"]["finalStep"] == MAX_STEPS and st["completion"]["trainerExitCode"] == 0, st["completion"]
-    assert st["trainer"]["step"] == MAX_STEPS
+    assert st["completion"]["finalStep"] == steps and st["completion"]["trainerExitCode"] == 0, st["completion"]
+    assert st["trainer"]["step"] == steps
 
 
 def teardown_order(job) -> list[str]:
@@ -143,7 +143,8 @@ def test_operator_killed_mid_run_and_during_teardown_resumes_without_duplicates(
 def test_operator_down_while_training_finishes_does_not_recreate_stopped_producers(job, operator):
     """The operator is away when the trainer publishes training_finished and the producers stop on it
     (exit 0). Restarted, it must read the event before judging those pods, not replace them."""
-    job.apply(chaos_example())
+    # Long enough that the operator is surely killed before training finishes (20 steps once finished first).
+    job.apply(chaos_example(**{"spec.algorithm.maxSteps": MID_RUN_STEPS}))
     job.follow()
     job.wait_step(3, 300)
     operator.kill()
@@ -155,7 +156,7 @@ def test_operator_down_while_training_finishes_does_not_recreate_stopped_produce
     wait_for(lambda: job.follower.finished is not None and producers_done(), 300, "producers stopped on the event")
     operator.start()
     tj = job.wait_phase(TERMINAL, 300)
-    assert_succeeded_with_every_step(job, tj)
+    assert_succeeded_with_every_step(job, tj, MID_RUN_STEPS)
     assert_nothing_duplicated(job, tj["status"])
     assert_clean_end(job)
 
