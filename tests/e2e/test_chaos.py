@@ -14,7 +14,7 @@ import signal
 from clusterjob import FULL_ORDER, example, stage_names
 from nodeagent.harness import wait_for
 
-MAX_STEPS = 20
+MAX_STEPS = 60  # long enough that the job is still running when a test acts at step 3, even under load
 MID_RUN_STEPS = 100  # the operator-restart test needs the job still mid-run when the operator is back
 TERMINAL = ("Succeeded", "Failed")
 
