@@ -95,3 +95,25 @@ def test_document_timeout_setting():
     for bad in ("soon", "0", "-1"):
         with pytest.raises(ValueError, match=ENV_DOCUMENT_TIMEOUT):
             document_timeout_from_env({ENV_DOCUMENT_TIMEOUT: bad})
+
+
+def test_restarted_after_the_final_checkpoint_reports_finished_without_a_weight_group(
+        redis_client, redis_server, tmp_path, roles):
+    """Killed after its final checkpoint (the inference servers may already have left the group on
+    training_finished): the restarted trainer has nothing to train and must not wait for ranks that never join."""
+    spec = tiny_spec(maxSteps=2, samplesPerStep=4)
+    keys = keys_for("again", spec)
+    first = start_trainer(roles, tmp_path, "again", spec, redis_server.url)
+    add_documents(redis_client, keys, make_documents(8))
+    assert first.wait(START_TIMEOUT) == 0, first.log()
+    (done,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    redis_client.delete(keys.events)  # so that every event below is the second process's
+
+    second = start_trainer(roles, tmp_path, "again", spec, redis_server.url,
+                           **{runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{free_port()}"})  # nobody will ever join
+    assert second.wait(START_TIMEOUT) == 0, second.log()
+    events = read_events(redis_client, keys)
+    assert [e.type for e in events] == [protocol.TRAINING_FINISHED], second.log()
+    again = events[0].payload
+    assert again["step"] == 2 and again["interrupted"] is False
+    assert again["checkpoint"] == done.payload["checkpoint"] and again["documents_seen"] == 8

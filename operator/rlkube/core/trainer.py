@@ -332,6 +332,8 @@ class TrainerRole:
         algo = spec.algorithm
         interval = spec.trainer.checkpoint.interval_steps
         ensure_group(self.redis, self.keys)
+        if t.step >= algo.max_steps:
+            return self._finish_again()
         published = self._transfer("initial weights", t.start_weights)
         log.info("training from step %d to %d, %d documents per step", t.step, algo.max_steps, algo.samples_per_step)
         while published and t.step < algo.max_steps and not self.stop.is_set():
@@ -369,6 +371,19 @@ class TrainerRole:
         self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
                     documents_seen=t.documents_seen)
         log.info("training finished at step %d (interrupted=%s), checkpoint %s", step, interrupted, path)
+        return 0
+
+    def _finish_again(self) -> int:
+        """A restarted trainer whose checkpoint already holds every step (killed after the final checkpoint, before
+        or after training_finished): report the finish again and exit 0. It must not open the weight-update group:
+        the inference servers left it on the first training_finished, so the start-up transfer would wait for
+        ranks that never join (gloo's 300 s) and the job would hang with its work done."""
+        t = self.trainer
+        step, path = t.last_checkpoint  # set by resume(): only a resumed trainer starts at maxSteps
+        log.info("checkpoint %s already holds all %d steps: nothing to train, reporting training_finished again",
+                 path, step)
+        self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=False,
+                    documents_seen=t.documents_seen)
         return 0
 
     def _checkpoint(self) -> None:
