@@ -117,8 +117,10 @@ class EventFollower(threading.Thread):
         super().__init__(daemon=True, name="event-follower")
         self.url, self.password, self.stream = url, password, stream
         self.metrics: list[dict] = []
+        self.checkpoints: list[int] = []
         self.finished: protocol.TrainerEvent | None = None
         self.step = 0
+        self.events = 0
         self.errors: list[str] = []
         self._halt = threading.Event()
 
@@ -128,27 +130,37 @@ class EventFollower(threading.Thread):
         while not self._halt.is_set():
             try:
                 got = conn.xread({self.stream: last}, block=1000, count=200)
-            except (redis.RedisError, OSError) as exc:
-                self.errors.append(str(exc))
+                for _, entries in got or []:
+                    for sid, fields in entries:
+                        last = sid.decode() if isinstance(sid, bytes) else sid
+                        self._record(protocol.decode_event(sid, fields))
+            except Exception as exc:  # noqa: BLE001 - kept for the assertion messages; the thread must live on
+                self.errors.append(repr(exc))
                 if self.finished is not None:
                     return  # Redis is torn down last: everything was read
                 self._halt.wait(0.5)
                 continue
-            for _, entries in got or []:
-                for sid, fields in entries:
-                    last = sid.decode() if isinstance(sid, bytes) else sid
-                    event = protocol.decode_event(sid, fields)
-                    if event is None:
-                        continue
-                    if event.step is not None:
-                        self.step = max(self.step, event.step)
-                    if event.type == protocol.METRICS:
-                        self.metrics.append(event.payload)
-                    elif event.type == protocol.TRAINING_FINISHED and self.finished is None:
-                        self.finished = event
             if self.finished is not None:
                 break  # nothing after it matters, and the Redis pod is about to go away
         conn.close()
+
+    def _record(self, event: protocol.TrainerEvent | None) -> None:
+        if event is None:
+            return
+        self.events += 1
+        if event.step is not None:
+            self.step = max(self.step, event.step)
+        if event.type == protocol.METRICS:
+            self.metrics.append(event.payload)
+        elif event.type == protocol.CHECKPOINT_SAVED:
+            self.checkpoints.append(int(event.step or 0))
+        elif event.type == protocol.TRAINING_FINISHED and self.finished is None:
+            self.finished = event
+
+    def describe(self) -> str:
+        """For assertion messages: what the follower read, and the last errors it met."""
+        return (f"follower: {self.events} events read, step {self.step}, checkpoints {self.checkpoints}, "
+                f"finished {self.finished}, last errors {self.errors[-5:]} ({len(self.errors)} in all)")
 
     def stop(self) -> None:
         self._halt.set()
@@ -339,6 +351,8 @@ class ClusterJob:
                   f"progress={st.get('progress')} teardown={st.get('teardown')}")]
         for c in st.get("conditions") or []:
             lines.append(f"  {c['type']}={c['status']} {c.get('reason')}: {c.get('message', '')}")
+        if self.follower is not None:
+            lines.append(f"  {self.follower.describe()}")
         try:
             for p in self.core.list_namespaced_pod(self.namespace).items:
                 cs = (p.status.container_statuses or [None])[0]

@@ -30,7 +30,7 @@ def test_tiny_cpu_learns_succeeds_and_tears_down_in_order(job):
 
     # The model learned: the trainer's own metrics, read from the job's Redis while it ran.
     follower.stop()
-    assert follower.finished is not None and follower.finished.step == 40
+    assert follower.finished is not None and follower.finished.step == 40, follower.describe()
     margin = follower.reward_margin()
     rewards = follower.rewards()
     print(f"\ne2e tiny-cpu: {wall:.1f}s, reward first-10 {sum(rewards[:10]) / 10:.3f} last-10 "

@@ -178,3 +178,24 @@ def test_malformed_documents_are_logged_and_skipped(redis_client, redis_server, 
     metrics = read_events(redis_client, keys, protocol.METRICS)
     assert len(metrics) == 1 and metrics[0].payload["documents_skipped"] == 5
     assert wait_for(lambda: read_events(redis_client, keys, protocol.TRAINING_FINISHED), 1, "finished")
+
+
+def test_a_redis_that_lost_its_streams_is_read_again_after_recreating_the_group(
+        redis_client, redis_server, tmp_path, roles):
+    """A managed Redis restarted empty: the documents group is gone. The trainer creates it again and trains on
+    the next documents instead of crashing (which would cost a restart and the steps since its checkpoint)."""
+    spec = tiny_spec(maxSteps=2, samplesPerStep=4)
+    keys = keys_for("emptied", spec)
+    trainer = start_trainer(roles, tmp_path, "emptied", spec, redis_server.url)
+    add_documents(redis_client, keys, make_documents(4, seed=1))
+    wait_for_event(redis_client, keys, protocol.METRICS, START_TIMEOUT, trainer, where=lambda e: e.step == 1)
+    redis_client.flushall()  # the trainer is waiting for step 2's documents in XREADGROUP right now
+    # The events went too: the trainer announces its weights anew once it has recreated the group.
+    again = wait_for_event(redis_client, keys, protocol.WEIGHTS_READY, START_TIMEOUT, trainer)
+    assert again.payload["version"] == 1 and again.payload["documents_seen"] == 4
+    assert "creating it again" in trainer.log()
+    add_documents(redis_client, keys, make_documents(4, seed=2))
+    assert trainer.wait(START_TIMEOUT) == 0, trainer.log()
+    finished = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert [e.step for e in finished] == [2] and finished[0].payload["documents_seen"] == 8, trainer.log()
+    assert [e.step for e in read_events(redis_client, keys, protocol.METRICS)] == [2]

@@ -196,6 +196,29 @@ def test_dead_inference_makes_the_next_publish_reopen(redis_client, peers, recei
     assert trainer.stdout.readline().strip() == "published 1"
 
 
+def test_an_announcement_lost_with_the_stream_is_made_again_while_its_transfer_waits(redis_client, peers, receivers):
+    """A managed Redis that restarts empty takes the announcement of a running transfer with it: the servers never
+    see it, and without a new one the trainer would wait in the broadcast until gloo's timeout."""
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0)
+    rx = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    rx.join(ann["epoch"])
+    assert rx.receive()[0] == 0
+    assert trainer.stdout.readline().strip() == "published 0"
+
+    command(trainer, 1)
+    lost_id, lost = next_announcement(redis_client, last)
+    assert lost["version"] == 1
+    redis_client.flushall()  # what the servers would find after a restart: nothing
+    again_id, again = next_announcement(redis_client, "0-0", timeout=10)
+    assert again == lost and again_id != lost_id  # the same epoch and version, announced anew
+    version, state = rx.receive()  # the receiver joins the transfer that was waiting all along
+    assert version == 1
+    assert_weights(state, 1)
+    assert trainer.stdout.readline().strip() == "published 1"
+
+
 def test_late_joiner_asks_for_a_new_epoch_and_gets_the_last_weights(redis_client, peers, receivers):
     addr = f"127.0.0.1:{free_port()}"
     trainer = peers(addr, 0)

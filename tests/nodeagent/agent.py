@@ -35,7 +35,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from nodeagent import hostsfile
-from nodeagent.envvars import configmap_data, secret_data
+from nodeagent.envvars import ConfigError, configmap_data, secret_data
 from nodeagent.network import PodNetwork
 from nodeagent.volumes import VolumeError
 from nodeagent.worker import PodWorker
@@ -44,6 +44,7 @@ log = logging.getLogger("nodeagent")
 MARKER = "RLKUBE_NODE_AGENT_CONTAINER"  # agent-id/pod-uid/container: finds a container's strays
 STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage", "pods")
 MERGE = "application/merge-patch+json"
+DELETE_ATTEMPTS = 30  # once a second: what a pod removal after its processes ended waits for the API server
 
 
 def now_rfc3339() -> str:
@@ -374,7 +375,9 @@ class NodeAgent:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise
+            raise ConfigError(f"reading {kind} {ns}/{name}: API error {exc.status} (retrying)") from exc
+        except Exception as exc:  # a timeout or dropped connection: the worker retries, like kubelet
+            raise ConfigError(f"reading {kind} {ns}/{name}: {exc} (retrying)") from exc
         return secret_data(doc) if kind == "secret" else configmap_data(doc)
 
     def claim_dir(self, ns: str, claim: str) -> Path:
@@ -384,7 +387,9 @@ class NodeAgent:
         except ApiException as exc:
             if exc.status == 404:
                 raise VolumeError(f'persistentvolumeclaim "{claim}" not found') from exc
-            raise
+            raise VolumeError(f'reading persistentvolumeclaim "{claim}": API error {exc.status} (retrying)') from exc
+        except Exception as exc:  # a timeout or dropped connection: the worker retries
+            raise VolumeError(f'reading persistentvolumeclaim "{claim}": {exc} (retrying)') from exc
         path = self.claims_dir / ns / f"{claim}-{pvc['metadata']['uid']}"
         path.mkdir(parents=True, exist_ok=True)
         if (pvc.get("status") or {}).get("phase") != "Bound":
@@ -475,12 +480,23 @@ class NodeAgent:
         return killed
 
     def delete_pod_now(self, w: PodWorker) -> None:
+        """Remove the pod object once its processes are gone; transient API errors are retried for a while
+        (a pod left with only a deletionTimestamp would hold its job's teardown)."""
         body = {"gracePeriodSeconds": 0, "preconditions": {"uid": w.uid}}
-        try:
-            self.core.delete_namespaced_pod(w.pod_name, w.ns, body=body, _preload_content=False)
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
+        for attempt in range(DELETE_ATTEMPTS):
+            try:
+                self.core.delete_namespaced_pod(w.pod_name, w.ns, body=body, _preload_content=False)
+                return
+            except ApiException as exc:
+                if exc.status in (404, 409):
+                    return
+                error: Exception = exc
+            except Exception as exc:  # noqa: BLE001 - timeout, dropped connection
+                error = exc
+            log.warning("pod %s/%s: delete failed (%s), attempt %d of %d", w.ns, w.pod_name, error, attempt + 1,
+                        DELETE_ATTEMPTS)
+            time.sleep(1.0)
+        raise error
 
     def worker_finished(self, w: PodWorker) -> None:
         with self.lock:

@@ -38,6 +38,7 @@ log = logging.getLogger("nodeagent.worker")
 PODINIT = str(Path(__file__).with_name("podinit.py"))
 RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"  # no DNS server: fail fast, use hosts
 RETRY_S = 2.0  # config/volume errors are retried this often (kubelet retries on its sync loop)
+STATUS_RETRY_S = 1.0  # a status patch the API server did not take (timeout, 5xx under load) is sent again
 MIN_GRACE_S = 2.0  # kubelet's minimumGracePeriodInSeconds: even a grace-0 delete gets 2 s before SIGKILL
 
 
@@ -81,7 +82,8 @@ class PodWorker(threading.Thread):
         self.pending_restart: set[str] = set()
         self.volumes: dict[str, Path] | None = None
         self.retry_at = 0.0
-        self.last_status: dict | None = None
+        self.last_status: dict | None = None  # the status the API server has taken
+        self.status_unsent = False
         self.conditions: list[dict] = []
         self.sent_events: set[tuple[str, str]] = set()
         self.network_released = False
@@ -173,7 +175,7 @@ class PodWorker(threading.Thread):
                 self.volumes = volumes.prepare(
                     self.pod, self.dir, self.agent.lookup, self.agent.claim_dir, self.view.pod_ip, self.agent.node_ip
                 )
-            except volumes.VolumeError as exc:
+            except (volumes.VolumeError, ConfigError) as exc:  # ConfigError: a Secret/ConfigMap read failed
                 self._event_once("Warning", "FailedMount", str(exc))
                 for c in [*self.view.init, *self.view.main]:
                     c.reason, c.message = "ContainerCreating", str(exc)
@@ -333,7 +335,7 @@ class PodWorker(threading.Thread):
         self._on_exit(c, proc.returncode, time.monotonic())
 
     def _next_due(self, now: float) -> float:
-        due = [now + 5.0]
+        due = [now + (STATUS_RETRY_S if self.status_unsent else 5.0)]
         if self.volumes is None:
             due.append(self.retry_at)
         for c in [*self.view.init, *self.view.main]:
@@ -347,10 +349,20 @@ class PodWorker(threading.Thread):
     def _sync_status(self) -> None:
         status = pod_status(self.view, self.conditions, time.time())
         if status == self.last_status:
+            self.status_unsent = False
             return
+        try:
+            self.agent.patch_status(self, status)
+        except Exception as exc:  # noqa: BLE001 - like kubelet's status manager: keep the pod, send it again
+            # Recording it as sent would leave the API's view stale forever (once seen: a pod shown Pending
+            # while its process ran); raising would kill the pod's processes.
+            log.warning("pod %s/%s: status not sent (%s); retrying", self.ns, self.pod_name, exc)
+            self.status_unsent = True
+            self.agent.write_pod_state(self)  # the processes' local view (pids, states) is true regardless
+            return
+        self.status_unsent = False
         self.conditions = status["conditions"]
         self.last_status = status
-        self.agent.patch_status(self, status)
         self.agent.write_pod_state(self)
 
     # ---- termination ----------------------------------------------------------------------------------------

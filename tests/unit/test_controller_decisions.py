@@ -338,6 +338,21 @@ def test_a_trainer_restart_voids_a_finished_event_it_published_before():
     assert d.status.completion is None
 
 
+def test_a_trainer_killed_after_its_full_finish_succeeds_on_the_event_its_restart_reports():
+    """Killed between training_finished and exit: the old event is void, the restarted trainer (resumed at
+    maxSteps) reports the finish again and exits 0, and only that completes the job."""
+    d = run(job(running_status()), all_pods(), [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)])
+    killed = pod("trainer", restart_count=1, started_at=T0 + timedelta(seconds=2))
+    d = run(job(d.status), all_pods(trainer=killed), now=T0 + timedelta(seconds=3))
+    assert d.status.completion is None and outcome_of(d) is None
+    again = T0 + timedelta(seconds=5)
+    done = pod("trainer", phase="Succeeded", exit_code=0, restart_count=1, started_at=T0 + timedelta(seconds=2))
+    d = run(job(d.status), all_pods(trainer=done), [ev(protocol.TRAINING_FINISHED, ms(again), **FINISHED)],
+            now=again)
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished")
+    assert d.status.completion.stream_id == f"{ms(again)}-0" and d.status.completion.final_step == 40
+
+
 # -- other components -------------------------------------------------------------------------------
 
 

@@ -171,3 +171,30 @@ def test_unschedulable_reasons():
     ok = {"spec": {"nodeSelector": {"kubernetes.io/os": "linux"},
                    "containers": [{"name": "c", "resources": {"requests": {"cpu": "64", "memory": "1Ti"}}}]}}
     assert unschedulable_reason(ok, node) is None  # cpu/memory are overcommitted on the test node
+
+
+def test_a_status_the_api_server_did_not_take_is_sent_again(tmp_path):
+    """Like kubelet's status manager: a failed status patch (timeout, 5xx) is neither lost nor fatal to the pod."""
+    from types import SimpleNamespace
+
+    from nodeagent.worker import STATUS_RETRY_S, PodWorker
+
+    sent: list[dict] = []
+    failures = [TimeoutError("read timed out")]
+
+    def patch_status(worker, status):
+        if failures:
+            raise failures.pop()
+        sent.append(status)
+
+    agent = SimpleNamespace(pods_dir=tmp_path, node_ip="10.0.0.1", patch_status=patch_status,
+                            write_pod_state=lambda worker: None)
+    pod = {"metadata": {"namespace": "ns", "name": "p", "uid": "u1"}, "spec": {"containers": [{"name": "c"}]}}
+    w = PodWorker(agent, pod)
+    # Volumes ready, the container not due to start: only the status decides when the worker wakes next.
+    w.volumes, w.next_start["c"] = {}, 1e9
+    w._sync_status()  # the API server times out: nothing recorded as sent, a retry is due soon
+    assert sent == [] and w.last_status is None and w._next_due(100.0) == pytest.approx(STATUS_RETRY_S)
+    w._sync_status()
+    assert len(sent) == 1 and w.last_status == sent[0] and sent[0]["phase"] == "Pending"
+    assert w._next_due(100.0) == pytest.approx(5.0)

@@ -51,9 +51,6 @@ REQUEST_TIMEOUT_S = 300.0
 MAX_WORKERS_PER_SERVER = 8
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 @dataclass
 class TrainerView:
@@ -175,7 +172,7 @@ class Actor:
                     return event.stream_id
             if len(entries) < 64:
                 return "0-0"
-            newest = "(" + _text(entries[-1][0])
+            newest = "(" + protocol.text(entries[-1][0])
 
     async def follow_events(self) -> None:
         last_id: str | None = None
@@ -191,7 +188,7 @@ class Actor:
                 continue
             for _, entries in reply or []:
                 for sid, fields in entries:
-                    last_id = _text(sid)
+                    last_id = protocol.text(sid)
                     event = protocol.decode_event(sid, fields)
                     if event is not None:
                         await self._apply(event)

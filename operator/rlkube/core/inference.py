@@ -64,9 +64,6 @@ HTTP_SHUTDOWN_S = 1.0
 STOP_WAIT_S = 0.5
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
@@ -122,7 +119,7 @@ class WeightFollower:
                     return event.stream_id
             if len(entries) < 64:
                 return "0-0"
-            newest = "(" + _text(entries[-1][0])
+            newest = "(" + protocol.text(entries[-1][0])
 
     def _run(self) -> None:
         last_id: str | None = None
@@ -140,7 +137,7 @@ class WeightFollower:
                     continue
                 for _, entries in reply or []:
                     for sid, fields in entries:
-                        last_id = _text(sid)
+                        last_id = protocol.text(sid)
                         event = protocol.decode_event(sid, fields)
                         if event is not None:
                             self.handle(event)

@@ -88,9 +88,6 @@ return 'one group of credit'
 """
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 @dataclass(frozen=True)
 class LagKeys:
@@ -187,7 +184,7 @@ class LagCounter:
         exceeded by those n). Returns what it did, or None."""
         if not await self.redis.set(self.keys.stall_release, "1", nx=True, px=max(1, int(stall_s * 1000))):
             return None
-        return _text(await self._release(keys=[self.keys.reserved, self.keys.written], args=[n]))
+        return protocol.text(await self._release(keys=[self.keys.reserved, self.keys.written], args=[n]))
 
     async def reserved(self) -> int:
         return int(await self.redis.get(self.keys.reserved) or 0)

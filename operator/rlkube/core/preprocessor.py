@@ -231,7 +231,7 @@ class PreprocessorRole:
         try:
             return self._read_rollouts_from_group(count)
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not protocol.group_lost(exc):
                 raise
             # The stream or the group is gone (a Redis that lost its data): start over from its first entry.
             log.warning("%s has no group %s (%s); creating it", self.keys.rollouts, protocol.ROLLOUTS_GROUP, exc)

@@ -124,13 +124,20 @@ def training_finished(**extra: Any) -> dict[str, bytes]:
     return encode_event(TRAINING_FINISHED, **extra)
 
 
-def _text(value: Any) -> str:
+def text(value: Any) -> str:
+    """A Redis reply field (bytes or str) as str."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def group_lost(error: Exception) -> bool:
+    """Whether a consumer-group read failed because the stream or its group is gone (a Redis that restarted
+    empty): NOGROUP, or UNBLOCKED when the key was removed while the read was blocked on it."""
+    return str(error).startswith(("NOGROUP", "UNBLOCKED"))
 
 
 def decode_event(stream_id: Any, fields: dict[Any, Any]) -> TrainerEvent | None:
     """Decode one stream entry; None (with a log line) for a malformed or unknown entry, which callers skip."""
-    sid = _text(stream_id)
+    sid = text(stream_id)
     raw = fields.get(EVENT_FIELD, fields.get(EVENT_FIELD.encode()))
     if raw is None:
         log.warning("skipping event %s: no %r field (fields: %s)", sid, EVENT_FIELD, list(fields))

@@ -280,10 +280,23 @@ class TrainerRole:
 
     def read_documents(self, want: int) -> list[protocol.Document]:
         """Up to `want` documents (blocks up to READ_BLOCK_MS); malformed entries are logged and skipped."""
-        got = self.redis.xreadgroup(
-            protocol.DOCUMENTS_GROUP, self.consumer, {self.keys.documents: ">"}, count=want, block=READ_BLOCK_MS,
-            noack=True,
-        )
+        try:
+            got = self.redis.xreadgroup(
+                protocol.DOCUMENTS_GROUP, self.consumer, {self.keys.documents: ">"}, count=want,
+                block=READ_BLOCK_MS, noack=True,
+            )
+        except redis.ResponseError as exc:
+            if not protocol.group_lost(exc):
+                raise
+            # A managed Redis restarted empty: the documents in it are lost either way; recreating the group lets
+            # training go on from the preprocessor's next documents. The events went too, so announce the current
+            # weights again: an actor that restarted meanwhile waits for a weights_ready before it samples.
+            log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
+                        exc, self.trainer.version)
+            ensure_group(self.redis, self.keys)
+            self._transfer(f"version {self.trainer.version} again",
+                           lambda: self.trainer.publish_weights(self.trainer.version))
+            return []
         docs = []
         for _, entries in got or []:
             for sid, fields in entries:

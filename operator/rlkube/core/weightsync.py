@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
+import redis
 import torch
 import torch.distributed as dist
 
@@ -326,6 +327,9 @@ class WeightPublisher:
     `retries` times. A restarted inference server that missed the epoch asks for a new one through the store; a
     watchdog thread then re-announces and re-sends the last published weights (kept as a snapshot, detached
     clones) without waiting for the trainer's next step, which may never come while no rollouts are produced.
+    The same watchdog re-announces a transfer whose announcement vanished from the stream while the transfer
+    waits (a managed Redis restarted empty): the servers would otherwise never join it, and the trainer would sit
+    in the broadcast until gloo's timeout (300 s).
     """
 
     def __init__(self, redis_client, keys: protocol.StreamKeys, addr: str, world_size: int,
@@ -346,18 +350,20 @@ class WeightPublisher:
         self.overlap = overlap
         self._inflight: threading.Thread | None = None
         self._inflight_error: BaseException | None = None
+        # The announcement of the transfer now running (stream id, fields), else None; read by the watchdog.
+        self._announced: tuple[str, dict[str, Any]] | None = None
 
     def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0, step: int | None = None,
               documents_seen: int = 0, **extra: Any) -> None:
         """Open a fresh epoch and push the current weights (blocks until every inference server joined)."""
         with self._lock:
             self.epoch = self.sender.open()
+        if self._watchdog is None:  # before the first transfer: its announcement may be lost too
+            self._watchdog = threading.Thread(target=self._watch, name="weight-rejoin-watchdog", daemon=True)
+            self._watchdog.start()
         self.publish(named_tensors, version, step=version if step is None else step,
                      documents_seen=documents_seen, **extra)
         self.wait()  # start-up stays blocking: the group must exist before the trainer waits for documents
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch, name="weight-rejoin-watchdog", daemon=True)
-            self._watchdog.start()
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, step: int,
                 documents_seen: int = 0, **extra: Any) -> None:
@@ -399,10 +405,8 @@ class WeightPublisher:
         if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
             self.epoch = self.sender.open()
         _, version, step, documents_seen, extra = self._last
-        self.redis.xadd(
-            self.keys.events,
-            protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version, **extra),
-        )
+        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version, **extra)
+        self._announced = (protocol.text(self.redis.xadd(self.keys.events, fields)), fields)
 
     def _send_locked(self, announced: bool = False) -> None:
         tensors, version, *_ = self._last
@@ -418,11 +422,14 @@ class WeightPublisher:
                 if attempt == self.retries:
                     raise
                 log.warning("weight transfer of version %d failed (%s); opening a new epoch", version, exc)
+            finally:
+                self._announced = None
 
     def _watch(self) -> None:
         while not self._stop.wait(self.watch_interval_s):
             if not self._lock.acquire(blocking=False):
-                continue  # a transfer is running; it will notice a dead peer itself
+                self._reannounce_if_lost()  # a transfer is running; it will notice a dead peer itself
+                continue
             try:
                 if self._last is None or self.epoch is None or not self.sender.rejoin_requested():
                     continue
@@ -434,6 +441,24 @@ class WeightPublisher:
                 log.error("re-sending weights for a rejoining inference server failed: %s", exc)
             finally:
                 self._lock.release()
+
+    def _reannounce_if_lost(self) -> None:
+        announced = self._announced
+        if announced is None:
+            return
+        sid, fields = announced
+        try:
+            if self.redis.xrange(self.keys.events, min=sid, max=sid):
+                return
+            if self._announced is not announced:
+                return  # that transfer ended meanwhile
+            new_id = protocol.text(self.redis.xadd(self.keys.events, fields))
+        except redis.RedisError as exc:
+            log.debug("cannot check the weights_ready announcement %s: %s", sid, exc)
+            return
+        self._announced = (new_id, fields)
+        log.warning("the announcement %s of the running transfer is gone from the events stream (Redis restarted "
+                    "empty?): announced it again as %s", sid, new_id)
 
     def close(self) -> None:
         """Finish an overlapped transfer, stop the watchdog and leave the group (before training_finished)."""
