@@ -113,9 +113,12 @@ class OperatorProcess:
 class EventFollower(threading.Thread):
     """Follows the trainer's events stream from its first entry; survives the stream's Redis going away."""
 
-    def __init__(self, url: str, password: str | None, stream: str):
+    def __init__(self, locate, stream: str):
+        """`locate()` -> (url, password) of the job's Redis now; asked again after every error, so a Redis pod
+        that was replaced (new IP) is found again."""
         super().__init__(daemon=True, name="event-follower")
-        self.url, self.password, self.stream = url, password, stream
+        self.locate, self.stream = locate, stream
+        self.url: str | None = None
         self.metrics: list[dict] = []
         self.checkpoints: list[int] = []
         self.finished: protocol.TrainerEvent | None = None
@@ -125,24 +128,32 @@ class EventFollower(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        conn = redis.Redis.from_url(self.url, password=self.password, socket_connect_timeout=3, socket_timeout=5)
+        conn: redis.Redis | None = None
         last = "0-0"
         while not self._halt.is_set():
             try:
+                if conn is None:
+                    self.url, password = self.locate()
+                    conn = redis.Redis.from_url(self.url, password=password, socket_connect_timeout=3,
+                                                socket_timeout=5)
                 got = conn.xread({self.stream: last}, block=1000, count=200)
                 for _, entries in got or []:
                     for sid, fields in entries:
                         last = sid.decode() if isinstance(sid, bytes) else sid
                         self._record(protocol.decode_event(sid, fields))
             except Exception as exc:  # noqa: BLE001 - kept for the assertion messages; the thread must live on
-                self.errors.append(repr(exc))
+                self.errors.append(f"{self.url}: {exc!r}")
+                if conn is not None:
+                    conn.close()
+                    conn = None
                 if self.finished is not None:
                     return  # Redis is torn down last: everything was read
                 self._halt.wait(0.5)
                 continue
             if self.finished is not None:
                 break  # nothing after it matters, and the Redis pod is about to go away
-        conn.close()
+        if conn is not None:
+            conn.close()
 
     def _record(self, event: protocol.TrainerEvent | None) -> None:
         if event is None:
@@ -159,7 +170,7 @@ class EventFollower(threading.Thread):
 
     def describe(self) -> str:
         """For assertion messages: what the follower read, and the last errors it met."""
-        return (f"follower: {self.events} events read, step {self.step}, checkpoints {self.checkpoints}, "
+        return (f"follower of {self.url}: {self.events} events read, step {self.step}, checkpoints {self.checkpoints}, "
                 f"finished {self.finished}, last errors {self.errors[-5:]} ({len(self.errors)} in all)")
 
     def stop(self) -> None:
@@ -300,14 +311,20 @@ class ClusterJob:
             return p if p and p.status.pod_ip and p.status.phase == "Running" else None
 
         try:
-            p = wait_for(redis_pod, timeout, f"{self.name}-redis running", interval=0.2)
+            wait_for(redis_pod, timeout, f"{self.name}-redis running", interval=0.2)
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}\n{self.diagnostics()}") from None
-        secret = self.core.read_namespaced_secret(names.secret_name(self.name), self.namespace)
-        password = secret_password(secret)
+
+        def locate() -> tuple[str, str | None]:
+            p = redis_pod()
+            if p is None:
+                raise ConnectionError(f"{self.name}-redis is not running")
+            secret = self.core.read_namespaced_secret(names.secret_name(self.name), self.namespace)
+            return f"redis://{p.status.pod_ip}:{runtime.REDIS_PORT}/0", secret_password(secret)
+
         spec = self.get()["spec"]
         stream = protocol.StreamKeys.for_job(self.namespace, self.name, spec["trainer"].get("backend", "torch")).events
-        self.follower = EventFollower(f"redis://{p.status.pod_ip}:{runtime.REDIS_PORT}/0", password, stream)
+        self.follower = EventFollower(locate, stream)
         self.follower.start()
         return self.follower
 
