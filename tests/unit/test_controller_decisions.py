@@ -25,7 +25,7 @@ from rlkube.controller.actions import (
     DeleteStreams,
 )
 from rlkube.controller.decisions import Decision, JobView, decide
-from rlkube.controller.observed import EventSource, Observed, PodView
+from rlkube.controller.observed import EventSource, Observed, PodView, Rejected
 from rlkube.controller.times import fmt_time
 from rlkube.core import protocol
 from rlkube.core.protocol import TrainerEvent
@@ -50,13 +50,18 @@ def raw_spec(**overrides) -> dict:
     return spec
 
 
-def job(status: TrainingJobStatus | None = None, deleting: bool = False, **overrides) -> JobView:
+def job(status: TrainingJobStatus | None = None, deleting: bool = False, generation: int = 1, changed: bool = False,
+        **overrides) -> JobView:
+    """The job with this spec. Rows about other rules pass a status built from the default spec: it is taken to
+    have started with this spec; `changed=True` keeps the recorded startedSpec (a spec changed mid-run)."""
     raw = raw_spec(**overrides)
+    if status is not None and status.started_spec is not None and not changed:
+        status = status.model_copy(update={"started_spec": raw})
     try:
         spec, error = parse_spec(raw), None
     except SpecError as exc:
         spec, error = None, str(exc)
-    return JobView("ns", "j", "uid-j", 1, raw, spec, error, deleting, status or TrainingJobStatus())
+    return JobView("ns", "j", "uid-j", generation, raw, spec, error, deleting, status or TrainingJobStatus())
 
 
 def pod(role: str, index: int = 0, phase: str = "Running", ready: bool = True, **kw) -> PodView:
@@ -86,9 +91,9 @@ def ms(t: datetime) -> int:
 
 
 def run(j: JobView, pods=(), events=(), now=T0, source=REACHABLE, static=ALL_STATIC, read_upto=None,
-        read_to_end=True) -> Decision:
+        read_to_end=True, rejected=None) -> Decision:
     obs = Observed(pods=tuple(pods), events=tuple(events), read_upto=read_upto, event_source=source,
-                   events_read_to_end=read_to_end, static_present=frozenset(static))
+                   events_read_to_end=read_to_end, static_present=frozenset(static), create_rejected=rejected)
     return decide(j, obs, now, password="pw")
 
 
@@ -543,3 +548,157 @@ def test_external_redis_streams_are_deleted_in_the_last_stage():
     (streams,) = [a for a in d.actions if isinstance(a, DeleteStreams)]
     assert streams.keys == tuple(protocol.StreamKeys.for_job("ns", "j").all())
     assert {"ns/j/fast_llm_events", "ns/j/fast_llm_streaming", "ns/j/rollouts"} <= set(streams.keys)
+
+
+# -- children deleted by hand: recreated while the job runs, never once it is decided or torn down -----
+
+
+@pytest.mark.parametrize("missing", sorted(ALL_STATIC))
+@pytest.mark.parametrize("phase", ["Pending", "Starting", "Running"])
+def test_a_static_child_deleted_while_the_job_runs_is_recreated_with_an_event(missing, phase):
+    status = running_status(phase=phase)
+    d = run(job(status), all_pods(), static=ALL_STATIC - {missing})
+    kind, name = missing.split("/")
+    assert [(a.kind, a.name) for a in d.actions if isinstance(a, Create)] == [(kind, name)]
+    made = next(a for a in d.actions if isinstance(a, Create))
+    assert made.manifest["metadata"]["ownerReferences"][0]["uid"] == "uid-j"
+    assert made.manifest["metadata"]["labels"]["rlkube.io/job-name"] == "j"
+    recreated = [e for e in d.events if e.reason == "ChildRecreated"]
+    assert len(recreated) == 1 and recreated[0].type == "Warning" and f"{kind} {name}" in recreated[0].message
+    assert outcome_of(d) is None and d.status.teardown is None
+
+
+def test_first_creation_and_resume_are_not_reported_as_recreations():
+    d = run(job(), static=())
+    assert len(creates(d)) == 6 and "ChildRecreated" not in reasons(d)
+    j = lambda st: job(st, **{"runPolicy.suspend": True})
+    d = run(j(running_status()), all_pods())
+    d = run(j(d.status), [])
+    assert d.status.phase == "Suspended"
+    d = run(job(d.status), [], static=())
+    assert "Secret" in [a.kind for a in d.actions] and "ChildRecreated" not in reasons(d)
+
+
+def _decided_statuses() -> dict[str, TrainingJobStatus]:
+    finished = [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)]
+    draining = run(job(running_status()), all_pods(trainer=trainer_exited(0)), finished)
+    assert draining.status.phase == "Draining"
+    d = draining
+    for _ in range(6):
+        d = run(job(d.status), [])
+    failed = run(job(running_status(), **{"runPolicy.backoffLimit": 0}), all_pods(trainer=trainer_exited(1)))
+    assert failed.status.phase == "Draining" and outcome_of(failed) == ("Failed", "BackoffLimitExceeded")
+    return {"draining": draining.status, "succeeded": d.status, "failing": failed.status}
+
+
+@pytest.mark.parametrize("which", ["draining", "succeeded", "failing", "deleting", "suspending"])
+def test_a_decided_or_tearing_down_job_never_recreates_a_deleted_child(which):
+    if which == "deleting":
+        j = job(running_status(), deleting=True)
+    elif which == "suspending":
+        j = job(running_status(), **{"runPolicy.suspend": True})
+    else:
+        j = job(_decided_statuses()[which])
+    d = run(j, all_pods(actor=None, preprocessor=None), static=())
+    assert creates(d) == [] and "ChildRecreated" not in reasons(d)
+
+
+# -- spec changes while the job runs: reported once, not applied ---------------------------------------
+
+
+def test_a_spec_change_while_running_is_reported_once_and_not_applied():
+    started = running_status()
+    assert started.started_spec["algorithm"]["maxSteps"] == 40 and started.started_generation == 1
+    changed = lambda st, gen=2, **kw: job(st, generation=gen, changed=True, **{"algorithm.maxSteps": 80, **kw})
+    d = run(changed(started), all_pods())
+    warned = [e for e in d.events if e.reason == "SpecChangeIgnored"]
+    assert len(warned) == 1 and warned[0].type == "Warning"
+    assert warned[0].message.startswith("spec.algorithm.maxSteps changed after the job started (generation 1 -> 2)")
+    c = cond(d.status, "SpecChangeIgnored")
+    assert c.status == "True" and c.message == warned[0].message and c.observed_generation == 2
+    assert d.status.observed_generation == 2 and d.status.trainer.max_steps == 40
+    assert d.status.started_spec["algorithm"]["maxSteps"] == 40 and creates(d) == []
+    # The next passes (another edit of the same field included) say nothing new.
+    d = run(changed(d.status, gen=3, **{"algorithm.maxSteps": 81}), all_pods())
+    assert "SpecChangeIgnored" not in reasons(d) and "(generation 1 -> 3)" in cond(d.status, "SpecChangeIgnored").message
+    # One more field: reported again, naming both.
+    d = run(changed(d.status, gen=4, **{"actor.replicas": 2}), all_pods())
+    msg = next(e.message for e in d.events if e.reason == "SpecChangeIgnored")
+    assert msg.startswith("spec.actor.replicas, spec.algorithm.maxSteps changed")
+    assert creates(d) == []  # no second actor: the job runs the spec it started with
+    # The job finishes by the maxSteps it started with.
+    d = run(changed(d.status, gen=4, **{"actor.replicas": 2}), all_pods(trainer=trainer_exited(0)),
+            [ev(protocol.TRAINING_FINISHED, ms(T0), **FINISHED)])
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished") and "40/40" in cond(d.status, "Succeeded").message
+
+
+def test_a_spec_change_undone_clears_the_condition_and_suspend_is_not_a_change():
+    d = run(job(running_status(), generation=2, changed=True, **{"algorithm.temperature": 0.5}), all_pods())
+    assert cond(d.status, "SpecChangeIgnored").status == "True"
+    d = run(job(d.status, generation=3, changed=True), all_pods())
+    assert cond(d.status, "SpecChangeIgnored").status == "False" and "SpecChangeIgnored" not in reasons(d)
+    d = run(job(running_status(), generation=2, changed=True, **{"runPolicy.suspend": True}), all_pods())
+    assert cond(d.status, "SpecChangeIgnored") is None and d.status.teardown.reason == "Suspended"
+
+
+def test_an_invalid_spec_edit_of_a_running_job_is_ignored_not_fatal():
+    d = run(job(running_status(), generation=2, changed=True, **{"model.architecture.heads": 5}), all_pods())
+    assert outcome_of(d) is None and d.status.phase == "Running"
+    assert cond(d.status, "SpecChangeIgnored").message.startswith("spec.model.architecture.heads changed")
+
+
+def test_resume_applies_the_changed_spec():
+    j = lambda st, **kw: job(st, generation=2, changed=True, **{"runPolicy.suspend": True, "actor.replicas": 2}, **kw)
+    d = run(j(running_status()), all_pods())
+    d = run(j(d.status), [])
+    assert d.status.phase == "Suspended" and cond(d.status, "SpecChangeIgnored") is None  # not running: no report
+    d = run(job(d.status, generation=3, changed=True, **{"actor.replicas": 2}), [], static=())
+    assert d.status.phase == "Pending" and d.status.started_spec["actor"]["replicas"] == 2
+    assert d.status.started_generation == 3 and cond(d.status, "SpecChangeIgnored") is None
+
+
+# -- a child the API server rejects as invalid ---------------------------------------------------------
+
+
+def test_a_child_rejected_as_invalid_fails_the_job_creates_nothing_more_and_tears_down():
+    message = 'Pod "j-actor-0" is invalid: spec.containers[0].image: Invalid value: "x ": must not have ...'
+    rejected = Rejected("Pod", "j-actor-0", message)
+    status = running_status(phase="Starting")
+    d = run(job(status), all_pods(actor=None), rejected=rejected)
+    assert outcome_of(d) == ("Failed", "InvalidSpec") and creates(d) == []
+    failed = cond(d.status, "Failed")
+    assert failed.message == f"the API server rejected Pod j-actor-0: {message}"
+    assert any(e.type == "Warning" and e.reason == "InvalidSpec" and "spec.containers[0].image" in e.message
+               for e in d.events)
+    # The usual teardown: no actor to stop, so the preprocessor stage is the first to delete.
+    assert d.status.teardown.reason == "Failed" and deletes(d) == [("j-preprocessor-0", 10)]
+    for _ in range(6):
+        d = run(job(d.status), [])
+        assert creates(d) == []
+    assert d.status.phase == "Failed" and d.status.reason == "InvalidSpec" and d.status.message == failed.message
+
+
+@pytest.mark.parametrize(
+    ("resources", "field", "says"),
+    [
+        ({"requests": {"cpu": "2 cores"}}, "spec.actor.resources.requests.cpu", "not a quantity"),
+        ({"limits": {"memory": "1ki"}}, "spec.actor.resources.limits.memory", "not a quantity"),
+        ({"requests": {"cpu": -1}}, "spec.actor.resources.requests.cpu", "negative"),
+        ({"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}, "spec.actor.resources.requests.cpu", "limit"),
+        ({"requests": {"gpu": 1}}, "spec.actor.resources.requests.gpu", "unknown resource"),
+    ],
+)
+def test_resources_the_pod_schema_would_reject_fail_up_front_naming_the_field(resources, field, says):
+    d = run(job(**{"actor.resources": resources}), static=())
+    assert outcome_of(d) == ("Failed", "InvalidSpec") and creates(d) == []
+    message = cond(d.status, "Failed").message
+    assert field in message and says in message
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [{"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 1, "memory": "1.5Gi"}},
+     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1}, "limits": {"hugepages-2Mi": "2Mi"}}],
+)
+def test_valid_resources_pass(resources):
+    parse_spec(raw_spec(**{"actor.resources": resources}))

@@ -40,7 +40,8 @@ def test_registry_has_explicit_handler_ids():
     ids = {h.id for h in registry._changing.get_all_handlers()} | {h.id for h in registry._spawning.get_all_handlers()}
     ids |= {h.id for h in registry._watching.get_all_handlers()} | {h.id for h in registry._indexing.get_all_handlers()}
     assert {"job-create", "job-resume", "job-update", "job-delete", "job-loop", "job-gone", "pod-changed",
-            "pods_by_job"} <= ids
+            "pods_by_job", "configmaps_by_job", "secrets_by_job", "services_by_job", "configmaps-deleted",
+            "secrets-deleted", "services-deleted"} <= ids
 
 
 def test_startup_sets_watch_and_request_timeouts_and_the_finalizer():

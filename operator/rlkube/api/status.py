@@ -6,7 +6,7 @@ operator writes is pruned by the API server and printer columns read fields that
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -27,6 +27,7 @@ CONDITION_TYPES = (
     "Failed",
     "ResourcesReleased",
     "Suspended",
+    "SpecChangeIgnored",
 )
 
 
@@ -113,3 +114,12 @@ class TrainingJobStatus(Model):
     completion: Completion | None = Field(None, description="Evidence of the outcome.")
     teardown: TeardownStatus | None = Field(None, description="Ordered teardown progress.")
     trainer_restarts: int = Field(0, description="Trainer recreations counted against backoffLimit.")
+    started_spec: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "The spec the running job started with (recorded at start and on resume): what its pods run and the "
+            "operator decides by; later changes other than runPolicy.suspend are reported, not applied."
+        ),
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    started_generation: int | None = Field(None, description="metadata.generation of startedSpec.")

@@ -7,7 +7,9 @@ and creates nothing, and `rlkube local` prints them and exits.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from pydantic import ValidationError
@@ -40,8 +42,60 @@ def _pydantic_errors(exc: ValidationError, prefix: str) -> list[FieldError]:
     return out
 
 
-def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
+_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_CONTAINER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+
+
+def parse_quantity(value: int | str) -> Decimal:
+    """A Kubernetes resource quantity (`500m`, `2Gi`, `1e3`, `4`) by the API server's grammar; ValueError else."""
+    if isinstance(value, int):
+        return Decimal(value)
+    m = _QUANTITY.match(value)
+    if m is None:
+        raise ValueError(f"{value!r} is not a quantity (e.g. 500m, 2, 1Gi)")
+    number, suffix = Decimal(m.group(1)), m.group(2) or ""
+    if suffix in _BINARY:
+        return number * _BINARY[suffix]
+    if suffix in _DECIMAL:
+        return number.scaleb(_DECIMAL[suffix])
+    return number.scaleb(int(suffix[1:])) if suffix else number
+
+
+def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """What the Pod schema checks in a container's resources, so it fails here and not at pod creation."""
     errs: list[FieldError] = []
+    for role in ("trainer", "inference", "preprocessor", "actor"):
+        res = getattr(spec, role).resources
+        parsed: dict[str, dict[str, Decimal]] = {"requests": {}, "limits": {}}
+        for kind in ("requests", "limits"):
+            for name, value in getattr(res, kind).items():
+                where = f"spec.{role}.resources.{kind}.{name}"
+                if name not in _CONTAINER_RESOURCES and not name.startswith("hugepages-") and "/" not in name:
+                    errs.append(
+                        FieldError(where, f"unknown resource {name!r}: cpu, memory, ephemeral-storage, hugepages-*, "
+                                          "or a fully qualified extended resource (example.com/gpu)")
+                    )
+                    continue
+                try:
+                    quantity = parse_quantity(value)
+                except ValueError as exc:
+                    errs.append(FieldError(where, str(exc)))
+                    continue
+                if quantity < 0:
+                    errs.append(FieldError(where, "must not be negative"))
+                    continue
+                parsed[kind][name] = quantity
+        for name, request in parsed["requests"].items():
+            limit = parsed["limits"].get(name)
+            if limit is not None and request > limit:
+                errs.append(FieldError(f"spec.{role}.resources.requests.{name}", f"must not exceed the limit {limit}"))
+    return errs
+
+
+def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    errs: list[FieldError] = resource_errors(spec)
     arch = spec.model.architecture
     if arch.hidden_size % arch.heads:
         errs.append(FieldError("spec.model.architecture.heads", f"must divide hiddenSize {arch.hidden_size}"))

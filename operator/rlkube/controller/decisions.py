@@ -15,7 +15,14 @@ table-driven unit test:
   Exit 0 without event for completionTimeoutSeconds -> Failed/TrainerExitedWithoutFinishedEvent.
   Trainer failures beyond backoffLimit -> Failed/BackoffLimitExceeded. No trainer event for
   eventTimeoutSeconds while Running -> Stalled=True, and Failed/Stalled if runPolicy.failOnStall.
-  A spec the schema could not reject -> Failed/InvalidSpec, nothing created.
+  A spec the schema could not reject -> Failed/InvalidSpec, nothing created. A child the API server rejects as
+  invalid (400/422: a value the CRD schema let through, e.g. an image with trailing whitespace) ->
+  Failed/InvalidSpec with the API server's message; nothing more is created, the rest is torn down.
+- Spec changes while the job runs are not applied (pods are not rolled): the job keeps deciding by the spec it
+  started with (status.startedSpec); only runPolicy.suspend is live. A change is reported once per distinct set
+  of changed paths: a Warning Event and the condition SpecChangeIgnored. A resume starts from the new spec.
+- A ConfigMap, Secret or Service deleted by hand is recreated by the next pass (Warning Event ChildRecreated)
+  while the job runs; never once the outcome is decided or a teardown runs.
 - Failures below the limit: a Failed pod (restartPolicy Never, or evicted) is replaced: deleted, then
   recreated by the next pass (trainer: resumes from its checkpoint volume); OnFailure restarts happen in
   place and count through restartCount. Producers and inference that end before training_finished are
@@ -27,7 +34,8 @@ table-driven unit test:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,7 +47,8 @@ from rlkube.api.status import (
     TeardownStatus,
     TrainingJobStatus,
 )
-from rlkube.controller import builders, names, teardown
+from rlkube.api.validation import SpecError, parse_spec
+from rlkube.controller import builders, names, specdiff, teardown
 from rlkube.controller.actions import (
     Action,
     Create,
@@ -126,6 +135,8 @@ class _Pass:
         self.replaced_now: set[str] = set()
         self.trainer_failed_now = False
         self.teardown_seconds: float | None = None
+        self.fresh = job.status.start_time is None
+        """This pass creates the children for the first time (a new job, or a resume): nothing is "recreated"."""
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -438,8 +449,11 @@ def _create_missing(p: _Pass) -> None:
     job = p.job.ref
     if any(f"{kind}/{name}" not in p.obs.static_present for kind, name in _static_names(p)):
         for manifest in builders.static_children(job, p.password):
-            if f"{manifest['kind']}/{manifest['metadata']['name']}" not in p.obs.static_present:
+            kind, name = manifest["kind"], manifest["metadata"]["name"]
+            if f"{kind}/{name}" not in p.obs.static_present:
                 p.actions.append(Create(manifest))
+                if not p.fresh:
+                    p.event("Warning", "ChildRecreated", f"{kind} {name} was missing (deleted by hand?); recreated it")
     present = {pod.name for pod in p.obs.pods}
     gated = p.status.phase in ("Pending", "Starting")
     comps = p.status.components
@@ -550,6 +564,55 @@ def _static_names(p: _Pass) -> list[tuple[str, str]]:
     return out
 
 
+def _can_resume(job: JobView) -> bool:
+    st = job.status
+    return (
+        st.phase == "Suspended"
+        and st.teardown is not None
+        and st.teardown.stage == teardown.DONE
+        and job.spec is not None
+        and not job.spec.run_policy.suspend
+        and not job.deleting
+    )
+
+
+def _as_started(live: JobView) -> JobView:
+    """The job as its pods run it: the spec it started with, runPolicy.suspend (and deletion) as they are now."""
+    started = live.status.started_spec
+    if started is None:
+        return live
+    raw = specdiff.with_live_fields(started, live.raw_spec)
+    try:
+        spec = parse_spec(raw)
+    except SpecError:
+        return live  # recorded by an operator whose schema differed: act on the current spec
+    return replace(live, raw_spec=raw, spec=spec, spec_error=None)
+
+
+def _report_spec_changes(p: _Pass, live: JobView) -> None:
+    """One Warning Event per distinct set of ignored changes; the condition says which while they last."""
+    st = p.status
+    suspending = bool((live.raw_spec.get("runPolicy") or {}).get("suspend"))
+    if st.started_spec is None or st.phase not in ("Pending", "Starting", "Running", "Draining") or live.deleting:
+        return
+    if suspending:
+        return  # the change is applied when the job resumes: nothing is ignored
+    paths = specdiff.changed_paths(st.started_spec, live.raw_spec)
+    previous = get(st.conditions, "SpecChangeIgnored")
+    if paths:
+        message = (
+            f"{specdiff.describe(paths)} changed after the job started (generation {st.started_generation} -> "
+            f"{live.generation}); not applied to the running job (suspend and resume it to apply)"
+        )
+        # The generations in the message change with every edit; the Event only when the paths do.
+        if previous is None or previous.status != "True" or not previous.message.startswith(specdiff.describe(paths) + " "):
+            p.event("Warning", "SpecChangeIgnored", message)
+        p.condition("SpecChangeIgnored", "True", "SpecChangeIgnored", message, event=False)
+    elif previous is not None and previous.status == "True":
+        p.condition("SpecChangeIgnored", "False", "SpecAsStarted", "the spec is back to the one the job started with",
+                    event=False)
+
+
 def _resume_from_suspend(p: _Pass) -> None:
     st = p.status
     st.teardown = None
@@ -558,6 +621,8 @@ def _resume_from_suspend(p: _Pass) -> None:
     st.trainer.last_event_id = None  # the next Redis (and its streams) is a new one
     remove(st.conditions, "ResourcesReleased")
     remove(st.conditions, "Stalled")
+    remove(st.conditions, "SpecChangeIgnored")
+    p.fresh = True
     p.condition("Suspended", "False", "Resumed", "spec.runPolicy.suspend unset")
     _set_phase(p, "Pending", "Resumed", "recreating the components")
 
@@ -567,6 +632,9 @@ def _resume_from_suspend(p: _Pass) -> None:
 
 def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> Decision:
     """Decide one reconcile pass. `password` is only used if the managed Redis Secret must be created."""
+    live = job
+    resuming = _can_resume(live)
+    job = live if resuming else _as_started(live)
     p = _Pass(job, obs, now, password)
     st = p.status
     st.observed_generation = job.generation
@@ -578,16 +646,17 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
     if job.spec is None:
         p.decide_outcome("Failed", "InvalidSpec", job.spec_error or "invalid spec")
 
-    # A finished suspend whose flag was cleared: start again from Pending.
-    if (
-        st.phase == "Suspended"
-        and st.teardown is not None
-        and st.teardown.stage == teardown.DONE
-        and job.spec is not None
-        and not job.spec.run_policy.suspend
-        and not job.deleting
-    ):
+    # A finished suspend whose flag was cleared: start again from Pending, with the spec as it is now.
+    if resuming:
         _resume_from_suspend(p)
+    if job.spec is not None and (st.started_spec is None or resuming):
+        st.started_spec = copy.deepcopy(job.raw_spec)
+        st.started_generation = job.generation
+    _report_spec_changes(p, live)
+
+    if obs.create_rejected is not None:
+        rej = obs.create_rejected
+        p.decide_outcome("Failed", "InvalidSpec", f"the API server rejected {rej.kind} {rej.name}: {rej.message}")
 
     _ingest_events(p)
     reason = _teardown_reason(p)

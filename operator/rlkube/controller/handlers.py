@@ -7,6 +7,8 @@
   restarted mid-deletion calls it again and the teardown resumes from `status.teardown`.
 - `pods_by_job` (index) + `pod-changed` (event): the job's pods come from kopf's pod watch, and every pod
   change wakes its job. Nothing polls the API server.
+- `configmaps_by_job`, `secrets_by_job`, `services_by_job` (indexes) + `*-deleted` (events): the job's other
+  children, watched the same way; a deletion wakes the job, whose next pass recreates what is missing.
 - `job-gone`: forgets a job (watcher, metrics) when the object is finally removed.
 
 Handlers return None: kopf would store return values in the status.
@@ -98,9 +100,31 @@ async def pod_changed(
         loop.pod_event(body.metadata.uid or "", type)
 
 
-def _shared(memo: kopf.Memo, pods_by_job: kopf.Index[tuple[str, str], PodView]) -> Shared:
+STATIC_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "services": "Service"}
+"""The job's children besides pods (resource -> kind); each has an index named `{resource}_by_job`."""
+
+
+def _static_indexer(kind: str):
+    async def index_static(namespace: str, name: str, labels: kopf.Labels, **_: Any) -> dict | None:
+        job = labels.get(names.LABEL_JOB)
+        return {(namespace, job): f"{kind}/{name}"} if job else None
+
+    return index_static
+
+
+async def static_changed(type: str | None, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    """A ConfigMap/Secret/Service of a job is gone (kopf updated the index first): the job's next pass sees it."""
+    if type != "DELETED":
+        return
+    loop = memo.shared.loops.get((namespace, labels.get(names.LABEL_JOB)))
+    if loop is not None:
+        loop.notify()
+
+
+def _shared(memo: kopf.Memo, pods_by_job: kopf.Index[tuple[str, str], PodView], **indexes: Any) -> Shared:
     shared: Shared = memo.shared
     shared.pod_index = pods_by_job
+    shared.static_indexes = tuple(indexes[f"{r}_by_job"] for r in STATIC_KINDS if f"{r}_by_job" in indexes)
     return shared
 
 
@@ -111,20 +135,20 @@ async def job_loop(
     pods_by_job: kopf.Index,
     namespace: str,
     name: str,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
-    loop = _shared(memo, pods_by_job).loop(namespace, name)
+    loop = _shared(memo, pods_by_job, **kwargs).loop(namespace, name)
     await loop.run(body, stopped=stopped)
 
 
-async def job_wake(memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **_: Any) -> None:
-    _shared(memo, pods_by_job).loop(namespace, name).notify()
+async def job_wake(memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **kwargs: Any) -> None:
+    _shared(memo, pods_by_job, **kwargs).loop(namespace, name).notify()
 
 
 async def job_deleted(
-    body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **_: Any
+    body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, namespace: str, name: str, **kwargs: Any
 ) -> None:
-    shared = _shared(memo, pods_by_job)
+    shared = _shared(memo, pods_by_job, **kwargs)
     loop = shared.loop(namespace, name)
     await loop.run(body, until_released=True)
     await loop.stop_watcher()
@@ -143,6 +167,9 @@ def build_registry() -> kopf.OperatorRegistry:
 
     kopf.index("pods", labels=MANAGED, id="pods_by_job", registry=registry)(index_pod)
     kopf.on.event("pods", labels=MANAGED, id="pod-changed", registry=registry)(pod_changed)
+    for resource, kind in STATIC_KINDS.items():
+        kopf.index(resource, labels=MANAGED, id=f"{resource}_by_job", registry=registry)(_static_indexer(kind))
+        kopf.on.event(resource, labels=MANAGED, id=f"{resource}-deleted", registry=registry)(static_changed)
 
     job = (GROUP, VERSION, PLURAL)
     kopf.daemon(*job, id="job-loop", registry=registry)(job_loop)

@@ -34,6 +34,18 @@ async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return client.ApiClient(configuration=cfg)
 
 
+async def _checked(response: Any) -> Any:
+    """kubernetes_asyncio raises for an error status only when it preloads the body: with
+    `_preload_content=False` (used here for speed) a 404, 409 or 422 comes back as a plain response."""
+    if 200 <= response.status <= 299:
+        return response
+    body = await response.read()
+    response.release()
+    exc = ApiException(status=response.status, reason=response.reason)
+    exc.body = body.decode(errors="replace")
+    raise exc
+
+
 class Kube:
     def __init__(self, api: client.ApiClient):
         self.api = api
@@ -51,7 +63,7 @@ class Kube:
         }[kind]
         try:
             # Raw JSON: deserialising into the generated models and back costs more than the request.
-            response = await create(namespace, manifest, _preload_content=False)
+            response = await _checked(await create(namespace, manifest, _preload_content=False))
             return orjson.loads(await response.read())
         except ApiException as exc:
             if exc.status == 409:
@@ -66,7 +78,9 @@ class Kube:
             preconditions=client.V1Preconditions(uid=uid) if uid else None,
         )
         try:
-            response = await self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            response = await _checked(
+                await self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            )
             response.release()
             return True
         except ApiException as exc:
@@ -82,7 +96,7 @@ class Kube:
             "ConfigMap": self.core.delete_namespaced_config_map,
         }[kind]
         try:
-            response = await delete(name, namespace, _preload_content=False)
+            response = await _checked(await delete(name, namespace, _preload_content=False))
             response.release()
         except ApiException as exc:
             if exc.status != 404:
@@ -101,7 +115,7 @@ class Kube:
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
-            response = await self.custom.patch_namespaced_custom_object_status(
+            response = await _checked(await self.custom.patch_namespaced_custom_object_status(
                 GROUP,
                 VERSION,
                 namespace,
@@ -110,7 +124,7 @@ class Kube:
                 {"status": status},
                 _content_type="application/merge-patch+json",
                 _preload_content=False,
-            )
+            ))
             response.release()
         except ApiException as exc:
             if exc.status == 404:

@@ -1,11 +1,12 @@
 """The per-job reconcile loop: observe -> decide -> apply -> one status patch -> Events, then sleep until woken.
 
 A `JobLoop` exists per TrainingJob while the operator handles it. It is woken by pod events (through the
-kopf pod index and watch), by its Redis event watcher, by spec updates, and by the deadlines the decisions
-return (grace periods, completion and stall timeouts, TTL). It never lists anything from the API server:
-pods come from the kopf index, the job from kopf's live body, trainer events from Redis.
+kopf pod index and watch), by the deletion of its ConfigMap, Secret or a Service (kopf indexes of those
+kinds), by its Redis event watcher, by spec updates, and by the deadlines the decisions return (grace
+periods, completion and stall timeouts, TTL). It never lists anything from the API server: pods and the
+other children come from the kopf indexes, the job from kopf's live body, trainer events from Redis.
 
-Index staleness is handled here, not in the decisions: pods this loop created are counted as present until
+Index staleness is handled here, not in the decisions: children this loop created are counted as present until
 the watch delivers them (so a teardown that starts right after a creation still waits for them), and pods
 it force-deleted are hidden until the watch confirms they are gone (so nothing is counted twice).
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+import orjson
 import redis.asyncio as aioredis
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -37,7 +39,13 @@ from rlkube.controller.actions import (
 )
 from rlkube.controller.decisions import Decision, JobView, decide
 from rlkube.controller.kube import Kube
-from rlkube.controller.observed import EventSource, Observed, PodView, pod_view
+from rlkube.controller.observed import (
+    EventSource,
+    Observed,
+    PodView,
+    Rejected,
+    pod_view,
+)
 from rlkube.controller.times import now, stream_id_key
 from rlkube.controller.watcher import EventWatcher, Target
 from rlkube.core import protocol, runtime
@@ -63,6 +71,7 @@ class Shared:
     loops: dict[Key, JobLoop] = field(default_factory=dict)
     phases: dict[Key, str] = field(default_factory=dict)
     pod_index: Any = None  # kopf.Index[(namespace, job), PodView], set by the first handler call
+    static_indexes: tuple = ()  # kopf.Index[(namespace, job), "Kind/name"] of ConfigMaps, Secrets, Services
 
     def loop(self, namespace: str, name: str) -> JobLoop:
         key = (namespace, name)
@@ -101,8 +110,7 @@ def merge_patch(old: dict, new: dict) -> dict:
 
 def describe(action: Any) -> str:
     if isinstance(action, Create):
-        # Non-pod children are not watched: after a restart they are "ensured" (a 409 means present).
-        return f"{'create' if action.kind == 'Pod' else 'ensure'} {action.kind}/{action.name}"
+        return f"create {action.kind}/{action.name}"
     if isinstance(action, DeletePod):
         return f"{'force-' if action.force else ''}delete Pod/{action.name} (grace {action.grace_seconds}s)"
     if isinstance(action, DeleteObject):
@@ -118,6 +126,15 @@ def without_empty_strings(node: Any) -> Any:
     if isinstance(node, list):
         return [without_empty_strings(v) for v in node]
     return node
+
+
+def api_message(exc: ApiException) -> str:
+    """The Status message of an API error (it names the field), else its reason."""
+    try:
+        message = orjson.loads(exc.body or b"").get("message")
+    except (orjson.JSONDecodeError, AttributeError):
+        message = None
+    return str(message or exc.reason or exc.status)
 
 
 def parse_status(raw: Any) -> TrainingJobStatus:
@@ -161,7 +178,8 @@ class JobLoop:
         self.lock = asyncio.Lock()
         self.status: TrainingJobStatus | None = None  # what this process last wrote (authoritative)
         self.written: dict | None = None
-        self.static_present: set[str] = set()
+        self.static_inflight: dict[str, float] = {}  # "Kind/name" created (or found present) -> when
+        self.rejected: Rejected | None = None
         self.inflight: dict[str, tuple[PodView, float]] = {}
         self.gone: set[str] = set()
         self.watcher: EventWatcher | None = None
@@ -302,23 +320,51 @@ class JobLoop:
             read_upto=read_upto,
             event_source=source,
             events_read_to_end=events_read_to_end,
-            static_present=frozenset(self.static_present),
+            static_present=self._statics(),
+            create_rejected=self.rejected,
         )
+
+    def _statics(self) -> frozenset[str]:
+        """ConfigMap/Secret/Services of this job: the kopf indexes, plus creations the watch has not delivered."""
+        present: set[str] = set()
+        for index in self.shared.static_indexes:
+            present.update(index.get((self.namespace, self.name), []))
+        horizon = time.monotonic() - INFLIGHT_SECONDS
+        for key, created in list(self.static_inflight.items()):
+            if created < horizon or key in present:
+                del self.static_inflight[key]  # the index has it (a later deletion shows) or it never came
+            else:
+                present.add(key)
+        return frozenset(present)
 
     # -- apply ------------------------------------------------------------------------------------
 
     async def _apply(self, job: JobView, decision: Decision) -> None:
         kube = self.shared.kube
+        if decision.status.conditions and self.rejected is not None and any(
+            c.type == "Failed" and c.status == "True" for c in decision.status.conditions
+        ):
+            self.rejected = None  # recorded as the outcome (written below with this decision's status)
         for action in decision.actions:
             if isinstance(action, Create):
-                created = await kube.create(self.namespace, action.manifest)
+                try:
+                    created = await kube.create(self.namespace, action.manifest)
+                except ApiException as exc:
+                    if exc.status not in (400, 422):
+                        raise
+                    # Invalid, not transient: no retry; the next pass (at once) fails the job and tears down.
+                    self.rejected = Rejected(action.kind, action.name, api_message(exc))
+                    log.error("%s/%s: %s/%s rejected: %s", self.namespace, self.name, action.kind, action.name,
+                              self.rejected.message)
+                    self.notify()
+                    return  # nothing after a rejected child is created
                 if action.kind == "Pod":
                     if created is not None:
                         view = pod_view(created)
                         if view is not None:
                             self.inflight[action.name] = (view, time.monotonic())
                 else:
-                    self.static_present.add(f"{action.kind}/{action.name}")
+                    self.static_inflight[f"{action.kind}/{action.name}"] = time.monotonic()
             elif isinstance(action, DeletePod):
                 deleted = await kube.delete_pod(self.namespace, action.name, action.uid, action.grace_seconds)
                 if action.grace_seconds == 0 or not deleted:
@@ -327,7 +373,7 @@ class JobLoop:
                     metrics.FORCE_DELETIONS.labels(action.role).inc()
             elif isinstance(action, DeleteObject):
                 await kube.delete_object(self.namespace, action.kind, action.name)
-                self.static_present.discard(f"{action.kind}/{action.name}")
+                self.static_inflight.pop(f"{action.kind}/{action.name}", None)
             elif isinstance(action, DeleteStreams):
                 await self._delete_streams(job, action.keys)
             elif isinstance(action, DeleteJob):

@@ -109,6 +109,16 @@ class EventSource:
 
 
 @dataclass(frozen=True)
+class Rejected:
+    """A child the API server refused to create as invalid (400/422): retrying the same manifest cannot help."""
+
+    kind: str
+    name: str
+    message: str
+    """The API server's message; it names the offending field."""
+
+
+@dataclass(frozen=True)
 class Observed:
     """Everything one reconcile pass knows besides the job object itself."""
 
@@ -122,7 +132,10 @@ class Observed:
     """This pass read the event stream to its end AFTER it observed `pods` (a fresh, successful read): an event
     missing from `events` is then really not in the stream, not merely unread (watcher lag, operator restart)."""
     static_present: frozenset[str] = frozenset()
-    """`Kind/name` of the non-pod children known to exist (they are not watched: created once, 409 = present)."""
+    """`Kind/name` of the ConfigMap, Secret and Services that exist: kopf's watch of those kinds (by our labels),
+    plus the ones this operator created that the watch has not delivered yet."""
+    create_rejected: Rejected | None = None
+    """A create of one of the job's children that the API server rejected as invalid (since the last pass)."""
 
     def role_pods(self, role: str) -> list[PodView]:
         return sorted((p for p in self.pods if p.role == role), key=lambda p: p.index)
