@@ -74,6 +74,17 @@ async def test_stall_release_drops_unwritten_reservations_first_then_releases_cr
     assert (await counter.reserved(), await counter.written()) == (4, 4)
 
 
+async def test_stall_release_keeps_the_groups_this_replica_is_sampling(counter):
+    await counter.reserve(4, 0)  # a dead actor's, never written
+    await counter.reserve(4, 0)  # this replica's own group, still being sampled (slow, not lost)
+    assert await counter.release_if_stalled(4, 30, inflight=4) == "unwritten reservations"
+    assert (await counter.reserved(), await counter.written()) == (4, 0)
+
+    await counter.redis.delete(counter.keys.stall_release)  # the 30 s period is over
+    assert await counter.release_if_stalled(4, 30, inflight=4) is None  # only our own group is unwritten
+    assert (await counter.reserved(), await counter.written()) == (4, 0)
+
+
 async def test_trainer_starving_reads_the_documents_group(counter, redis_client):
     assert await counter.trainer_starving()  # no documents stream yet
     redis_client.xgroup_create(KEYS.documents, "fast_llm_group", id="0", mkstream=True)

@@ -62,6 +62,9 @@ class PodWorker(threading.Thread):
         self.wake = threading.Event()
         self._lock = threading.Lock()
         self.deletion_seen = False
+        # When the agent's watch first showed the deletion: the signal log's deletion time. The worker thread may
+        # get to it later, and out of order with other pods' workers on a loaded machine.
+        self.deletion_seen_at: float | None = None
         self.grace: float | None = None  # deletionGracePeriodSeconds, shortened by later deletes
         self.gone = False  # the API object no longer exists (force-deleted)
         self.gone_at: float | None = None
@@ -95,6 +98,7 @@ class PodWorker(threading.Thread):
             meta = pod["metadata"]
             if meta.get("deletionTimestamp"):
                 self.deletion_seen = True
+                self.deletion_seen_at = self.deletion_seen_at or time.time()
                 g = float(meta.get("deletionGracePeriodSeconds") or 0)
                 self.grace = g if self.grace is None else min(self.grace, g)
         self.wake.set()
@@ -103,6 +107,7 @@ class PodWorker(threading.Thread):
         with self._lock:
             if not self.gone:
                 self.gone, self.gone_at = True, time.monotonic()
+                self.deletion_seen_at = self.deletion_seen_at or time.time()
         self.wake.set()
 
     def shutdown(self, grace: float) -> None:
@@ -376,7 +381,8 @@ class PodWorker(threading.Thread):
             grace = max(grace if grace is not None else 0.0, MIN_GRACE_S)
         running = {name: p for name, p in self.procs.items() if p.poll() is None}
         self.agent.signal_log("deletion", self, containers=sorted(running), grace=requested,
-                              reason="node agent stopping" if self.stop_grace is not None else "pod deleted")
+                              reason="node agent stopping" if self.stop_grace is not None else "pod deleted",
+                              at=self.deletion_seen_at)
         if running:
             sent = time.time()
             t0 = time.monotonic()

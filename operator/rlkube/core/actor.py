@@ -88,6 +88,7 @@ class Actor:
         self.name = f"actor-{ctx.index}"
         self.urls = [u.rstrip("/") for u in ctx.inference_urls]
         self.stall_s = stall_s
+        self.inflight = 0  # samples reserved by this replica's workers and not yet written or given back
         self.lag = LagCounter(client, self.keys, self.algo.max_lag, self.algo.samples_per_step)
         self.view = TrainerView()
         self.changed = asyncio.Event()  # set on every weights_ready / training_finished
@@ -316,7 +317,7 @@ class Actor:
             else:
                 waited = time.monotonic() - max(held_since, self.view.last_event_at)
                 if (waited >= self.stall_s and await self.lag.trainer_starving()
-                        and (what := await self.lag.release_if_stalled(n, self.stall_s))):
+                        and (what := await self.lag.release_if_stalled(n, self.stall_s, self.inflight))):
                     log.warning("no trainer progress for %.0fs while holding and the trainer lacks documents: "
                                 "released %s (samples that never reached the trainer, seed 6.8)", waited, what)
             try:
@@ -331,6 +332,7 @@ class Actor:
             if last is None:
                 return
             produced = False
+            self.inflight += self.algo.group_size
             try:
                 group = await self.sample_group(session, self.min_version(last))
                 retry = 0
@@ -348,6 +350,7 @@ class Actor:
                     await self.pause(min(0.01 * 2**retry, 1.0))
                     group = await self.sample_group(session, self.view.version)
             finally:
+                self.inflight -= self.algo.group_size
                 if not produced:
                     # Cancelled, stopped or skipped: the reservation was not used (best effort on shutdown).
                     try:

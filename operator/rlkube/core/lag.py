@@ -78,9 +78,13 @@ return position
 _RELEASE = """
 local reserved = tonumber(redis.call('GET', KEYS[1]) or '0')
 local written = tonumber(redis.call('GET', KEYS[2]) or '0')
-if reserved > written then
-  redis.call('SET', KEYS[1], written)
+local keep = tonumber(ARGV[2])
+if reserved > written + keep then
+  redis.call('SET', KEYS[1], written + keep)
   return 'unwritten reservations'
+end
+if keep > 0 then
+  return ''
 end
 redis.call('DECRBY', KEYS[1], ARGV[1])
 redis.call('DECRBY', KEYS[2], ARGV[1])
@@ -177,14 +181,16 @@ class LagCounter:
                 return waiting < self.samples_per_step
         return added < self.samples_per_step
 
-    async def release_if_stalled(self, n: int, stall_s: float) -> str | None:
+    async def release_if_stalled(self, n: int, stall_s: float, inflight: int = 0) -> str | None:
         """Unblock a stalled pipeline, at most once per stall_s across all replicas. First drops reservations
-        that were never written (an actor killed mid-group: safe, the write check still holds the bound);
-        when there are none, lowers both counters by n (samples the preprocessor dropped: the bound may be
-        exceeded by those n). Returns what it did, or None."""
+        that were never written (an actor killed mid-group: safe, the write check still holds the bound),
+        except the `inflight` samples this replica is sampling right now (a slow group is not a lost one);
+        when there are none and nothing is in flight here, lowers both counters by n (samples the preprocessor
+        dropped: the bound may be exceeded by those n). Returns what it did, or None."""
         if not await self.redis.set(self.keys.stall_release, "1", nx=True, px=max(1, int(stall_s * 1000))):
             return None
-        return protocol.text(await self._release(keys=[self.keys.reserved, self.keys.written], args=[n]))
+        did = protocol.text(await self._release(keys=[self.keys.reserved, self.keys.written], args=[n, inflight]))
+        return did or None
 
     async def reserved(self) -> int:
         return int(await self.redis.get(self.keys.reserved) or 0)
