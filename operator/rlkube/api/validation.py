@@ -113,6 +113,10 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
+    if algo.samples_per_step < spec.trainer.nodes:
+        # Each trainer node trains its share of every step (samplesPerStep split as evenly as possible).
+        errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least spec.trainer.nodes "
+                               f"({spec.trainer.nodes}): every trainer node trains a share of each step"))
     if algo.clip_epsilon_low >= 1:
         errs.append(FieldError("spec.algorithm.clipEpsilonLow", "must be below 1 (the ratio is clipped at 1-eps)"))
     if spec.inference.engine == "native" and spec.inference.tensor_parallel != 1:

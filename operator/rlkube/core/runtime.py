@@ -31,6 +31,10 @@ ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
 ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
+# Trainer with spec.trainer.nodes > 1 (data parallelism), besides torchrun's RANK, WORLD_SIZE, NODE_RANK, NNODES,
+# LOCAL_RANK, MASTER_ADDR, MASTER_PORT: seconds after which a rank that stopped answering (died or hung) makes the
+# other ranks exit 1 without training_finished (default 120; rlkube.core.backends.torch_distributed).
+ENV_COLLECTIVE_TIMEOUT = "RLKUBE_COLLECTIVE_TIMEOUT_S"
 
 INFERENCE_PORT = 8000
 WEIGHT_SYNC_PORT = 29500

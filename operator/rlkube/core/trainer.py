@@ -18,6 +18,15 @@ rank (up to gloo's 300 s when one never joins or died), so transfers run on a wo
 waiting for (the step is checkpointed and reported interrupted, the process exits without joining the thread);
 and documents that stop coming: like Fast-LLM, the trainer gives up after RLKUBE_DOCUMENT_TIMEOUT_S (600 s)
 without one, checkpoints what it trained and exits 1 without training_finished.
+
+With `spec.trainer.nodes > 1` (torch backend) one trainer process runs per node, data-parallel (see
+rlkube.core.backends.torch_distributed): each rank reads its share of samplesPerStep documents per step as its own consumer
+`fast_llm_consumer_{rank}`, the gradients are summed over the ranks (normalised by the step's global loss-token
+count, so the result is single-process training on the union of the step's documents), and every rank steps.
+Rank 0 alone loads checkpoints (then broadcasts weights, optimizer state and counters), writes checkpoints,
+transfers weights to inference, and publishes events; the other ranks exit 0 once rank 0 has finished. SIGTERM
+(to any rank) stops all ranks after the same step; a rank that dies makes the others exit 1 within
+RLKUBE_COLLECTIVE_TIMEOUT_S, without training_finished.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,6 +48,7 @@ from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol
 from rlkube.core.backends import TrainerBackend, build_backend
+from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.core.batch import Batch, collate
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
@@ -112,12 +123,14 @@ class Trainer:
         backend: TrainerBackend | None = None,
         device: str = "cpu",
         micro_batch_size: int = DEFAULT_MICRO_BATCH,
+        dp: DataParallel | None = None,
     ):
         self.spec = spec
         self.backend = backend or build_backend(spec, device=device)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.publisher = publisher
         self.micro_batch_size = micro_batch_size
+        self.dp = dp  # None: one process; else gradients and counts are summed over the data-parallel ranks
         self.step = 0  # optimizer steps taken; weights after step N are policy version N
         self.documents_seen = 0
         self.last_checkpoint: tuple[int, Path] | None = None
@@ -150,7 +163,11 @@ class Trainer:
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step, zero the gradients (after the step). Returns grad_norm, policy_version and the loss
-        statistics of everything accumulated since the previous step."""
+        statistics of everything accumulated since the previous step (summed over the data-parallel ranks)."""
+        if self.dp is not None:
+            names = [f.name for f in dataclass_fields(LossStats)]
+            summed = self.dp.sum_gradients(self.model.parameters(), [getattr(self._pending, n) for n in names])
+            self._pending = LossStats(**dict(zip(names, summed, strict=True)))
         grad_norm = self.backend.optim_step()
         self.step += 1
         metrics = self._pending.metrics(self._pending_normalizer or None)
@@ -158,11 +175,29 @@ class Trainer:
         return {**metrics, "grad_norm": grad_norm, "policy_version": self.version, "step": self.step}
 
     def train_step(self, docs: Sequence[protocol.Document]) -> dict[str, float]:
-        """One optimizer step on `docs`: micro-batched forward/backward normalised over the whole step."""
+        """One optimizer step on `docs`: micro-batched forward/backward normalised over the whole step (with data
+        parallelism: `docs` are this rank's share, normalised by the loss-token count of every rank's share)."""
         batch = self.make_batch(docs)
-        self.forward_backward(batch, normalizer=max(batch.num_loss_tokens, 1))
-        self.documents_seen += len(docs)
+        loss_tokens, n_docs = batch.num_loss_tokens, len(docs)
+        if self.dp is not None:
+            loss_tokens, n_docs = self.dp.sum([loss_tokens, n_docs])
+        self.forward_backward(batch, normalizer=max(loss_tokens, 1))
+        self.documents_seen += int(n_docs)
         return self.optim_step()
+
+    def sync_from_leader(self) -> None:
+        """Data parallelism: every rank takes rank 0's weights, optimizer state and counters (after rank 0 resumed
+        from its checkpoint, or fresh), so all ranks start identical however they were initialised."""
+        if self.dp is None:
+            return
+        state = None
+        if self.dp.is_leader:
+            model_state, optim_state = self.backend.state()
+            state = (model_state, optim_state, self.step, self.documents_seen)
+        model_state, optim_state, step, documents_seen = self.dp.broadcast_state(state)
+        if not self.dp.is_leader:
+            self.backend.load_state(model_state, optim_state)
+            self.step, self.documents_seen = step, documents_seen
 
     # --- checkpoints ---
 
@@ -240,7 +275,10 @@ class TrainerRole:
         self.keys = ctx.keys
         self.trainer = trainer
         self.stop = stop or threading.Event()
-        self.consumer = protocol.consumer_name(ctx.index)
+        self.dp = trainer.dp
+        self.leader = self.dp is None or self.dp.is_leader  # publishes events, checkpoints, transfers weights
+        # design.md s5: one consumer per trainer rank (RLKUBE_INDEX is the node rank)
+        self.consumer = protocol.consumer_name(self.dp.rank if self.dp is not None else ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
@@ -267,7 +305,7 @@ class TrainerRole:
         thread.start()
         while not done.wait(TRANSFER_POLL_S):
             # A transfer that is merely slow may finish within a short grace; one waiting for a peer will not.
-            if self.stop.is_set() and not done.wait(TRANSFER_GRACE_S):
+            if self._stopping() and not done.wait(TRANSFER_GRACE_S):
                 log.warning("stop requested: abandoning the weight transfer (%s), which is still blocked", what)
                 self.abandoned_transfer = thread
                 return False
@@ -275,7 +313,25 @@ class TrainerRole:
             raise error[0]
         return True
 
+    def share(self, samples_per_step: int) -> int:
+        """This rank's documents per step: samplesPerStep split as evenly as possible (the lower ranks take the
+        remainder). Uneven shares are exact too: every rank normalises by the step's global loss-token count."""
+        if self.dp is None:
+            return samples_per_step
+        base, extra = divmod(samples_per_step, self.dp.world_size)
+        return base + (1 if self.dp.rank < extra else 0)
+
+    def _stopping(self) -> bool:
+        """SIGTERM here, or (data-parallel) on another rank: stop after the current step."""
+        if self.stop.is_set():
+            if self.dp is not None:
+                self.dp.announce_stop()
+            return True
+        return self.dp is not None and self.dp.stop_announced()
+
     def _event(self, type_: str, **fields: Any) -> None:
+        if not self.leader:
+            return
         self.redis.xadd(self.keys.events, protocol.encode_event(type_, **fields))
 
     def read_documents(self, want: int) -> list[protocol.Document]:
@@ -324,10 +380,12 @@ class TrainerRole:
         # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
         last_document = time.monotonic()
         while len(docs) < want:
-            if self.stop.is_set():
+            if self._stopping():
                 if docs:
                     log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
                 return None
+            if self.dp is not None:
+                self.dp.check_peers()  # a dead peer must not go unnoticed while no documents come
             got = self.read_documents(want - len(docs))
             now = time.monotonic()
             if got:
@@ -344,33 +402,57 @@ class TrainerRole:
         spec, t = self.ctx.spec, self.trainer
         algo = spec.algorithm
         interval = spec.trainer.checkpoint.interval_steps
+        per_rank = self.share(algo.samples_per_step)
         ensure_group(self.redis, self.keys)
         if t.step >= algo.max_steps:
-            return self._finish_again()
+            code = self._finish_again() if self.leader else 0
+            if self.dp is not None:
+                self.dp.finish()
+            return code
         published = self._transfer("initial weights", t.start_weights)
-        log.info("training from step %d to %d, %d documents per step", t.step, algo.max_steps, algo.samples_per_step)
-        while published and t.step < algo.max_steps and not self.stop.is_set():
+        log.info("training from step %d to %d, %d documents per step (%d per rank)", t.step, algo.max_steps,
+                 algo.samples_per_step, per_rank)
+        while t.step < algo.max_steps:
             t0 = time.monotonic()
-            try:
-                docs = self._collect_step(algo.samples_per_step)
-            except DocumentTimeout:
-                # Keep what was trained (the consumed documents are gone from the group), but publish no
-                # training_finished: this is a failure, and the operator must not read it as completion.
-                if t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
-                    self._checkpoint()
-                raise
+            docs = None
+            if published and not self._stopping():
+                try:
+                    docs = self._collect_step(per_rank)
+                except DocumentTimeout:
+                    # Keep what was trained (the consumed documents are gone from the group), but publish no
+                    # training_finished: this is a failure, and the operator must not read it as completion.
+                    if self.leader and t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+                        self._checkpoint()
+                    raise
+            if self.dp is not None:
+                # Meet outside any collective (a peer may still wait for documents or a weight transfer), then
+                # agree: one rank stopping stops all of them after the same step.
+                self.dp.gather(f"step/{t.step + 1}")
+                if self.dp.any(docs is None):
+                    if docs is not None:
+                        log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
+                                 len(docs), t.step + 1)
+                    docs = None
             if docs is None:
                 break
             t1 = time.monotonic()
             version_before = t.version
             step_metrics = t.train_step(docs)
             t2 = time.monotonic()
-            published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
+            if self.leader:
+                published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
             t3 = time.monotonic()
             self._event(protocol.METRICS, **self._metrics(docs, step_metrics, version_before, t1 - t0, t2 - t1, t3 - t2))
-            if t.step % interval == 0:
+            if self.leader and t.step % interval == 0:
                 self._checkpoint()
-        interrupted = t.step < algo.max_steps
+        if self.leader:
+            self._finish(interrupted=t.step < algo.max_steps)
+        if self.dp is not None:
+            self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
+        return 0
+
+    def _finish(self, interrupted: bool) -> None:
+        t = self.trainer
         if t.last_checkpoint is None or t.last_checkpoint[0] != t.step:
             self._checkpoint()
         if self.abandoned_transfer is None:
@@ -384,7 +466,6 @@ class TrainerRole:
         self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
                     documents_seen=t.documents_seen)
         log.info("training finished at step %d (interrupted=%s), checkpoint %s", step, interrupted, path)
-        return 0
 
     def _finish_again(self) -> int:
         """A restarted trainer whose checkpoint already holds every step (killed after the final checkpoint, before
@@ -444,18 +525,35 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
 
 
 def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
-               document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S) -> TrainerRole:
+               document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S, env=None) -> TrainerRole:
     spec = ctx.spec
-    if spec.trainer.nodes > 1:
-        raise ValueError(f"spec.trainer.nodes={spec.trainer.nodes}: the {spec.trainer.backend} backend of "
-                         "`python -m rlkube.core.trainer` trains on one node")
+    env = os.environ if env is None else env
+    nodes = spec.trainer.nodes
+    if nodes > 1 and spec.trainer.backend != "torch":
+        raise ValueError(f"spec.trainer.nodes={nodes}: the {spec.trainer.backend} backend of "
+                         "`python -m rlkube.core.trainer` trains on one node (data parallelism: backend torch)")
+    cfg = DistConfig.from_env(env) if nodes > 1 else None
+    if cfg is not None and cfg.world_size != nodes:
+        raise ValueError(f"WORLD_SIZE={cfg.world_size} but spec.trainer.nodes={nodes}")
     device = "cuda" if spec.trainer.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
-    trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=_make_publisher(ctx, client, device),
-                      device=device)
+    if device == "cuda" and cfg is not None:
+        device = f"cuda:{cfg.local_rank}"
+        torch.cuda.set_device(device)
+    dp = DataParallel(cfg, device=device) if cfg is not None else None
+    leader = dp is None or dp.is_leader
+    # Only rank 0 joins the weight-update group with the inference servers.
+    publisher = _make_publisher(ctx, client, device) if leader else None
+    trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=publisher, device=device, dp=dp)
     if ctx.checkpoint_dir is None:
         log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
         trainer.checkpoint_dir = Path("checkpoints")
-    trainer.resume()
+    if leader:
+        # Rank 0 alone resumes: in a cluster each trainer pod has its own checkpoint volume (unless an RWX claim
+        # is shared), and only rank 0 writes checkpoints; the others get the state by broadcast.
+        trainer.resume()
+    else:
+        trainer.checkpoint_dir = None
+    trainer.sync_from_leader()
     return TrainerRole(ctx, client, trainer, stop, document_timeout_s=document_timeout_s)
 
 
@@ -474,7 +572,10 @@ def main() -> int:
     except Exception:
         log.exception("trainer failed (no training_finished published)")
         code = 1
-    if role is not None and role.abandoned_transfer is not None and role.abandoned_transfer.is_alive():
+    blocked = role is not None and role.abandoned_transfer is not None and role.abandoned_transfer.is_alive()
+    # A data-parallel rank that failed may leave its group mid-collective (a peer died); like a blocked transfer,
+    # that must not hold up interpreter shutdown.
+    if blocked or (code != 0 and torch.distributed.is_initialized()):
         # The abandoned transfer thread is blocked inside gloo; interpreter shutdown could wait on it (process
         # group destructors), so leave at once: everything that matters (checkpoint, events) is written.
         logging.shutdown()

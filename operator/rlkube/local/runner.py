@@ -146,7 +146,13 @@ class LocalJob:
         ports = [_free_port() for _ in range(self.spec.inference.replicas)]
         self.inference_urls = [f"http://127.0.0.1:{p}" for p in ports]
         # Trainer and inference start together: the trainer must not wait for inference health (seed 6.6).
-        self._spawn("trainer", 0, **{runtime.ENV_CHECKPOINT_DIR: str(self.out / "checkpoints")})
+        # One trainer process per spec.trainer.nodes, with the torchrun env the operator gives each trainer pod.
+        nodes = self.spec.trainer.nodes
+        master_port = str(_free_port())
+        for rank in range(nodes):
+            dist_env = {"RANK": str(rank), "WORLD_SIZE": str(nodes), "NODE_RANK": str(rank), "NNODES": str(nodes),
+                        "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}
+            self._spawn("trainer", rank, **{runtime.ENV_CHECKPOINT_DIR: str(self.out / "checkpoints")}, **dist_env)
         for i, port in enumerate(ports):
             self._spawn("inference", i, **{runtime.ENV_PORT: str(port)})
         for i in range(self.spec.preprocessor.replicas):
@@ -189,6 +195,11 @@ class LocalJob:
         return last_id
 
     def _crashed(self) -> tuple[str, int] | None:
+        # Trainer ranks other than 0 (rank 0's exit is the trainer's outcome): a failed one fails the job.
+        for p in self.procs["trainer"][1:]:
+            code = p.returncode()
+            if code is not None and code != 0:
+                return p.name, code
         for role in ("inference", "preprocessor", "actor"):
             for p in self.procs[role]:
                 code = p.returncode()

@@ -1,0 +1,40 @@
+"""`rlkube local` with spec.trainer.nodes: 2: one trainer process per rank (the torchrun env the operator gives each
+trainer pod, MASTER_ADDR 127.0.0.1 and a free MASTER_PORT), the job succeeds, and teardown stops every rank."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import yaml
+from test_local_runner import EXAMPLE, ORDER, _leftovers, _run
+
+STEPS = 6
+
+
+def test_tiny_job_on_two_trainer_nodes(tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["trainer"]["nodes"] = 2
+    doc["spec"]["trainer"]["checkpoint"]["intervalSteps"] = 3
+    doc["spec"]["algorithm"]["maxSteps"] = STEPS
+    manifest = tmp_path / "two-nodes.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = _run([str(manifest), "--json", "--output-dir", str(out)])
+    stdout, stderr = proc.communicate(timeout=300)
+    print(f"{STEPS} steps on 2 trainer ranks: {time.monotonic() - t0:.1f}s")
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Succeeded" and summary["steps"] == STEPS, summary
+    assert summary["teardown"] == ORDER and summary["forced"] == [], summary
+    logs = {rank: (out / "logs" / f"trainer-{rank}.log").read_text() for rank in (0, 1)}
+    for rank, text in logs.items():
+        assert f"rank {rank}/2 joined the data-parallel group" in text, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+    assert "rank 1 left the data-parallel group after rank 0 finished" in logs[1], logs[1][-3000:]
+    assert "training finished at step 6 (interrupted=False)" in logs[0], logs[0][-3000:]
+    # rank 0 alone checkpoints: every intervalSteps (3) and at the end
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == [
+        "step-000003", "step-000006"]
+    assert not _leftovers(out)

@@ -1,0 +1,162 @@
+"""Data-parallel trainer (spec.trainer.nodes = 2): two real trainer role processes (RANK 0/1, WORLD_SIZE 2, gloo)
+against a real Redis. The result equals single-process training on the union of each step's documents; only rank 0
+publishes; SIGTERM stops both ranks after the same step; a rank killed with SIGKILL makes rank 0 fail (exit 1, no
+training_finished) within the collective timeout."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from core_roles import (
+    Role,
+    add_documents,
+    free_port,
+    keys_for,
+    make_documents,
+    read_events,
+    roles_fixture,  # noqa: F401  (fixture roles)
+    start_trainer,
+    tiny_spec,
+    wait_for_event,
+)
+from rlkube.api.validation import parse_spec
+from rlkube.core import checkpoint as ckpt
+from rlkube.core import protocol
+from rlkube.core.trainer import Trainer
+from safetensors.torch import load_file
+
+TIMEOUT = 60
+GRACE = 10  # well inside the trainer's default teardown grace period (30 s)
+NODES = 2
+
+
+def dp_spec(**algorithm) -> dict:
+    spec = tiny_spec(**algorithm)
+    spec["trainer"]["nodes"] = NODES
+    return spec
+
+
+def start_ranks(roles, tmp: Path, job: str, spec: dict, redis_url: str, **env: str) -> list[Role]:
+    """One trainer process per rank with the env the operator gives each trainer pod; rank r checkpoints to
+    tmp/ckpt-r (only rank 0 may write there)."""
+    port = str(free_port())
+    return [
+        start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=tmp / f"ckpt-{rank}", RANK=str(rank),
+                      WORLD_SIZE=str(NODES), NODE_RANK=str(rank), NNODES=str(NODES), LOCAL_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
+        for rank in range(NODES)
+    ]
+
+
+@pytest.mark.parametrize("per_step", [8, 7], ids=["even", "uneven"])
+def test_two_ranks_equal_single_process_training_on_the_union(redis_client, redis_server, tmp_path, roles,
+                                                              per_step):
+    """7 documents per step: rank shares of 4 and 3 (normalised by the global loss-token count, still exact)."""
+    steps = 3
+    spec = dp_spec(maxSteps=steps, samplesPerStep=per_step)
+    keys = keys_for("dp", spec)
+    docs = make_documents(steps * per_step, seed=5)
+    # Written before the ranks start: each rank takes exactly its share of each step and cannot read for step k+1
+    # before both finished step k (the gradient all_reduce), so step k trains on the stream's next `per_step`
+    # entries, in whichever split between the two consumers (one XREADGROUP each: even shares always split the same
+    # way, so the float summation order and the result are the same every run).
+    add_documents(redis_client, keys, docs)
+    t0 = time.monotonic()
+    ranks = start_ranks(roles, tmp_path, "dp", spec, redis_server.url)
+    for rank in ranks:
+        assert rank.wait(TIMEOUT) == 0, rank.log()
+    print(f"2 ranks, {steps} steps: {time.monotonic() - t0:.1f}s including start-up")
+
+    # Only rank 0 published: one of each event per step, no duplicates.
+    events = read_events(redis_client, keys)
+    kinds = [e.type for e in events]
+    assert kinds.count(protocol.WEIGHTS_READY) == steps + 1, kinds
+    assert kinds.count(protocol.METRICS) == steps, kinds
+    assert kinds.count(protocol.TRAINING_FINISHED) == 1, kinds
+    assert kinds.count(protocol.CHECKPOINT_SAVED) == 1, kinds  # intervalSteps 10 > 3: the final one only
+    finished = events[-1]
+    assert finished.type == protocol.TRAINING_FINISHED
+    assert finished.payload["step"] == steps and finished.payload["interrupted"] is False
+    assert finished.payload["documents_seen"] == steps * per_step
+    assert not (tmp_path / "ckpt-1").exists() or not any((tmp_path / "ckpt-1").iterdir())
+    # Each rank read as its own consumer of the documents group (design.md s5).
+    consumers = {protocol.text(c["name"]) for c in redis_client.xinfo_consumers(keys.documents,
+                                                                                protocol.DOCUMENTS_GROUP)}
+    assert consumers == {protocol.consumer_name(0), protocol.consumer_name(1)}
+
+    # The single-process reference on the same per-step groups of documents.
+    reference = Trainer(parse_spec(spec))
+    ref_metrics = [reference.train_step(docs[k * per_step:(k + 1) * per_step]) for k in range(steps)]
+    path = Path(finished.payload["checkpoint"])
+    assert path.parent == tmp_path / "ckpt-0"
+    got = load_file(str(path / ckpt.MODEL_FILE))
+    want = reference.model.state_dict()
+    assert got.keys() == want.keys()
+    worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+    print(f"largest parameter difference to single-process training: {worst:.2e}")
+    assert worst < 1e-5
+    moved = max(float((want[n] - Trainer(parse_spec(spec)).model.state_dict()[n]).abs().max()) for n in want)
+    assert moved > 1e-3, "training did not change the weights: the comparison would prove nothing"
+    # The published metrics are of the whole step (both ranks' documents), not rank 0's half.
+    metrics = [e.payload for e in events if e.type == protocol.METRICS]
+    for m, ref in zip(metrics, ref_metrics, strict=True):
+        assert m["loss_tokens"] == ref["loss_tokens"]
+        assert m["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert ckpt.read_meta(path).documents_seen == steps * per_step
+
+
+@pytest.mark.parametrize("signalled", ["both", "rank1"])
+def test_sigterm_stops_every_rank_after_the_same_step(redis_client, redis_server, tmp_path, roles, signalled):
+    """The operator's teardown signals every trainer pod; a SIGTERM to one rank alone also stops both."""
+    spec = dp_spec(maxSteps=50, samplesPerStep=8)
+    keys = keys_for("dpterm", spec)
+    ranks = start_ranks(roles, tmp_path, "dpterm", spec, redis_server.url)
+    add_documents(redis_client, keys, make_documents(8))  # one step; then both ranks wait for documents
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, ranks[0])
+    t0 = time.monotonic()
+    for rank in ranks if signalled == "both" else ranks[1:]:
+        rank.proc.send_signal(signal.SIGTERM)
+    codes = [rank.wait(GRACE) for rank in ranks]
+    took = time.monotonic() - t0
+    print(f"SIGTERM to {signalled}: both ranks exited {took:.2f}s later")
+    assert codes == [0, 0], [r.log() for r in ranks]
+    (finished,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert finished.payload["interrupted"] is True and finished.payload["step"] == 1
+    assert ckpt.read_meta(Path(finished.payload["checkpoint"])).step == 1
+
+
+def test_a_killed_rank_fails_rank_0_within_the_collective_timeout(redis_client, redis_server, tmp_path, roles):
+    timeout_s = 4
+    spec = dp_spec(maxSteps=50, samplesPerStep=8)
+    keys = keys_for("dpkill", spec)
+    ranks = start_ranks(roles, tmp_path, "dpkill", spec, redis_server.url,
+                        RLKUBE_COLLECTIVE_TIMEOUT_S=str(timeout_s))
+    add_documents(redis_client, keys, make_documents(8))
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, ranks[0])
+    t0 = time.monotonic()
+    ranks[1].proc.kill()
+    ranks[1].proc.wait(timeout=10)
+    # Rank 0 waits for documents when its peer dies; then documents come, as they would from the actors.
+    add_documents(redis_client, keys, make_documents(8, seed=1))
+    code = ranks[0].wait(timeout_s + GRACE)
+    took = time.monotonic() - t0
+    print(f"rank 0 exited {code} {took:.2f}s after rank 1 was killed (collective timeout {timeout_s}s)")
+    assert code == 1, ranks[0].log()
+    assert "trainer rank 1 has shown no sign of life" in ranks[0].log(), ranks[0].log()
+    assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+
+
+def test_rank_1_fails_when_rank_0_dies(redis_client, redis_server, tmp_path, roles):
+    """Rank 0 hosts the rendezvous store: its death is noticed at the next store call."""
+    spec = dp_spec(maxSteps=50, samplesPerStep=8)
+    keys = keys_for("dpkill0", spec)
+    ranks = start_ranks(roles, tmp_path, "dpkill0", spec, redis_server.url, RLKUBE_COLLECTIVE_TIMEOUT_S="4")
+    add_documents(redis_client, keys, make_documents(8))
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, ranks[0])
+    ranks[0].proc.kill()
+    assert ranks[1].wait(GRACE) == 1, ranks[1].log()
+    assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)

@@ -1,0 +1,75 @@
+"""Configuration of the data-parallel trainer (spec.trainer.nodes > 1): the spec check naming its field, torchrun's
+environment read with errors naming the variable, and the backends that refuse more than one node."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from rlkube.api.validation import SpecError, parse_spec
+from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, DistConfig
+from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT, RoleContext
+from rlkube.core.trainer import build_role
+
+SPEC = {
+    "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 1, "hiddenSize": 16, "heads": 2,
+                                                             "maxSequenceLength": 16}},
+    "algorithm": {"maxSteps": 3, "samplesPerStep": 4},
+    "inference": {"engine": "native"},
+    "trainer": {"nodes": 2},
+}
+ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "LOCAL_RANK": "0"}
+
+
+def spec_with(nodes: int, samples: int, backend: str = "torch") -> dict:
+    spec = copy.deepcopy(SPEC)
+    spec["trainer"].update(nodes=nodes, backend=backend)
+    spec["algorithm"]["samplesPerStep"] = samples
+    return spec
+
+
+def test_every_node_needs_a_share_of_each_step():
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec_with(nodes=4, samples=3))
+    assert [e.field for e in err.value.errors] == ["spec.algorithm.samplesPerStep"]
+    assert "spec.trainer.nodes (4)" in str(err.value)
+    assert parse_spec(spec_with(nodes=2, samples=7)).trainer.nodes == 2  # uneven shares (4 and 3) are fine
+    assert parse_spec(spec_with(nodes=4, samples=4)).algorithm.samples_per_step == 4
+
+
+def test_torchrun_env():
+    cfg = DistConfig.from_env(ENV)
+    assert (cfg.rank, cfg.world_size, cfg.master_addr, cfg.master_port, cfg.local_rank) == (1, 2, "10.0.0.1",
+                                                                                             29400, 0)
+    assert cfg.timeout_s == DEFAULT_COLLECTIVE_TIMEOUT_S == 120.0
+    assert DistConfig.from_env({**ENV, ENV_COLLECTIVE_TIMEOUT: "7.5"}).timeout_s == 7.5
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"RANK": None}, "RANK is not set"),
+    ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' is not a number"),
+    ({"RANK": "2"}, "RANK=2 is outside WORLD_SIZE=2"),
+    ({ENV_COLLECTIVE_TIMEOUT: "0"}, f"{ENV_COLLECTIVE_TIMEOUT}=0.0 must be > 0"),
+    ({ENV_COLLECTIVE_TIMEOUT: "soon"}, f"{ENV_COLLECTIVE_TIMEOUT}='soon' is not a number"),
+])
+def test_bad_torchrun_env_names_the_variable(change, named):
+    env = {k: v for k, v in {**ENV, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=named):
+        DistConfig.from_env(env)
+
+
+def _ctx(spec: dict) -> RoleContext:
+    return RoleContext(namespace="ns", job="j", spec=parse_spec(spec), redis_url="redis://127.0.0.1:1/0")
+
+
+def test_megatron_refuses_more_than_one_node_naming_the_field():
+    # Refused before anything is started or connected (no Redis, no rendezvous needed).
+    with pytest.raises(ValueError, match=r"spec.trainer.nodes=2: the megatron backend .* trains on one node"):
+        build_role(_ctx(spec_with(nodes=2, samples=4, backend="megatron")), client=None, env=ENV)
+
+
+def test_world_size_must_match_the_spec():
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=3 but spec.trainer.nodes=2"):
+        build_role(_ctx(spec_with(nodes=2, samples=4)), client=None, env={**ENV, "WORLD_SIZE": "3"})
