@@ -39,12 +39,14 @@ def dp_spec(**algorithm) -> dict:
     return spec
 
 
-def start_ranks(roles, tmp: Path, job: str, spec: dict, redis_url: str, **env: str) -> list[Role]:
+def start_ranks(roles, tmp: Path, job: str, spec: dict, redis_url: str, fresh_rank_1: bool = False,
+                **env: str) -> list[Role]:
     """One trainer process per rank with the env the operator gives each trainer pod; rank r checkpoints to
-    tmp/ckpt-r (only rank 0 may write there)."""
+    tmp/ckpt-r (only rank 0 may write there), rank 1 to a new empty directory with `fresh_rank_1`."""
     port = str(free_port())
+    dirs = {0: tmp / "ckpt-0", 1: tmp / ("ckpt-1-fresh" if fresh_rank_1 else "ckpt-1")}
     return [
-        start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=tmp / f"ckpt-{rank}", RANK=str(rank),
+        start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=dirs[rank], RANK=str(rank),
                       WORLD_SIZE=str(NODES), NODE_RANK=str(rank), NNODES=str(NODES), LOCAL_RANK="0",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
         for rank in range(NODES)
@@ -102,7 +104,11 @@ def test_two_ranks_equal_single_process_training_on_the_union(redis_client, redi
     assert moved > 1e-3, "training did not change the weights: the comparison would prove nothing"
     # The published metrics are of the whole step (both ranks' documents), not rank 0's half.
     metrics = [e.payload for e in events if e.type == protocol.METRICS]
-    for m, ref in zip(metrics, ref_metrics, strict=True):
+    for k, (m, ref) in enumerate(zip(metrics, ref_metrics, strict=True)):
+        step_docs = docs[k * per_step:(k + 1) * per_step]
+        assert m["reward_mean"] == pytest.approx(sum(d.reward for d in step_docs) / per_step, abs=1e-12)
+        assert m["tokens"] == sum(len(d.tokens) for d in step_docs)
+        assert m["documents_seen"] == (k + 1) * per_step
         assert m["loss_tokens"] == ref["loss_tokens"]
         assert m["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
@@ -160,3 +166,42 @@ def test_rank_1_fails_when_rank_0_dies(redis_client, redis_server, tmp_path, rol
     ranks[0].proc.kill()
     assert ranks[1].wait(GRACE) == 1, ranks[1].log()
     assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+
+
+def test_restarted_ranks_resume_from_rank_0s_checkpoint(redis_client, redis_server, tmp_path, roles):
+    """Both ranks stopped after step 1 and started again, rank 1 with an empty checkpoint volume (as on a cluster
+    without a shared claim): rank 0 loads its checkpoint and broadcasts weights, optimizer state and counters, and
+    the finished run still equals uninterrupted single-process training (a rank 1 that kept its fresh Adam state
+    would step differently, change the step-3 gradients, and fail the comparison)."""
+    steps, per_step = 3, 8
+    spec = dp_spec(maxSteps=steps, samplesPerStep=per_step)
+    keys = keys_for("dpresume", spec)
+    docs = make_documents(steps * per_step, seed=9)
+    add_documents(redis_client, keys, docs[:per_step])
+    first = start_ranks(roles, tmp_path, "dpresume", spec, redis_server.url)
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, first[0])
+    for rank in first:
+        rank.proc.send_signal(signal.SIGTERM)
+    assert [rank.wait(GRACE) for rank in first] == [0, 0], [r.log() for r in first]
+    (stopped,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert stopped.payload["step"] == 1 and stopped.payload["interrupted"] is True
+    redis_client.delete(keys.events)
+    # rank 1 restarts with a fresh, empty checkpoint directory
+    add_documents(redis_client, keys, docs[per_step:])
+    second = start_ranks(roles, tmp_path, "dpresume", spec, redis_server.url, fresh_rank_1=True)
+    for rank in second:
+        assert rank.wait(TIMEOUT) == 0, rank.log()
+    assert "resumed from" in second[0].log()
+    (finished,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert finished.payload["step"] == steps and finished.payload["interrupted"] is False
+    assert finished.payload["documents_seen"] == steps * per_step
+    assert [e.step for e in read_events(redis_client, keys, protocol.METRICS)] == [2, 3]
+
+    reference = Trainer(parse_spec(spec))
+    for k in range(steps):
+        reference.train_step(docs[k * per_step:(k + 1) * per_step])
+    got = load_file(str(Path(finished.payload["checkpoint"]) / ckpt.MODEL_FILE))
+    want = reference.model.state_dict()
+    worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+    print(f"after a restart at step 1: largest parameter difference to single-process training {worst:.2e}")
+    assert worst < 1e-5

@@ -438,11 +438,12 @@ class TrainerRole:
             t1 = time.monotonic()
             version_before = t.version
             step_metrics = t.train_step(docs)
+            doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
             t2 = time.monotonic()
             if self.leader:
                 published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
             t3 = time.monotonic()
-            self._event(protocol.METRICS, **self._metrics(docs, step_metrics, version_before, t1 - t0, t2 - t1, t3 - t2))
+            self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
             if self.leader and t.step % interval == 0:
                 self._checkpoint()
         if self.leader:
@@ -484,20 +485,33 @@ class TrainerRole:
         path = self.trainer.save_checkpoint()
         self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
 
-    def _metrics(self, docs: Sequence[protocol.Document], m: dict[str, float], version: int, wait_s: float,
-                 busy_s: float, publish_s: float) -> dict[str, Any]:
+    def _document_stats(self, docs: Sequence[protocol.Document], version: int) -> dict[str, float]:
+        """The step's document statistics; with data parallelism, over every rank's share (two tiny collectives,
+        on every rank: the metrics rank 0 publishes describe the whole step)."""
         versions = [int(d.model_version[d.loss_mask()].min()) for d in docs
                     if d.model_version is not None and d.loss_mask().any()]
         lags = [version - v for v in versions]
-        tokens = sum(len(d.tokens) for d in docs)
+        sums = [sum(d.reward for d in docs), len(docs), sum(len(d.tokens) for d in docs),
+                sum(1 for lag in lags if lag > self.ctx.spec.algorithm.max_lag)]
+        lag_max = max(lags) if lags else 0
+        if self.dp is not None:
+            sums = self.dp.sum(sums)
+            lag_max = self.dp.max(lag_max)
+        reward_sum, n, tokens, stale = sums
+        return {"reward_mean": reward_sum / max(n, 1), "lag_max": int(lag_max), "stale_documents": int(stale),
+                "tokens": int(tokens)}
+
+    def _metrics(self, d: dict[str, float], m: dict[str, float], wait_s: float, busy_s: float,
+                 publish_s: float) -> dict[str, Any]:
+        tokens = d["tokens"]
         wall = max(wait_s + busy_s + publish_s, 1e-9)
         return {
             "step": self.trainer.step,
             "version": self.trainer.version,
             "loss": m["loss"],
-            "reward_mean": sum(d.reward for d in docs) / len(docs),
-            "lag_max": max(lags) if lags else 0,
-            "stale_documents": sum(1 for lag in lags if lag > self.ctx.spec.algorithm.max_lag),
+            "reward_mean": d["reward_mean"],
+            "lag_max": d["lag_max"],
+            "stale_documents": d["stale_documents"],
             "tokens": tokens,
             "loss_tokens": int(m["loss_tokens"]),
             "tokens_per_s": tokens / wall,

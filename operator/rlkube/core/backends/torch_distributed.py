@@ -172,6 +172,11 @@ class DataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def max(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
     def sum(self, values: list[float]) -> list[float]:
         # float64: exact for counts; one collective for all of them
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
