@@ -154,6 +154,9 @@ def test_a_killed_rank_fails_rank_0_within_the_collective_timeout(redis_client, 
     assert code == 1, ranks[0].log()
     assert "trainer rank 1 has shown no sign of life" in ranks[0].log(), ranks[0].log()
     assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    # the step both ranks completed is kept: a restarted job resumes from it
+    saved = read_events(redis_client, keys, protocol.CHECKPOINT_SAVED)
+    assert [e.step for e in saved] == [1] and ckpt.read_meta(Path(saved[0].payload["path"])).step == 1
 
 
 def test_rank_1_fails_when_rank_0_dies(redis_client, redis_server, tmp_path, roles):

@@ -48,7 +48,7 @@ from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol
 from rlkube.core.backends import TrainerBackend, build_backend
-from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
+from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.batch import Batch, collate
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
@@ -412,40 +412,42 @@ class TrainerRole:
         published = self._transfer("initial weights", t.start_weights)
         log.info("training from step %d to %d, %d documents per step (%d per rank)", t.step, algo.max_steps,
                  algo.samples_per_step, per_rank)
-        while t.step < algo.max_steps:
-            t0 = time.monotonic()
-            docs = None
-            if published and not self._stopping():
-                try:
+        try:
+            while t.step < algo.max_steps:
+                t0 = time.monotonic()
+                docs = None
+                if published and not self._stopping():
                     docs = self._collect_step(per_rank)
-                except DocumentTimeout:
-                    # Keep what was trained (the consumed documents are gone from the group), but publish no
-                    # training_finished: this is a failure, and the operator must not read it as completion.
-                    if self.leader and t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
-                        self._checkpoint()
-                    raise
-            if self.dp is not None:
-                # Meet outside any collective (a peer may still wait for documents or a weight transfer), then
-                # agree: one rank stopping stops all of them after the same step.
-                self.dp.gather(f"step/{t.step + 1}")
-                if self.dp.any(docs is None):
-                    if docs is not None:
-                        log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
-                                 len(docs), t.step + 1)
-                    docs = None
-            if docs is None:
-                break
-            t1 = time.monotonic()
-            version_before = t.version
-            step_metrics = t.train_step(docs)
-            doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
-            t2 = time.monotonic()
-            if self.leader:
-                published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
-            t3 = time.monotonic()
-            self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
-            if self.leader and t.step % interval == 0:
+                if self.dp is not None:
+                    # Meet outside any collective (a peer may still wait for documents or a weight transfer), then
+                    # agree: one rank stopping stops all of them after the same step.
+                    self.dp.gather(f"step/{t.step + 1}")
+                    if self.dp.any(docs is None):
+                        if docs is not None:
+                            log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
+                                     len(docs), t.step + 1)
+                        docs = None
+                if docs is None:
+                    break
+                t1 = time.monotonic()
+                version_before = t.version
+                step_metrics = t.train_step(docs)
+                doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
+                t2 = time.monotonic()
+                if self.leader:
+                    published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
+                t3 = time.monotonic()
+                self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
+                if self.leader and t.step % interval == 0:
+                    self._checkpoint()
+        except (DocumentTimeout, PeerLost, torch.distributed.DistError):
+            # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
+            # are gone from the group; a step's weights change only after its collectives succeeded, so they are
+            # consistent), but publish no training_finished: this is a failure, and the operator must not read it
+            # as completion.
+            if self.leader and t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
                 self._checkpoint()
+            raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
         if self.dp is not None:
