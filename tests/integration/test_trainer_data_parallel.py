@@ -43,14 +43,16 @@ def start_ranks(roles, tmp: Path, job: str, spec: dict, redis_url: str, fresh_ra
                 **env: str) -> list[Role]:
     """One trainer process per rank with the env the operator gives each trainer pod; rank r checkpoints to
     tmp/ckpt-r (only rank 0 may write there), rank 1 to a new empty directory with `fresh_rank_1`."""
-    port = str(free_port())
+    port = free_port()
     dirs = {0: tmp / "ckpt-0", 1: tmp / ("ckpt-1-fresh" if fresh_rank_1 else "ckpt-1")}
-    return [
-        start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=dirs[rank], RANK=str(rank),
-                      WORLD_SIZE=str(NODES), NODE_RANK=str(rank), NNODES=str(NODES), LOCAL_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
-        for rank in range(NODES)
-    ]
+    return [start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=dirs[rank], **rank_env(rank, port), **env)
+            for rank in range(NODES)]
+
+
+def rank_env(rank: int, master_port: int) -> dict[str, str]:
+    """What the operator sets in trainer pod `rank` (MASTER_ADDR: rank 0's pod; here this machine)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(NODES), "NODE_RANK": str(rank), "NNODES": str(NODES),
+            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
 
 
 @pytest.mark.parametrize("per_step", [8, 7], ids=["even", "uneven"])
@@ -208,3 +210,31 @@ def test_restarted_ranks_resume_from_rank_0s_checkpoint(redis_client, redis_serv
     worst = max(float((got[n] - want[n]).abs().max()) for n in want)
     print(f"after a restart at step 1: largest parameter difference to single-process training {worst:.2e}")
     assert worst < 1e-5
+
+
+def test_a_rank_restarted_alone_fails_both_at_once(redis_client, redis_server, tmp_path, roles):
+    """A trainer pod replaced while rank 0 still runs (kill -9, restarted at once): the new rank 1 cannot join
+    the running group, and its heartbeat must not keep rank 0 waiting. Both exit 1 well before the (long)
+    collective timeout, so that every rank restarts together."""
+    spec = dp_spec(maxSteps=50, samplesPerStep=8)
+    keys = keys_for("dprestart", spec)
+    env = {"RLKUBE_COLLECTIVE_TIMEOUT_S": "60"}
+    port = free_port()
+    ranks = [start_trainer(roles, tmp_path, "dprestart", spec, redis_server.url, ckpt_dir=tmp_path / f"ckpt-{rank}",
+                           **rank_env(rank, port), **env) for rank in range(NODES)]
+    add_documents(redis_client, keys, make_documents(8))
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, ranks[0])
+    t0 = time.monotonic()
+    ranks[1].proc.kill()
+    ranks[1].proc.wait(timeout=10)
+    again = start_trainer(roles, tmp_path, "dprestart", spec, redis_server.url, ckpt_dir=tmp_path / "ckpt-1",
+                          **rank_env(1, port), **env)
+    assert again.wait(GRACE + 20) == 1, again.log()
+    assert "started again while rank 0" in again.log(), again.log()
+    add_documents(redis_client, keys, make_documents(8, seed=1))  # rank 0 gets its share and waits for rank 1
+    assert ranks[0].wait(GRACE + 20) == 1, ranks[0].log()
+    took = time.monotonic() - t0
+    print(f"rank 1 replaced: both exited 1 within {took:.2f}s (collective timeout 60 s)")
+    assert took < 40
+    assert "trainer rank 1 restarted" in ranks[0].log(), ranks[0].log()
+    assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)

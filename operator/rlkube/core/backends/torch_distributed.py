@@ -104,6 +104,13 @@ class DataParallel:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, cfg.rank == 0,
                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False)
+        # A rank restarted alone (its pod replaced) finds rank 0's store still running a group it can no longer
+        # join: both must fail at once (and restart together) instead of the new one's heartbeat keeping rank 0
+        # waiting for a rank that will never arrive where the old one left.
+        if self.store.add(f"incarnation/{cfg.rank}", 1) > 1:
+            raise PeerLost(f"trainer rank {cfg.rank} started again while rank 0 ({cfg.master_addr}) still runs the "
+                           "group it left; exiting so that every rank restarts")
+        self._incarnations: dict[int, int] = {}
         self._closing = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="dp-heartbeat", daemon=True)
         self._beat.start()
@@ -137,6 +144,12 @@ class DataParallel:
         for r in range(self.world_size):
             if r == self.rank:
                 continue
+            incarnation = self.store.add(f"incarnation/{r}", 0)
+            known = self._incarnations.get(r, 0)  # 0 until the peer registered
+            if not known:
+                self._incarnations[r] = incarnation
+            elif incarnation > known:
+                raise PeerLost(f"trainer rank {r} restarted (its process was replaced); rank {self.rank} gives up")
             beats = self.store.add(f"hb/{r}", 0)
             last = self._seen.get(r)
             if last is None or last[0] != beats:
