@@ -41,7 +41,8 @@ log = logging.getLogger("rlkube.trainer.dp")
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 600.0  # how long ranks wait for a peer that has not connected yet (pods start minutes apart)
 HEARTBEAT_S = 1.0
-POLL_S = 0.05
+POLL_S = 0.01  # how often a rank in gather() looks whether the others arrived (latency added to every step)
+PEER_CHECK_S = 0.5  # how often it looks at their heartbeats meanwhile (2 store calls per peer)
 
 
 class PeerLost(RuntimeError):
@@ -165,8 +166,11 @@ class DataParallel:
         self.store.add(f"hb/{self.rank}", 1)
         self.store.set(f"at/{tag}/{self.rank}", "1")
         keys = [f"at/{tag}/{r}" for r in range(self.world_size)]
+        checked = time.monotonic()
         while not self.store.check(keys):
-            self.check_peers()
+            if time.monotonic() - checked > PEER_CHECK_S:
+                self.check_peers()
+                checked = time.monotonic()
             time.sleep(POLL_S)
 
     def announce_stop(self) -> None:
