@@ -349,12 +349,16 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in job.metrics))
     _plot(job.metrics, out / "reward.png", f"{name}: {spec.algorithm.loss} on {spec.task.name}")
     if outcome.phase != "Succeeded":
-        for role, procs in job.procs.items():
+        for procs in job.procs.values():
             for p in procs:
                 if p.returncode() not in (0, None) or outcome.reason in ("ComponentFailed", "TrainerFailed"):
                     console.print(f"[red]--- last lines of {p.name} ({p.log_path}) ---[/red]\n{p.log_tail()}")
     return result
 
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 def cli(args) -> int:
     console = Console(stderr=True)
@@ -373,7 +377,8 @@ def cli(args) -> int:
     color = "green" if result.phase == "Succeeded" else "red"
     console.print(
         f"[{color}]{result.phase}[/{color}] ({result.reason}: {result.message}); steps {s['steps']}/{s['max_steps']}; "
-        f"reward first-10 {s['reward_first']}, last-10 {s['reward_last']}; teardown {' -> '.join(s['teardown'])}; "
+        f"reward first-10 {_fmt(s['reward_first'])}, last-10 {_fmt(s['reward_last'])}; "
+        f"teardown {' -> '.join(s['teardown'])}; "
         f"{s['wall_seconds']}s; output {s['output_dir']}"
     )
     if args.json:
