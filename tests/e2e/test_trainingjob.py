@@ -50,3 +50,27 @@ def test_tiny_cpu_learns_succeeds_and_tears_down_in_order(job):
 
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")  # ConfigMap/Secret/Services
     assert job.leftover_processes() == []
+
+
+def test_two_trainer_nodes_train_data_parallel_and_succeed(job):
+    """trainer.nodes: 2 through the operator: two trainer pods find each other by the headless Service name the
+    operator gives as MASTER_ADDR, train as ranks 0 and 1, and go together at the trainer stage."""
+    steps = 20
+    job.apply(example(**{"spec.trainer.nodes": 2, "spec.algorithm.maxSteps": steps}))
+    follower = job.follow()
+    tj = job.wait_phase(("Succeeded", "Failed"), 600)
+    st = tj["status"]
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["completion"]["finalStep"] == steps and st["trainer"]["step"] == steps
+    follower.stop()
+    assert [m["step"] for m in follower.metrics] == list(range(1, steps + 1)), follower.describe()
+    # Every step is a collective of both ranks, so rank 1 took part from the first step to rank 0's finish.
+    rank1 = job.agent.container_log(job.namespace, f"{job.name}-trainer-1")
+    assert "rank 1/2 joined the data-parallel group" in rank1, rank1[-3000:]
+    assert "rank 1 left the data-parallel group after rank 0 finished" in rank1, rank1[-3000:]
+    assert follower.metrics[-1]["documents_seen"] == steps * tj["spec"]["algorithm"]["samplesPerStep"]
+    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    assert {s["pod"] for s in job.agent_signals("deletion") if s["role"] == "trainer"} == {
+        f"{job.name}-trainer-0", f"{job.name}-trainer-1"}
+    job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
+    assert job.leftover_processes() == []
