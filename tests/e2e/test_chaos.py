@@ -225,3 +225,27 @@ def test_pod_ignoring_sigterm_is_killed_after_its_grace_period(job):
           f"agent event: {bool(agent_event)}, operator ForceDeleted: {bool(operator_event)}, stage {actor_stage}")
     assert stage_names(tj["status"]) == FULL_ORDER
     assert_clean_end(job)
+
+
+def test_a_data_parallel_rank_killed_mid_run_restarts_the_ranks_together(job):
+    """kill -9 of trainer rank 1 of 2: the restarted rank finds rank 0 still in the old group, both fail and
+    restart in place together, rank 0 resumes from its checkpoint and hands its state to rank 1, and the job
+    succeeds with every step."""
+    job.apply(chaos_example(**{"spec.trainer.nodes": 2, "spec.runPolicy.backoffLimit": 4}))
+    job.follow()
+    wait_for(lambda: job.follower.checkpoints, 300, "a first checkpoint", interval=0.02)
+    actor = job.pid("actor")
+    os.kill(actor, signal.SIGSTOP)  # surely mid-run when the rank dies (see the single-trainer test)
+    try:
+        os.kill(job.pid("trainer", 1), signal.SIGKILL)
+    finally:
+        os.kill(actor, signal.SIGCONT)
+    tj = job.wait_phase(TERMINAL, 300)
+    assert_succeeded_with_every_step(job, tj)
+    st = tj["status"]
+    print(f"\nrank 1 killed: trainer restarts {st['components']['trainer']['restarts']}")
+    assert 1 <= st["components"]["trainer"]["restarts"] <= 4, st["components"]
+    log0 = job.agent.container_log(job.namespace, f"{job.name}-trainer-0")
+    assert "resumed from" in log0, log0[-3000:]
+    assert stage_names(st) == FULL_ORDER
+    assert_clean_end(job)
