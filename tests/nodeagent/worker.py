@@ -420,9 +420,10 @@ class PodWorker(threading.Thread):
         self.agent.kill_marked(self)
         self._release_network()
         self.agent.write_pod_state(self)
+        # Logged before the API object goes, so whoever sees the pod gone finds the entry already written.
+        self.agent.signal_log("removed", self, containers=[])
         if not self.gone:
             self.agent.delete_pod_now(self)
-        self.agent.signal_log("removed", self, containers=[])
 
     def _on_exit_final(self, c: Container, proc: subprocess.Popen) -> None:
         killpg(proc.pid, signal.SIGKILL)
