@@ -306,12 +306,14 @@ async def job_events(api: client.ApiClient, namespace: str, job: str) -> list[tu
     return [(e.type, e.reason, e.message or "") for e in items if e.involved_object.kind == "TrainingJob"]
 
 
-async def wait_event(api: client.ApiClient, namespace: str, job: str, reason: str, timeout: float = 20):
-    """Until an Event with `reason` is posted on the job (Events have no cheap watch here: poll the list)."""
+async def wait_event(api: client.ApiClient, namespace: str, job: str, reason: str, timeout: float = 20,
+                     at_least: int = 1):
+    """Until `at_least` Events with `reason` are posted on the job (Events have no cheap watch here: poll the
+    list). An Event is posted after the action it reports, so seeing the action does not mean seeing it."""
     deadline = time.monotonic() + timeout
     while True:
         found = [e for e in await job_events(api, namespace, job) if e[1] == reason]
-        if found:
+        if len(found) >= at_least:
             return found
         if time.monotonic() > deadline:
             raise TimeoutError(f"no {reason} Event on {job} in {timeout}s: {await job_events(api, namespace, job)}")

@@ -70,7 +70,7 @@ async def test_static_children_deleted_by_hand_come_back_and_a_finished_job_keep
             assert again["data"] == before[key]["data"]
         if key.startswith("Service/"):
             assert again["spec"]["selector"] == before[key]["spec"]["selector"]
-    events = [e for e in await job_events(kapi, env.namespace, "hand") if e[1] == "ChildRecreated"]
+    events = await wait_event(kapi, env.namespace, "hand", "ChildRecreated", at_least=len(STATIC))
     named = {e[2].split(" was missing")[0] for e in events}
     assert named == {k.format(j="hand").replace("/", " ") for k in STATIC}
     assert all(e[0] == "Warning" for e in events)
