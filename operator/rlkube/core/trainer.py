@@ -350,8 +350,7 @@ class TrainerRole:
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
             ensure_group(self.redis, self.keys)
-            self._transfer(f"version {self.trainer.version} again",
-                           lambda: self.trainer.publish_weights(self.trainer.version))
+            self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
             return []
         docs = []
         for _, entries in got or []:
@@ -465,9 +464,12 @@ class TrainerRole:
             # close() would wait for the blocked transfer; the inference servers leave the group on
             # training_finished, and the process exits without joining the transfer thread (see main()).
             log.warning("not closing the weight-update group: a transfer is still blocked in it")
-        step, path = t.last_checkpoint
+        self._report_finished(interrupted)
+
+    def _report_finished(self, interrupted: bool) -> None:
+        step, path = self.trainer.last_checkpoint
         self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
-                    documents_seen=t.documents_seen)
+                    documents_seen=self.trainer.documents_seen)
         log.info("training finished at step %d (interrupted=%s), checkpoint %s", step, interrupted, path)
 
     def _finish_again(self) -> int:
@@ -475,12 +477,10 @@ class TrainerRole:
         or after training_finished): report the finish again and exit 0. It must not open the weight-update group:
         the inference servers left it on the first training_finished, so the start-up transfer would wait for
         ranks that never join (gloo's 300 s) and the job would hang with its work done."""
-        t = self.trainer
-        step, path = t.last_checkpoint  # set by resume(): only a resumed trainer starts at maxSteps
+        step, path = self.trainer.last_checkpoint  # set by resume(): only a resumed trainer starts at maxSteps
         log.info("checkpoint %s already holds all %d steps: nothing to train, reporting training_finished again",
                  path, step)
-        self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=False,
-                    documents_seen=t.documents_seen)
+        self._report_finished(interrupted=False)
         return 0
 
     def _checkpoint(self) -> None:
