@@ -62,7 +62,6 @@ class _Position:
         self.last_id: str | None = start
         """The last entry read (malformed ones included); None: not positioned yet (see `latest_of`)."""
         self.latest_of = latest_of
-        self.start = start
         self.relocate = relocate
         self.retry_on = retry_on
         self.backoff = backoff
