@@ -22,6 +22,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 Quantity = int | str
 
+MAX_SECONDS = 10 * 365 * 24 * 3600
+"""Upper bound of every duration field (ten years): the operator adds durations to the current time, and a
+datetime cannot go past year 9999 (a generated-input test found 10**14 seconds crashing every reconcile pass)."""
+
 
 class Model(BaseModel):
     """Base for every spec type: camelCase on the wire, snake_case in Python, unknown fields rejected."""
@@ -181,24 +185,25 @@ class RunPolicy(Model):
     completion_timeout_seconds: int = Field(
         120,
         ge=1,
+        le=MAX_SECONDS,
         description="How long one completion signal (trainer exit 0, or training_finished) may wait for the other.",
     )
     event_timeout_seconds: int = Field(
-        900, ge=0, description="No trainer event for this long while Running sets Stalled (0 disables)."
+        900, ge=0, le=MAX_SECONDS, description="No trainer event for this long while Running sets Stalled (0 disables)."
     )
     fail_on_stall: bool = Field(False, description="Fail the job when it is Stalled instead of only reporting it.")
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the TrainingJob this long after it finished (unset: keep)."
+        None, ge=0, le=MAX_SECONDS, description="Delete the TrainingJob this long after it finished (unset: keep)."
     )
     suspend: bool = Field(False, description="Stop all pods (ordered) and keep the job; unset to resume.")
 
 
 class GracePeriods(Model):
-    actor: int = Field(30, ge=0, description="Seconds actors get to stop before they are force-deleted.")
-    preprocessor: int = Field(30, ge=0, description="Seconds the preprocessor gets to stop.")
-    inference: int = Field(30, ge=0, description="Seconds inference servers get to stop.")
-    trainer: int = Field(60, ge=0, description="Seconds trainer pods get to stop.")
-    redis: int = Field(30, ge=0, description="Seconds Redis gets to stop.")
+    actor: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds actors get to stop before they are force-deleted.")
+    preprocessor: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds the preprocessor gets to stop.")
+    inference: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds inference servers get to stop.")
+    trainer: int = Field(60, ge=0, le=MAX_SECONDS, description="Seconds trainer pods get to stop.")
+    redis: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds Redis gets to stop.")
 
 
 class TeardownSpec(Model):
