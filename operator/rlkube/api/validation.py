@@ -94,8 +94,29 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+CONFIG_MOUNT = "/etc/rlkube"
+"""Where every core pod mounts the job's ConfigMap (rlkube.controller.names.CONFIG_MOUNT)."""
+
+
+def pod_field_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """Values the CRD schema lets through that the Pod schema refuses (found by the generated-input tests): caught
+    here, the job fails naming its own field and creates nothing, instead of failing on its first trainer pod."""
+    errs = []
+    for where, image in [("spec.image", spec.image), ("spec.redis.image", spec.redis.image),
+                         *((f"spec.{r}.image", getattr(spec, r).image) for r in ("trainer", "inference", "actor",
+                                                                                  "preprocessor"))]:
+        if image is not None and image != image.strip():
+            errs.append(FieldError(where, f"{image!r} must not have leading or trailing whitespace"))
+    path = spec.trainer.checkpoint.path
+    if not path.startswith("/"):
+        errs.append(FieldError("spec.trainer.checkpoint.path", f"{path!r} must be an absolute path"))
+    elif path.rstrip("/") == CONFIG_MOUNT:
+        errs.append(FieldError("spec.trainer.checkpoint.path", f"{CONFIG_MOUNT} holds the job's config"))
+    return errs
+
+
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    errs: list[FieldError] = resource_errors(spec)
+    errs: list[FieldError] = resource_errors(spec) + pod_field_errors(spec)
     arch = spec.model.architecture
     if arch.hidden_size % arch.heads:
         errs.append(FieldError("spec.model.architecture.heads", f"must divide hiddenSize {arch.hidden_size}"))

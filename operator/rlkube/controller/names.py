@@ -6,7 +6,10 @@ One module so the builders (which stamp them), the operator (which selects by th
 
 from __future__ import annotations
 
-from rlkube.api.spec import API_VERSION, KIND
+import re
+
+from rlkube.api import validation
+from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -21,13 +24,33 @@ ANNOTATION_RESUME = "rlkube.io/resume-from-checkpoint"
 """Last checkpoint the operator knew of when it (re)created a trainer pod (informational; the trainer finds
 its own latest checkpoint in RLKUBE_CHECKPOINT_DIR)."""
 
-CONFIG_MOUNT = "/etc/rlkube"
+CONFIG_MOUNT = validation.CONFIG_MOUNT
 CONFIG_KEY = "job.json"
 SECRET_KEY = "password"
 
 SERVICE_ROLES = ("redis", "inference", "trainer")
 """Roles with a headless Service (and so `hostname`/`subdomain` on their pods)."""
 
+
+
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_MAX = 63
+
+
+def job_name_error(job: str, spec: TrainingJobSpec) -> str | None:
+    """Why the children of a job of this name cannot exist, or None. A TrainingJob name may be any DNS subdomain
+    (dots, a leading digit, 253 characters), but its Services `{job}-{role}` must be DNS-1035 labels and the pods
+    of those roles carry `{job}-{role}-{index}` as hostname (a label, too), all at most 63 characters; the API
+    server would refuse them one by one after the first children exist (a generated-input test found it)."""
+    longest = max((pod_name(job, "inference", spec.inference.replicas - 1), pod_name(job, "trainer", spec.trainer.nodes - 1),
+                   service_name(job, "inference")), key=len)
+    if not _DNS1035_LABEL.match(job):
+        return (f"metadata.name: {job!r} must be a DNS-1035 label (lower case letters, digits and '-', starting with a "
+                f"letter): it names the job's Services")
+    if len(longest) > LABEL_MAX:
+        return (f"metadata.name: {job!r} is too long: its child {longest!r} has {len(longest)} characters, at most "
+                f"{LABEL_MAX} are allowed")
+    return None
 
 
 def pod_name(job: str, role: str, index: int = 0) -> str:

@@ -10,6 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from rlkube.api.spec import MAX_SECONDS, RunPolicy
+from rlkube.api.validation import parse_spec
+from rlkube.controller.names import job_name_error
 from rlkube.controller.times import stream_id_time
 from rlkube.core import protocol
 from rlkube.lifecycle import progress
@@ -51,3 +53,12 @@ def test_durations_are_bounded_so_now_plus_duration_is_a_datetime(field):
     RunPolicy.model_validate({field: MAX_SECONDS})
     with pytest.raises(ValidationError):
         RunPolicy.model_validate({field: MAX_SECONDS + 1})
+
+
+@pytest.mark.parametrize("name, says", [("tiny-cpu", None), ("l" * 51, None), ("l" * 52, "too long"),
+                                        ("1job", "DNS-1035"), ("a.b", "DNS-1035"), ("Job", "DNS-1035")])
+def test_a_job_name_its_children_cannot_carry_is_refused_naming_metadata_name(name, says):
+    spec = parse_spec({"model": {"path": "builtin://tiny-lm"}, "algorithm": {"maxSteps": 3},
+                       "inference": {"engine": "native"}})
+    error = job_name_error(name, spec)
+    assert (error is None) if says is None else (error.startswith("metadata.name: ") and says in error)
