@@ -368,7 +368,7 @@ def edge_mutation(draw, spec: dict, redis_url: str) -> tuple[str | None, str, st
             spec["redis"]["passwordSecret"]["key"] = draw(st.sampled_from(["bad key", "a/b", "..", "k$"]))
         else:
             spec["redis"]["passwordSecret"]["name"] = draw(st.sampled_from(["Bad_Name", "a b", "-x", "x" * 300]))
-        return None, f"password secret {spec['redis']['passwordSecret']}", None
+        return None, f"password secret {spec['redis']['passwordSecret']}", f"spec.redis.passwordSecret.{kind[7:]}"
     if kind == "extended-fraction":
         _set(spec, f"{role}.resources", {"requests": {"example.com/dev": "0.5"}, "limits": {"example.com/dev": "0.5"}})
         return None, f"{role} extended resource 0.5", None

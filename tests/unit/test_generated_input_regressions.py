@@ -62,3 +62,22 @@ def test_a_job_name_its_children_cannot_carry_is_refused_naming_metadata_name(na
                        "inference": {"engine": "native"}})
     error = job_name_error(name, spec)
     assert (error is None) if says is None else (error.startswith("metadata.name: ") and says in error)
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"image": " ghcr.io/x:1"}, "spec.image"),
+    ({"actor": {"image": "ghcr.io/x:1\n"}}, "spec.actor.image"),
+    ({"trainer": {"checkpoint": {"path": "/etc/rlkube/"}}}, "spec.trainer.checkpoint.path"),
+    ({"trainer": {"checkpoint": {"path": "checkpoints"}}}, "spec.trainer.checkpoint.path"),
+    ({"redis": {"mode": "external", "url": "redis://r:6379/0", "passwordSecret": {"name": "Bad_Name"}}},
+     "spec.redis.passwordSecret.name"),
+    ({"redis": {"mode": "external", "url": "redis://r:6379/0", "passwordSecret": {"name": "pw", "key": "a/b"}}},
+     "spec.redis.passwordSecret.key"),
+])
+def test_values_a_pod_would_refuse_are_refused_up_front_naming_the_field(patch, field):
+    from rlkube.api.validation import SpecError
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"model": {"path": "builtin://tiny-lm"}, "algorithm": {"maxSteps": 3},
+                    "inference": {"engine": "native"}, **patch})
+    assert [e.field for e in err.value.errors] == [field]

@@ -94,6 +94,8 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 CONFIG_MOUNT = "/etc/rlkube"
 """Where every core pod mounts the job's ConfigMap (rlkube.controller.names.CONFIG_MOUNT)."""
 
@@ -107,6 +109,14 @@ def pod_field_errors(spec: TrainingJobSpec) -> list[FieldError]:
                                                                                   "preprocessor"))]:
         if image is not None and image != image.strip():
             errs.append(FieldError(where, f"{image!r} must not have leading or trailing whitespace"))
+    secret = spec.redis.password_secret
+    if secret is not None and spec.redis.mode == "external":  # (managed mode ignores it)
+        if len(secret.name) > 253 or not _DNS1123_SUBDOMAIN.match(secret.name):
+            errs.append(FieldError("spec.redis.passwordSecret.name", f"{secret.name[:80]!r} is not a Secret name "
+                                   "(lower case letters, digits, '-' and '.', at most 253 characters)"))
+        if len(secret.key) > 253 or not _SECRET_KEY.match(secret.key) or secret.key in (".", ".."):
+            errs.append(FieldError("spec.redis.passwordSecret.key", f"{secret.key[:80]!r} is not a Secret key "
+                                   "(letters, digits, '-', '_' and '.')"))
     path = spec.trainer.checkpoint.path
     if not path.startswith("/"):
         errs.append(FieldError("spec.trainer.checkpoint.path", f"{path!r} must be an absolute path"))
