@@ -377,7 +377,7 @@ def edge_mutation(draw, spec: dict, redis_url: str) -> tuple[str | None, str, st
         return None, f"{role} extended resource request without a limit", None
     if kind == "hugepages":
         _set(spec, f"{role}.resources", {"limits": {"hugepages-2Mi": "4Mi"}, "requests": {"hugepages-2Mi": "4Mi"}})
-        return None, f"{role} hugepages without cpu or memory", None
+        return None, f"{role} hugepages without cpu or memory", f"spec.{role}.resources"
     if kind == "claim-name":
         _set(spec, "trainer.checkpoint.claimName", draw(st.sampled_from(["Bad Claim", "x" * 300, "a_b"])))
         return None, f"claimName {_get(spec, 'trainer.checkpoint.claimName')!r}", None

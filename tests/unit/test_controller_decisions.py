@@ -698,7 +698,8 @@ def test_resources_the_pod_schema_would_reject_fail_up_front_naming_the_field(re
 @pytest.mark.parametrize(
     "resources",
     [{"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 1, "memory": "1.5Gi"}},
-     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1}, "limits": {"hugepages-2Mi": "2Mi"}}],
+     # (hugepages need cpu or memory beside them: the API server refuses such a Pod)
+     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1}, "limits": {"hugepages-2Mi": "2Mi", "memory": "1Gi"}}],
 )
 def test_valid_resources_pass(resources):
     parse_spec(raw_spec(**{"actor.resources": resources}))

@@ -87,6 +87,9 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
                     errs.append(FieldError(where, "must not be negative"))
                     continue
                 parsed[kind][name] = quantity
+        names = set(parsed["requests"]) | set(parsed["limits"])
+        if any(n.startswith("hugepages-") for n in names) and not names & {"cpu", "memory"}:
+            errs.append(FieldError(f"spec.{role}.resources", "hugepages need a cpu or memory request or limit too"))
         for name, request in parsed["requests"].items():
             limit = parsed["limits"].get(name)
             if limit is not None and request > limit:
