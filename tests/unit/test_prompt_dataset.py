@@ -131,6 +131,21 @@ def test_messages_column_and_system_prompt(tmp_path):
     assert text.needs_chat_template == "spec.task.dataset.systemPrompt"
 
 
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """One directory of good and bad dataset files for every bad-input case."""
+    tmp = tmp_path_factory.mktemp("bad")
+    write_jsonl(tmp / "sums.jsonl", ROWS)
+    write_jsonl(tmp / "nulls.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}])
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "broken.jsonl").write_text('{"prompt": "a", "answer": 1}\n{"prompt": \n')
+    (tmp / "sums.csv").write_text("prompt,answer\n1+1,2\n")
+    (tmp / "plain-dir").mkdir()
+    no_rows = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["1"]}).filter(lambda row: False)
+    no_rows.save_to_disk(str(tmp / "empty-saved"))
+    return tmp
+
+
 @pytest.mark.parametrize("dataset, field, message", [
     ({"path": "{tmp}/missing.jsonl"}, "spec.task.dataset.path", "does not exist"),
     ({"path": "{tmp}/nothing-*.jsonl"}, "spec.task.dataset.path", "does not exist"),
@@ -157,16 +172,8 @@ def test_messages_column_and_system_prompt(tmp_path):
     ({"path": "/data/{tmp}/x.jsonl", "claimName": "data"}, "spec.task.dataset.path",
      "does not exist \\(PersistentVolumeClaim 'data' is mounted at /data\\)"),
 ])
-def test_bad_datasets_name_the_field(tmp_path, dataset, field, message):
-    write_jsonl(tmp_path / "sums.jsonl", ROWS)
-    write_jsonl(tmp_path / "nulls.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}])
-    (tmp_path / "empty.jsonl").write_text("")
-    (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "answer": 1}\n{"prompt": \n')
-    (tmp_path / "sums.csv").write_text("prompt,answer\n1+1,2\n")
-    (tmp_path / "plain-dir").mkdir()
-    no_rows = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["1"]}).filter(lambda row: False)
-    no_rows.save_to_disk(str(tmp_path / "empty-saved"))
-    spec = TaskSpec(dataset={k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in dataset.items()},
+def test_bad_datasets_name_the_field(bad_inputs, dataset, field, message):
+    spec = TaskSpec(dataset={k: v.format(tmp=bad_inputs) if isinstance(v, str) else v for k, v in dataset.items()},
                     reward={"type": "math"})
     with pytest.raises(TaskError) as err:
         load_task(spec)
