@@ -15,7 +15,7 @@ import re
 import signal
 
 import pytest
-from rlkube.core import protocol
+from rlkube.core import protocol, runtime
 from rlkube.core.lag import LagKeys
 from serve_helpers import (
     PREFIX,
@@ -229,11 +229,14 @@ def test_a_dataset_without_the_mapped_column_stops_the_actor_naming_the_field(tm
     (tmp_path / "sums.jsonl").write_text(json.dumps({"question": "1+2=", "answer": "3"}) + "\n")
     task = {"dataset": {"path": str(tmp_path / "sums.jsonl"), "promptField": "problem"}, "reward": {"type": "math"}}
     roles = make_roles(tmp_path, redis_server, task)
+    termination = tmp_path / "termination-log"
     try:
-        actor = start_actor(roles, "http://127.0.0.1:9")  # never asked: the task fails first
-        assert actor.wait(timeout=60) == 1
-        text = log_text(actor)
-        assert "spec.task.dataset.promptField: no column 'problem'" in text and "(columns: question, answer)" in text
-        assert "Traceback" not in text, text
+        # never asked: the task fails first
+        actor = start_actor(roles, "http://127.0.0.1:9", **{runtime.ENV_TERMINATION_LOG: str(termination)})
+        assert actor.wait(timeout=60) == runtime.EXIT_CONFIG, log_text(actor)
+        message = termination.read_text()
+        assert message.startswith("spec.task.dataset.promptField: no column 'problem' in ")
+        assert message.endswith("(columns: question, answer)")
+        assert message in log_text(actor) and "Traceback" not in log_text(actor)
     finally:
         roles.cleanup()

@@ -42,9 +42,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rlkube.core import protocol, runtime
+from rlkube.core import errors, protocol, runtime
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
-from rlkube.core.tasks import Prompt, Scorer, Task, TaskError, load_task, prompt_renderer
+from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
 log = logging.getLogger("rlkube.actor")
 T = TypeVar("T")
@@ -447,14 +447,12 @@ async def amain() -> int:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(levelname)s %(message)s")
-    try:
-        return asyncio.run(amain())
-    except TaskError as exc:
-        # The job's task cannot work as specified (a missing dataset or column, ...): exit 1 with the message,
-        # which names the spec field, instead of a traceback.
-        log.error("%s", exc)
-        raise SystemExit(str(exc)) from None
+    # A task that cannot work (a missing dataset or column, ...) is a TaskError, a ConfigError: exit EXIT_CONFIG
+    # with its message, which names the spec field, as the termination message.
+    return errors.run_role(lambda: asyncio.run(amain()))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))

@@ -31,20 +31,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rlkube.api.spec import TaskSpec
+from rlkube.core.errors import ConfigError
 
 log = logging.getLogger("rlkube.tasks")
 
 DIGITS = "0123456789"
 
 
-class TaskError(ValueError):
-    """The job's task cannot be built or used as specified; `field` is the spec field to fix. The actor exits with
-    `str(error)` (`"spec.task.dataset.promptField: ..."`), which the launchers report as the role's failure."""
+class TaskError(ConfigError, ValueError):
+    """The job's task cannot be built or used as specified; `field` is the spec field to fix. A ConfigError: the
+    actor exits with runtime.EXIT_CONFIG and `str(error)` (`"spec.task.dataset.promptField: ..."`) as its
+    termination message, and the job fails instead of restarting it (rlkube.core.errors)."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        super().__init__(field, message)
         self.message = message
-        super().__init__(f"{field}: {message}")
 
 
 Message = dict[str, str]
