@@ -135,6 +135,10 @@ def test_repeat_digit_is_exact_match_on_the_named_digit():
         load_task(TaskSpec(name="repeat-digit", params={"template": "say it"}))
     with pytest.raises(TaskError, match="spec.task.params.match"):
         load_task(TaskSpec(name="repeat-digit", params={"match": "contains"}))
+    two = load_task(TaskSpec(name="repeat-digit", params={"digits": "10"}))
+    assert {two.prompt(rng).meta["answer"] for _ in range(50)} == {"0", "1"}
+    with pytest.raises(TaskError, match="spec.task.params.digits"):
+        load_task(TaskSpec(name="repeat-digit", params={"digits": "1a"}))
 
 
 def test_a_reward_spec_replaces_a_builtin_tasks_reward():

@@ -153,7 +153,7 @@ class RepeatDigit:
 
     name = "repeat-digit"
 
-    def __init__(self, template: str = "repeat {digit}:", match: str = "full"):
+    def __init__(self, template: str = "repeat {digit}:", match: str = "full", digits: str = DIGITS):
         if not isinstance(template, str) or "{digit}" not in template:
             raise TaskError("spec.task.params.template", f"must contain {{digit}}, got {template!r}")
         try:
@@ -162,11 +162,14 @@ class RepeatDigit:
             raise TaskError("spec.task.params.template", f"{template!r} is not a format string: {exc}") from None
         if match not in ("full", "prefix"):
             raise TaskError("spec.task.params.match", f"`full` or `prefix`, got {match!r}")
+        if not isinstance(digits, str) or not digits or not set(digits) <= set(DIGITS):
+            raise TaskError("spec.task.params.digits", f"the digits prompts may name, e.g. '0123', got {digits!r}")
         self.template = template
         self.match = match
+        self.digits = "".join(sorted(set(digits)))  # fewer digits: an easier task (a random digit is right more often)
 
     def prompt(self, rng: random.Random) -> Prompt:
-        digit = rng.choice(DIGITS)
+        digit = rng.choice(self.digits)
         return Prompt(self.template.format(digit=digit), {"answer": digit})
 
     def reward(self, prompt: Prompt, completion: str) -> float:
@@ -174,7 +177,7 @@ class RepeatDigit:
         return float(got.startswith(answer) if self.match == "prefix" else got == answer)
 
     def __repr__(self) -> str:
-        return f"RepeatDigit(template={self.template!r}, match={self.match!r})"
+        return f"RepeatDigit(template={self.template!r}, match={self.match!r}, digits={self.digits!r})"
 
 
 def _camel_to_snake(params: dict[str, Any]) -> dict[str, Any]:
