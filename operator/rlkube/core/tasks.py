@@ -244,28 +244,27 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
 
         if spec.reward is None:
             raise TaskError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)")
-
         task: Any = DatasetTask.load(spec.name, spec.dataset, shard)
-        where = f"spec.task.dataset {spec.dataset.path!r}"
+        spec_field, where = "spec.task.dataset", f"spec.task.dataset {spec.dataset.path!r}"
     elif spec.entry_point:
         factory = import_attribute(spec.entry_point, "spec.task.entryPoint")
         task = factory(**spec.params)
-        where = f"spec.task.entryPoint {spec.entry_point!r}"
+        spec_field, where = "spec.task.entryPoint", f"spec.task.entryPoint {spec.entry_point!r}"
     else:
         factory = BUILTIN_TASKS.get(spec.name)
         if factory is None:
             raise TaskError("spec.task.name", f"unknown built-in task {spec.name!r} (known: {', '.join(BUILTIN_TASKS)})")
         task = factory(**spec.params)
-        where = f"spec.task.name {spec.name!r}"
+        spec_field, where = "spec.task.name", f"spec.task.name {spec.name!r}"
     needed = ("prompt",) if spec.reward is not None else ("prompt", "reward")
     for attr in needed:
         if not callable(getattr(task, attr, None)):
-            raise TaskError(where.split(" ")[0], f"{where} returned {task!r}, which has no {attr}() method")
+            raise TaskError(spec_field, f"{where} returned {task!r}, which has no {attr}() method")
     if not isinstance(getattr(task, "name", None), str):
         try:
             task.name = spec.name
         except AttributeError:
-            raise TaskError(where.split(" ")[0], f"{where} returned {task!r}, which has no string `name`") from None
+            raise TaskError(spec_field, f"{where} returned {task!r}, which has no string `name`") from None
     if spec.reward is not None:
         from rlkube.core.rewards import build_reward, needs_answer
 
