@@ -205,17 +205,17 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-def import_attribute(entry_point: str, field: str) -> Any:
-    """`package.module:attribute` imported; TaskError naming `field` when it cannot be."""
+def import_attribute(entry_point: str, spec_field: str) -> Any:
+    """`package.module:attribute` imported; TaskError naming `spec_field` when it cannot be."""
     module_name, _, attr = entry_point.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise TaskError(field, f"cannot import {module_name!r}: {exc}") from None
+        raise TaskError(spec_field, f"cannot import {module_name!r}: {exc}") from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise TaskError(field, f"module {module_name!r} has no attribute {attr!r}") from None
+        raise TaskError(spec_field, f"module {module_name!r} has no attribute {attr!r}") from None
 
 
 class _WithReward:
