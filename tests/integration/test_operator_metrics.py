@@ -73,8 +73,11 @@ async def scrape_matches_status(env: Env, kapi, name: str, timeout: float = 15) 
 
     The operator sets the metrics right after its status patch returns, so a read can catch the status a moment
     before the metrics: such a snapshot is retried, and the last disagreement is the failure message."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    attempts = 0
     while True:
+        attempts += 1
         before = await read_job(kapi, env.namespace, name)
         t0 = time.time()
         got = series(await env.operator.metrics(), env.namespace, name)
@@ -95,6 +98,8 @@ async def scrape_matches_status(env: Env, kapi, name: str, timeout: float = 15) 
             elif since is None or not (t0 - _epoch(last) - 1e-3 <= since <= t1 - _epoch(last) + 1e-3):
                 problems.append(f"seconds since last event {since} not in [{t0 - _epoch(last)}, {t1 - _epoch(last)}]")
             if not problems:
+                print(f"{name} {status.get('phase')}: {len(got)} series match the status (attempt {attempts}, "
+                      f"{time.monotonic() - start:.2f} s)")
                 if since is not None:
                     got[("seconds_since_last_trainer_event", ())] = since
                 return status, got

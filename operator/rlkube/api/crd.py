@@ -149,7 +149,7 @@ def crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string", "description": f"{GROUP}/{VERSION}."},
                                 "kind": {"type": "string", "description": f"{KIND}."},
-                                "metadata": {"type": "object", "description": "Standard object metadata."},
+                                "metadata": {"type": "object"},  # the API server allows nothing else here
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },
