@@ -106,8 +106,8 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.trainer.gpus_per_node < 1:
         errs.append(FieldError("spec.trainer.gpusPerNode", "fast-llm runs on GPUs only; set at least 1"))
     if spec.trainer.fast_llm.model_format is None:
-        errs.append(FieldError("spec.trainer.fastLlm.modelFormat", "required with backend fast-llm: the model_type "
-                                                                  "of the checkpoint's config.json (llama, qwen2, ...)"))
+        errs.append(FieldError("spec.trainer.fastLlm.modelFormat",
+                               "required with backend fast-llm: the model_type of the checkpoint's config.json"))
     if spec.model.path.startswith("builtin://"):
         errs.append(FieldError("spec.model.path", "fast-llm imports a Hugging Face checkpoint directory; "
                                                   "built-in models exist only in rlkube's own trainers"))

@@ -108,7 +108,10 @@ def config_map(job: JobRef) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(job, names.config_name(job.name), names.job_labels(job.name)),
-        "data": {names.CONFIG_KEY: json.dumps(doc, indent=1), **fastllm.config_map_data(job.spec, job.namespace, job.name)},
+        "data": {
+            names.CONFIG_KEY: json.dumps(doc, indent=1),
+            **fastllm.config_map_data(job.spec, job.namespace, job.name),
+        },
     }
 
 
