@@ -144,6 +144,7 @@ def task_errors(task: TaskSpec) -> list[FieldError]:
         elif reward.answer_pattern and re.compile(reward.answer_pattern).groups == 0:
             errs.append(FieldError("spec.task.reward.answerPattern", "needs a group (named `answer`, or the first) "
                                    "around the answer"))
+    return errs
 
 
 FAST_LLM_LOSSES = ("grpo", "gspo")
