@@ -405,6 +405,22 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
         lease = client.CoordinationV1Api(rbac_api).read_namespaced_lease(f"{release}-rlkube", ns)
         assert lease.spec.holder_identity and lease.spec.lease_duration_seconds == 15
         assert f"leading: lease {ns}/{release}-rlkube created" in text
+        # A standby's watch, as the API server authorizes it for real: a metadata.name field selector is checked
+        # against the Role's resourceNames; the same request without it is refused.
+        from kubernetes import watch
+
+        sa_api = config.new_client_from_config(config_file=str(kubeconfig))
+        try:
+            coord = client.CoordinationV1Api(sa_api)
+            named = f"metadata.name={release}-rlkube"
+            seen = [e["object"].metadata.name for e in
+                    watch.Watch().stream(coord.list_namespaced_lease, ns, field_selector=named, timeout_seconds=1)]
+            assert seen == [f"{release}-rlkube"]
+            with pytest.raises(ApiException) as denied:
+                coord.list_namespaced_lease(ns)
+            assert denied.value.status == 403
+        finally:
+            sa_api.close()
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)

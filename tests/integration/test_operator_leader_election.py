@@ -210,11 +210,10 @@ async def test_the_standby_resumes_a_teardown_when_the_leader_is_killed(ha: Env,
     print(f"\nleader kill -> standby holds the Lease: {kill_to_lease:.2f}s (last renewal -> Lease taken "
           f"{renewal_to_lease:.2f}s; kill -> first reconcile pass of the new leader {first_pass - killed_at:.2f}s; "
           f"lease duration {TIMING.lease_duration:.0f}s, retry period {TIMING.retry_period:.0f}s)")
-    # Not before the Lease expired (measured from the last renewal the standby could have seen), and as soon as
-    # it could: the standby sleeps until the expiry it computed, which is at most a retry period late.
-    assert renewal_to_lease >= TIMING.lease_duration - 0.5
-    assert renewal_to_lease <= TIMING.lease_duration + 1.2 * TIMING.retry_period + 1.0
-    assert kill_to_lease <= TIMING.lease_duration + 1.2 * TIMING.retry_period + 1.0
+    # Not before the Lease expired, and as soon as it did: the standby watches the Lease, so its expiry clock
+    # started at the leader's last renewal (1 s: the watch's delivery and the read and write that take it).
+    assert TIMING.lease_duration - 0.5 <= renewal_to_lease <= TIMING.lease_duration + 1.0
+    assert kill_to_lease <= TIMING.lease_duration + 1.0
     assert taken.transitions == last_renewal.transitions + 1
 
     stages = status["teardown"]["stages"]
@@ -249,12 +248,16 @@ async def test_the_standby_resumes_a_teardown_when_the_leader_is_killed(ha: Env,
 
 
 async def test_a_leader_stopped_gracefully_hands_over_at_once(ha: Env, kapi):
-    env = ha
+    env, job = ha, "roll"
     async with LeaseRecorder(kapi, env.namespace, LEASE) as leases:
         leader, standby = await elected(env, leases)
+        await create_job(kapi, env.namespace, job_doc(job))
+        trainer = await env.trainer(job)
+        await env.recorder.wait_phase(job, "Running", timeout=60)
         transitions = leases.changes[-1].transitions
+
         stopped_at = time.monotonic()
-        leader.stop()  # SIGTERM: kopf stops, then the Lease is released
+        leader.stop()  # SIGTERM, as a rolling update sends it: kopf stops, then the Lease is released
         assert leader.proc.returncode == 0, leader.log()[-2000:]
         await leases.wait(lambda: any(c.at >= stopped_at and not c.holder for c in leases.changes), 5,
                           "the Lease released")
@@ -263,15 +266,18 @@ async def test_a_leader_stopped_gracefully_hands_over_at_once(ha: Env, kapi):
                                   "the standby holding the Lease")
         await wait_gauge(standby, 1)
 
-        # The handover does not wait for the lease to expire: one retry period of the standby at most.
+        # The handover waits neither for the lease to expire nor for the standby's next retry: it watches.
         handover = taken.at - released.at
         print(f"\ngraceful stop -> Lease released {released.at - stopped_at:.2f}s; released -> standby holds it "
               f"{handover:.2f}s (retry period {TIMING.retry_period:.0f}s)")
-        assert handover <= 1.2 * TIMING.retry_period + 1.0
+        assert handover <= 1.0
         assert taken.transitions == transitions + 1
 
-        # The new leader works: a job gets its children.
-        await create_job(kapi, env.namespace, job_doc("after"))
-        await env.trainer("after")
-        await env.recorder.wait_phase("after", "Running", timeout=60)
-        assert await standby.passes("after") >= 1
+        # The new leader carries the running job on to its end.
+        await standby.wait_passes(job, 1)
+        await trainer.finished(step=40, checkpoint="/checkpoints/step-40")
+        await env.kubelet.exit(f"{job}-trainer-0", 0)
+        status = await env.recorder.wait_phase(job, "Succeeded", timeout=60)
+    assert [s["name"] for s in status["teardown"]["stages"]] == list(TEARDOWN_ORDER)
+    assert await children(kapi, env.namespace, job) == {}
+    assert "delete Pod/" not in leader.log()  # the whole teardown was the new leader's

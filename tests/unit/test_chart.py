@@ -301,7 +301,7 @@ def test_lease_rbac_is_the_one_lease_and_only_in_the_release_namespace():
         rules = _lease_rules(docs)
         named = [r for r in rules if r.get("resourceNames")]
         assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["rel-rlkube"],
-                          "verbs": ["get", "update"]}]
+                          "verbs": ["get", "list", "watch", "update"]}]
         assert [r["verbs"] for r in rules if not r.get("resourceNames")] == [["create"]]
         binding = one(docs, "RoleBinding", "rel-rlkube-leader-election")
         assert binding["metadata"]["namespace"] == "rlkube-system"

@@ -12,6 +12,7 @@ wait a whole lease duration), stamps local time as UTC, logs a traceback for eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -25,7 +26,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from kubernetes_asyncio import client
+from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.controller.lease import LeaseRecord, Seen, Timing, Verdict, decide, leading_lost, observe, release_spec
@@ -151,29 +152,77 @@ class LeaderElector:
     # -- standby --------------------------------------------------------------------------------------
 
     async def acquire(self) -> None:
-        """Return once this process holds the Lease."""
+        """Return once this process holds the Lease.
+
+        Besides client-go's read every retry period, a standby watches the Lease: each renewal the leader
+        makes restarts the standby's expiry clock the moment it is written, not up to a retry period later, so a
+        dead leader is replaced `lease_duration` after its last renewal (within the lease duration of its death),
+        and a released Lease is taken at once.
+        """
         announced = None
         waited_from = self.clock()
+        changed = asyncio.Event()
+        watching = asyncio.create_task(self._watch(changed), name="lease watch")
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.timing.renew_deadline):
+                        verdict = await self.attempt()
+                except TRANSIENT as exc:
+                    log.warning("lease %s/%s: cannot read or write it (%s); retrying", self.namespace, self.name,
+                                exc)
+                    verdict = Verdict("wait")
+                if verdict.kind != "wait":
+                    log.info("leading: lease %s/%s %s as %s after %.1fs as a standby (transitions %d)",
+                             self.namespace, self.name, "created" if verdict.kind == "create" else "acquired",
+                             self.identity, self.clock() - waited_from,
+                             self.seen.record.transitions if self.seen else 0)
+                    return
+                if self.holder and self.holder != announced:
+                    announced = self.holder
+                    log.info("standby: lease %s/%s is held by %s", self.namespace, self.name, self.holder)
+                await self._until_worth_trying(changed)
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+
+    async def _until_worth_trying(self, changed: asyncio.Event) -> None:
+        """Sleep a retry period (with client-go's jitter), less when the Lease (as last read or watched) runs out
+        or is released sooner."""
+        poll_at = self.clock() + self.timing.retry_period * (1 + 0.2 * random.random())
+        while True:
+            now = self.clock()
+            verdict = decide(self.identity, self.seen, now, self.wall(), self.timing)
+            if verdict.kind != "wait":
+                return
+            until = min(poll_at, verdict.expires_at) if verdict.expires_at is not None else poll_at
+            if until <= now:
+                return
+            changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), until - now + 0.005)
+
+    async def _watch(self, changed: asyncio.Event) -> None:
+        """Feed every version of the Lease into `seen` (its expiry clock) as it is written. Only `seen`: a write
+        always follows a fresh read, so a decision never pairs one version's content with another's
+        resourceVersion."""
+        selector = f"metadata.name={self.name}"
         while True:
             try:
-                async with asyncio.timeout(self.timing.renew_deadline):
-                    verdict = await self.attempt()
+                stream = watch.Watch().stream(self.leases.list_namespaced_lease, self.namespace,
+                                              field_selector=selector, timeout_seconds=300, _request_timeout=330)
+                async with stream as events:
+                    async for event in events:
+                        if event["type"] in ("ADDED", "MODIFIED"):
+                            record = LeaseRecord.from_lease(event["raw_object"])
+                            self.seen = observe(self.seen, record, self.clock())
+                            changed.set()
+                        elif event["type"] == "ERROR":
+                            break  # e.g. 410 Gone: start a new watch
             except TRANSIENT as exc:
-                log.warning("lease %s/%s: cannot read or write it (%s); retrying", self.namespace, self.name, exc)
-                verdict = Verdict("wait")
-            if verdict.kind != "wait":
-                log.info("leading: lease %s/%s %s as %s after %.1fs as a standby (transitions %d)",
-                         self.namespace, self.name, "created" if verdict.kind == "create" else "acquired",
-                         self.identity, self.clock() - waited_from, self.seen.record.transitions if self.seen else 0)
-                return
-            if self.holder and self.holder != announced:
-                announced = self.holder
-                log.info("standby: lease %s/%s is held by %s", self.namespace, self.name, self.holder)
-            # Come back after a retry period (with client-go's jitter), or right when the holder's time runs out.
-            delay = self.timing.retry_period * (1 + 0.2 * random.random())
-            if verdict.expires_at is not None:
-                delay = min(delay, max(verdict.expires_at - self.clock(), 0.0) + 0.01)
-            await asyncio.sleep(delay)
+                log.debug("lease %s/%s: watch ended (%s)", self.namespace, self.name, exc)
+            await asyncio.sleep(self.timing.retry_period)  # the reads every retry period go on meanwhile
 
     # -- leader ---------------------------------------------------------------------------------------
 

@@ -68,29 +68,34 @@ async def run_elected(args: argparse.Namespace, options: dict[str, Any]) -> int:
     metrics.LEADER.set(0)
     log.info("standby: waiting for lease %s/%s as %s", elector.namespace, elector.name, elector.identity)
 
-    stop = asyncio.Event()  # SIGTERM/SIGINT while a standby (kopf installs its own handlers once it runs)
+    # SIGTERM/SIGINT before kopf runs (as a standby, or between winning the Lease and kopf's start): kopf gets
+    # this as its stop flag, and replaces these handlers with its own once it starts.
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        async with standby_health(args.liveness):
-            acquiring = asyncio.ensure_future(elector.acquire())
-            stopping = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([acquiring, stopping], return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not acquiring.done():
-                acquiring.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await acquiring
-                log.info("stopped as a standby")
-                await api.close()
-                return 0
-            acquiring.result()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    async with standby_health(args.liveness):
+        acquiring = asyncio.ensure_future(elector.acquire())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([acquiring, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not acquiring.done():
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+            log.info("stopped as a standby")
+            await api.close()
+            return 0
+        acquiring.result()
 
     metrics.LEADER.set(1)
+
+    async def raise_stop_flag(**_: Any) -> None:
+        # kopf leaves its waiter on the stop flag pending when a signal stops it, then waits 5 s for that "hung"
+        # task before returning: raising the flag as its cleanup begins lets the Lease go 5 s sooner.
+        stop.set()
+
+    kopf.on.cleanup(registry=options["registry"], id="stop-flag")(raise_stop_flag)
 
     def lost(task: asyncio.Task) -> None:
         if task.cancelled():
@@ -105,7 +110,7 @@ async def run_elected(args: argparse.Namespace, options: dict[str, Any]) -> int:
     holding = asyncio.create_task(elector.hold(), name="lease renewal")
     holding.add_done_callback(lost)
     try:
-        await kopf.operator(**options)
+        await kopf.operator(**options, stop_flag=stop)
     finally:
         holding.remove_done_callback(lost)
         holding.cancel()
