@@ -312,7 +312,7 @@ class Env:
 
 def assert_stage_order(env: Env, job: str) -> None:
     """Every pod of a stage was gone before any pod of the next stage was asked to stop (watch order)."""
-    from rlkube.api.spec import TEARDOWN_ORDER
+    from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
     pods = env.kubelet.job_pods(job)
     assert pods and all(p.gone_seq is not None for p in pods), [(p.name, p.gone_seq) for p in pods]

@@ -33,7 +33,7 @@ from operator_harness import (  # noqa: F401 (fixtures)
     wait_event,
 )
 
-from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.controller.lease import Timing
 from rlkube.controller.times import parse_time
 
