@@ -2,7 +2,9 @@
 
 - the leader is killed (SIGKILL) in the middle of an ordered teardown, while a stage waits on a pod: the standby
   takes the Lease once it has expired, resumes the teardown from status.teardown, and no stage runs twice;
-- a leader stopped gracefully (SIGTERM, a rolling update) releases the Lease and the standby takes it at once.
+- a leader stopped gracefully (SIGTERM, a rolling update) releases the Lease and the standby takes it at once,
+  and carries a running job on to its end;
+- a leader that finds its Lease written by someone else exits at once (exit 3, no graceful kopf shutdown).
 Lease changes are timed from a watch on the Lease; the takeover times are printed (`-s` shows them).
 """
 
@@ -281,3 +283,27 @@ async def test_a_leader_stopped_gracefully_hands_over_at_once(ha: Env, kapi):
     assert [s["name"] for s in status["teardown"]["stages"]] == list(TEARDOWN_ORDER)
     assert await children(kapi, env.namespace, job) == {}
     assert "delete Pod/" not in leader.log()  # the whole teardown was the new leader's
+
+
+async def test_a_leader_that_finds_its_lease_taken_exits_at_once(ha: Env, kapi):
+    env = ha
+    coord = client.CoordinationV1Api(kapi)
+    async with LeaseRecorder(kapi, env.namespace, LEASE) as leases:
+        leader, standby = await elected(env, leases)
+        # Someone else writes the Lease (as a partitioned leader's successor would): the leader must stop acting.
+        lease = await coord.read_namespaced_lease(LEASE, env.namespace)
+        lease.spec.holder_identity = "intruder_0"
+        await coord.replace_namespaced_lease(LEASE, env.namespace, lease)
+        written = time.monotonic()
+        code = await asyncio.to_thread(leader.proc.wait, 2 * TIMING.retry_period + 5)
+        exited = time.monotonic() - written
+        assert code == 3, leader.log()[-2000:]  # EXIT_LEADERSHIP_LOST, without a graceful kopf shutdown
+        assert "leadership lost (lease" in leader.log() and "intruder_0" in leader.log()
+        assert exited <= 1.2 * TIMING.retry_period + 1.0
+        # The intruder never renews: the standby takes the Lease when it expires, not before.
+        assert await leader_gauge(standby) == 0
+        taken = await leases.wait(lambda: held_by(standby, leases.holder), TIMING.lease_duration + 5,
+                                  "the standby holding the Lease")
+    assert TIMING.lease_duration - 0.5 <= taken.at - written <= TIMING.lease_duration + 1.0
+    print(f"\nLease taken from the leader -> it exited {exited:.2f}s later; the standby took the expired Lease "
+          f"{taken.at - written:.2f}s after that write")
