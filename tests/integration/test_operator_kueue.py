@@ -98,7 +98,8 @@ class KueuePlayer:
         """QuotaReserved + Admitted with one assignment per pod set (`flavors`: pod set -> resource -> flavour)."""
         conds = [c for c in (wl.get("status") or {}).get("conditions", []) if c["type"] not in
                  (kueue.QUOTA_RESERVED, kueue.ADMITTED, kueue.EVICTED)]
-        conds.append(_cond(kueue.QUOTA_RESERVED, "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cluster_queue}"))
+        reserved = f"Quota reserved in ClusterQueue {cluster_queue}"
+        conds.append(_cond(kueue.QUOTA_RESERVED, "True", "QuotaReserved", reserved))
         conds.append(_cond(kueue.ADMITTED, "True", "Admitted", "The workload is admitted"))
         evicted = next((c for c in (wl.get("status") or {}).get("conditions", []) if c["type"] == kueue.EVICTED), None)
         if evicted is not None:  # SetQuotaReservation resets an active Evicted condition

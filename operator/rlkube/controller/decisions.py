@@ -601,7 +601,8 @@ def _resume_from_suspend(p: _Pass) -> None:
     remove(st.conditions, ConditionType.STALLED)
     remove(st.conditions, ConditionType.SPEC_CHANGE_IGNORED)
     p.fresh = True
-    p.condition("Suspended", "False", Reason.RESUMED, p.gate.message if p.gate.reason else "spec.runPolicy.suspend unset")
+    why = p.gate.message if p.gate.reason else "spec.runPolicy.suspend unset"
+    p.condition("Suspended", "False", Reason.RESUMED, why)
     _set_phase(p, Phase.PENDING, Reason.RESUMED, "recreating the components")
 
 

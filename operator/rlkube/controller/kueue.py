@@ -70,7 +70,8 @@ def pod_set(job: builders.JobRef, role: str) -> dict:
     pod = builders.pod(job, role, 0)
     meta = pod["metadata"]
     template_meta = {k: meta[k] for k in ("labels", "annotations") if meta.get(k)}
-    return {"name": role, "count": replicas(job.spec, role), "template": {"metadata": template_meta, "spec": pod["spec"]}}
+    template = {"metadata": template_meta, "spec": pod["spec"]}
+    return {"name": role, "count": replicas(job.spec, role), "template": template}
 
 
 def workload(job: builders.JobRef, queue: str) -> dict:
@@ -234,7 +235,9 @@ def _conditions(wl: WorkloadView, updates: list[dict], now: datetime) -> list[di
     return out
 
 
-def release_actions(kobs: KueueObserved | None, phase: str, released: bool, message: str, now: datetime) -> list[Action]:
+def release_actions(
+    kobs: KueueObserved | None, phase: str, released: bool, message: str, now: datetime
+) -> list[Action]:
     """What the job tells Kueue at the end of a pass: Finished when it has finished and released everything;
     after an eviction's ordered stop, the admission given back so Kueue can admit it again."""
     wl = kobs.workload if kobs is not None else None
@@ -250,7 +253,8 @@ def release_actions(kobs: KueueObserved | None, phase: str, released: bool, mess
             {"type": REQUEUED, "status": "True" if evicted.get("reason") in REQUEUE_ON else "False",
              "reason": evicted.get("reason") or EVICTED, "message": why},
             {"type": QUOTA_RESERVED, "status": "False", "reason": "Pending", "message": why},
-            {"type": ADMITTED, "status": "False", "reason": "NoReservation", "message": "The workload has no reservation"},
+            {"type": ADMITTED, "status": "False", "reason": "NoReservation",
+             "message": "The workload has no reservation"},
         ]
         return [PatchWorkloadStatus(wl.name, wl.resource_version,
                                     {"conditions": _conditions(wl, updates, now), "admission": None})]
