@@ -111,4 +111,11 @@ external-Redis password Secrets; posts Events (kopf's and its own).
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+# Kueue: the Workload of a queued TrainingJob (created, watched, marked Finished, admission released).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [get, patch, update]
 {{- end -}}
