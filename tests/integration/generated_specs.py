@@ -171,11 +171,23 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     hidden = _eff(spec, "model.architecture.hiddenSize")
     if hidden % heads or hidden // heads < 32:  # divisible, and a head dimension vLLM takes
         _set(spec, "model.architecture.hiddenSize", heads * 32 * max(1, hidden // (heads * 32)))
+    # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
+    _drop(spec, "task.dataset")
+    _drop(spec, "task.reward")
     backend = _eff(spec, "trainer.backend")
-    if backend == "fast-llm":
+    if backend == "fast-llm":  # its own Redis and GPUs, a Hugging Face checkpoint, its losses, vLLM
         external = False
         if _eff(spec, "trainer.gpusPerNode") < 1:
             _set(spec, "trainer.gpusPerNode", 1)
+        if _get(spec, "trainer.fastLlm.modelFormat") is None:
+            _set(spec, "trainer.fastLlm.modelFormat", "llama")
+        if _eff(spec, "model.path").startswith("builtin://"):
+            _set(spec, "model.path", "/models/llama")
+        if _eff(spec, "algorithm.loss") not in ("grpo", "gspo"):
+            _set(spec, "algorithm.loss", "grpo")
+        _set(spec, "inference.engine", "vllm")
+        if _eff(spec, "trainer.nodes") > 1 and not _get(spec, "trainer.checkpoint.claimName"):
+            _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
     if external:
         _set(spec, "redis.mode", "external")
         _set(spec, "redis.url", redis_url)
