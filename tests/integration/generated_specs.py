@@ -383,10 +383,10 @@ def edge_mutation(draw, spec: dict, redis_url: str) -> tuple[str | None, str, st
         return None, f"password secret {spec['redis']['passwordSecret']}", f"spec.redis.passwordSecret.{kind[7:]}"
     if kind == "extended-fraction":
         _set(spec, f"{role}.resources", {"requests": {"example.com/dev": "0.5"}, "limits": {"example.com/dev": "0.5"}})
-        return None, f"{role} extended resource 0.5", None
+        return None, f"{role} extended resource 0.5", f"spec.{role}.resources.requests.example.com/dev"
     if kind == "extended-no-limit":
         _set(spec, f"{role}.resources", {"requests": {"example.com/dev": 1}})
-        return None, f"{role} extended resource request without a limit", None
+        return None, f"{role} extended resource request without a limit", f"spec.{role}.resources.requests.example.com/dev"
     if kind == "hugepages":
         _set(spec, f"{role}.resources", {"limits": {"hugepages-2Mi": "4Mi"}, "requests": {"hugepages-2Mi": "4Mi"}})
         return None, f"{role} hugepages without cpu or memory", f"spec.{role}.resources"

@@ -710,8 +710,10 @@ def test_resources_the_pod_schema_would_reject_fail_up_front_naming_the_field(re
 @pytest.mark.parametrize(
     "resources",
     [{"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 1, "memory": "1.5Gi"}},
-     # (hugepages need cpu or memory beside them: the API server refuses such a Pod)
-     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1}, "limits": {"hugepages-2Mi": "2Mi", "memory": "1Gi"}}],
+     # (hugepages need cpu or memory beside them, an extended resource an equal limit: the API server refuses
+     # such a Pod)
+     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1},
+      "limits": {"hugepages-2Mi": "2Mi", "memory": "1Gi", "example.com/fpga": 1}}],
 )
 def test_valid_resources_pass(resources):
     parse_spec(raw_spec(**{"actor.resources": resources}))

@@ -69,6 +69,8 @@ def test_a_job_name_its_children_cannot_carry_is_refused_naming_metadata_name(na
     ({"actor": {"image": "ghcr.io/x:1\n"}}, "spec.actor.image"),
     ({"trainer": {"checkpoint": {"path": "/etc/rlkube/"}}}, "spec.trainer.checkpoint.path"),
     ({"actor": {"resources": {"limits": {"hugepages-2Mi": "4Mi"}}}}, "spec.actor.resources"),
+    ({"trainer": {"resources": {"requests": {"example.com/dev": 1}}}}, "spec.trainer.resources.requests.example.com/dev"),
+    ({"trainer": {"resources": {"limits": {"example.com/dev": "500m"}}}}, "spec.trainer.resources.limits.example.com/dev"),
     ({"trainer": {"checkpoint": {"path": "checkpoints"}}}, "spec.trainer.checkpoint.path"),
     ({"redis": {"mode": "external", "url": "redis://r:6379/0", "passwordSecret": {"name": "Bad_Name"}}},
      "spec.redis.passwordSecret.name"),

@@ -87,13 +87,22 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
                 if quantity < 0:
                     errs.append(FieldError(where, "must not be negative"))
                     continue
+                if "/" in name and quantity != quantity.to_integral_value():
+                    errs.append(FieldError(where, "an extended resource is counted in whole units"))
+                    continue
                 parsed[kind][name] = quantity
+        if role == "trainer" and spec.trainer.gpus_per_node:
+            # builders put gpusPerNode into the trainer's limits unless the user set that limit
+            parsed["limits"].setdefault("nvidia.com/gpu", Decimal(spec.trainer.gpus_per_node))
         names = set(parsed["requests"]) | set(parsed["limits"])
         if any(n.startswith("hugepages-") for n in names) and not names & {"cpu", "memory"}:
             errs.append(FieldError(f"spec.{role}.resources", "hugepages need a cpu or memory request or limit too"))
         for name, request in parsed["requests"].items():
             limit = parsed["limits"].get(name)
-            if limit is not None and request > limit:
+            if "/" in name and limit != request:  # extended resources are not overcommitted
+                errs.append(FieldError(f"spec.{role}.resources.requests.{name}", "an extended resource needs a limit "
+                                       "equal to its request"))
+            elif limit is not None and request > limit:
                 errs.append(FieldError(f"spec.{role}.resources.requests.{name}", f"must not exceed the limit {limit}"))
     return errs
 
