@@ -136,24 +136,48 @@ def proc_usage(pid: int) -> tuple[float, float]:
     return peak_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: int, workdir: Path) -> dict:
     namespace = f"bench-{n}-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(api)
-    await core.create_namespace({"metadata": {"name": namespace}})
-    kubelet = await FakeKubelet(api, namespace, stop_delay=0.05, redis_dir=workdir / "redis").start()
-    jobs = await JobRecorder(api, namespace).start()
-    logf = open(workdir / f"operator-{n}.log", "wb")  # noqa: SIM115, ASYNC230 (handed to the subprocess)
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "OMP_NUM_THREADS": "1"}
-    port = free_port()
-    proc = subprocess.Popen(  # noqa: ASYNC220 (started once; its lifetime is the whole run)
-        [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", namespace, "--standalone",
-         "--metrics-port", "0", "--liveness", f"http://127.0.0.1:{port}/healthz"],
-        stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    logf.close()
-    await wait_live(port, proc)  # time the jobs, not the operator's start-up
-    redis_client = aioredis.Redis.from_url(redis_url)
-    try:
+    # Undone in reverse order whatever fails: the operator stops first, the namespace goes last.
+    async with contextlib.AsyncExitStack() as stack:
+        await core.create_namespace({"metadata": {"name": namespace}})
+
+        async def delete_namespace() -> None:
+            with contextlib.suppress(ApiException):
+                await core.delete_namespace(namespace)
+
+        stack.push_async_callback(delete_namespace)
+        kubelet = FakeKubelet(api, namespace, stop_delay=0.05, redis_dir=workdir / "redis")
+        stack.push_async_callback(kubelet.close)
+        await kubelet.start()
+        jobs = JobRecorder(api, namespace)
+        stack.push_async_callback(jobs.close)
+        await jobs.start()
+        redis_client = aioredis.Redis.from_url(redis_url)
+        stack.push_async_callback(redis_client.aclose)
+        logf = open(workdir / f"operator-{n}.log", "wb")  # noqa: SIM115, ASYNC230 (handed to the subprocess)
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "OMP_NUM_THREADS": "1"}
+        port = free_port()
+        proc = subprocess.Popen(  # noqa: ASYNC220 (started once; its lifetime is the whole run)
+            [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", namespace, "--standalone",
+             "--metrics-port", "0", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+            stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        logf.close()
+        stack.callback(_stop, proc)
+        await wait_live(port, proc)  # time the jobs, not the operator's start-up
+
         names = [f"job-{i:04d}" for i in range(n)]
         custom = client.CustomObjectsApi(api)
         created_at: dict[str, float] = {}
@@ -187,10 +211,10 @@ async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: in
                 finished_at[name] = time.monotonic()
                 await kubelet.exit(f"{name}-trainer-0", 0)
 
-        await asyncio.gather(*(finish(name) for name in names))
         def released(name: str) -> float | None:
             return jobs.true_at.get(name, {}).get("ResourcesReleased")
 
+        await asyncio.gather(*(finish(name) for name in names))
         await jobs.wait(lambda: all(released(name) for name in names), 120 + 2 * n, "all ResourcesReleased")
         finished_to_released = [released(name) - finished_at[name] for name in names]
         peak_mib, operator_cpu = proc_usage(proc.pid)
@@ -205,19 +229,6 @@ async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: in
             "finished_to_released_p99": round(percentile(finished_to_released, 99), 3),
             "operator_rss_mb": round(peak_mib, 1),
         }
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        await jobs.close()
-        await redis_client.aclose()
-        await kubelet.close()
-        with contextlib.suppress(ApiException):
-            await core.delete_namespace(namespace)
 
 
 async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path) -> list[dict]:
