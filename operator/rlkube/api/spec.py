@@ -110,6 +110,21 @@ class CheckpointSpec(Model):
     interval_steps: int = Field(10, ge=1, description="Save a checkpoint every this many steps (and at the end).")
 
 
+FastLLMModelFormat = Literal["llama", "qwen2", "mistral", "mixtral"]
+"""Fast-LLM checkpoint formats of the Hugging Face models it imports and exports (their config.json model_type)."""
+
+
+class FastLLMSpec(Model):
+    model_format: FastLLMModelFormat | None = Field(
+        None,
+        description=(
+            "Backend fast-llm: the Fast-LLM checkpoint format of spec.model.path, i.e. the `model_type` of its "
+            "config.json (llama, qwen2, mistral, mixtral). Fast-LLM imports the model and exports and broadcasts "
+            "the weights in this format. Required with backend fast-llm."
+        ),
+    )
+
+
 class TrainerSpec(Model):
     backend: Literal["torch", "megatron", "fast-llm"] = Field("torch", description="Training backend.")
     nodes: int = Field(1, ge=1, description="Trainer pods (one per node); ranks get a headless Service.")
@@ -117,6 +132,7 @@ class TrainerSpec(Model):
     image: str | None = Field(None, min_length=1, description="Image of the trainer pods (default: spec.image).")
     resources: Resources = Field(default_factory=Resources, description="Resources of each trainer pod.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
 
 
 class InferenceSpec(Model):
@@ -211,6 +227,8 @@ class TeardownSpec(Model):
 
 
 class TrainingJobSpec(Model):
+    """Desired state of a TrainingJob: model, task and reward, RL algorithm, and the pods of every role."""
+
     image: str = Field(
         "ghcr.io/rlkube/core:0.1.0", min_length=1, description="Default image of every role's pods."
     )

@@ -94,6 +94,37 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+FAST_LLM_LOSSES = ("grpo", "gspo")
+"""The policy-gradient losses Fast-LLM implements (its loss types `grpo` and `gspo`)."""
+
+
+def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """What a `trainer.backend: fast-llm` job needs that Fast-LLM itself would only find out in the pod."""
+    errs: list[FieldError] = []
+    if spec.redis.mode != "managed":
+        errs.append(FieldError("spec.redis.mode", "fast-llm uses fixed stream names and needs its own (managed) Redis"))
+    if spec.trainer.gpus_per_node < 1:
+        errs.append(FieldError("spec.trainer.gpusPerNode", "fast-llm runs on GPUs only; set at least 1"))
+    if spec.trainer.fast_llm.model_format is None:
+        errs.append(FieldError("spec.trainer.fastLlm.modelFormat",
+                               "required with backend fast-llm: the model_type of the checkpoint's config.json"))
+    if spec.model.path.startswith("builtin://"):
+        errs.append(FieldError("spec.model.path", "fast-llm imports a Hugging Face checkpoint directory; "
+                                                  "built-in models exist only in rlkube's own trainers"))
+    if spec.algorithm.loss not in FAST_LLM_LOSSES:
+        errs.append(FieldError("spec.algorithm.loss", f"fast-llm implements {' and '.join(FAST_LLM_LOSSES)}, "
+                                                      f"not {spec.algorithm.loss}"))
+    if spec.inference.engine == "native":
+        errs.append(FieldError("spec.inference.engine", "fast-llm broadcasts weights over NCCL, which the native "
+                                                        "(CPU) engine cannot receive; use vllm"))
+    if spec.trainer.nodes > 1 and not spec.trainer.checkpoint.claim_name:
+        # Fast-LLM's rank 0 creates each checkpoint directory and every rank writes its shard into it.
+        errs.append(FieldError("spec.trainer.checkpoint.claimName", "fast-llm on several nodes writes one "
+                                                                    "checkpoint from every node: a shared "
+                                                                    "(ReadWriteMany) claim is required"))
+    return errs
+
+
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     errs: list[FieldError] = resource_errors(spec)
     arch = spec.model.architecture
@@ -104,12 +135,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.redis.mode == "managed" and spec.redis.url:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
     if spec.trainer.backend == "fast-llm":
-        if spec.redis.mode != "managed":
-            errs.append(
-                FieldError("spec.redis.mode", "fast-llm uses fixed stream names and needs its own (managed) Redis")
-            )
-        if spec.trainer.gpus_per_node < 1:
-            errs.append(FieldError("spec.trainer.gpusPerNode", "fast-llm runs on GPUs only; set at least 1"))
+        errs += fast_llm_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
