@@ -17,6 +17,7 @@ from typing import Any
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.controller import fastllm, names
+from rlkube.controller.placement import Placement, with_placement
 from rlkube.core import runtime
 from rlkube.lifecycle.environment import Addresses, role_env
 from rlkube.lifecycle.roles import CORE_ROLES, START_ORDER, replicas
@@ -266,10 +267,14 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     return _pod(job, role, index, container, volumes, annotations)
 
 
-def pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
+def pod(
+    job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None,
+    placement: Placement | None = None,
+) -> dict:
+    """Pod `index` of `role`; `placement` is where a queue (Kueue) admitted the role, applied last."""
     if role == "redis":
-        return redis_pod(job, attempt)
-    return core_pod(job, role, index, attempt, resume_checkpoint)
+        return with_placement(redis_pod(job, attempt), placement)
+    return with_placement(core_pod(job, role, index, attempt, resume_checkpoint), placement)
 
 
 def all_children(job: JobRef, password: str) -> list[dict]:
