@@ -17,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "operator" / "rlkube"
-TRAINING_STACK = ("torch", "numpy", "safetensors", "matplotlib", "rich", "psutil", "transformers", "datasets")
+TRAINING_STACK = ("torch", "numpy", "safetensors", "matplotlib", "rich", "psutil", "transformers", "datasets",
+                  "math_verify")
 
 
 def _modules() -> dict[str, ast.Module]:

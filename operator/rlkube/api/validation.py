@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import PurePosixPath
 from typing import Any
 
 from pydantic import ValidationError
 
-from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
+from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,58 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+def _regex_error(field: str, pattern: str | None) -> FieldError | None:
+    if pattern is None:
+        return None
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return FieldError(field, f"not a regular expression: {exc}")
+    return None
+
+
+def task_errors(task: TaskSpec) -> list[FieldError]:
+    """The task's cross-field rules: a dataset needs a reward, each reward type its own fields."""
+    errs: list[FieldError] = []
+    ds, reward = task.dataset, task.reward
+    if ds is not None:
+        if task.entry_point:
+            errs.append(FieldError("spec.task.entryPoint", "must be empty when spec.task.dataset is set"))
+        if task.params:
+            errs.append(FieldError("spec.task.params", "not used with spec.task.dataset (dataset tasks take none)"))
+        if reward is None:
+            errs.append(FieldError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)"))
+        if ds.prompt_field and ds.messages_field:
+            errs.append(FieldError("spec.task.dataset.messagesField", "set promptField or messagesField, not both"))
+        if ds.claim_name and PurePosixPath(ds.path).is_absolute() and not PurePosixPath(ds.path).is_relative_to(
+            ds.mount_path
+        ):
+            errs.append(FieldError("spec.task.dataset.path", f"must lie below mountPath {ds.mount_path} where "
+                                   f"claimName {ds.claim_name!r} is mounted"))
+    if reward is not None:
+        if reward.type == "python" and not reward.function:
+            errs.append(FieldError("spec.task.reward.function", "required when spec.task.reward.type is python"))
+        if reward.type != "python" and reward.function:
+            errs.append(FieldError("spec.task.reward.function", "only used when spec.task.reward.type is python"))
+        if reward.type != "python" and reward.params:
+            errs.append(FieldError("spec.task.reward.params", "only used when spec.task.reward.type is python"))
+        if reward.type == "regex" and not reward.pattern:
+            errs.append(FieldError("spec.task.reward.pattern", "required when spec.task.reward.type is regex"))
+        if reward.type != "regex" and reward.pattern:
+            errs.append(FieldError("spec.task.reward.pattern", "only used when spec.task.reward.type is regex "
+                                   "(answerPattern extracts answers for math and exact)"))
+        if reward.answer_pattern and reward.type not in ("math", "exact"):
+            errs.append(FieldError("spec.task.reward.answerPattern", "only used by the math and exact rewards"))
+        if err := _regex_error("spec.task.reward.pattern", reward.pattern):
+            errs.append(err)
+        if err := _regex_error("spec.task.reward.answerPattern", reward.answer_pattern):
+            errs.append(err)
+        elif reward.answer_pattern and re.compile(reward.answer_pattern).groups == 0:
+            errs.append(FieldError("spec.task.reward.answerPattern", "needs a group (named `answer`, or the first) "
+                                   "around the answer"))
+    return errs
+
+
 FAST_LLM_LOSSES = ("grpo", "gspo")
 """The policy-gradient losses Fast-LLM implements (its loss types `grpo` and `gspo`)."""
 
@@ -126,7 +179,7 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    errs: list[FieldError] = resource_errors(spec)
+    errs: list[FieldError] = resource_errors(spec) + task_errors(spec.task)
     arch = spec.model.architecture
     if arch.hidden_size % arch.heads:
         errs.append(FieldError("spec.model.architecture.heads", f"must divide hiddenSize {arch.hidden_size}"))
