@@ -3,7 +3,8 @@
 It registers a Node, binds every pending pod of the namespaces it serves to that node (there is no
 kube-scheduler), runs each bound pod through a `PodWorker` (worker.py) and reports its status honestly.
 Everything it learns from the API comes from watches (namespaces, Services, pods, its own Node's labels, which
-nodeSelectors are matched against), handled one event at a time by a dispatcher thread; Secrets, ConfigMaps and PVCs are read when a container or volume needs them.
+nodeSelectors are matched against), handled one event at a time by a dispatcher thread; Secrets, ConfigMaps
+and PVCs are read when a container or volume needs them.
 
 Files under the state directory (the contract for tests and `make demo-cluster`):
 - `agent.json`        written once the node is registered: pid, node name, node IP, pod subnet;

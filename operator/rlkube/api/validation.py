@@ -39,7 +39,8 @@ def _pydantic_errors(exc: ValidationError, prefix: str) -> list[FieldError]:
     for err in exc.errors():
         loc = [prefix, *(str(p) for p in err["loc"])]
         if err["type"] == "operator_owned":  # spec.PodTemplate refusing a field the operator sets: name the field
-            out.append(FieldError(".".join([*loc, err["ctx"]["field"]]), f"set by the operator ({err['ctx']['where']})"))
+            field, where = err["ctx"]["field"], err["ctx"]["where"]
+            out.append(FieldError(".".join([*loc, field]), f"set by the operator ({where})"))
             continue
         out.append(FieldError(".".join(loc), err["msg"]))
     return out

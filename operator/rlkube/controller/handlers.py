@@ -7,8 +7,9 @@
   restarted mid-deletion calls it again and the teardown resumes from `status.teardown`.
 - `pods_by_job` (index) + `pod-changed` (event): the job's pods come from kopf's pod watch, and every pod
   change wakes its job. Nothing polls the API server.
-- `configmaps_by_job`, `secrets_by_job`, `services_by_job`, `networkpolicies_by_job` (indexes) + `*-deleted` (events): the job's other
-  children, watched the same way; a deletion wakes the job, whose next pass recreates what is missing.
+- `configmaps_by_job`, `secrets_by_job`, `services_by_job`, `networkpolicies_by_job` (indexes) + `*-deleted`
+  (events): the job's other children, watched the same way; a deletion wakes the job, whose next pass recreates
+  what is missing.
 - `job-gone`: forgets a job (watcher, metrics) when the object is finally removed.
 
 Handlers return None: kopf would store return values in the status.
