@@ -84,8 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("operator", help="run the kopf operator")
     p.add_argument("--namespace", "-n", action="append", default=[], help="watch only these namespaces")
     p.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
-    p.add_argument("--peering", default=None, help="kopf peering object name (for HA operators)")
-    p.add_argument("--standalone", action="store_true", help="no peering (single operator)")
+    p.add_argument("--peering", default=None, help="kopf peering object name (pauses this operator while "
+                   "another one of higher or equal priority runs; elects no leader)")
+    p.add_argument("--standalone", action="store_true", help="no kopf peering")
+    p.add_argument("--leader-elect", action="store_true",
+                   help="replicas: act only while holding a coordination.k8s.io Lease (standby otherwise)")
+    p.add_argument("--lease-name", default="rlkube-operator", help="the leader election Lease")
+    p.add_argument("--lease-namespace", default=None,
+                   help="namespace of the Lease (default: $POD_NAMESPACE, or the pod's service account namespace)")
+    p.add_argument("--lease-duration", type=float, default=15.0,
+                   help="seconds a standby waits on an unrenewed Lease before taking it")
+    p.add_argument("--lease-renew-deadline", type=float, default=10.0,
+                   help="seconds the leader keeps trying to renew before it stops (exits)")
+    p.add_argument("--lease-retry-period", type=float, default=2.0,
+                   help="seconds between renewals, and between a standby's attempts")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.set_defaults(func=_lazy("rlkube.controller.main:cli"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import os
 import signal
 import socket
@@ -56,20 +57,26 @@ def job_doc(name: str, **overrides: Any) -> dict:
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path):
+    """One `rlkube operator` process: `--standalone` by default, or with `args` (e.g. leader election flags);
+    `name` prefixes its log files and is its POD_NAME (the start of its Lease holder identity)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path, args: tuple[str, ...] = ("--standalone",),
+                 name: str = "operator"):
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log_dir = log_dir
+        self.args = tuple(args)
+        self.name = name
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> OperatorProcess:
         self.starts += 1
-        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "OMP_NUM_THREADS": "1"}
+        log = open(self.log_dir / f"{self.name}-{self.starts}.log", "wb")
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "OMP_NUM_THREADS": "1", "POD_NAME": self.name}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", self.namespace, "--standalone",
+            [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", self.namespace, *self.args,
              "--metrics-port", str(self.port)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
@@ -92,7 +99,7 @@ class OperatorProcess:
             self.kill()
 
     def log(self) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{self.name}-*.log")))
 
     async def metrics(self) -> str:
         async with aiohttp.ClientSession() as session:
@@ -245,12 +252,15 @@ async def children(api: client.ApiClient, namespace: str, job: str) -> dict[str,
 class Env:
     """One namespace with its own operator process, fake kubelet and job recorder."""
 
-    def __init__(self, api: client.ApiClient, kubeconfig: Path, namespace: str, log_dir: Path, **kubelet: Any):
+    def __init__(self, api: client.ApiClient, kubeconfig: Path, namespace: str, log_dir: Path,
+                 operator_args: tuple[str, ...] = ("--standalone",), replicas: int = 1, **kubelet: Any):
         from rlkube.controller.simulate import FakeKubelet
 
         self.api = api
         self.namespace = namespace
-        self.operator = OperatorProcess(kubeconfig, namespace, log_dir)
+        names = ["operator"] if replicas == 1 else [f"operator-{chr(ord('a') + i)}" for i in range(replicas)]
+        self.operators = [OperatorProcess(kubeconfig, namespace, log_dir, operator_args, n) for n in names]
+        self.operator = self.operators[0]
         self.kubelet = FakeKubelet(api, namespace, redis_dir=log_dir / "redis", **kubelet)
         self.recorder = JobRecorder(api, namespace)
         self._redis: list = []
@@ -261,13 +271,15 @@ class Env:
         )
         await self.kubelet.start()
         await self.recorder.start()
-        self.operator.start()
+        for operator in self.operators:
+            operator.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
         # Each step runs even if an earlier one fails: no operator or redis-server may outlive the test.
         try:
-            self.operator.stop()
+            for operator in self.operators:
+                operator.stop()
             for r in self._redis:
                 await r.aclose()
         finally:
@@ -296,6 +308,18 @@ class Env:
             live = {r.name for r in self.kubelet.live(job) if r.deleting_seq is None}
             return live == names
         await self.kubelet.wait_for(ok, timeout, f"pods {sorted(names)}")
+
+
+def assert_stage_order(env: Env, job: str) -> None:
+    """Every pod of a stage was gone before any pod of the next stage was asked to stop (watch order)."""
+    from rlkube.lifecycle.roles import TEARDOWN_ORDER
+
+    pods = env.kubelet.job_pods(job)
+    assert pods and all(p.gone_seq is not None for p in pods), [(p.name, p.gone_seq) for p in pods]
+    by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
+    for earlier, later in itertools.pairwise(TEARDOWN_ORDER):
+        assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
+            earlier, later)
 
 
 async def job_events(api: client.ApiClient, namespace: str, job: str) -> list[tuple[str, str, str]]:

@@ -270,3 +270,35 @@ def test_the_build_time_import_check_passes_here(name):
     out = subprocess.run([sys.executable, "-c", code, *df.modules], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, f"{name}: the image's import check fails here:\n{out.stderr[-3000:]}"
+
+
+def test_fast_llm_image_runs_fast_llms_launcher_on_the_operators_config():
+    # Default command: torchrun (torch's own parser reads it) running Fast-LLM's console script on the config file
+    # the operator mounts, exactly the program and arguments of the operator's trainer pods.
+    from torch.distributed.run import get_args_parser
+
+    from rlkube.controller import fastllm
+
+    (cmd,) = DOCKERFILES["trainer-fast-llm"].all("CMD")
+    assert cmd.json and cmd.value[0] == "torchrun"
+    # (`--nproc-per-node=gpu` is resolved against the GPUs at run time, so only the parse is checked here.)
+    args = get_args_parser().parse_args(list(cmd.value[1:]))
+    program, program_args = args.training_script, args.training_script_args
+    assert args.no_python and args.nproc_per_node == "gpu" and program == "fast-llm"
+    assert program_args == ["train", fastllm.MODEL_TYPE, "--config", fastllm.CONFIG_PATH]
+    pod_tail = fastllm.launcher_command(_fast_llm_spec(), "job", 0, 29400)
+    assert pod_tail[-len(program_args) - 1:] == [program, *program_args]
+    # The image installs the Fast-LLM commit the config was checked against, with the Redis dataset's extra.
+    df = DOCKERFILES["trainer-fast-llm"]
+    assert df.args["FAST_LLM_COMMIT"] == fastllm.FAST_LLM_COMMIT
+    assert re.search(r"fast-llm\[[A-Z,]*STREAMING[A-Z,]*\] @ git\+https://github.com/ServiceNow/Fast-LLM@"
+                     + fastllm.FAST_LLM_COMMIT, df.run_text())
+    assert "rlkube.core.fast_llm_launch" in df.modules
+
+
+def _fast_llm_spec():
+    import yaml
+
+    from rlkube.api.validation import parse_spec
+
+    return parse_spec(yaml.safe_load((ROOT / "examples" / "fast-llm.yaml").read_text())["spec"])

@@ -183,6 +183,7 @@ class Document:
     reward: float = 0.0
     old_log_probabilities: np.ndarray | None = None  # float32, one per token (0 on the prompt)
     model_version: np.ndarray | None = None  # int64, one per token
+    reward_error: bool = False  # the reward function failed on this sample (it scored 0); counted in metrics
 
     def loss_mask(self) -> np.ndarray:
         """Boolean per token: True where the token counts in the loss."""
@@ -194,15 +195,16 @@ class Document:
 
 def encode_document(doc: Document) -> dict[str, bytes]:
     n = len(doc.tokens)
+    data: dict[str, Any] = {
+        "loss_masking_spans": [[int(b), int(e)] for b, e in doc.loss_masking_spans],
+        "advantage": float(doc.advantage),
+        "reward": float(doc.reward),
+    }
+    if doc.reward_error:
+        data["reward_error"] = True  # our key, only when set: the documents Fast-LLM reads keep its own shape
     fields: dict[str, bytes] = {
         "tokens": np.asarray(doc.tokens, dtype="<i8").tobytes(),
-        "data": orjson.dumps(
-            {
-                "loss_masking_spans": [[int(b), int(e)] for b, e in doc.loss_masking_spans],
-                "advantage": float(doc.advantage),
-                "reward": float(doc.reward),
-            }
-        ),
+        "data": orjson.dumps(data),
     }
     if doc.old_log_probabilities is not None:
         if len(doc.old_log_probabilities) != n:
@@ -245,6 +247,7 @@ def decode_document(fields: dict[Any, Any]) -> Document:
         reward=float(data.get("reward", 0.0)),
         old_log_probabilities=None if old is None else np.frombuffer(old, dtype="<f4").astype(np.float32),
         model_version=None if ver is None else np.frombuffer(ver, dtype="<i8").astype(np.int64),
+        reward_error=bool(data.get("reward_error", False)),
     )
     for name in ("old_log_probabilities", "model_version"):
         arr = getattr(doc, name)
@@ -262,6 +265,7 @@ class Sample:
     logprobs: list[float]  # sampling log-prob of each completion token
     reward: float
     finished: bool = True
+    reward_error: bool = False  # the reward failed on this completion: `reward` is 0, not a score
 
 
 @dataclass
