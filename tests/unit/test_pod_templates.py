@@ -297,12 +297,14 @@ def test_a_redis_template_needs_a_managed_redis():
     assert list(errors_of(raw)) == ["spec.redis.template"]
 
 
-def test_gpu_counts_that_disagree_with_the_spec_are_refused():
-    errs = errors_of(raw_with(**{"trainer.gpusPerNode": 8, "trainer.resources": {"limits": {"nvidia.com/gpu": 4}},
-                                 "algorithm.samplesPerStep": 64}))
-    assert list(errs) == ["spec.trainer.resources.limits.nvidia.com/gpu"] and "sets 8" in next(iter(errs.values()))
-    errs = errors_of(raw_with(**{"actor.resources": {"requests": {"nvidia.com/gpu": 1}}}))
-    assert list(errs) == ["spec.actor.resources.requests.nvidia.com/gpu"]
+def test_the_gpu_count_follows_the_spec_and_processes_per_node_must_match_it():
+    job = job_of(raw_with(**{"trainer.gpusPerNode": 8, "algorithm.samplesPerStep": 64,
+                             "trainer.resources": {"requests": {"nvidia.com/gpu": 4}, "limits": {"nvidia.com/gpu": 4}}}))
+    resources = container(builders.pod(job, "trainer", 0))["resources"]
+    assert resources == {"requests": {"nvidia.com/gpu": 8}, "limits": {"nvidia.com/gpu": 8}}
+    # A role that gets no GPUs from the spec keeps what its resources say (a GPU preprocessor is the user's call).
+    job = job_of(raw_with(**{"preprocessor.resources": {"limits": {"nvidia.com/gpu": 1}}}))
+    assert container(builders.pod(job, "preprocessor", 0))["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     errs = errors_of(raw_with(**{"trainer.gpusPerNode": 2, "trainer.processesPerNode": 1}))
     assert list(errs) == ["spec.trainer.processesPerNode"]
 

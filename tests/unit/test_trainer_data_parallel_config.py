@@ -64,14 +64,6 @@ def _ctx(spec: dict) -> RoleContext:
     return RoleContext(namespace="ns", job="j", spec=parse_spec(spec), redis_url="redis://127.0.0.1:1/0")
 
 
-def test_fast_llm_is_never_trained_by_our_trainer_module_on_several_ranks():
-    # Refused before anything is started or connected (no Redis, no rendezvous needed).
-    spec = spec_with(nodes=2, samples=4, backend="fast-llm")
-    spec["trainer"]["gpusPerNode"] = 1
-    with pytest.raises(ValueError, match=r"spec.trainer.backend=fast-llm: .* not 2 ranks"):
-        build_role(_ctx(spec), client=None, env=ENV)
-
-
 def test_processes_per_node_multiply_the_ranks():
     spec = spec_with(nodes=2, samples=3)
     spec["trainer"]["processesPerNode"] = 2

@@ -113,23 +113,10 @@ def gpu_count(spec: TrainingJobSpec, role: str) -> int:
     return 0
 
 
-def gpu_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    """A GPU count in resources that disagrees with the one the operator derives would be silently overridden."""
+def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """trainer.processesPerNode against the GPUs and the backend. (A GPU count the operator derives replaces one
+    written in resources: builders._resources.)"""
     errs = []
-    for role in ("trainer", "inference", "preprocessor", "actor"):
-        want = gpu_count(spec, role)
-        res = getattr(spec, role).resources
-        for kind in ("requests", "limits"):
-            value = getattr(res, kind).get(GPU)
-            try:
-                same = value is None or parse_quantity(value) == want
-            except ValueError:
-                continue  # resource_errors names it
-            if not same:
-                source = {"trainer": "spec.trainer.gpusPerNode",
-                          "inference": "spec.inference.tensorParallel of a GPU job"}.get(role, "CPU-only role")
-                errs.append(FieldError(f"spec.{role}.resources.{kind}.{GPU}",
-                                       f"the operator sets {want} ({source}); leave it out or set {want}"))
     trainer = spec.trainer
     if trainer.processes_per_node is not None:
         where = "spec.trainer.processesPerNode"
@@ -215,6 +202,7 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
                 if m.name not in volumes:
                     errs.append(FieldError(f"{where}.name", f"no volume {m.name!r} in the pod (add it to "
                                                             f"{at}.spec.volumes)"))
+    return errs
 
 
 def _regex_error(field: str, pattern: str | None) -> FieldError | None:
@@ -303,7 +291,7 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
 
-    errs: list[FieldError] = resource_errors(spec) + gpu_errors(spec) + template_errors(spec)
+    errs: list[FieldError] = resource_errors(spec) + rank_errors(spec) + template_errors(spec)
     errs += task_errors(spec.task)
     arch = spec.model.architecture
     if arch.hidden_size % arch.heads:

@@ -102,8 +102,11 @@ def _resources(spec: TrainingJobSpec, role: str) -> dict:
         out["limits"] = dict(res.limits)
     gpus = gpu_count(spec, role)
     if gpus:
-        # Extended resources must be in limits; requests default to them (validation refuses a different count).
+        # The count follows gpusPerNode / tensorParallel, replacing one written in resources. Extended resources
+        # must be in limits; requests default to them, and must equal them when given.
         out.setdefault("limits", {})[GPU] = gpus
+        if GPU in out.get("requests", {}):
+            out["requests"][GPU] = gpus
     return out
 
 
