@@ -2,10 +2,9 @@
 
 - `OperatorProcess`: `rlkube operator --namespace NS --standalone` with KUBECONFIG set; SIGTERM, SIGKILL,
   restart; reads its Prometheus endpoint (reconcile passes per job, to know a pass really happened).
-- `JobRecorder`: watches the namespace's TrainingJobs and records every distinct phase in order, each
-  status seen, and when each job disappeared.
 - `job_doc()`: examples/tiny-cpu.yaml with test-sized timeouts and grace periods.
-The kubelet and trainer stand-ins are rlkube.controller.simulate (shared with `rlkube bench operator`).
+The kubelet and trainer stand-ins (rlkube.bench.simulate) and the recorder of every TrainingJob status
+(rlkube.bench.jobs.JobRecorder) are the ones `rlkube bench operator` runs.
 """
 
 from __future__ import annotations
@@ -20,14 +19,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from rlkube.bench.jobs import JobRecorder
+from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
@@ -131,93 +132,6 @@ class OperatorProcess:
             await asyncio.sleep(0.1)  # polling the metrics endpoint: it has no watch
 
 
-class JobRecorder:
-    """Every TrainingJob status in the namespace, in watch order."""
-
-    def __init__(self, api: client.ApiClient, namespace: str):
-        self.custom = client.CustomObjectsApi(api)
-        self.namespace = namespace
-        self.phases: dict[str, list[str]] = {}
-        self.latest: dict[str, dict] = {}
-        self.gone: dict[str, float] = {}
-        self.seq: dict[str, int] = {}
-        self._n = 0
-        self._changed = asyncio.Condition()
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> JobRecorder:
-        ready = asyncio.Event()
-        self._task = asyncio.create_task(self._watch(ready))
-        await ready.wait()
-        return self
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _watch(self, ready: asyncio.Event) -> None:
-        rv = None
-        while True:
-            try:
-                if rv is None:
-                    listing = await self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
-                    rv = listing["metadata"]["resourceVersion"]
-                    for obj in listing["items"]:
-                        await self._record("ADDED", obj)
-                    ready.set()
-                stream = watch.Watch().stream(
-                    self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
-                    resource_version=rv, timeout_seconds=60,
-                )
-                async with stream as events:
-                    async for event in events:
-                        if event["type"] == "ERROR":
-                            rv = None
-                            break
-                        obj = event["raw_object"] if "raw_object" in event else event["object"]
-                        rv = obj["metadata"]["resourceVersion"]
-                        await self._record(event["type"], obj)
-            except asyncio.CancelledError:
-                raise
-            except (TimeoutError, ApiException, OSError):
-                rv = None
-                await asyncio.sleep(0.2)
-
-    async def _record(self, type_: str, obj: dict) -> None:
-        name = obj["metadata"]["name"]
-        self._n += 1
-        self.seq[name] = self._n
-        status = obj.get("status") or {}
-        self.latest[name] = obj
-        phase = status.get("phase")
-        seen = self.phases.setdefault(name, [])
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
-        if type_ == "DELETED":
-            self.gone[name] = time.monotonic()
-        async with self._changed:
-            self._changed.notify_all()
-
-    def status(self, name: str) -> dict:
-        return (self.latest.get(name) or {}).get("status") or {}
-
-    def condition(self, name: str, type_: str) -> dict | None:
-        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), None)
-
-    async def wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
-            except TimeoutError:
-                raise TimeoutError(f"{what} not reached in {timeout}s") from None
-
-    async def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict:
-        await self.wait(lambda: self.status(name).get("phase") == phase, timeout, f"{name} phase {phase}")
-        return self.status(name)
-
-
 async def create_job(api: client.ApiClient, namespace: str, doc: dict) -> dict:
     return await client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
 
@@ -254,8 +168,6 @@ class Env:
 
     def __init__(self, api: client.ApiClient, kubeconfig: Path, namespace: str, log_dir: Path,
                  operator_args: tuple[str, ...] = ("--standalone",), replicas: int = 1, **kubelet: Any):
-        from rlkube.controller.simulate import FakeKubelet
-
         self.api = api
         self.namespace = namespace
         names = ["operator"] if replicas == 1 else [f"operator-{chr(ord('a') + i)}" for i in range(replicas)]
@@ -295,7 +207,6 @@ class Env:
     async def trainer(self, job: str, timeout: float = 30):
         """A TrainerPlayer on the job's managed Redis (the real redis-server the fake kubelet runs)."""
         import redis.asyncio as aioredis
-        from rlkube.controller.simulate import TrainerPlayer
 
         await self.kubelet.wait_for(lambda: self.kubelet.redis_server(job) is not None, timeout, f"{job} Redis")
         r = aioredis.Redis.from_url(self.kubelet.redis_server(job).url)

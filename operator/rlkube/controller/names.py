@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-from rlkube.api import validation
 from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -17,6 +16,8 @@ LABEL_JOB = "rlkube.io/job-name"
 LABEL_ROLE = "rlkube.io/role"
 LABEL_INDEX = "rlkube.io/index"
 MANAGED_BY = "rlkube"
+OWNED_PREFIX = "rlkube.io/"
+"""Labels and annotations under this prefix (and the two app.kubernetes.io ones above) are the operator's."""
 
 ANNOTATION_ATTEMPT = "rlkube.io/attempt"
 """Replacement count of a pod slot: 0 for the first pod, +1 each time the operator replaces a failed one."""
@@ -24,9 +25,16 @@ ANNOTATION_RESUME = "rlkube.io/resume-from-checkpoint"
 """Last checkpoint the operator knew of when it (re)created a trainer pod (informational; the trainer finds
 its own latest checkpoint in RLKUBE_CHECKPOINT_DIR)."""
 
-CONFIG_MOUNT = validation.CONFIG_MOUNT
+CONFIG_MOUNT = "/etc/rlkube"
 CONFIG_KEY = "job.json"
 SECRET_KEY = "password"
+
+VOLUME_CONFIG = "job-config"  # the job's ConfigMap at CONFIG_MOUNT
+VOLUME_CHECKPOINTS = "checkpoints"  # trainer: spec.trainer.checkpoint (PVC or emptyDir) at its path
+VOLUME_TMP = "tmp"  # emptyDir at /tmp (and HOME): the writable place of a read-only root filesystem
+VOLUME_SHM = "dshm"  # memory-backed emptyDir at /dev/shm (NCCL, torch and vLLM shared memory)
+TMP_MOUNT = "/tmp"
+SHM_MOUNT = "/dev/shm"
 
 SERVICE_ROLES = ("redis", "inference", "trainer")
 """Roles with a headless Service (and so `hostname`/`subdomain` on their pods)."""
@@ -53,6 +61,34 @@ def job_name_error(job: str, spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def role_volumes(role: str) -> tuple[str, ...]:
+    """The volumes the builders give a role's pods."""
+    if role == "redis":
+        return ()
+    extra = {"trainer": (VOLUME_CHECKPOINTS, VOLUME_SHM), "inference": (VOLUME_SHM,)}.get(role, ())
+    return (VOLUME_CONFIG, VOLUME_TMP, *extra)
+
+
+def owned_volumes(role: str) -> dict[str, str]:
+    """Volumes a pod template may not replace (name -> where they come from); tmp and dshm it may."""
+    if role == "redis":
+        return {}
+    owned = {VOLUME_CONFIG: "the job config"}
+    if role == "trainer":
+        owned[VOLUME_CHECKPOINTS] = "use spec.trainer.checkpoint.claimName"
+    return owned
+
+
+def owned_mounts(role: str, checkpoint_path: str) -> dict[str, str]:
+    """Mount paths a pod template may not take (path -> why)."""
+    if role == "redis":
+        return {}
+    owned = {CONFIG_MOUNT: "the job config"}
+    if role == "trainer":
+        owned[checkpoint_path.rstrip("/")] = "spec.trainer.checkpoint.path"
+    return owned
+
+
 def pod_name(job: str, role: str, index: int = 0) -> str:
     """`{job}-{role}-{index}`; the managed Redis is the single `{job}-redis`."""
     return f"{job}-redis" if role == "redis" else f"{job}-{role}-{index}"
@@ -63,6 +99,10 @@ def service_name(job: str, role: str) -> str:
 
 
 def secret_name(job: str) -> str:
+    return f"{job}-redis"
+
+
+def network_policy_name(job: str) -> str:
     return f"{job}-redis"
 
 

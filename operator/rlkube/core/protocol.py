@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,8 @@ def decode_event(stream_id: Any, fields: dict[Any, Any]) -> TrainerEvent | None:
 
 
 # --- training documents (preprocessor -> trainer), Fast-LLM streaming format ------------------------
+# numpy is imported where documents are built or read: the operator imports this module for the keys and the
+# events, and its install has no numpy (the training stack is the `core` extra).
 
 
 @dataclass
@@ -202,6 +206,8 @@ class Document:
 
     def loss_mask(self) -> np.ndarray:
         """Boolean per token: True where the token counts in the loss."""
+        import numpy as np
+
         mask = np.ones(len(self.tokens), dtype=bool)
         for begin, end in self.loss_masking_spans:
             mask[begin:end] = False
@@ -209,6 +215,8 @@ class Document:
 
 
 def encode_document(doc: Document) -> dict[str, bytes]:
+    import numpy as np
+
     n = len(doc.tokens)
     data: dict[str, Any] = {
         "loss_masking_spans": [[int(b), int(e)] for b, e in doc.loss_masking_spans],
@@ -238,6 +246,8 @@ def _field(fields: dict[Any, Any], name: str) -> Any:
 
 def decode_document(fields: dict[Any, Any]) -> Document:
     """Inverse of encode_document; raises ValueError on a malformed entry."""
+    import numpy as np
+
     tokens_raw = _field(fields, "tokens")
     data_raw = _field(fields, "data")
     if tokens_raw is None or data_raw is None:
