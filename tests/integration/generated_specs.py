@@ -114,7 +114,9 @@ def _value(path: str, node: dict) -> st.SearchStrategy:
     if kind == "string":
         return _string(path, node)
     if kind == "object":
-        props = node.get("properties", {})
+        # Pod templates have their own rules and tests (test_controller_builders, test_chart): left to the defaults
+        # here; schema mutations still reach into them (LEAVES).
+        props = {k: v for k, v in node.get("properties", {}).items() if k != "template"}
         required = set(node.get("required", ()))
         return st.fixed_dictionaries(
             {k: _value(f"{path}.{k}" if path else k, v) for k, v in props.items() if k in required},
@@ -197,8 +199,17 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         _drop(spec, "redis.url")
     if _eff(spec, "algorithm.loss") != "sft" and _eff(spec, "algorithm.groupSize") < 2:
         _set(spec, "algorithm.groupSize", 2)
-    if _eff(spec, "algorithm.samplesPerStep") < _eff(spec, "trainer.nodes"):
-        _set(spec, "algorithm.samplesPerStep", _eff(spec, "trainer.nodes"))
+    if _get(spec, "trainer.processesPerNode") is not None:  # one rank per GPU; fast-llm starts its own
+        if backend == "fast-llm":
+            _drop(spec, "trainer.processesPerNode")
+        elif _eff(spec, "trainer.gpusPerNode"):
+            _set(spec, "trainer.processesPerNode", _eff(spec, "trainer.gpusPerNode"))
+        else:
+            _set(spec, "trainer.processesPerNode", min(_get(spec, "trainer.processesPerNode"), 2))
+    ranks = _eff(spec, "trainer.nodes") * (_get(spec, "trainer.processesPerNode") or _eff(spec, "trainer.gpusPerNode")
+                                           or 1)
+    if _eff(spec, "algorithm.samplesPerStep") < ranks:
+        _set(spec, "algorithm.samplesPerStep", ranks)
     if _eff(spec, "algorithm.clipEpsilonLow") >= 1:
         _set(spec, "algorithm.clipEpsilonLow", 0.5)
     path = _eff(spec, "trainer.checkpoint.path")
