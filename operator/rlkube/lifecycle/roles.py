@@ -21,8 +21,6 @@ TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
 """Stop order: producers first, inference after the trainer's finished event, Redis last (design.md s4)."""
 CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
 """Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
-PRODUCERS = (ACTOR, PREPROCESSOR)
-"""Roles that stop by themselves on training_finished (an exit 0 before it is a failure)."""
 
 
 def replicas(spec: TrainingJobSpec, role: str) -> int:
