@@ -116,15 +116,17 @@ async def test_a_spec_edit_of_a_running_job_is_reported_once_and_not_applied(env
 
 
 async def test_a_child_the_api_server_rejects_fails_the_job_with_its_message(env: Env, kapi):
-    # Whitespace around an image: the CRD schema and `rlkube validate` let it through, the Pod schema does not.
-    await create_job(kapi, env.namespace, job_doc("badimg", **{"actor.image": "ghcr.io/rlkube/core:0.1.0 "}))
+    # A label value with a space in the actor's pod template: the CRD schema and `rlkube validate` let it through
+    # (they leave label syntax to the API server), the Pod schema does not.
+    template = {"metadata": {"labels": {"team": "not a label"}}}
+    await create_job(kapi, env.namespace, job_doc("badimg", **{"actor.template": template}))
     status = await env.recorder.wait_phase("badimg", "Failed", timeout=90)
     assert status["reason"] == "InvalidSpec"
-    assert "Pod badimg-actor-0" in status["message"] and "spec.containers[0].image" in status["message"]
+    assert "Pod badimg-actor-0" in status["message"] and "metadata.labels" in status["message"]
     failed = env.recorder.condition("badimg", "Failed")
     assert failed["reason"] == "InvalidSpec" and failed["message"] == status["message"]
     events = await wait_event(kapi, env.namespace, "badimg", "InvalidSpec")
-    assert any(e[0] == "Warning" and "spec.containers[0].image" in e[2] for e in events)
+    assert any(e[0] == "Warning" and "metadata.labels" in e[2] for e in events)
     # Nothing more was created (no actor ever existed); what was created was torn down in the usual order.
     pods = env.kubelet.job_pods("badimg")
     assert sorted(p.role for p in pods) == ["inference", "preprocessor", "redis", "trainer"]

@@ -16,7 +16,7 @@ table-driven unit test:
   Trainer failures beyond backoffLimit -> Failed/BackoffLimitExceeded. No trainer event for
   eventTimeoutSeconds while Running -> Stalled=True, and Failed/Stalled if runPolicy.failOnStall.
   A spec the schema could not reject -> Failed/InvalidSpec, nothing created. A child the API server rejects as
-  invalid (400/422: a value the CRD schema let through, e.g. an image with trailing whitespace) ->
+  invalid (400/422: a value the CRD schema let through, e.g. a pod-template label value with a space) ->
   Failed/InvalidSpec with the API server's message; nothing more is created, the rest is torn down.
 - Spec changes while the job runs are not applied (pods are not rolled): the job keeps deciding by the spec it
   started with (status.startedSpec); only runPolicy.suspend is live. A change is reported once per distinct set
