@@ -1,0 +1,163 @@
+"""A megatron-core GPTModel loaded from a Hugging Face model directory, exporting Hugging Face names back.
+
+Why: the megatron backend trains megatron-core's GPTModel while every other part of rlkube (the job's model,
+checkpoints, weight updates to inference) speaks Hugging Face directories and parameter names. `MegatronGPT` is the
+model half of that backend: it builds the GPTModel of a transformers config (`megatron_hf` holds the translation),
+loads the directory's safetensors into it, computes logits, and exports weights (or any per-parameter tensors,
+such as gradients or Adam moments) under Hugging Face names. One rank: tensor and pipeline parallel size 1.
+
+It uses megatron's TE-less local layer spec (`get_gpt_layer_local_spec`), which runs on CPU (through the shim in
+`megatron_cpu`) and on a GPU, with every fusion that needs CUDA kernels switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from rlkube.core.backends import megatron_cpu
+from rlkube.core.backends.megatron_hf import (
+    Architecture,
+    gpt_model_kwargs,
+    hf_names,
+    hf_state_to_megatron,
+    megatron_state_to_hf,
+    transformer_config_kwargs,
+)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def read_hf_config(path: str | Path) -> Any:
+    """The transformers config of a model directory (no remote code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+
+
+def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files (one file, or shards named by an index)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> GPTModel:
+    """An uninitialised GPTModel with the architecture of `hf_config` (weights are loaded after)."""
+    device = torch.device(device)
+    config = TransformerConfig(
+        **transformer_config_kwargs(hf_config),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is overwritten by the checkpoint's
+        # the fused kernels these switches select need CUDA (and some Apex / Transformer Engine)
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cuda_graph_scope=[],  # megatron's default ("full") only triggers a deprecation warning
+    )
+    arch = Architecture.of(hf_config)
+    with warnings.catch_warnings():
+        # megatron 0.16's own deprecations while building from the local spec (tp_group None, ffn_hidden_size)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm"),
+            **gpt_model_kwargs(hf_config),
+        )
+    # .to(dtype) as megatron's Float16Module does: the torch norms of the local spec are created in float32
+    return megatron_cpu.adapt_model(model.to(device=device, dtype=dtype), device)
+
+
+class MegatronGPT:
+    """A GPTModel with a Hugging Face model's architecture and weights (see the module docstring)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 seed: int = 0):
+        self.device = torch.device(device)
+        megatron_cpu.initialize(seed, self.device)
+        self.hf_config = hf_config
+        self.arch = Architecture.of(hf_config)
+        self.dtype = dtype
+        self.model = build_gpt_model(hf_config, dtype, self.device)
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.max_sequence_length = int(hf_config.max_position_embeddings)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", seed: int = 0) -> MegatronGPT:
+        gpt = cls(read_hf_config(path), dtype, device, seed)
+        gpt.load_hf_dir(path)
+        return gpt
+
+    # --- weights in ---
+
+    def load_hf_dir(self, path: str | Path) -> None:
+        """Load the safetensors weights of a model directory of this architecture."""
+        self.load_hf_state_dict(read_hf_weights(path))
+
+    def load_hf_state_dict(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named weights (strict; converted to the model's dtype)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in hf_state_to_megatron(self.arch, hf_state, self.names).items():
+                if params[name].shape != value.shape:
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} != the model's {tuple(params[name].shape)}")
+                params[name].copy_(value)
+
+    # --- Hugging Face names out ---
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under the transformers model's state_dict keys (detached; fused parameters are split into
+        new tensors, the others are the parameters' own storage: copy before changing them)."""
+        return megatron_state_to_hf(self.arch, {n: p.detach() for n, p in self.model.named_parameters()})
+
+    def to_hf_names(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors keyed by megatron name (gradients, Adam moments) -> Hugging Face names, keyed like
+        the transformers model's `named_parameters()` (a tied embedding once)."""
+        return megatron_state_to_hf(self.arch, tensors, tied_head=False)
+
+    def hf_parameter_names(self) -> list[str]:
+        """The transformers model's `named_parameters()` names, in megatron's parameter order."""
+        return [n for m in self.names for n in hf_names(m)]
+
+    # --- compute ---
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (right-padded: causal attention never looks at the padding) -> logits [B, T, V] float32."""
+        t = tokens.shape[1]
+        if t > self.max_sequence_length:
+            raise ValueError(f"sequence of {t} tokens exceeds max_position_embeddings {self.max_sequence_length}")
+        tokens = tokens.to(self.device)
+        positions = torch.arange(t, device=self.device)[None].expand_as(tokens)
+        return self.model(tokens, positions, megatron_cpu.causal_mask(t, self.device)).float()
+
