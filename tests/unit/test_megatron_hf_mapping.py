@@ -8,7 +8,6 @@ import torch
 from rlkube.core.backends.megatron_hf import (
     Architecture,
     UnsupportedArchitecture,
-    convert_optimizer_state,
     gpt_model_kwargs,
     hf_names,
     hf_state_to_megatron,
@@ -86,8 +85,7 @@ def test_tied_embeddings_state():
     meg = hf_state_to_megatron(arch, hf, MEGATRON_NAMES)  # safetensors files omit lm_head.weight
     assert meg["embedding.word_embeddings.weight"] is embed
     out = megatron_state_to_hf(arch, meg)
-    assert out["lm_head.weight"] is out["model.embed_tokens.weight"]  # like the transformers state_dict
-    assert "lm_head.weight" not in megatron_state_to_hf(arch, meg, tied_head=False)
+    assert list(out) == list(hf) and out["model.embed_tokens.weight"] is embed  # the tied embedding once
     hf_state_to_megatron(arch, {**hf, "lm_head.weight": embed.clone()}, MEGATRON_NAMES)
     with pytest.raises(ValueError, match="lm_head.weight differs"):
         hf_state_to_megatron(arch, {**hf, "lm_head.weight": embed + 1}, MEGATRON_NAMES)
@@ -130,30 +128,3 @@ def test_unsupported_configs_raise_naming_the_field(overrides, match):
     with pytest.raises(UnsupportedArchitecture, match=match):
         Architecture.of(config(**overrides))
 
-
-def test_optimizer_state_follows_the_weight_conversion():
-    """Adam moments of HF-ordered parameters -> megatron's fused parameters and back; `step` passes unchanged."""
-    arch = Architecture.of(config(head_dim=1, hidden_size=4))
-    meg_names = ["decoder.layers.0.self_attention.linear_qkv.bias", "decoder.final_layernorm.weight"]
-    hf_order = ["model.norm.weight"] + hf_names(meg_names[0])
-    moments = {"model.norm.weight": torch.arange(4.0), **{n: torch.randn(4 if "q_" in n else 2) for n in hf_order[1:]}}
-    state = {
-        "state": {i: {"step": torch.tensor(5.0), "exp_avg": moments[n], "exp_avg_sq": moments[n] ** 2}
-                  for i, n in enumerate(hf_order)},
-        "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}],
-    }
-    to_meg = convert_optimizer_state(state, hf_order, meg_names, lambda t: hf_state_to_megatron(arch, t, meg_names))
-    assert to_meg["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
-    fused = to_meg["state"][0]["exp_avg"]
-    assert torch.equal(fused, to_megatron(arch, meg_names[0], [moments[n] for n in hf_order[1:]]))
-    assert float(to_meg["state"][1]["step"]) == 5.0
-    back = convert_optimizer_state(to_meg, meg_names, hf_order, lambda t: megatron_state_to_hf(arch, t))
-    for i, n in enumerate(hf_order):
-        assert torch.equal(back["state"][i]["exp_avg"], moments[n]) and float(back["state"][i]["step"]) == 5.0
-    # never stepped: empty state passes; a parameter that never stepped while others did is an error
-    empty = convert_optimizer_state({"state": {}, "param_groups": state["param_groups"]}, hf_order, meg_names,
-                                    lambda t: t)
-    assert empty["state"] == {}
-    partial = {"state": {0: state["state"][0]}, "param_groups": state["param_groups"]}
-    with pytest.raises(ValueError, match="never stepped"):
-        convert_optimizer_state(partial, hf_order, meg_names, lambda t: t)

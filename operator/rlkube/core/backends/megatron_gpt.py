@@ -25,7 +25,6 @@ from rlkube.core.backends import megatron_cpu
 from rlkube.core.backends.megatron_hf import (
     Architecture,
     gpt_model_kwargs,
-    hf_names,
     hf_state_to_megatron,
     megatron_state_to_hf,
     transformer_config_kwargs,
@@ -98,6 +97,17 @@ def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32,
     return megatron_cpu.adapt_model(model.to(device=device, dtype=dtype), device)
 
 
+def _float32_head(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pre-hook of the output layer of a low-precision model: the LM head multiplies in float32 (the logits that
+    form the importance ratio are as exact as the sampler's), like the torch backend's. The weight (its own, or
+    the shared embedding GPTModel passes for tied embeddings) is cast inside autograd, so its gradient flows back
+    to the low-precision parameter."""
+    (hidden, *rest) = args
+    weight = kwargs.get("weight")
+    kwargs["weight"] = (module.weight if weight is None else weight).float()
+    return (hidden.float(), *rest), kwargs
+
+
 class MegatronGPT:
     """A GPTModel with a Hugging Face model's architecture and weights (see the module docstring)."""
 
@@ -109,6 +119,8 @@ class MegatronGPT:
         self.arch = Architecture.of(hf_config)
         self.dtype = dtype
         self.model = build_gpt_model(hf_config, dtype, self.device)
+        if dtype != torch.float32:
+            self.model.output_layer.register_forward_pre_hook(_float32_head, with_kwargs=True)
         self.names = [name for name, _ in self.model.named_parameters()]
         self.max_sequence_length = int(hf_config.max_position_embeddings)
 
@@ -129,7 +141,7 @@ class MegatronGPT:
         """Load Hugging Face-named weights (strict; converted to the model's dtype)."""
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, value in hf_state_to_megatron(self.arch, hf_state, self.names).items():
+            for name, value in self.to_megatron_names(hf_state).items():
                 if params[name].shape != value.shape:
                     raise ValueError(f"{name}: shape {tuple(value.shape)} != the model's {tuple(params[name].shape)}")
                 params[name].copy_(value)
@@ -137,18 +149,19 @@ class MegatronGPT:
     # --- Hugging Face names out ---
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under the transformers model's state_dict keys (detached; fused parameters are split into
-        new tensors, the others are the parameters' own storage: copy before changing them)."""
-        return megatron_state_to_hf(self.arch, {n: p.detach() for n, p in self.model.named_parameters()})
+        """The weights under Hugging Face names, as the model directory's safetensors hold them (a tied embedding
+        once), detached: fused parameters are split into new tensors, the others are the parameters' own storage
+        (copy before changing them)."""
+        return self.to_hf_names({n: p.detach() for n, p in self.model.named_parameters()})
 
     def to_hf_names(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-parameter tensors keyed by megatron name (gradients, Adam moments) -> Hugging Face names, keyed like
-        the transformers model's `named_parameters()` (a tied embedding once)."""
-        return megatron_state_to_hf(self.arch, tensors, tied_head=False)
+        """Per-parameter tensors keyed by megatron name (weights, master weights, gradients) -> Hugging Face names,
+        in megatron's parameter order."""
+        return megatron_state_to_hf(self.arch, tensors)
 
-    def hf_parameter_names(self) -> list[str]:
-        """The transformers model's `named_parameters()` names, in megatron's parameter order."""
-        return [n for m in self.names for n in hf_names(m)]
+    def to_megatron_names(self, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face-named tensors -> one per megatron parameter (strict: a missing or unexpected name raises)."""
+        return hf_state_to_megatron(self.arch, hf_state, self.names)
 
     # --- compute ---
 

@@ -31,7 +31,7 @@ RoPE: megatron's default `rotary_interleaved=False` is the rotate-half conventio
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,14 +233,6 @@ def to_hf(arch: Architecture, megatron_name: str, tensor: torch.Tensor) -> list[
     return list(zip(names, parts, strict=True))
 
 
-def expected_hf_names(arch: Architecture, megatron_names: list[str]) -> list[str]:
-    """The keys of the Hugging Face model's state_dict, in megatron's parameter order (tied: lm_head last)."""
-    out = [n for m in megatron_names for n in hf_names(m)]
-    if arch.tied:
-        out.append("lm_head.weight")
-    return out
-
-
 def hf_state_to_megatron(arch: Architecture, hf_state: Mapping[str, torch.Tensor],
                          megatron_names: list[str]) -> dict[str, torch.Tensor]:
     """A Hugging Face state dict -> megatron tensors for `megatron_names`. Strict: a missing or an unexpected
@@ -259,60 +251,10 @@ def hf_state_to_megatron(arch: Architecture, hf_state: Mapping[str, torch.Tensor
     return {m: to_megatron(arch, m, [hf_state[n] for n in hf_names(m)]) for m in megatron_names}
 
 
-def megatron_state_to_hf(arch: Architecture, megatron_state: Mapping[str, torch.Tensor],
-                         tied_head: bool = True) -> dict[str, torch.Tensor]:
-    """megatron tensors -> Hugging Face names: the keys of the transformers model's state_dict. With tied
-    embeddings `lm_head.weight` is the embedding tensor itself, as in transformers, unless `tied_head` is False
-    (the keys of `named_parameters()`, which lists a shared parameter once)."""
+def megatron_state_to_hf(arch: Architecture, megatron_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron tensors -> Hugging Face names: what the model directory's safetensors hold, a tied embedding once
+    (under `model.embed_tokens.weight`; transformers' state_dict also lists it as `lm_head.weight`)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in megatron_state.items():
         out.update(to_hf(arch, name, tensor))
-    if arch.tied and tied_head:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
-
-
-def convert_optimizer_state(
-    state: dict, source_names: list[str], target_names: list[str],
-    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-) -> dict:
-    """Re-key a torch optimizer state_dict (one param group) from one model's parameters to another's.
-
-    `source_names[i]` is the parameter at position i of the state's group, `target_names` the target model's in
-    its order; `convert` maps {source name: tensor} (every tensor-valued state of one kind, e.g. all `exp_avg`)
-    to {target name: tensor} (it is the weight conversion: Adam moments have their parameter's shape). Scalar
-    entries (Adam's `step`) must agree across parameters that are fused or split, and pass unchanged.
-    """
-    groups = state["param_groups"]
-    if len(groups) != 1:
-        raise ValueError(f"expected one optimizer param group, got {len(groups)}")
-    ids = groups[0]["params"]
-    if len(ids) != len(source_names):
-        raise ValueError(f"optimizer state has {len(ids)} parameters, the model {len(source_names)}")
-    per_source = {name: state["state"].get(pid) for name, pid in zip(source_names, ids, strict=True)}
-    group = {k: v for k, v in groups[0].items() if k != "params"}
-    group["params"] = list(range(len(target_names)))
-    stepped = {name: s for name, s in per_source.items() if s}
-    if not stepped:
-        return {"state": {}, "param_groups": [group]}
-    if len(stepped) != len(per_source):
-        raise ValueError("optimizer state covers only some parameters: "
-                         f"{sorted(set(per_source) - set(stepped))[:5]} never stepped")
-    keys = next(iter(stepped.values())).keys()
-    converted: dict[str, dict[str, Any]] = {name: {} for name in target_names}
-    for key in keys:
-        values = {name: s[key] for name, s in stepped.items()}
-        if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values.values()):
-            for target, tensor in convert(values).items():
-                converted[target][key] = tensor
-        else:
-            distinct = {float(v) if isinstance(v, torch.Tensor) else v for v in values.values()}
-            if len(distinct) != 1:
-                raise ValueError(f"optimizer state {key!r} differs between parameters: {sorted(distinct)[:4]}")
-            scalar = next(iter(values.values()))
-            for target in target_names:
-                converted[target][key] = scalar.clone() if isinstance(scalar, torch.Tensor) else scalar
-    missing = [n for n in target_names if set(converted[n]) != set(keys)]
-    if missing:
-        raise ValueError(f"optimizer state: no state for {missing[:5]}")
-    return {"state": {i: converted[n] for i, n in enumerate(target_names)}, "param_groups": [group]}
