@@ -220,3 +220,20 @@ def write_model_of(path, config):
 
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
+
+
+def test_activation_recomputation_gives_the_same_gradients(tmp_path):
+    """Gradient checkpointing (megatron's full recompute, through the CPU shim's RNG-state functions)."""
+    from rlkube.core.backends.megatron_gpt import MegatronGPT
+
+    _, path = write_model(tmp_path, "Qwen2Config")
+    tokens = tokens_of(7)
+    grads = []
+    for recompute in (False, True):
+        gpt = MegatronGPT.from_hf_dir(path, recompute=recompute)
+        assert gpt.model.config.recompute_granularity == ("full" if recompute else None)
+        gpt.logits(tokens).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in gpt.model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name

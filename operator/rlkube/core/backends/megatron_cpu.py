@@ -10,7 +10,11 @@ backward of a GPTModel reach:
 3. the local attention's default causal mask is built with `device="cuda"` when no mask is passed; the backend
    always passes its own mask (`causal_mask`);
 4. `RotaryEmbedding.get_emb` moves its inverse frequencies to `torch.cuda.current_device()` on the first forward.
-   `adapt_model` gives the model's rotary embedding `CpuRotaryEmbedding`'s `get_emb`, which leaves them in place.
+   `adapt_model` gives the model's rotary embedding `CpuRotaryEmbedding`'s `get_emb`, which leaves them in place;
+5. activation recomputation (`recompute_granularity`, the backend's gradient checkpointing) saves and restores
+   the CUDA generator's state around each recomputed block; a CPU process has no CUDA generator, so `initialize`
+   makes those two functions save nothing and restore nothing (the CPU generator and the tracker's states are
+   still saved and restored by megatron).
 Everything else (model construction with `use_cpu_initialization`, the tensor-parallel layers at size 1, the
 transformer block) runs unchanged. On a GPU none of this is installed: megatron's own CUDA tracker is seeded.
 
@@ -109,6 +113,15 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    if new_state.numel():
+        raise RuntimeError("a CUDA RNG state reached megatron's CPU shim")
+
+
 def initialize(seed: int, device: torch.device) -> None:
     """One-rank torch.distributed + megatron model-parallel state (tensor/pipeline parallel 1), and the RNG
     tracker seeded like megatron's `model_parallel_cuda_manual_seed`. Safe to call again (a new seed)."""
@@ -120,6 +133,8 @@ def initialize(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         megatron_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         return
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
     tracker = CpuRNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET)
     megatron_random._CUDA_RNG_STATE_TRACKER = tracker

@@ -63,11 +63,15 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> GPTModel:
-    """An uninitialised GPTModel with the architecture of `hf_config` (weights are loaded after)."""
+def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    recompute: bool = False) -> GPTModel:
+    """An uninitialised GPTModel with the architecture of `hf_config` (weights are loaded after). `recompute`:
+    activation recomputation of every transformer layer in the backward pass (gradient checkpointing)."""
     device = torch.device(device)
+    recompute_kwargs = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                        if recompute else {})
     config = TransformerConfig(
+        **recompute_kwargs,
         **transformer_config_kwargs(hf_config),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -112,13 +116,13 @@ class MegatronGPT:
     """A GPTModel with a Hugging Face model's architecture and weights (see the module docstring)."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0):
+                 seed: int = 0, recompute: bool = False):
         self.device = torch.device(device)
         megatron_cpu.initialize(seed, self.device)
         self.hf_config = hf_config
         self.arch = Architecture.of(hf_config)
         self.dtype = dtype
-        self.model = build_gpt_model(hf_config, dtype, self.device)
+        self.model = build_gpt_model(hf_config, dtype, self.device, recompute)
         if dtype != torch.float32:
             self.model.output_layer.register_forward_pre_hook(_float32_head, with_kwargs=True)
         self.names = [name for name, _ in self.model.named_parameters()]
@@ -126,8 +130,8 @@ class MegatronGPT:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu", seed: int = 0) -> MegatronGPT:
-        gpt = cls(read_hf_config(path), dtype, device, seed)
+                    device: torch.device | str = "cpu", seed: int = 0, recompute: bool = False) -> MegatronGPT:
+        gpt = cls(read_hf_config(path), dtype, device, seed, recompute)
         gpt.load_hf_dir(path)
         return gpt
 
