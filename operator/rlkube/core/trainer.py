@@ -600,4 +600,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))
