@@ -3,6 +3,8 @@ values the chart must refuse, and agreement with the CRD generator and the `rlku
 
 from __future__ import annotations
 
+import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -38,6 +40,7 @@ VARIANTS = {
     "namespaced-peering": {**NAMESPACED, **PEERING},
     "no-metrics": {"metrics": {"enabled": False}},
     "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "additionalLabels": {"release": "prom"}}}},
+    "grafana-dashboard": {"metrics": {"grafanaDashboard": {"enabled": True}}},
     "existing-sa": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"aggregateToDefaultRoles": False}},
 }
 
@@ -280,7 +283,47 @@ def test_service_monitor():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True  # per-job series keep the job's namespace
     assert monitor["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service")["metadata"]["labels"].items()
+
+
+def _exported_metric_names() -> set[str]:
+    """Every series name the operator's registry can expose (per-job gauges included)."""
+    from prometheus_client import REGISTRY
+
+    import rlkube.controller.metrics  # noqa: F401 (registers the operator's collectors)
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {f.name + suffix for f in REGISTRY.collect() for suffix in suffixes.get(f.type, ("",))}
+
+
+def test_grafana_dashboard_configmap_carries_the_dashboard():
+    assert not find(render(), "ConfigMap")
+    assert not find(render({"metrics": {"enabled": False, "grafanaDashboard": {"enabled": True}}}), "ConfigMap")
+    docs = render({"metrics": {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "rlkube"},
+                                                    "namespace": "monitoring"}}})
+    cm = one(docs, "ConfigMap", "rel-rlkube-dashboard", namespace="monitoring")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "rlkube"}
+    shipped = json.loads((CHART / "dashboards" / "rlkube-trainingjobs.json").read_text())
+    assert json.loads(cm["data"]["rlkube-trainingjobs.json"]) == shipped
+    assert one(render(VARIANTS["grafana-dashboard"]), "ConfigMap")["metadata"]["namespace"] == "rlkube-system"
+
+
+def test_grafana_dashboard_queries_only_metrics_the_operator_exports():
+    dashboard = json.loads((CHART / "dashboards" / "rlkube-trainingjobs.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for e in exprs for name in re.findall(r"\b(rlkube_[a-z_]+)", e)}
+    exported = _exported_metric_names()
+    assert used - exported == set(), f"the dashboard queries metrics the operator does not export: {used - exported}"
+    # What the issue asks users to plot and alert on, per job, is on the dashboard.
+    per_job = {"status_phase", "step", "max_steps", "policy_lag", "reward_mean", "tokens_per_second",
+               "seconds_since_last_trainer_event", "component_restarts", "teardown_stage_duration_seconds"}
+    assert {f"rlkube_trainingjob_{n}" for n in per_job} <= used
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)
 
 
 def test_image_and_extra_args():

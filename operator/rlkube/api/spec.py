@@ -211,6 +211,8 @@ class TeardownSpec(Model):
 
 
 class TrainingJobSpec(Model):
+    """Desired state of a TrainingJob: model, task and reward, RL algorithm, and the pods of every role."""
+
     image: str = Field(
         "ghcr.io/rlkube/core:0.1.0", min_length=1, description="Default image of every role's pods."
     )

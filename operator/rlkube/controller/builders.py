@@ -226,6 +226,9 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         "image": job.spec.image_for(role),
         "command": ["python", "-m", f"rlkube.core.{role}"],
         "env": _core_env(job, role, index),
+        # The role writes why it failed to /dev/termination-log (rlkube.core.errors); a crash that could not
+        # write it still leaves the end of its log, and either lands in the job's Failed condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": "job-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
     }
     resources = _resources(job.spec, role)

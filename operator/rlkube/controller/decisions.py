@@ -194,6 +194,10 @@ def _ingest_events(p: _Pass) -> None:
             tr.documents_seen = facts.documents_seen
         if facts.lag is not None:
             p.status.lag = facts.lag
+        if facts.reward_mean is not None:
+            tr.reward_mean = facts.reward_mean
+        if facts.tokens_per_s is not None:
+            tr.tokens_per_second = facts.tokens_per_s
         if facts.checkpoint is not None:
             tr.last_checkpoint = CheckpointRef(step=facts.checkpoint[0], path=facts.checkpoint[1])
         if facts.finished and outcome(p.status) is None:

@@ -399,6 +399,7 @@ class JobLoop:
             await self.shared.kube.patch_status(self.namespace, self.name, patch)
             self.written = doc
         self.status = decision.status
+        metrics.JOBS.observe(self.namespace, self.name, decision.status)  # what the API server now holds
         if self.watcher is not None:
             self.watcher.commit(decision.status.trainer.last_event_id)
 

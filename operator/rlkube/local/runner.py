@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlkube.api import SpecError, TrainingJobSpec, parse_manifest
-from rlkube.core import protocol, runtime
+from rlkube.core import protocol, runtime, streams
 from rlkube.lifecycle import progress, roles
 from rlkube.lifecycle.environment import Addresses, role_env
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
@@ -151,6 +151,7 @@ class LocalJob:
         self.out.mkdir(parents=True, exist_ok=True)
         self.redis_server = RedisServer(self.out / "redis").start()
         self.redis = self.redis_server.client()
+        self.events = streams.EventReader(self.redis, self.keys.events)
         config_path = runtime.write_job_config(self.out / "job.json", NAMESPACE, self.name, self.raw_spec)
         # Where to attach while the job runs (redis-cli, tests): the events stream key and the server's URL.
         (self.out / "run.json").write_text(
@@ -197,21 +198,15 @@ class LocalJob:
 
     # --- follow ------------------------------------------------------------------------------------
 
-    def _read_events(self, last_id: str, block_ms: int) -> str:
+    def _read_events(self, block_ms: int) -> None:
         try:
-            got = self.redis.xread({self.keys.events: last_id}, block=block_ms, count=100)
-        except redis.RedisError as exc:
+            events = self.events.read(block_ms=block_ms)
+        except redis.RedisError as exc:  # the job's own Redis is gone: nothing can go on
             raise RuntimeError(f"lost the job's Redis: {exc}") from exc
-        for _, entries in got or []:
-            for sid, fields in entries:
-                last_id = sid.decode() if isinstance(sid, bytes) else sid
-                event = protocol.decode_event(sid, fields)
-                if event is None:
-                    continue
-                self._ingest(event, last_id)
-        return last_id
+        for event in events:
+            self._ingest(event)
 
-    def _ingest(self, event: protocol.TrainerEvent, stream_id: str) -> None:
+    def _ingest(self, event: protocol.TrainerEvent) -> None:
         self.last_event_at = _now()
         self.events_seen[event.type] = self.events_seen.get(event.type, 0) + 1
         facts = progress.read(event)
@@ -221,10 +216,10 @@ class LocalJob:
             self.version = facts.weights_version
         if facts.metrics is not None:
             # The stream id's millisecond clock times steps without trusting the roles' clocks.
-            self.metrics.append({**facts.metrics, "_t": int(stream_id.split("-")[0]) / 1000})
+            self.metrics.append({**facts.metrics, "_t": event.time})
         if facts.finished:
             # An event of a trainer incarnation that has since been restarted is no evidence (as in the operator).
-            sent = datetime.fromtimestamp(int(stream_id.split("-")[0]) / 1000, timezone.utc)
+            sent = datetime.fromtimestamp(event.time, timezone.utc)
             if sent >= self.trainer_started_at - timedelta(seconds=1) and self.finished is None:
                 self.finished, self.finished_at = event, _now()
 
@@ -319,7 +314,6 @@ class LocalJob:
 
     def follow(self) -> Outcome:
         max_steps = self.spec.algorithm.max_steps
-        last_id = "0-0"
         columns = [
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -337,7 +331,7 @@ class LocalJob:
                 if self.running_since is None and (self.procs[roles.ACTOR] or self.last_event_at):
                     self.running_since = _now()
                 failing = self._failed_processes()
-                last_id = self._read_events(last_id, block_ms=500)
+                self._read_events(block_ms=500)
                 if self.finished is not None:  # producers that exited 0 on training_finished are done
                     failing = [(p, c) for p, c in failing if c != 0 or p.role == roles.TRAINER]
                 verdict = self.verdict(failing)
