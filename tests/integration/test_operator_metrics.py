@@ -1,7 +1,7 @@
 """The operator's per-job Prometheus metrics, scraped during and after a real job, against the job's status.
 
 The operator runs as a subprocess against the real kube-apiserver; the managed Redis is a real redis-server
-(rlkube.controller.simulate plays the kubelet and the trainer, which writes protocol events byte for byte). At
+(rlkube.bench.simulate plays the kubelet and the trainer, which writes protocol events byte for byte). At
 each point the test reads the TrainingJob from the API server, scrapes /metrics, and reads the job again; a
 comparison counts only when both reads are the same resourceVersion (nothing was written in between), so each
 metric is checked against the status the API server held at the moment of the scrape.

@@ -2,7 +2,7 @@
 
 - `kubectl get` asks the API server for a server-side Table (`Accept: application/json;as=Table;v=v1;g=meta.k8s.io`)
   and prints its cells; the API server fills them from the CRD's printer columns. The test reads that Table during
-  and after a job run by the operator (subprocess; rlkube.controller.simulate plays the kubelet and the trainer)
+  and after a job run by the operator (subprocess; rlkube.bench.simulate plays the kubelet and the trainer)
   with `includeObject=Object`, so each row's cells are compared with the very object they were printed from, and
   with what the trainer reported.
 - `kubectl explain` reads the API server's OpenAPI v2 document (/openapi/v2), which publishes the CRD's schema:

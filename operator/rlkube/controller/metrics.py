@@ -36,6 +36,10 @@ TEARDOWN_SECONDS = Histogram(
 FORCE_DELETIONS = Counter(
     "rlkube_force_deletions_total", "Pods force-deleted after their teardown stage's grace period", ["role"]
 )
+LEADER = Gauge(
+    "rlkube_operator_leader",
+    "1 while this operator process acts (holds the leader election Lease, or runs without election), else 0",
+)
 JOBS = JobStatusCollector()
 REGISTRY.register(JOBS)
 API_ERRORS = Counter("rlkube_api_errors_total", "Failed Kubernetes API calls of reconcile passes", ["verb", "kind"])
