@@ -78,3 +78,14 @@ def write_tiny_model(directory: Path, arch: str, tokenizer: str = "char", seed: 
 def builtin_dir(seed: int = 0) -> Path:
     """builtin://tiny-llama of `seed`, in the default model cache (where the roles of a test find it too)."""
     return materialize_model(ModelSpec(path="builtin://tiny-llama", seed=seed))
+
+
+def initial_model(spec: ModelSpec, weights: dict[str, torch.Tensor] | None = None):
+    """The job's model as every role loads it at start (float32), with `weights` (HF names) loaded when given."""
+    from rlkube.core.hf import state as hf_state
+    from rlkube.core.hf.loading import load_model
+
+    model = load_model(materialize_model(spec))
+    if weights is not None:
+        hf_state.load_weights(model, weights)
+    return model

@@ -109,9 +109,11 @@ def test_two_replicas_hold_at_max_lag_and_resume_on_weights_ready(stack, redis_c
 
 
 def roles_tokenizer_decode(ids: list[int]) -> str:
-    from rlkube.core.model import CharTokenizer
+    """The job's tokenizer (the built-in model's) decoding `ids` (special tokens such as <bos> dropped)."""
+    from hf_models import builtin_dir
+    from rlkube.core.hf.loading import load_tokenizer
 
-    return CharTokenizer().decode(ids)
+    return load_tokenizer(builtin_dir(seed=7)).decode(ids)
 
 
 def test_restarted_trainer_lowers_the_lag_credit(stack, redis_client):
