@@ -13,6 +13,17 @@ say() { printf '[control-plane build %(%H:%M:%S)T] %s\n' -1 "$*"; }
 if [[ -x "$BIN/kube-apiserver" && -x "$BIN/kube-controller-manager" ]]; then
   say "cached binaries found in $BIN"; exit 0
 fi
+# One build at a time per cache: two concurrent runs (parallel `make test`s, test sessions) would delete each
+# other's source tree. A second run waits here, then finds the first one's binaries.
+mkdir -p "$W"
+exec 9>"$W/.build.lock"
+if ! flock -n 9; then
+  say "another build of this cache is running; waiting for it"
+  flock 9
+  if [[ -x "$BIN/kube-apiserver" && -x "$BIN/kube-controller-manager" ]]; then
+    say "cached binaries found in $BIN"; exit 0
+  fi
+fi
 mkdir -p "$W/apt/lists/partial" "$W/apt/cache/archives/partial"
 cd "$W"
 say "installing build inputs (golang-go, etcd, vendored-library replacements)"

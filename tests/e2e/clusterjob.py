@@ -28,7 +28,7 @@ from cluster.control_plane import free_port
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from nodeagent.harness import AgentProcess, wait_for
-from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.controller import names
 from rlkube.core import protocol, runtime
 

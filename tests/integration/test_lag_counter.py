@@ -7,8 +7,10 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+from rlkube.core import protocol
 from rlkube.core.lag import LagCounter
 from rlkube.core.protocol import RolloutGroup, Sample, StreamKeys
+from rlkube.core.streams import ensure_group
 
 KEYS = StreamKeys("ns/job/")
 
@@ -87,7 +89,7 @@ async def test_stall_release_keeps_the_groups_this_replica_is_sampling(counter):
 
 async def test_trainer_starving_reads_the_documents_group(counter, redis_client):
     assert await counter.trainer_starving()  # no documents stream yet
-    redis_client.xgroup_create(KEYS.documents, "fast_llm_group", id="0", mkstream=True)
+    ensure_group(redis_client, KEYS.documents, protocol.DOCUMENTS_GROUP)
     for i in range(8):
         redis_client.xadd(KEYS.documents, {"tokens": b"", "data": str(i)})
     assert not await counter.trainer_starving()  # a whole step (8) waits for the trainer

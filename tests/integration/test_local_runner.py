@@ -114,22 +114,88 @@ def test_ctrl_c_tears_down_in_order_and_exits_nonzero(tmp_path, short_manifest):
     assert not _leftovers(out)
 
 
-def test_crashed_role_fails_the_job_with_ordered_teardown(tmp_path, short_manifest):
-    out = tmp_path / "run"
-    proc = _run([str(short_manifest), "--json", "--output-dir", str(out)])
-    _wait_for_step(out, 2, proc)
-    victims = [
+def _role_processes(out: Path, role: str) -> list[psutil.Process]:
+    return [
         p for p in psutil.process_iter(["cmdline"])
-        if "rlkube.core.preprocessor" in " ".join(p.info["cmdline"] or [])
+        if f"rlkube.core.{role}" in " ".join(p.info["cmdline"] or [])
         and p.environ().get("RLKUBE_OUTPUT_DIR") == str(out)
     ]
-    assert len(victims) == 1
-    victims[0].kill()
+
+
+def _manifest(tmp_path: Path, max_steps: int = 30, **run_policy) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["algorithm"]["maxSteps"] = max_steps
+    doc["spec"]["trainer"]["checkpoint"]["intervalSteps"] = 5
+    doc["spec"]["runPolicy"].update(run_policy)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _kill_trainer_mid_run(out: Path, proc: subprocess.Popen) -> None:
+    """kill -9 the trainer after its step-5 checkpoint, with the actors frozen so it cannot finish first."""
+    _wait_for_step(out, 6, proc)
+    actors = _role_processes(out, "actor")
+    for a in actors:
+        a.suspend()
+    try:
+        (trainer,) = _role_processes(out, "trainer")
+        trainer.kill()
+        trainer.wait(30)
+    finally:
+        for a in actors:
+            a.resume()
+
+
+def test_killed_trainer_resumes_from_its_checkpoint_and_succeeds(tmp_path):
+    out = tmp_path / "run"
+    proc = _run([str(_manifest(tmp_path, backoffLimit=2)), "--json", "--output-dir", str(out)])
+    _kill_trainer_mid_run(out, proc)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Succeeded" and summary["steps"] == 30, summary
+    assert summary["restarts"]["trainer"] == 1, summary
+    log = (out / "logs" / "trainer-0.log").read_text()
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and "step-0000" in resumed[0], resumed  # the restart, from a checkpoint >= step 5
+    assert summary["teardown"] == ORDER
+    assert not _leftovers(out)
+
+
+def test_killed_trainer_with_backoff_limit_0_fails_like_the_operator(tmp_path):
+    out = tmp_path / "run"
+    proc = _run([str(_manifest(tmp_path, backoffLimit=0)), "--json", "--output-dir", str(out)])
+    _kill_trainer_mid_run(out, proc)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["phase"] == "Failed" and summary["reason"] == "ComponentFailed"
-    assert "preprocessor-0" in summary["message"]
+    assert summary["phase"] == "Failed" and summary["reason"] == "BackoffLimitExceeded", summary
+    assert "backoffLimit is 0" in summary["message"] and "exit code -9" in summary["message"]
+    assert summary["teardown"] == ORDER
+    assert not _leftovers(out)
+
+
+def test_crashed_role_is_restarted_within_its_budget_then_fails_the_job(tmp_path):
+    """A killed preprocessor is restarted (as the operator replaces its pod); past componentBackoffLimit the job
+    fails naming it, with the ordered teardown."""
+    out = tmp_path / "run"
+    proc = _run([str(_manifest(tmp_path, 5000, componentBackoffLimit=1)), "--json", "--output-dir", str(out)])
+    for expected_restarts in (1, 2):
+        _wait_for_step(out, 2 * expected_restarts, proc)
+        (victim,) = _role_processes(out, "preprocessor")
+        victim.kill()
+        victim.wait(30)
+        if expected_restarts == 1:  # the replacement comes up and the job goes on
+            deadline = time.monotonic() + 60
+            while not [p for p in _role_processes(out, "preprocessor") if p.pid != victim.pid]:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Failed" and summary["reason"] == "ComponentBackoffLimitExceeded", summary
+    assert "preprocessor-0" in summary["message"] and "componentBackoffLimit is 1" in summary["message"]
     assert summary["teardown"] == ORDER
     assert not _leftovers(out)
 

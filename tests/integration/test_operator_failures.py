@@ -25,7 +25,7 @@ from operator_harness import (  # noqa: F401 (kapi is a fixture)
     patch_spec,
     wait_event,
 )
-from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ from itertools import pairwise
 import pytest
 from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
-from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ from operator_harness import (  # noqa: F401 (fixtures)
     kapi,
     wait_event,
 )
-from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(180)
 

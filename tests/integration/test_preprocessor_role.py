@@ -23,9 +23,9 @@ from core_roles import (
     wait_for,
 )
 from rlkube.core import protocol
-from rlkube.core.preprocessor import PreprocessorRole, ensure_rollouts_group
+from rlkube.core.preprocessor import PreprocessorRole
 from rlkube.core.runtime import RoleContext
-from rlkube.core.trainer import ensure_group
+from rlkube.core.streams import ensure_group
 
 START_TIMEOUT = 60
 
@@ -59,7 +59,7 @@ def consume(client, keys, consumer="fast_llm_consumer_0") -> int:
 def test_runs_past_any_sample_count_and_stops_only_on_training_finished(redis_client, redis_server, tmp_path, roles):
     spec = tiny_spec(maxSteps=2, samplesPerStep=4, groupSize=4)
     keys = keys_for("stop", spec)
-    ensure_group(redis_client, keys)
+    ensure_group(redis_client, keys.documents, protocol.DOCUMENTS_GROUP)
     role = start_role(roles, "preprocessor", tmp_path, "stop", spec, redis_server.url)
     # 6 groups x 4 = 24 samples: three times maxSteps x samplesPerStep
     for i in range(6):
@@ -108,7 +108,7 @@ def test_backpressure_holds_until_the_trainer_reads(redis_client, redis_server, 
         pre.poll()
     assert redis_client.xlen(keys.documents) == 8
     assert pre.holds >= 2
-    ensure_group(redis_client, keys)
+    ensure_group(redis_client, keys.documents, protocol.DOCUMENTS_GROUP)
     holds = pre.holds
     for _ in range(3):
         pre.poll()
@@ -136,7 +136,7 @@ def consume_n(client, keys, n):
 def test_partial_groups_malformed_entries_and_unknown_events(redis_client, redis_server, tmp_path, caplog):
     ctx = _ctx(tmp_path, redis_server, "junk", groupSize=8, samplesPerStep=32)
     keys = ctx.keys
-    ensure_group(redis_client, keys)
+    ensure_group(redis_client, keys.documents, protocol.DOCUMENTS_GROUP)
     redis_client.xadd(keys.rollouts, {"unrelated": b"field"})
     redis_client.xadd(keys.rollouts, {"group": b"{not json"})
     redis_client.xadd(keys.rollouts, {"group": orjson.dumps({"group_id": "x", "samples": []})})
@@ -168,7 +168,7 @@ def test_malformed_entries_are_acknowledged_and_a_new_instance_writes_no_duplica
     replays nothing; an entry read but not written before a crash is written exactly once by the next one."""
     ctx = _ctx(tmp_path, redis_server, "restart", samplesPerStep=32, groupSize=4)
     keys = ctx.keys
-    ensure_group(redis_client, keys)
+    ensure_group(redis_client, keys.documents, protocol.DOCUMENTS_GROUP)
     for i in range(3):
         redis_client.xadd(keys.rollouts, make_group(f"a{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
     redis_client.xadd(keys.rollouts, {"group": b"{not json"})  # skipped, but acknowledged
@@ -267,7 +267,7 @@ def _stopped_after(role: Role) -> int:
 def test_two_replicas_at_once_write_each_group_exactly_once(redis_client, redis_server, tmp_path, roles):
     spec = tiny_spec(samplesPerStep=256, groupSize=4)  # room for every document: no backpressure here
     keys = keys_for("two", spec)
-    ensure_group(redis_client, keys)
+    ensure_group(redis_client, keys.documents, protocol.DOCUMENTS_GROUP)
     replicas = [start_role(roles, "preprocessor", tmp_path, "two", spec, redis_server.url, RLKUBE_INDEX=str(i))
                 for i in range(2)]
     for r in replicas:
@@ -293,11 +293,11 @@ def test_two_replicas_at_once_write_each_group_exactly_once(redis_client, redis_
 def test_a_killed_replica_restarts_without_duplicates_or_losses(redis_client, redis_server, tmp_path, roles):
     spec = tiny_spec(samplesPerStep=4, groupSize=4)  # at most 8 unread documents: the replica holds often
     keys = keys_for("kill", spec)
-    ensure_group(redis_client, keys)
+    ensure_group(redis_client, keys.documents, protocol.DOCUMENTS_GROUP)
     for i in range(16):
         redis_client.xadd(keys.rollouts, make_group(f"g{i}", [0.0, 1.0, 0.5, 0.25], expected=4, version=i).encode())
     # An earlier run of replica 0 read two entries and died before writing them.
-    ensure_rollouts_group(redis_client, keys)
+    ensure_group(redis_client, keys.rollouts, protocol.ROLLOUTS_GROUP)
     redis_client.xreadgroup(protocol.ROLLOUTS_GROUP, "preprocessor-0", {keys.rollouts: ">"}, count=2)
     first = start_role(roles, "preprocessor", tmp_path, "kill", spec, redis_server.url, RLKUBE_INDEX="0")
     read = [0]

@@ -56,6 +56,11 @@ def enter(cfg: dict) -> None:
     # Private propagation: our binds must not leak back to the host's mount namespace.
     _mount(None, "/", MS_REC | MS_PRIVATE)
     for m in cfg.get("mounts", []):
+        if os.path.isfile(m["source"]) and not os.path.exists(m["target"]):
+            # A file mounted where none is (the termination log at /dev/termination-log): make the mount point,
+            # as a container runtime does in the container's root filesystem.
+            os.makedirs(os.path.dirname(m["target"]), exist_ok=True)
+            open(m["target"], "a").close()
         _mount(m["source"], m["target"], MS_BIND | MS_REC)
         if m.get("readOnly"):
             _mount(None, m["target"], MS_REMOUNT | MS_BIND | MS_RDONLY)

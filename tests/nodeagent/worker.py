@@ -42,6 +42,10 @@ STATUS_RETRY_S = 1.0  # a status patch the API server did not take (timeout, 5xx
 MIN_GRACE_S = 2.0  # kubelet's minimumGracePeriodInSeconds: even a grace-0 delete gets 2 s before SIGKILL
 
 
+TERMINATION_LOG = "/dev/termination-log"  # a container's default terminationMessagePath
+MAX_TERMINATION_MESSAGE = 4096
+
+
 def killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -219,9 +223,13 @@ class PodWorker(threading.Thread):
             return
         # Shallow mount points first, so a mount below another one lands inside it.
         mounts.sort(key=lambda m: m["target"].count("/"))
+        termination_log = self.dir / f"{c.name}.termination-log"
+        termination_log.write_text("")  # each start gets an empty one, as kubelet does
         mounts += [
             {"source": str(self.hosts_path), "target": "/etc/hosts", "readOnly": False},
             {"source": str(self.dir / "resolv.conf"), "target": "/etc/resolv.conf", "readOnly": False},
+            {"source": str(termination_log), "target": spec.get("terminationMessagePath") or TERMINATION_LOG,
+             "readOnly": False},
         ]
         if c.name in self.pending_restart:
             self.pending_restart.discard(c.name)
@@ -269,7 +277,7 @@ class PodWorker(threading.Thread):
         if start_error.exists():
             c.reason, c.message = "StartError", start_error.read_text()
         else:
-            c.reason, c.message = ("Completed" if code == 0 else "Error"), None
+            c.reason, c.message = ("Completed" if code == 0 else "Error"), self._termination_message(c, code)
         policy = self.view.restart_policy
         if c.init:
             restart = code != 0 and policy != "Never"
@@ -287,6 +295,21 @@ class PodWorker(threading.Thread):
         self.next_start[c.name] = now + delay
         self.pending_restart.add(c.name)
         self.agent.event(self.pod, "Warning", "BackOff", c.message)
+
+    def _termination_message(self, c: Container, code: int) -> str | None:
+        """kubelet's rule: what the container wrote to its terminationMessagePath (at most 4096 bytes), else with
+        terminationMessagePolicy FallbackToLogsOnError and a failure, the end of its log (80 lines, 2048 bytes)."""
+        try:
+            text = (self.dir / f"{c.name}.termination-log").read_bytes()[:MAX_TERMINATION_MESSAGE]
+        except OSError:
+            text = b""
+        if not text.strip() and code != 0 and self.specs[c.name].get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            log = self.dir / "logs" / c.name / f"{c.restart_count}.log"
+            try:
+                text = b"\n".join(log.read_bytes().splitlines()[-80:])[-2048:]
+            except OSError:
+                text = b""
+        return text.decode(errors="replace").strip() or None
 
     def _probe(self, c: Container, now: float) -> None:
         spec, probers = self.specs[c.name], self.probers.get(c.name, {})

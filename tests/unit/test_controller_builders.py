@@ -9,6 +9,7 @@ import yaml
 from rlkube.api.validation import parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
+from rlkube.lifecycle.roles import CORE_ROLES
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
 
@@ -76,7 +77,7 @@ def test_config_map_holds_the_job_config_in_runtime_format():
 
 def test_core_pods_run_their_role_with_the_runtime_environment():
     job = ref()
-    for role in builders.CORE_ROLES:
+    for role in CORE_ROLES:
         pod = builders.core_pod(job, role, 0)
         c = pod["spec"]["containers"][0]
         assert c["command"] == ["python", "-m", f"rlkube.core.{role}"]

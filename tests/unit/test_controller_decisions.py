@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rlkube.api.spec import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.api.status import (
     CheckpointRef,
     TrainingJobStatus,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from rlkube.api.spec import TEARDOWN_ORDER, GracePeriods
+from rlkube.api.spec import GracePeriods
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.api.status import TeardownStatus
 from rlkube.controller import teardown
 from rlkube.controller.actions import DeletePod, DeleteStreams

@@ -5,8 +5,6 @@ from rlkube.api.spec import (
     GROUP,
     KIND,
     PLURAL,
-    ROLES,
-    TEARDOWN_ORDER,
     VERSION,
     TrainingJobSpec,
 )
@@ -14,7 +12,7 @@ from rlkube.api.status import TERMINAL_PHASES, TrainingJobStatus
 from rlkube.api.validation import FieldError, SpecError, parse_manifest, parse_spec, semantic_errors
 
 __all__ = [
-    "API_VERSION", "GROUP", "KIND", "PLURAL", "ROLES", "TEARDOWN_ORDER", "VERSION", "TERMINAL_PHASES",
+    "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "TERMINAL_PHASES",
     "TrainingJobSpec", "TrainingJobStatus", "FieldError", "SpecError", "parse_manifest", "parse_spec",
     "semantic_errors",
 ]

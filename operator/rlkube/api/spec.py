@@ -20,12 +20,6 @@ SINGULAR = "trainingjob"
 SHORT_NAMES = ["tj"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-ROLES = ("redis", "trainer", "inference", "preprocessor", "actor")
-"""Every component role, in start order (trainer and inference start together)."""
-
-TEARDOWN_ORDER = ("actor", "preprocessor", "inference", "trainer", "redis")
-"""Stop order: producers first, inference after the trainer's finished event, Redis last (design.md s4)."""
-
 Quantity = int | str
 
 
@@ -204,6 +198,14 @@ class RestartPolicies(Model):
 
 class RunPolicy(Model):
     backoff_limit: int = Field(3, ge=0, description="Trainer restarts allowed before the job fails.")
+    component_backoff_limit: int = Field(
+        6,
+        ge=0,
+        description=(
+            "Restarts allowed for each other component (Redis, inference, preprocessor, actors; counted over the "
+            "role's replicas, in place or recreated) before the job fails."
+        ),
+    )
     restart_policy: RestartPolicies = Field(
         default_factory=RestartPolicies, description="Per-component restart policy."
     )

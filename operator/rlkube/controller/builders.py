@@ -18,11 +18,11 @@ from typing import Any
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.controller import names
 from rlkube.core import runtime
+from rlkube.lifecycle.environment import Addresses, role_env
+from rlkube.lifecycle.roles import CORE_ROLES, START_ORDER, replicas
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
-
-CORE_ROLES = ("trainer", "inference", "preprocessor", "actor")
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,6 @@ class JobRef:
     @property
     def managed_redis(self) -> bool:
         return self.spec.redis.mode == "managed"
-
-
-def replicas(spec: TrainingJobSpec, role: str) -> int:
-    """Pods a role should have."""
-    if role == "redis":
-        return 1 if spec.redis.mode == "managed" else 0
-    if role == "trainer":
-        return spec.trainer.nodes
-    return getattr(spec, role).replicas
 
 
 def pod_names(job: JobRef, role: str) -> list[str]:
@@ -202,40 +193,28 @@ def redis_pod(job: JobRef, attempt: int = 0) -> dict:
     return _pod(job, "redis", 0, container, [], {names.ANNOTATION_ATTEMPT: str(attempt)})
 
 
-def _core_env(job: JobRef, role: str, index: int) -> list[dict]:
+def addresses(job: JobRef) -> Addresses:
+    """Where the job's parts are in a cluster: headless-Service names, and the pod's own IP to bind to."""
     spec = job.spec
-    env: list[dict] = [
-        {"name": runtime.ENV_CONFIG, "value": f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"},
-        {"name": runtime.ENV_REDIS_URL, "value": redis_url(job)},
-        *_password_env(job),
-        _pod_ip_env(),
-        # $(POD_IP) expands only from variables defined earlier in this list.
-        {"name": runtime.ENV_BIND_HOST, "value": "$(POD_IP)"},
-        {"name": runtime.ENV_INDEX, "value": str(index)},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-    ]
-    if role in ("actor", "trainer"):
-        urls = names.inference_urls(job.name, spec.inference.replicas, runtime.INFERENCE_PORT)
-        env.append({"name": runtime.ENV_INFERENCE_URLS, "value": ",".join(urls)})
-    if role in ("trainer", "inference"):
-        addr = f"{names.trainer_host(job.name, 0)}:{runtime.WEIGHT_SYNC_PORT}"
-        env.append({"name": runtime.ENV_WEIGHT_SYNC, "value": addr})
-    if role == "inference":
-        env.append({"name": runtime.ENV_PORT, "value": str(runtime.INFERENCE_PORT)})
-    if role == "trainer":
-        env += [
-            {"name": runtime.ENV_PORT, "value": str(runtime.WEIGHT_SYNC_PORT)},
-            {"name": runtime.ENV_CHECKPOINT_DIR, "value": spec.trainer.checkpoint.path},
-            # torch.distributed env:// rendezvous, one process per pod (torchrun's names).
-            {"name": "RANK", "value": str(index)},
-            {"name": "WORLD_SIZE", "value": str(spec.trainer.nodes)},
-            {"name": "NODE_RANK", "value": str(index)},
-            {"name": "NNODES", "value": str(spec.trainer.nodes)},
-            {"name": "LOCAL_RANK", "value": "0"},
-            {"name": "MASTER_ADDR", "value": names.trainer_host(job.name, 0)},
-            {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
-        ]
-    return env
+    trainer0 = names.trainer_host(job.name, 0)
+    return Addresses(
+        config_path=f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}",
+        redis_url=redis_url(job),
+        # $(POD_IP) expands only from variables defined earlier in the container's env list (see _core_env).
+        bind_host="$(POD_IP)",
+        inference_urls=tuple(names.inference_urls(job.name, spec.inference.replicas, runtime.INFERENCE_PORT)),
+        inference_ports=(runtime.INFERENCE_PORT,) * spec.inference.replicas,
+        weight_sync_host=trainer0,
+        weight_sync_port=runtime.WEIGHT_SYNC_PORT,
+        master_port=MASTER_PORT,
+        checkpoint_dir=spec.trainer.checkpoint.path,
+    )
+
+
+def _core_env(job: JobRef, role: str, index: int) -> list[dict]:
+    """The lifecycle's role env as pod env, after the password (from a Secret) and POD_IP (downward API)."""
+    pairs = role_env(job.spec, role, index, addresses(job))
+    return [*_password_env(job), _pod_ip_env(), *({"name": k, "value": v} for k, v in pairs)]
 
 
 def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
@@ -247,6 +226,9 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         "image": job.spec.image_for(role),
         "command": ["python", "-m", f"rlkube.core.{role}"],
         "env": _core_env(job, role, index),
+        # The role writes why it failed to /dev/termination-log (rlkube.core.errors); a crash that could not
+        # write it still leaves the end of its log, and either lands in the job's Failed condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": "job-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
     }
     resources = _resources(job.spec, role)
@@ -287,5 +269,5 @@ def pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint:
 
 def all_children(job: JobRef, password: str) -> list[dict]:
     """Every child of a freshly started job, in creation order (used by tests and the docs)."""
-    pods = [pod(job, role, i) for role in names.POD_ROLES for i in range(replicas(job.spec, role))]
+    pods = [pod(job, role, i) for role in START_ORDER for i in range(replicas(job.spec, role))]
     return static_children(job, password) + pods

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from rlkube.api.spec import ROLES, GracePeriods, TrainingJobSpec
+from rlkube.api.spec import GracePeriods, TrainingJobSpec
 from rlkube.api.status import (
     CheckpointRef,
     Completion,
@@ -66,7 +66,11 @@ from rlkube.controller.conditions import (
 )
 from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
-from rlkube.core import protocol
+from rlkube.core import protocol, runtime
+from rlkube.lifecycle import progress, roles
+from rlkube.lifecycle.evidence import Evidence, Failure, Finished
+from rlkube.lifecycle.judgement import judge
+from rlkube.lifecycle.phases import ConditionType, Phase, PodPhase, Reason
 
 UNREAD_RECHECK_SECONDS = 2.0
 """How soon a pass looks again at a producer that exited 0 while the event stream could not be read to its end."""
@@ -113,7 +117,7 @@ class Decision:
 
 def outcome(status: TrainingJobStatus) -> str | None:
     """The decided outcome, "Succeeded" or "Failed", or None while undecided."""
-    for kind in ("Succeeded", "Failed"):
+    for kind in (Phase.SUCCEEDED, Phase.FAILED):
         if is_true(status.conditions, kind):
             return kind
     return None
@@ -146,8 +150,8 @@ class _Pass:
     def condition(self, type_: str, status: str, reason: str, message: str = "", event: bool = True) -> None:
         changed = set_condition(self.status.conditions, type_, status, reason, message, self.now, self.job.generation)
         if changed and event:
-            bad = (status == "True" and type_ in ("Failed", "Stalled")) or (
-                status == "False" and type_ == "EventSourceReachable"
+            bad = (status == "True" and type_ in (Phase.FAILED, ConditionType.STALLED)) or (
+                status == "False" and type_ == ConditionType.EVENT_SOURCE_REACHABLE
             )
             self.event("Warning" if bad else "Normal", reason, f"{type_}={status}: {message}".rstrip(": "))
 
@@ -181,44 +185,30 @@ def _ingest_events(p: _Pass) -> None:
     for ev in p.obs.events:
         if stream_id_key(ev.stream_id) <= stream_id_key(tr.last_event_id):
             continue  # already accounted for (a re-read after an operator restart)
-        payload = ev.payload
-        step = ev.step
-        if ev.type == protocol.WEIGHTS_READY:
-            if step is not None:
-                tr.step = step
-                version = payload.get("version", step)
-                tr.weights_version = int(version) if isinstance(version, int | float) else step
-            seen = payload.get("documents_seen")
-            if isinstance(seen, int | float):
-                tr.documents_seen = int(seen)
-        elif ev.type == protocol.METRICS:
-            if step is not None:
-                tr.step = step
-            lag = payload.get("lag_max", payload.get("lag"))  # our trainer reports the step's worst lag
-            if isinstance(lag, int | float):
-                p.status.lag = int(lag)
-        elif ev.type == protocol.CHECKPOINT_SAVED:
-            path = payload.get("path") or payload.get("checkpoint")
-            if step is not None and isinstance(path, str):
-                tr.last_checkpoint = CheckpointRef(step=step, path=path)
-        elif ev.type == protocol.TRAINING_FINISHED and outcome(p.status) is None:
-            final_step = step if step is not None else tr.step
-            checkpoint = payload.get("checkpoint")
-            if step is not None:
-                tr.step = step
-            if isinstance(checkpoint, str) and step is not None:
-                tr.last_checkpoint = CheckpointRef(step=step, path=checkpoint)
+        facts = progress.read(ev)
+        if facts.step is not None:
+            tr.step = facts.step
+        if facts.weights_version is not None:
+            tr.weights_version = facts.weights_version
+        if facts.documents_seen is not None:
+            tr.documents_seen = facts.documents_seen
+        if facts.lag is not None:
+            p.status.lag = facts.lag
+        if facts.checkpoint is not None:
+            tr.last_checkpoint = CheckpointRef(step=facts.checkpoint[0], path=facts.checkpoint[1])
+        if facts.finished and outcome(p.status) is None:
+            final_step = facts.step if facts.step is not None else tr.step
             previous = p.status.completion or Completion()
             p.status.completion = previous.model_copy(
                 update={
                     "stream_id": ev.stream_id,
                     "event_time": fmt_time(p.now),
                     "final_step": final_step,
-                    "checkpoint": checkpoint if isinstance(checkpoint, str) else None,
-                    "interrupted": bool(payload.get("interrupted")) or final_step < p.max_steps,
+                    "checkpoint": facts.checkpoint[1] if facts.checkpoint else None,
+                    "interrupted": facts.interrupted or final_step < p.max_steps,
                 }
             )
-            p.event("Normal", "TrainingFinishedEvent", f"training_finished at step {final_step} ({ev.stream_id})")
+            p.event("Normal", Reason.TRAINING_FINISHED_EVENT, f"training_finished at step {final_step} ({ev.stream_id})")
         tr.last_event_id = ev.stream_id
         tr.last_event_time = fmt_time(p.now)
     if p.obs.read_upto and stream_id_key(p.obs.read_upto) > stream_id_key(tr.last_event_id):
@@ -239,13 +229,13 @@ def _restarts(p: _Pass, role: str, comp: ComponentStatus) -> int:
 
 def _update_components(p: _Pass, stopping: bool) -> None:
     spec = p.spec
-    for role in ROLES:
-        desired = builders.replicas(spec, role) if spec else 0
+    for role in roles.START_ORDER:
+        desired = roles.replicas(spec, role) if spec else 0
         comp = p.status.components.get(role) or ComponentStatus()
         comp = comp.model_copy(deep=True)
         comp.desired = desired
         live = p.live(role)
-        comp.ready = sum(1 for pod in live if pod.ready and pod.phase == "Running")
+        comp.ready = sum(1 for pod in live if pod.ready and pod.phase == PodPhase.RUNNING)
         counted = _restarts(p, role, comp)
         if counted < comp.restarts:
             # A pod with restarts is gone (deleted by teardown or by hand): keep what it had counted.
@@ -256,17 +246,17 @@ def _update_components(p: _Pass, stopping: bool) -> None:
         ctype = ROLE_CONDITIONS[role]
         if stopping:
             left = len(p.obs.role_pods(role))
-            p.condition(ctype, "False", "Stopped", f"{left} pod(s) left" if left else "", event=False)
+            p.condition(ctype, "False", Reason.STOPPED, f"{left} pod(s) left" if left else "", event=False)
         elif desired == 0:
             # External Redis: ready means the operator can read the job's events from it.
             reachable = p.obs.event_source.state == "Reachable"
-            p.condition(ctype, "True" if reachable else "False", "External", "external Redis (spec.redis.url)")
+            p.condition(ctype, "True" if reachable else "False", Reason.EXTERNAL, "external Redis (spec.redis.url)")
         elif comp.ready >= desired:
-            p.condition(ctype, "True", "AllReady", f"{comp.ready}/{desired} ready")
+            p.condition(ctype, "True", Reason.ALL_READY, f"{comp.ready}/{desired} ready")
         else:
             waiting = sorted({pod.waiting_reason for pod in live if pod.waiting_reason})
             detail = f"; waiting: {', '.join(waiting)}" if waiting else ""
-            p.condition(ctype, "False", "NotReady", f"{comp.ready}/{desired} ready{detail}", event=False)
+            p.condition(ctype, "False", Reason.NOT_READY, f"{comp.ready}/{desired} ready{detail}", event=False)
     p.status.trainer_restarts = p.status.components["trainer"].restarts
 
 
@@ -278,156 +268,131 @@ def _replace(p: _Pass, pod: PodView, why: str) -> None:
     comp.restarts = _restarts(p, pod.role, comp)
     p.replaced_now.add(pod.uid)
     p.actions.append(DeletePod(pod.name, pod.uid, 0, pod.role))
-    reason = "TrainerRestarted" if pod.role == "trainer" else "ComponentRestarted"
+    reason = Reason.TRAINER_RESTARTED if pod.role == roles.TRAINER else Reason.COMPONENT_RESTARTED
     p.event("Warning", reason, f"pod {pod.name} {why}; replacing it")
 
 
-def _handle_failures(p: _Pass) -> None:
-    """Replace failed pods; fail the job when the trainer has failed more than backoffLimit times."""
-    spec = p.spec
-    assert spec is not None
-    backoff = spec.run_policy.backoff_limit
-    previous = p.job.status.components.get("trainer")
-    before = previous.restarts if previous else 0
+def _failing_pods(p: _Pass) -> list[tuple[PodView, str]]:
+    """Pods that ended before they should have and must be replaced (nothing is changed yet)."""
     finished_event = p.status.completion is not None and p.status.completion.stream_id is not None
-    for role in ROLES:
+    out = []
+    for role in roles.START_ORDER:
         comp = p.status.components[role]
         for pod in p.live(role):
             if pod.uid in comp.replaced_pods:
                 continue
             code = f"exit code {pod.exit_code}" if pod.exit_code is not None else pod.phase
-            if role == "trainer":
-                if pod.phase != "Failed":
-                    continue
-                if comp.restarts + 1 > backoff:
-                    p.decide_outcome(
-                        "Failed",
-                        "BackoffLimitExceeded",
-                        f"trainer pod {pod.name} failed ({code}) after {comp.restarts} restart(s); "
-                        f"backoffLimit is {backoff}",
-                    )
-                    return
-                ckpt = p.status.trainer.last_checkpoint
-                resume = f", resuming from checkpoint step {ckpt.step}" if ckpt else ""
-                _replace(p, pod, f"failed ({code}), restart {comp.restarts + 1} of {backoff}{resume}")
-            elif pod.phase == "Failed":
-                _replace(p, pod, f"ended ({code}) before training finished")
-            elif pod.phase == "Succeeded" and not finished_event:
-                # A producer stops by itself on training_finished: exit 0 is a failure only if that event is
+            if pod.phase == PodPhase.FAILED:
+                out.append((pod, f"failed ({code})" if role == roles.TRAINER else f"ended ({code}) before training finished"))
+            elif role != roles.TRAINER and pod.phase == PodPhase.SUCCEEDED and not finished_event:
+                # Producers stop by themselves on training_finished: exit 0 is a failure only if that event is
                 # really not in the stream, not merely unread yet (operator restart, a watcher that lags).
                 # Only a read to the stream's end made after this pod was seen ended proves that; without one
                 # (Redis unreachable) wait and look again.
                 if p.obs.events_read_to_end:
-                    _replace(p, pod, f"ended ({code}) before training finished")
+                    out.append((pod, f"ended ({code}) before training finished"))
                 else:
                     p.wake_at(p.now + timedelta(seconds=UNREAD_RECHECK_SECONDS))
-    trainer = p.status.components["trainer"]
-    p.status.trainer_restarts = trainer.restarts
-    if trainer.restarts > before:
-        p.trainer_failed_now = True
-        in_place = trainer.restarts - before - sum(1 for uid in p.replaced_now if uid in trainer.replaced_pods)
-        if in_place > 0:
-            p.event("Warning", "TrainerRestarted", f"trainer restarted in place ({trainer.restarts} restart(s) so far)")
-        if trainer.restarts > backoff:
-            p.decide_outcome(
-                "Failed",
-                "BackoffLimitExceeded",
-                f"trainer restarted {trainer.restarts} time(s); backoffLimit is {backoff}",
-            )
+    return out
 
 
-# -- completion ---------------------------------------------------------------------------------------
+def _failure(pod: PodView) -> Failure:
+    code = pod.exit_code if pod.exit_code is not None else pod.last_exit_code
+    return Failure(pod.role, pod.name, code, pod.termination_message or "")
 
 
-def _apply_completion_rules(p: _Pass) -> None:
-    spec = p.spec
-    assert spec is not None
-    timeout = timedelta(seconds=spec.run_policy.completion_timeout_seconds)
+def _evidence(p: _Pass, failing: list[tuple[PodView, str]]) -> Evidence:
+    """The judgement's view of this pass. Side effects on the status: a stale finished event is dropped, and
+    rank 0's exit 0 is recorded as completion evidence (once)."""
+    restarts = {role: c.restarts for role, c in p.status.components.items()}
+    failures: dict[str, Failure] = {}
+    for pod in sorted(p.obs.pods, key=lambda x: x.finished_at or datetime.min.replace(tzinfo=p.now.tzinfo)):
+        if pod.restart_count or pod.phase == PodPhase.FAILED:
+            failures[pod.role] = _failure(pod)
+    for pod, _ in failing:
+        restarts[pod.role] = restarts.get(pod.role, 0) + 1
+        failures[pod.role] = _failure(pod)
+    previous = p.job.status.components.get(roles.TRAINER)
+    p.trainer_failed_now = restarts.get(roles.TRAINER, 0) > (previous.restarts if previous else 0)
+    config = next(
+        (_failure(pod) for pod in p.obs.pods if runtime.EXIT_CONFIG in (pod.exit_code, pod.last_exit_code)), None
+    )
+
     comp = p.status.completion
     rank0 = p.rank0()
-
     if comp is not None and comp.stream_id is not None:
         # A training_finished from a trainer incarnation that has since been restarted is no evidence.
         stale = p.trainer_failed_now or (
             rank0 is not None and rank0.started_at is not None and stream_id_time(comp.stream_id) < rank0.started_at
         )
         if stale:
-            p.event("Warning", "StaleFinishedEvent", f"ignoring training_finished {comp.stream_id}: trainer restarted")
+            p.event("Warning", Reason.STALE_FINISHED_EVENT,
+                    f"ignoring training_finished {comp.stream_id}: trainer restarted")
             comp = p.status.completion = None
-
-    if rank0 is not None and rank0.phase == "Succeeded" and (comp is None or comp.trainer_exit_code is None):
+    if rank0 is not None and rank0.phase == PodPhase.SUCCEEDED and (comp is None or comp.trainer_exit_code is None):
         comp = p.status.completion = (comp or Completion()).model_copy(
             update={"trainer_exit_code": 0, "trainer_exit_time": fmt_time(p.now)}
         )
-        p.event("Normal", "TrainerExited", f"trainer pod {rank0.name} exited 0")
-    if comp is None:
-        return
-
-    has_event = comp.stream_id is not None
-    exited = comp.trainer_exit_code == 0
-    full = has_event and not comp.interrupted and (comp.final_step or 0) >= p.max_steps
-    if has_event and exited:
-        if full:
-            p.decide_outcome("Succeeded", "TrainingFinished", f"trained {comp.final_step}/{p.max_steps} steps")
-        else:
-            p.decide_outcome(
-                "Failed",
-                "TrainingInterrupted",
-                f"training_finished at step {comp.final_step} of {p.max_steps} (interrupted or scheduled stop)",
-            )
-    elif has_event:
-        deadline = (parse_time(comp.event_time) or p.now) + timeout
-        if p.now < deadline:
-            p.wake_at(deadline)
-        elif full and comp.checkpoint:
-            p.decide_outcome(
-                "Succeeded",
-                "TrainingFinished",
-                f"trained {comp.final_step}/{p.max_steps} steps, checkpoint {comp.checkpoint}; the trainer did not "
-                f"exit within completionTimeoutSeconds ({timeout.seconds}s) and is stopped",
-            )
-        else:
-            p.decide_outcome(
-                "Failed",
-                "TrainerDidNotExit",
-                f"training_finished (step {comp.final_step}, checkpoint {comp.checkpoint}) but the trainer did not "
-                f"exit within {timeout.seconds}s, and the event lacks the final step or a checkpoint",
-            )
-    elif exited:
-        deadline = (parse_time(comp.trainer_exit_time) or p.now) + timeout
-        if p.now < deadline:
-            p.wake_at(deadline)
-        else:
-            p.decide_outcome(
-                "Failed",
-                "TrainerExitedWithoutFinishedEvent",
-                f"trainer exited 0 but published no training_finished within {timeout.seconds}s",
-            )
-
-
-def _check_stall(p: _Pass) -> None:
-    spec = p.spec
-    assert spec is not None
-    limit = spec.run_policy.event_timeout_seconds
-    pending = p.status.completion is not None and p.status.completion.stream_id is not None
-    if p.status.phase != "Running" or not limit or pending:
-        if is_true(p.status.conditions, "Stalled"):
-            p.condition("Stalled", "False", "NotRunning")
-        return
-    rank0 = p.rank0()
+        p.event("Normal", Reason.TRAINER_EXITED, f"trainer pod {rank0.name} exited 0")
+    finished = None
+    if comp is not None and comp.stream_id is not None:
+        finished = Finished(
+            read_at=parse_time(comp.event_time) or p.now,
+            step=comp.final_step,
+            checkpoint=comp.checkpoint,
+            interrupted=bool(comp.interrupted),
+        )
+    exited_at = (parse_time(comp.trainer_exit_time) or p.now) if comp and comp.trainer_exit_code == 0 else None
     refs = [parse_time(p.status.trainer.last_event_time), parse_time(p.status.running_since)]
     refs.append(rank0.started_at if rank0 else None)
-    ref = max((r for r in refs if r is not None), default=p.now)
-    deadline = ref + timedelta(seconds=limit)
-    if p.now < deadline:
-        was_stalled = is_true(p.status.conditions, "Stalled")
-        p.condition("Stalled", "False", "EventsResumed" if was_stalled else "Progressing", event=was_stalled)
-        p.wake_at(deadline)
-        return
-    message = f"no trainer event for {limit}s (last at {p.status.trainer.last_event_time or 'never'})"
-    p.condition("Stalled", "True", "NoTrainerEvents", message)
-    if spec.run_policy.fail_on_stall:
-        p.decide_outcome("Failed", "Stalled", message)
+    return Evidence(
+        now=p.now,
+        config_error=config,
+        restarts=restarts,
+        failures=failures,
+        finished=finished,
+        trainer_exited_at=exited_at,
+        running=p.status.phase == Phase.RUNNING,
+        last_activity=max((r for r in refs if r is not None), default=None),
+    )
+
+
+def _judge(p: _Pass, failing: list[tuple[PodView, str]]) -> None:
+    """Apply the lifecycle's judgement: an outcome, the Stalled condition, and when to look again."""
+    verdict = judge(_evidence(p, failing), p.spec)
+    if verdict.wake_at is not None:
+        p.wake_at(verdict.wake_at)
+    if verdict.stalled is None:
+        if is_true(p.status.conditions, ConditionType.STALLED):
+            p.condition(ConditionType.STALLED, "False", Reason.NOT_RUNNING)
+    elif verdict.stalled:
+        p.condition(ConditionType.STALLED, "True", Reason.NO_TRAINER_EVENTS, verdict.stall_message)
+    else:
+        was = is_true(p.status.conditions, ConditionType.STALLED)
+        p.condition(ConditionType.STALLED, "False", Reason.EVENTS_RESUMED if was else Reason.PROGRESSING, event=was)
+    if verdict.outcome is not None:
+        o = verdict.outcome
+        p.decide_outcome(o.phase, o.reason, o.message)
+
+
+def _handle_failures(p: _Pass, failing: list[tuple[PodView, str]]) -> None:
+    """Replace the pods that ended too early (the judgement found every budget still open)."""
+    backoff = p.spec.run_policy.backoff_limit
+    before = p.status.components[roles.TRAINER].restarts
+    for pod, why in failing:
+        if pod.role == roles.TRAINER:
+            n = p.status.components[roles.TRAINER].restarts + 1
+            ckpt = p.status.trainer.last_checkpoint
+            resume = f", resuming from checkpoint step {ckpt.step}" if ckpt else ""
+            why = f"{why}, restart {n} of {backoff}{resume}"
+        _replace(p, pod, why)
+    trainer = p.status.components[roles.TRAINER]
+    p.status.trainer_restarts = trainer.restarts
+    previous = p.job.status.components.get(roles.TRAINER)
+    in_place = before - (previous.restarts if previous else 0)
+    if in_place > 0:
+        p.event("Warning", Reason.TRAINER_RESTARTED,
+                f"trainer restarted in place ({trainer.restarts} restart(s) so far)")
 
 
 def _update_event_source(p: _Pass, watching: bool) -> None:
@@ -435,7 +400,7 @@ def _update_event_source(p: _Pass, watching: bool) -> None:
         return
     src = p.obs.event_source
     if src.state == "Reachable":
-        p.condition("EventSourceReachable", "True", "Connected", src.message)
+        p.condition("EventSourceReachable", "True", Reason.CONNECTED, src.message)
     elif src.state == "Unreachable":
         p.condition("EventSourceReachable", "False", src.reason, src.message)
     else:
@@ -453,52 +418,42 @@ def _create_missing(p: _Pass) -> None:
             if f"{kind}/{name}" not in p.obs.static_present:
                 p.actions.append(Create(manifest))
                 if not p.fresh:
-                    p.event("Warning", "ChildRecreated", f"{kind} {name} was missing (deleted by hand?); recreated it")
+                    p.event("Warning", Reason.CHILD_RECREATED, f"{kind} {name} was missing (deleted by hand?); recreated it")
     present = {pod.name for pod in p.obs.pods}
-    gated = p.status.phase in ("Pending", "Starting")
-    comps = p.status.components
-
-    def all_exist(role: str) -> bool:
-        return all(n in present for n in builders.pod_names(job, role))
-
-    redis_ready = not job.managed_redis or comps["redis"].ready >= 1
-    allowed = {
-        "redis": lambda: True,
-        "trainer": lambda: redis_ready,
-        "inference": lambda: redis_ready,
-        "preprocessor": lambda: redis_ready and all_exist("trainer") and all_exist("inference"),
-        "actor": lambda: comps["inference"].ready >= comps["inference"].desired,
-    }
+    gated = p.status.phase in (Phase.PENDING, Phase.STARTING)
+    exist = {r: sum(n in present for n in builders.pod_names(job, r)) for r in roles.START_ORDER}
+    ready = {r: c.ready for r, c in p.status.components.items()}
     ckpt = p.status.trainer.last_checkpoint
-    for role in names.POD_ROLES:  # start order: each gate sees what this pass already created
-        if gated and not allowed[role]():
+    for role in roles.START_ORDER:  # each gate sees what this pass already created
+        if gated and not roles.may_start(job.spec, role, roles.StartState(exist, ready)):
             continue
-        for i in range(builders.replicas(job.spec, role)):
+        for i in range(roles.replicas(job.spec, role)):
             if names.pod_name(job.name, role, i) in present:
                 continue
-            resume = ckpt.path if (role == "trainer" and ckpt) else None
+            resume = ckpt.path if (role == roles.TRAINER and ckpt) else None
             p.actions.append(Create(builders.pod(job, role, i, resume_checkpoint=resume)))
-            present.add(names.pod_name(job.name, role, i))  # a later gate may only need it to exist
+            present.add(names.pod_name(job.name, role, i))
+            exist[role] += 1
 
 
 def _update_phase(p: _Pass) -> None:
     st = p.status
-    if st.phase in ("Pending", "Starting"):
+    if st.phase in (Phase.PENDING, Phase.STARTING):
         anything_running = any(pod.running for pod in p.obs.pods)
         all_ready = all(c.ready >= c.desired for c in st.components.values())
         if all_ready or st.trainer.last_event_id is not None:
-            _set_phase(p, "Running", "AllComponentsReady" if all_ready else "TrainerReporting")
+            _set_phase(p, Phase.RUNNING, Reason.ALL_COMPONENTS_READY if all_ready else Reason.TRAINER_REPORTING)
             st.running_since = fmt_time(p.now)
         elif anything_running:
-            _set_phase(p, "Starting", "ComponentsStarting", "waiting for every component to be Ready")
+            _set_phase(p, Phase.STARTING, Reason.COMPONENTS_STARTING, "waiting for every component to be Ready")
         else:
-            _set_phase(p, "Pending", "PodsPending", "children created, no pod running yet")
+            _set_phase(p, Phase.PENDING, Reason.PODS_PENDING, "children created, no pod running yet")
 
 
 def _set_phase(p: _Pass, phase: str, reason: str, message: str = "") -> None:
     st = p.status
     if st.phase != phase:
-        p.event("Warning" if phase == "Failed" else "Normal", phase, f"{st.phase} -> {phase}: {reason} {message}".strip())
+        p.event("Warning" if phase == Phase.FAILED else "Normal", phase, f"{st.phase} -> {phase}: {reason} {message}".strip())
     st.phase = phase  # type: ignore[assignment]
     st.reason = reason
     st.message = message
@@ -512,13 +467,13 @@ def _teardown_reason(p: _Pass) -> str | None:
     td = p.status.teardown
     decided = outcome(p.status)
     if decided:
-        return decided if td is None or td.reason in (None, "Suspended") else td.reason
-    if td is not None and td.reason in ("Deleted", "Suspended") and td.stage != teardown.DONE:
+        return decided if td is None or td.reason in (None, Phase.SUSPENDED) else td.reason
+    if td is not None and td.reason in (Reason.DELETED, Phase.SUSPENDED) and td.stage != teardown.DONE:
         return td.reason  # an ordered stop in progress is finished first
     if p.job.deleting:
-        return "Deleted"
+        return Reason.DELETED
     if p.spec is not None and p.spec.run_policy.suspend:
-        return "Suspended"
+        return Reason.SUSPENDED
     return None
 
 
@@ -528,7 +483,7 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
     if td is None or td.reason != reason and td.stage == teardown.DONE:
         # A new teardown (a finished suspend followed by deletion or an outcome restarts the sequence).
         td = TeardownStatus(reason=reason)
-        p.condition("ResourcesReleased", "False", "TearingDown", f"ordered teardown ({reason})")
+        p.condition("ResourcesReleased", "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})")
     elif td.reason != reason:
         td = td.model_copy(update={"reason": reason})
     spec = p.spec
@@ -550,7 +505,7 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
         for manifest_kind, name in _static_names(p):
             p.actions.append(DeleteObject(manifest_kind, name))
         last = f": {teardown.describe(step.finished_stages[-1])}" if step.finished_stages else ""
-        p.condition("ResourcesReleased", "True", "AllPodsGone", f"teardown ({reason}) finished{last}")
+        p.condition("ResourcesReleased", "True", Reason.ALL_PODS_GONE, f"teardown ({reason}) finished{last}")
     return step.done
 
 
@@ -567,7 +522,7 @@ def _static_names(p: _Pass) -> list[tuple[str, str]]:
 def _can_resume(job: JobView) -> bool:
     st = job.status
     return (
-        st.phase == "Suspended"
+        st.phase == Phase.SUSPENDED
         and st.teardown is not None
         and st.teardown.stage == teardown.DONE
         and job.spec is not None
@@ -593,12 +548,12 @@ def _report_spec_changes(p: _Pass, live: JobView) -> None:
     """One Warning Event per distinct set of ignored changes; the condition says which while they last."""
     st = p.status
     suspending = bool((live.raw_spec.get("runPolicy") or {}).get("suspend"))
-    if st.started_spec is None or st.phase not in ("Pending", "Starting", "Running", "Draining") or live.deleting:
+    if st.started_spec is None or st.phase not in (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.DRAINING) or live.deleting:
         return
     if suspending:
         return  # the change is applied when the job resumes: nothing is ignored
     paths = specdiff.changed_paths(st.started_spec, live.raw_spec)
-    previous = get(st.conditions, "SpecChangeIgnored")
+    previous = get(st.conditions, ConditionType.SPEC_CHANGE_IGNORED)
     if paths:
         message = (
             f"{specdiff.describe(paths)} changed after the job started (generation {st.started_generation} -> "
@@ -606,10 +561,10 @@ def _report_spec_changes(p: _Pass, live: JobView) -> None:
         )
         # The generations in the message change with every edit; the Event only when the paths do.
         if previous is None or previous.status != "True" or not previous.message.startswith(specdiff.describe(paths) + " "):
-            p.event("Warning", "SpecChangeIgnored", message)
-        p.condition("SpecChangeIgnored", "True", "SpecChangeIgnored", message, event=False)
+            p.event("Warning", ConditionType.SPEC_CHANGE_IGNORED, message)
+        p.condition("SpecChangeIgnored", "True", ConditionType.SPEC_CHANGE_IGNORED, message, event=False)
     elif previous is not None and previous.status == "True":
-        p.condition("SpecChangeIgnored", "False", "SpecAsStarted", "the spec is back to the one the job started with",
+        p.condition("SpecChangeIgnored", "False", Reason.SPEC_AS_STARTED, "the spec is back to the one the job started with",
                     event=False)
 
 
@@ -619,12 +574,12 @@ def _resume_from_suspend(p: _Pass) -> None:
     st.completion = None
     st.running_since = None
     st.trainer.last_event_id = None  # the next Redis (and its streams) is a new one
-    remove(st.conditions, "ResourcesReleased")
-    remove(st.conditions, "Stalled")
-    remove(st.conditions, "SpecChangeIgnored")
+    remove(st.conditions, ConditionType.RESOURCES_RELEASED)
+    remove(st.conditions, ConditionType.STALLED)
+    remove(st.conditions, ConditionType.SPEC_CHANGE_IGNORED)
     p.fresh = True
-    p.condition("Suspended", "False", "Resumed", "spec.runPolicy.suspend unset")
-    _set_phase(p, "Pending", "Resumed", "recreating the components")
+    p.condition("Suspended", "False", Reason.RESUMED, "spec.runPolicy.suspend unset")
+    _set_phase(p, Phase.PENDING, Reason.RESUMED, "recreating the components")
 
 
 # -- the pass -------------------------------------------------------------------------------------
@@ -640,11 +595,11 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
     st.observed_generation = job.generation
     if st.start_time is None:
         st.start_time = fmt_time(now)
-        p.event("Normal", "Accepted", f"reconciling TrainingJob {job.namespace}/{job.name}")
+        p.event("Normal", Reason.ACCEPTED, f"reconciling TrainingJob {job.namespace}/{job.name}")
     was_phase = st.phase
 
     if job.spec is None:
-        p.decide_outcome("Failed", "InvalidSpec", job.spec_error or "invalid spec")
+        p.decide_outcome(Phase.FAILED, Reason.INVALID_SPEC, job.spec_error or "invalid spec")
 
     # A finished suspend whose flag was cleared: start again from Pending, with the spec as it is now.
     if resuming:
@@ -656,30 +611,29 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
 
     if obs.create_rejected is not None:
         rej = obs.create_rejected
-        p.decide_outcome("Failed", "InvalidSpec", f"the API server rejected {rej.kind} {rej.name}: {rej.message}")
+        p.decide_outcome(Phase.FAILED, Reason.INVALID_SPEC, f"the API server rejected {rej.kind} {rej.name}: {rej.message}")
 
     _ingest_events(p)
     reason = _teardown_reason(p)
     _update_components(p, stopping=reason is not None)
 
     if reason is None:
-        _handle_failures(p)
+        failing = _failing_pods(p)
+        _judge(p, failing)
         if outcome(st) is None:
-            _apply_completion_rules(p)
-        if outcome(st) is None:
-            _check_stall(p)
+            _handle_failures(p, failing)
         reason = _teardown_reason(p)
 
     released = False
     if reason is not None:
         released = _run_teardown(p, reason)
         decided = outcome(st)
-        if reason == "Suspended":
+        if reason == Phase.SUSPENDED:
             if released:
-                p.condition("Suspended", "True", "Suspended", "all components stopped")
-                _set_phase(p, "Suspended", "Suspended", "spec.runPolicy.suspend is set")
+                p.condition("Suspended", "True", Phase.SUSPENDED, "all components stopped")
+                _set_phase(p, Phase.SUSPENDED, Phase.SUSPENDED, "spec.runPolicy.suspend is set")
             else:
-                _set_phase(p, "Suspended", "Suspending", "ordered stop in progress")
+                _set_phase(p, Phase.SUSPENDED, Reason.SUSPENDING, "ordered stop in progress")
         elif decided and released:
             failed = get(st.conditions, decided)
             _set_phase(p, decided, failed.reason if failed else decided, failed.message if failed else "")
@@ -687,33 +641,33 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
         else:
             cond = get(st.conditions, decided) if decided else None
             if cond is not None:
-                _set_phase(p, "Draining", cond.reason, cond.message)
+                _set_phase(p, Phase.DRAINING, cond.reason, cond.message)
             else:
-                _set_phase(p, "Draining", "Deleted", "the TrainingJob is being deleted")
-        if is_true(st.conditions, "Stalled") and decided != "Failed":
-            p.condition("Stalled", "False", "NotRunning", event=False)
+                _set_phase(p, Phase.DRAINING, Reason.DELETED, "the TrainingJob is being deleted")
+        if is_true(st.conditions, ConditionType.STALLED) and decided != Phase.FAILED:
+            p.condition("Stalled", "False", Reason.NOT_RUNNING, event=False)
     else:
         _create_missing(p)
         _update_phase(p)
-        if was_phase != "Running" and st.phase == "Running":
-            _check_stall(p)
+        if was_phase != Phase.RUNNING and st.phase == Phase.RUNNING:
+            _judge(p, [])
 
     watching = (
         job.spec is not None
         and (st.teardown is None or not any(s.name == "redis" for s in st.teardown.stages))
-        and not (reason == "Suspended" and released)
+        and not (reason == Phase.SUSPENDED and released)
     )
     _update_event_source(p, watching)
-    if not watching and get(st.conditions, "EventSourceReachable") is not None:
-        p.condition("EventSourceReachable", "False", "RedisReleased", "the job's Redis is torn down", event=False)
+    if not watching and get(st.conditions, ConditionType.EVENT_SOURCE_REACHABLE) is not None:
+        p.condition("EventSourceReachable", "False", Reason.REDIS_RELEASED, "the job's Redis is torn down", event=False)
 
-    terminal = st.phase in ("Succeeded", "Failed")
+    terminal = st.phase in (Phase.SUCCEEDED, Phase.FAILED)
     ttl = job.spec.run_policy.ttl_seconds_after_finished if job.spec else None
     if terminal and ttl is not None and not job.deleting:
         expires = (parse_time(st.completion_time) or now) + timedelta(seconds=ttl)
         if now >= expires:
             p.actions.append(DeleteJob())
-            p.event("Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
+            p.event("Normal", Reason.TTL_EXPIRED, f"deleting the job {ttl}s after it finished")
         else:
             p.wake_at(expires)
 

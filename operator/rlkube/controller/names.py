@@ -28,7 +28,6 @@ SECRET_KEY = "password"
 SERVICE_ROLES = ("redis", "inference", "trainer")
 """Roles with a headless Service (and so `hostname`/`subdomain` on their pods)."""
 
-POD_ROLES = ("redis", "trainer", "inference", "preprocessor", "actor")
 
 
 def pod_name(job: str, role: str, index: int = 0) -> str:

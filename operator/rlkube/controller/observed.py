@@ -14,6 +14,7 @@ from typing import Any, Literal
 from rlkube.controller import names
 from rlkube.controller.times import parse_time
 from rlkube.core.protocol import TrainerEvent
+from rlkube.lifecycle.roles import START_ORDER
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class PodView:
     ready: bool = False
     restart_count: int = 0
     exit_code: int | None = None  # main container's current state.terminated.exitCode
+    last_exit_code: int | None = None  # ... and lastState.terminated.exitCode (a container restarted in place)
+    termination_message: str | None = None  # the newest terminated state's message (the role's termination log)
     finished_at: datetime | None = None  # ... and its finishedAt
     started_at: datetime | None = None  # when the current container instance started
     waiting_reason: str | None = None  # e.g. ErrImagePull, CrashLoopBackOff
@@ -60,7 +63,7 @@ def pod_view(pod: dict) -> PodView | None:
         index = int(labels.get(names.LABEL_INDEX, ""))
     except ValueError:
         return None
-    if role not in names.POD_ROLES:
+    if role not in START_ORDER:
         return None
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
@@ -69,6 +72,7 @@ def pod_view(pod: dict) -> PodView | None:
     statuses = status.get("containerStatuses") or []
     main = next((c for c in statuses if c.get("name") == role), statuses[0] if statuses else {})
     terminated = _get(main, "state", "terminated")
+    last = _get(main, "lastState", "terminated")
     running = _get(main, "state", "running")
     waiting = _get(main, "state", "waiting")
     started = (running or {}).get("startedAt") or (terminated or {}).get("startedAt")
@@ -86,6 +90,8 @@ def pod_view(pod: dict) -> PodView | None:
         ready=ready,
         restart_count=int(main.get("restartCount") or 0),
         exit_code=terminated.get("exitCode") if terminated else None,
+        last_exit_code=last.get("exitCode") if last else None,
+        termination_message=((terminated or {}).get("message") or (last or {}).get("message") or "").strip() or None,
         finished_at=parse_time(terminated.get("finishedAt")) if terminated else None,
         started_at=parse_time(started),
         waiting_reason=(waiting or {}).get("reason"),

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from rlkube.api.spec import TEARDOWN_ORDER, GracePeriods
+from rlkube.api.spec import GracePeriods
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.api.status import TeardownStage, TeardownStatus
 from rlkube.controller.actions import Action, DeletePod, DeleteStreams, Event
 from rlkube.controller.observed import PodView

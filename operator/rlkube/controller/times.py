@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from rlkube.core.protocol import stream_id_key
+
+__all__ = ["fmt_time", "now", "parse_time", "stream_id_key", "stream_id_time"]
+
 
 def now() -> datetime:
     return datetime.now(UTC)
@@ -28,9 +32,3 @@ def stream_id_time(stream_id: str) -> datetime:
     return datetime.fromtimestamp(int(stream_id.split("-", 1)[0]) / 1000, UTC)
 
 
-def stream_id_key(stream_id: str | None) -> tuple[int, int]:
-    """Sort key of a stream id; None sorts first (like `0-0`)."""
-    if not stream_id:
-        return (0, 0)
-    ms, _, seq = stream_id.partition("-")
-    return (int(ms), int(seq or 0))

@@ -21,13 +21,14 @@ from redis.exceptions import RedisError
 from rlkube.controller import metrics
 from rlkube.controller.observed import EventSource
 from rlkube.controller.times import stream_id_key
-from rlkube.core.protocol import TrainerEvent, decode_event
+from rlkube.core.protocol import TrainerEvent
+from rlkube.core.streams import AsyncEventReader
 
 log = logging.getLogger(__name__)
 
 BLOCK_MS = 5000
 """XREAD block time. The socket timeout is longer, so a silent Redis shows up as a timeout error."""
-RETRY_MAX = 5.0
+RETRY_MAX = 5.0  # the longest wait between reconnect attempts
 STOP_TIMEOUT = 2.0
 CATCH_UP_BATCH = 500
 
@@ -47,12 +48,25 @@ class Target:
 class EventWatcher:
     def __init__(self, target: Target, start_id: str | None, on_change: Callable[[], None]):
         self.target = target
-        self.last_id = start_id or "0-0"
         self.on_change = on_change
         self.buffer: list[TrainerEvent] = []
         self.source = EventSource()
+        self._client = self._connect(BLOCK_MS / 1000 + 5)
+        # No relocation: the position is the status's lastEventId, which decisions compare ids against; a new
+        # Redis (a resumed job) comes with a new watcher started from a reset lastEventId.
+        self.reader = AsyncEventReader(self._client, target.stream, start_id or "0-0", relocate=False,
+                                       retry_on=(RedisError, OSError), backoff=(0.2, RETRY_MAX),
+                                       on_state=self._on_state)
         self._task: asyncio.Task | None = None
-        self._stopping = False
+
+    @property
+    def last_id(self) -> str:
+        """The last stream id read, malformed entries included (they are skipped, not re-read)."""
+        return self.reader.last_id or "0-0"
+
+    def _connect(self, socket_timeout: float) -> aioredis.Redis:
+        return aioredis.Redis.from_url(self.target.url, password=self.target.password, socket_connect_timeout=3,
+                                       socket_timeout=socket_timeout)
 
     def start(self) -> EventWatcher:
         self._task = asyncio.create_task(self._run(), name=f"events {self.target.stream}")
@@ -60,12 +74,14 @@ class EventWatcher:
 
     async def stop(self) -> None:
         """Cancel the reader. redis-py can turn a cancellation that lands inside connect() into a
-        ConnectionError, so the loop also checks `_stopping`, and this never waits long for it."""
-        self._stopping = True
+        ConnectionError, so the reader also checks its stop event, and this never waits long for it."""
+        self.reader.stop.set()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=STOP_TIMEOUT)
             self._task = None
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
 
     def pending(self, after: str | None) -> list[TrainerEvent]:
         """Buffered events after `after` (the id the status already holds)."""
@@ -85,15 +101,13 @@ class EventWatcher:
         that must know an event is really NOT in the stream (a producer's exit 0 without training_finished)
         calls this after it has looked at the pods: the read starts after those pods ended, so anything that
         made them stop is in the buffer when it returns True. False: Redis could not be read (judge nothing).
+        The reader drops what the blocked XREAD then delivers again.
         """
-        client = aioredis.Redis.from_url(
-            self.target.url, password=self.target.password, socket_connect_timeout=3, socket_timeout=3
-        )
+        client = self._connect(3)
+        before = self.reader.last_id
         try:
-            while True:
-                reply = await client.xread({self.target.stream: self.last_id}, count=CATCH_UP_BATCH)
-                if (self._ingest(reply) if reply else 0) < CATCH_UP_BATCH:
-                    return True
+            self._ingest(await self.reader.read_to_end(CATCH_UP_BATCH, client=client), before)
+            return True
         except (RedisError, OSError) as exc:
             log.warning("trainer events: reading %s to its end failed: %s", self.target.describe(), exc)
             return False
@@ -101,7 +115,13 @@ class EventWatcher:
             with contextlib.suppress(Exception):
                 await client.aclose()
 
-    def _set_source(self, source: EventSource) -> None:
+    def _on_state(self, reader: AsyncEventReader) -> None:
+        describe = self.target.describe()
+        if reader.error is not None:
+            exc = reader.error
+            source = EventSource("Unreachable", type(exc).__name__, f"{describe}: {exc}")
+        else:
+            source = EventSource("Reachable", "Connected", describe, caught_up=reader.caught_up)
         if (source.state, source.reason, source.caught_up) != (self.source.state, self.source.reason,
                                                                self.source.caught_up):
             self.source = source
@@ -110,61 +130,18 @@ class EventWatcher:
             self.source = source
 
     async def _run(self) -> None:
-        delay = 0.2
-        while not self._stopping:
-            client = aioredis.Redis.from_url(
-                self.target.url,
-                password=self.target.password,
-                socket_connect_timeout=3,
-                socket_timeout=BLOCK_MS / 1000 + 5,
-            )
-            try:
-                await client.ping()
-                self._set_source(EventSource("Reachable", "Connected", self.target.describe()))
-                delay = 0.2
-                # Catch up without blocking first, so the reconcile loop soon knows what is NOT in the stream.
-                while True:
-                    reply = await client.xread({self.target.stream: self.last_id}, count=CATCH_UP_BATCH)
-                    read = self._ingest(reply) if reply else 0
-                    if read < CATCH_UP_BATCH:
-                        break
-                self._set_source(EventSource("Reachable", "Connected", self.target.describe(), caught_up=True))
-                while True:
-                    reply = await client.xread({self.target.stream: self.last_id}, block=BLOCK_MS, count=500)
-                    if reply:
-                        self._ingest(reply)
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as exc:
-                if self._stopping:
-                    return
-                message = f"{self.target.describe()}: {exc}"
-                log.warning("trainer events unreachable: %s", message)
-                self._set_source(EventSource("Unreachable", type(exc).__name__, message))
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            # A retry delay (capped backoff) before reconnecting, not a wait for a condition.
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX)
+        # Each poll first catches up without blocking after a (re)connect, so the reconcile loop soon knows what
+        # is NOT in the stream; then it blocks in XREAD (Redis pushes new entries), reconnecting with back-off.
+        while not self.reader.stop.is_set():
+            before = self.reader.last_id
+            self._ingest(await self.reader.poll(block_ms=BLOCK_MS, count=CATCH_UP_BATCH), before)
 
-    def _ingest(self, reply) -> int:
-        """Buffer the entries of one XREAD reply; returns how many entries it held."""
+    def _ingest(self, events: list[TrainerEvent], before: str | None) -> None:
+        """Buffer newly read events; wake the reconcile loop when the position moved (skipped malformed or
+        unknown entries move it too: it is the read position the status records)."""
         now = time.time()
-        read = 0
-        for _stream, entries in reply:
-            read += len(entries)
-            for sid, fields in entries:
-                sid = sid.decode() if isinstance(sid, bytes) else str(sid)
-                if stream_id_key(sid) <= stream_id_key(self.last_id):
-                    continue  # already read by `read_to_end` while this XREAD was in flight
-                self.last_id = sid
-                event = decode_event(sid, fields)
-                if event is None:
-                    continue
-                self.buffer.append(event)
-                metrics.TRAINER_EVENT_LAG.observe(max(0.0, now - int(sid.split("-")[0]) / 1000))
-        # Skipped (malformed or unknown) entries still advance `last_id`, the read position the status records.
-        if read:
+        for event in events:
+            self.buffer.append(event)
+            metrics.TRAINER_EVENT_LAG.observe(max(0.0, now - event.time))
+        if self.reader.last_id != before:
             self.on_change()
-        return read

@@ -35,10 +35,8 @@ from typing import TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rlkube.core import protocol, runtime
+from rlkube.core import protocol, runtime, streams
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.tasks import Task, load_task
 
@@ -161,38 +159,12 @@ class Actor:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    async def _catch_up(self) -> str:
-        """The newest weights_ready/training_finished already in the stream; returns where to read on."""
-        newest = "+"
-        while True:
-            entries = await self.redis.xrevrange(self.keys.events, max=newest, count=64)
-            for sid, fields in entries:
-                event = protocol.decode_event(sid, fields)
-                if event and event.type in (protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED):
-                    await self._apply(event)
-                    return event.stream_id
-            if len(entries) < 64:
-                return "0-0"
-            newest = "(" + protocol.text(entries[-1][0])
-
     async def follow_events(self) -> None:
-        last_id: str | None = None
-        while not self.stop.is_set():
-            try:
-                if last_id is None:
-                    last_id = await self._catch_up()
-                    continue
-                reply = await self.redis.xread({self.keys.events: last_id}, block=1000, count=64)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("events stream unreachable (%s); retrying", exc)
-                await self.pause(1.0)
-                continue
-            for _, entries in reply or []:
-                for sid, fields in entries:
-                    last_id = protocol.text(sid)
-                    event = protocol.decode_event(sid, fields)
-                    if event is not None:
-                        await self._apply(event)
+        """From the newest weights_ready/training_finished already in the stream on; reconnects on its own."""
+        reader = streams.AsyncEventReader(self.redis, self.keys.events, None, stop=self.stop,
+                                          latest_of=(protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED))
+        async for event in reader.follow(block_ms=1000, count=64):
+            await self._apply(event)
 
     # --- inference -----------------------------------------------------------------------------------
 
@@ -440,4 +412,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))

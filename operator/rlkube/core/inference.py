@@ -42,7 +42,7 @@ import redis
 import torch
 from aiohttp import web
 
-from rlkube.core import protocol, runtime
+from rlkube.core import protocol, runtime, streams
 from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
@@ -112,42 +112,16 @@ class WeightFollower:
         self.receiver.close()
         return True
 
-    def _catch_up(self) -> str:
-        """Handle the latest weights_ready/training_finished already in the stream; return where to go on."""
-        newest = "+"
-        while True:
-            entries = self.redis.xrevrange(self.keys.events, max=newest, count=64)
-            for sid, fields in entries:
-                event = protocol.decode_event(sid, fields)
-                if event and event.type in (protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED):
-                    self.handle(event)
-                    return event.stream_id
-            if len(entries) < 64:
-                return "0-0"
-            newest = "(" + protocol.text(entries[-1][0])
-
     def _run(self) -> None:
-        last_id: str | None = None
+        # From the newest weights_ready/training_finished already in the stream on. Redis may come up after us
+        # (pods start together) or restart: the reader keeps reconnecting.
+        reader = streams.EventReader(self.redis, self.keys.events, None, stop=self._stop,
+                                     latest_of=(protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED))
         try:
-            while not self._stop.is_set() and not self.finished.is_set():
-                try:
-                    if last_id is None:
-                        last_id = self._catch_up()
-                        continue
-                    reply = self.redis.xread({self.keys.events: last_id}, block=EVENTS_BLOCK_MS, count=16)
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    # Redis may come up after us (pods start together) or restart: keep trying.
-                    log.warning("events stream unreachable (%s); retrying", exc)
-                    self._stop.wait(1.0)
-                    continue
-                for _, entries in reply or []:
-                    for sid, fields in entries:
-                        last_id = protocol.text(sid)
-                        event = protocol.decode_event(sid, fields)
-                        if event is not None:
-                            self.handle(event)
-                        if self.finished.is_set() or self._stop.is_set():
-                            break
+            for event in reader.follow(block_ms=EVENTS_BLOCK_MS, count=16):
+                self.handle(event)
+                if self.finished.is_set() or self._stop.is_set():
+                    break
         except Exception:
             log.exception("weight follower stopped")
 
@@ -336,4 +310,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))

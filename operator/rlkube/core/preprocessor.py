@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from rlkube.core import protocol
+from rlkube.core import protocol, streams
 from rlkube.core.advantages import group_advantages
 from rlkube.core.roles import stop_on_signals
 from rlkube.core.runtime import RoleContext
@@ -148,15 +148,6 @@ def _sid(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def ensure_rollouts_group(client: redis.Redis, keys: protocol.StreamKeys) -> None:
-    """The preprocessors' consumer group on the rollouts stream, from its first entry (idempotent)."""
-    try:
-        client.xgroup_create(keys.rollouts, protocol.ROLLOUTS_GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
 class PreprocessorRole:
     def __init__(self, ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
                  max_ahead: int | None = None, claim_idle_ms: int = CLAIM_IDLE_MS):
@@ -172,33 +163,26 @@ class PreprocessorRole:
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
         self.consumer = protocol.preprocessor_consumer(ctx.index)
         self.claim_idle_ms = claim_idle_ms
-        ensure_rollouts_group(client, self.keys)
+        streams.ensure_group(client, self.keys.rollouts, protocol.ROLLOUTS_GROUP)
         self._commit = client.register_script(_COMMIT)
         # Own pending entries are re-read first (from this id; None once they are all written): entries a
         # previous run of this replica read but died before writing.
         self.pending_from: str | None = "0"
         self.claim_from = "0-0"  # XAUTOCLAIM's cursor through the group's pending entries
         # Events are re-read from the start on purpose: a training_finished published while we were down must
-        # still stop us.
-        self.events_pos = "0-0"
+        # still stop us. A Redis error propagates (the role exits and is restarted), as on the rollouts.
+        self.events = streams.EventReader(client, self.keys.events, "0-0")
         self.finished = False
         self.groups = self.documents = self.skipped = self.claimed = self.lost = 0
         self.too_long = 0  # samples dropped for exceeding maxSequenceLength
         self.holds = 0
 
-    def _handle_events(self, entries) -> None:
-        for sid, fields in entries:
-            self.events_pos = _sid(sid)
-            event = protocol.decode_event(sid, fields)
-            if event is not None and event.type == protocol.TRAINING_FINISHED:
+    def _read_events(self, block: int | None = None) -> None:
+        for event in self.events.read(block_ms=block, count=100):
+            if event.type == protocol.TRAINING_FINISHED:
                 log.info("training_finished (%s): stopping after %d groups, %d documents", event.stream_id,
                          self.groups, self.documents)
                 self.finished = True
-
-    def _read_events(self, block: int | None = None) -> None:
-        got = self.redis.xread({self.keys.events: self.events_pos}, count=100, block=block)
-        for _, entries in got or []:
-            self._handle_events(entries)
 
     def commit(self, entry_id: str, docs: list[protocol.Document]) -> bool:
         """Write `docs` and acknowledge rollout entry `entry_id` in one atomic step, if the entry is still
@@ -245,7 +229,7 @@ class PreprocessorRole:
                 raise
             # The stream or the group is gone (a Redis that lost its data): start over from its first entry.
             log.warning("%s has no group %s (%s); creating it", self.keys.rollouts, protocol.ROLLOUTS_GROUP, exc)
-            ensure_rollouts_group(self.redis, self.keys)
+            streams.ensure_group(self.redis, self.keys.rollouts, protocol.ROLLOUTS_GROUP)
             return []
 
     def _read_rollouts_from_group(self, count: int) -> list:
@@ -317,4 +301,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))

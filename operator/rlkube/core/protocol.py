@@ -109,6 +109,20 @@ class TrainerEvent:
         step = self.payload.get("step")
         return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
 
+    @property
+    def time(self) -> float:
+        """When Redis added the entry (the id's millisecond clock), in seconds since the epoch: times steps
+        without trusting the pods' clocks."""
+        return stream_id_key(self.stream_id)[0] / 1000
+
+
+def stream_id_key(stream_id: str | None) -> tuple[int, int]:
+    """Sort key of a stream id; None sorts first (like `0-0`)."""
+    if not stream_id:
+        return (0, 0)
+    ms, _, seq = stream_id.partition("-")
+    return (int(ms), int(seq or 0))
+
 
 def encode_event(type_: str, **fields: Any) -> dict[str, bytes]:
     """XADD field map of an event: `{"event": JSON}` with `type` first, as Fast-LLM writes it."""

@@ -39,6 +39,15 @@ ENV_MODEL_CACHE = "RLKUBE_MODEL_CACHE"
 # other ranks exit 1 without training_finished (default 120; rlkube.core.backends.torch_distributed).
 ENV_COLLECTIVE_TIMEOUT = "RLKUBE_COLLECTIVE_TIMEOUT_S"
 
+EXIT_CONFIG = 78
+"""Exit code of a role whose input cannot work (sysexits' EX_CONFIG): a model directory that is missing or of an
+unsupported architecture, a dataset without the mapped field. The launchers fail the job at once with the role's
+termination message instead of restarting it (rlkube.lifecycle.policies.config_error)."""
+TERMINATION_LOG = "/dev/termination-log"
+"""Kubernetes' default terminationMessagePath: what a role writes here before a fatal exit lands in its pod's
+status (and so in the job's Failed condition). `rlkube local` points ENV_TERMINATION_LOG at a file per process."""
+ENV_TERMINATION_LOG = "RLKUBE_TERMINATION_LOG"
+
 INFERENCE_PORT = 8000
 WEIGHT_SYNC_PORT = 29500
 REDIS_PORT = 6379

@@ -47,7 +47,7 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol
+from rlkube.core import protocol, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.batch import Batch, collate, plan_micro_batches
@@ -271,15 +271,6 @@ class Trainer:
 # --- the role -------------------------------------------------------------------------------------
 
 
-def ensure_group(client: redis.Redis, keys: protocol.StreamKeys) -> None:
-    """XGROUP CREATE ... 0 MKSTREAM; an existing group (a restarted trainer) keeps its position."""
-    try:
-        client.xgroup_create(keys.documents, protocol.DOCUMENTS_GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
 class DocumentTimeout(RuntimeError):
     """No training document arrived for the configured time (RLKUBE_DOCUMENT_TIMEOUT_S)."""
 
@@ -372,7 +363,7 @@ class TrainerRole:
             # weights again: an actor that restarted meanwhile waits for a weights_ready before it samples.
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
-            ensure_group(self.redis, self.keys)
+            streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
             self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
             return []
         docs = []
@@ -425,7 +416,7 @@ class TrainerRole:
         algo = spec.algorithm
         interval = spec.trainer.checkpoint.interval_steps
         per_rank = self.share(algo.samples_per_step)
-        ensure_group(self.redis, self.keys)
+        streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
         if t.step >= algo.max_steps:
             code = self._finish_again() if self.leader else 0
             if self.dp is not None:
@@ -632,4 +623,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))

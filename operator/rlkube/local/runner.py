@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlkube.api import SpecError, TrainingJobSpec, parse_manifest
-from rlkube.api.spec import TEARDOWN_ORDER
-from rlkube.core import protocol, runtime
-from rlkube.local.outcome import Observation, Outcome, decide
+from rlkube.core import protocol, runtime, streams
+from rlkube.lifecycle import progress, roles
+from rlkube.lifecycle.environment import Addresses, role_env
+from rlkube.lifecycle.evidence import Evidence, Failure, Finished
+from rlkube.lifecycle.judgement import Judgement, judge
+from rlkube.lifecycle.phases import Phase, Reason
+from rlkube.lifecycle.verdict import Outcome
 from rlkube.local.processes import RoleProcess, python_module, stop_all
 from rlkube.local.redis_server import RedisNotInstalled, RedisServer
 
@@ -56,6 +61,9 @@ class RunResult:
     output_dir: Path
     checkpoint: str | None = None
     events: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    stalled: bool = False
+    invalid: list[str] = field(default_factory=list)
 
     def reward_window(self, first: bool, n: int = 10) -> float | None:
         rewards = [m["reward_mean"] for m in self.metrics if isinstance(m.get("reward_mean"), int | float)]
@@ -75,6 +83,8 @@ class RunResult:
             "teardown": self.teardown,
             "forced": self.forced,
             "checkpoint": self.checkpoint,
+            "restarts": self.restarts,
+            "stalled": self.stalled,
             "wall_seconds": round(self.wall_seconds, 2),
             "output_dir": str(self.output_dir),
         }
@@ -88,7 +98,7 @@ class LocalJob:
         self.out = output_dir
         self.console = console
         self.redis_server: RedisServer | None = None
-        self.procs: dict[str, list[RoleProcess]] = {r: [] for r in ("trainer", "inference", "preprocessor", "actor")}
+        self.procs: dict[str, list[RoleProcess]] = {r: [] for r in roles.CORE_ROLES}
         self.keys = protocol.StreamKeys.for_job(NAMESPACE, name, spec.trainer.backend)
         self.metrics: list[dict[str, Any]] = []
         self.teardown: list[str] = []
@@ -96,145 +106,214 @@ class LocalJob:
         self.step = 0
         self.version = 0
         self.finished: protocol.TrainerEvent | None = None
-        self.finished_at: float | None = None
-        self.trainer_exit_at: float | None = None
-        self.last_event_at = time.monotonic()
+        self.finished_at: datetime | None = None
+        self.trainer_started_at = _now()
+        self.trainer_exited_at: datetime | None = None
+        self.running_since: datetime | None = None
+        self.last_event_at: datetime | None = None
+        self.restarts: dict[str, int] = {r: 0 for r in roles.CORE_ROLES}
+        self.failures: dict[str, Failure] = {}
+        self.stalled = False
         self.events_seen: dict[str, int] = {}
         self._interrupted = False
 
     # --- start -------------------------------------------------------------------------------------
 
-    def _env(self, role: str, index: int, **extra: str) -> dict[str, str]:
+    def _env(self, role: str, index: int) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(
-            {
-                runtime.ENV_CONFIG: str(self.config_path),
-                runtime.ENV_REDIS_URL: self.redis_server.url,
-                runtime.ENV_INDEX: str(index),
-                runtime.ENV_BIND_HOST: "127.0.0.1",
-                runtime.ENV_INFERENCE_URLS: ",".join(self.inference_urls),
-                runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{self.weight_sync_port}",
-                runtime.ENV_OUTPUT_DIR: str(self.out),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env.update(extra)
+        env.update(role_env(self.spec, role, index, self.addresses))
+        env[runtime.ENV_TERMINATION_LOG] = str(self._termination_log(role, index))
         return env
 
-    def _spawn(self, role: str, index: int, **extra: str) -> RoleProcess:
+    def _termination_log(self, role: str, index: int) -> Path:
+        return self.out / "logs" / f"{role}-{index}.termination-log"
+
+    def _spawn(self, role: str, index: int) -> RoleProcess:
+        self._termination_log(role, index).unlink(missing_ok=True)
         proc = RoleProcess(
             role=role,
             index=index,
             argv=python_module(f"rlkube.core.{role}"),
-            env=self._env(role, index, **extra),
+            env=self._env(role, index),
             log_path=self.out / "logs" / f"{role}-{index}.log",
         ).start()
-        self.procs[role].append(proc)
+        procs = self.procs[role]
+        if index < len(procs):
+            procs[index] = proc
+        else:
+            procs.append(proc)
+        if role == roles.TRAINER and index == 0:
+            self.trainer_started_at = _now()
         return proc
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self.redis_server = RedisServer(self.out / "redis").start()
         self.redis = self.redis_server.client()
-        self.config_path = runtime.write_job_config(self.out / "job.json", NAMESPACE, self.name, self.raw_spec)
+        self.events = streams.EventReader(self.redis, self.keys.events)
+        config_path = runtime.write_job_config(self.out / "job.json", NAMESPACE, self.name, self.raw_spec)
         # Where to attach while the job runs (redis-cli, tests): the events stream key and the server's URL.
         (self.out / "run.json").write_text(
             json.dumps({"pid": os.getpid(), "redis_url": self.redis_server.url, "events": self.keys.events})
         )
-        self.weight_sync_port = _free_port()
-        ports = [_free_port() for _ in range(self.spec.inference.replicas)]
-        self.inference_urls = [f"http://127.0.0.1:{p}" for p in ports]
-        # Trainer and inference start together: the trainer must not wait for inference health (seed 6.6).
-        # One trainer process per spec.trainer.nodes, with the torchrun env the operator gives each trainer pod.
-        nodes = self.spec.trainer.nodes
-        master_port = str(_free_port())
-        for rank in range(nodes):
-            dist_env = {"RANK": str(rank), "WORLD_SIZE": str(nodes), "NODE_RANK": str(rank), "NNODES": str(nodes),
-                        "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}
-            self._spawn("trainer", rank, **{runtime.ENV_CHECKPOINT_DIR: str(self.out / "checkpoints")}, **dist_env)
-        for i, port in enumerate(ports):
-            self._spawn("inference", i, **{runtime.ENV_PORT: str(port)})
-        for i in range(self.spec.preprocessor.replicas):
-            self._spawn("preprocessor", i)
+        ports = tuple(_free_port() for _ in range(self.spec.inference.replicas))
+        self.addresses = Addresses(
+            config_path=str(config_path),
+            redis_url=self.redis_server.url,
+            bind_host="127.0.0.1",
+            inference_urls=tuple(f"http://127.0.0.1:{p}" for p in ports),
+            inference_ports=ports,
+            weight_sync_host="127.0.0.1",
+            weight_sync_port=_free_port(),
+            master_port=_free_port(),
+            checkpoint_dir=str(self.out / "checkpoints"),
+            output_dir=str(self.out),
+        )
+        self._start_gated()
 
-    def _inference_healthy(self) -> bool:
-        for url in self.inference_urls:
+    def _start_gated(self) -> None:
+        """Start every role whose gate is open (design order; actors once every inference server is healthy)."""
+        exist = {r: len(self.procs.get(r, [])) for r in roles.START_ORDER}
+        exist[roles.REDIS] = ready_redis = 1 if self.redis_server is not None else 0
+        ready = {roles.REDIS: ready_redis}
+        if exist[roles.INFERENCE] and not exist[roles.ACTOR]:
+            ready[roles.INFERENCE] = self._healthy_inference()
+        for role in roles.CORE_ROLES:
+            if exist[role] or not roles.may_start(self.spec, role, roles.StartState(exist, ready)):
+                continue
+            for i in range(roles.replicas(self.spec, role)):
+                self._spawn(role, i)
+            exist[role] = roles.replicas(self.spec, role)
+
+    def _healthy_inference(self) -> int:
+        healthy = 0
+        for url in self.addresses.inference_urls:
             try:
                 with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                    if resp.status != 200:
-                        return False
+                    healthy += resp.status == 200
             except OSError:
-                return False
-        return True
+                pass
+        return healthy
 
     # --- follow ------------------------------------------------------------------------------------
 
-    def _read_events(self, last_id: str, block_ms: int) -> str:
+    def _read_events(self, block_ms: int) -> None:
         try:
-            got = self.redis.xread({self.keys.events: last_id}, block=block_ms, count=100)
-        except redis.RedisError as exc:
+            events = self.events.read(block_ms=block_ms)
+        except redis.RedisError as exc:  # the job's own Redis is gone: nothing can go on
             raise RuntimeError(f"lost the job's Redis: {exc}") from exc
-        for _, entries in got or []:
-            for sid, fields in entries:
-                last_id = sid.decode() if isinstance(sid, bytes) else sid
-                event = protocol.decode_event(sid, fields)
-                if event is None:
-                    continue
-                self.last_event_at = time.monotonic()
-                self.events_seen[event.type] = self.events_seen.get(event.type, 0) + 1
-                if event.step is not None:
-                    self.step = max(self.step, event.step)
-                if event.type == protocol.WEIGHTS_READY:
-                    self.version = int(event.payload.get("version", event.payload.get("step", self.version)))
-                elif event.type == protocol.METRICS:
-                    # The stream id's millisecond clock times steps without trusting the pods' clocks.
-                    self.metrics.append({**event.payload, "_t": int(last_id.split("-")[0]) / 1000})
-                elif event.type == protocol.TRAINING_FINISHED and self.finished is None:
-                    self.finished, self.finished_at = event, time.monotonic()
-        return last_id
+        for event in events:
+            self._ingest(event)
 
-    def _crashed(self) -> tuple[str, int] | None:
-        # Trainer ranks other than 0 (rank 0's exit is the trainer's outcome): a failed one fails the job.
-        for p in self.procs["trainer"][1:]:
-            code = p.returncode()
-            if code is not None and code != 0:
-                return p.name, code
-        for role in ("inference", "preprocessor", "actor"):
-            for p in self.procs[role]:
+    def _ingest(self, event: protocol.TrainerEvent) -> None:
+        self.last_event_at = _now()
+        self.events_seen[event.type] = self.events_seen.get(event.type, 0) + 1
+        facts = progress.read(event)
+        if facts.step is not None:
+            self.step = max(self.step, facts.step)
+        if facts.weights_version is not None:
+            self.version = facts.weights_version
+        if facts.metrics is not None:
+            # The stream id's millisecond clock times steps without trusting the roles' clocks.
+            self.metrics.append({**facts.metrics, "_t": event.time})
+        if facts.finished:
+            # An event of a trainer incarnation that has since been restarted is no evidence (as in the operator).
+            sent = datetime.fromtimestamp(event.time, timezone.utc)
+            if sent >= self.trainer_started_at - timedelta(seconds=1) and self.finished is None:
+                self.finished, self.finished_at = event, _now()
+
+    def _failed_processes(self) -> list[tuple[RoleProcess, int]]:
+        """Processes that ended when they should not have (observed BEFORE the events are read, so a producer's
+        exit 0 on training_finished is matched against a read made after it)."""
+        out = []
+        for role, procs in self.procs.items():
+            for i, p in enumerate(procs):
                 code = p.returncode()
-                # Producers stop on training_finished; exiting before it is a failure too.
-                if code is not None and (code != 0 or self.finished is None):
-                    return p.name, code
-        return None
+                if code is None or p.extra.get("judged"):
+                    continue
+                if role == roles.TRAINER and i == 0 and code == 0:
+                    if self.trainer_exited_at is None:
+                        self.trainer_exited_at = _now()
+                    continue
+                if code != 0 or role != roles.TRAINER:
+                    out.append((p, code))
+        return out
 
-    def _observe(self) -> Observation:
-        trainer = self.procs["trainer"][0]
-        code = trainer.returncode()
-        if code is not None and self.trainer_exit_at is None:
-            self.trainer_exit_at = time.monotonic()
-        payload = self.finished.payload if self.finished else {}
-        rp = self.spec.run_policy
-        return Observation(
-            now=time.monotonic(),
-            max_steps=self.spec.algorithm.max_steps,
-            completion_timeout=rp.completion_timeout_seconds,
-            event_timeout=rp.event_timeout_seconds,
-            last_event_at=self.last_event_at,
-            finished_at=self.finished_at,
-            finished_step=self.finished.step if self.finished else None,
-            finished_checkpoint=payload.get("checkpoint"),
-            finished_interrupted=bool(payload.get("interrupted", False)),
-            trainer_exit=code,
-            trainer_exit_at=self.trainer_exit_at,
-            crashed=self._crashed(),
-            interrupted_by_user=self._interrupted,
+    def _failure(self, p: RoleProcess, code: int) -> Failure:
+        try:
+            message = self._termination_log(p.role, p.index).read_text().strip()
+        except FileNotFoundError:
+            message = ""
+        return Failure(p.role, p.name, code, message)
+
+    def _evidence(self, failing: list[tuple[RoleProcess, int]]) -> Evidence:
+        restarts = dict(self.restarts)
+        failures = dict(self.failures)
+        config = None
+        for p, code in failing:
+            f = self._failure(p, code)
+            if code == runtime.EXIT_CONFIG:
+                config = f
+            failures[p.role] = f
+        # One trainer failure restarts every rank together: count it once.
+        for role in {p.role for p, _ in failing}:
+            restarts[role] += 1 if role == roles.TRAINER else sum(p.role == role for p, _ in failing)
+        finished = None
+        if self.finished is not None and self.finished_at is not None:
+            facts = progress.read(self.finished)
+            finished = Finished(
+                read_at=self.finished_at,
+                step=facts.step,
+                checkpoint=facts.checkpoint[1] if facts.checkpoint else None,
+                interrupted=facts.interrupted,
+            )
+        refs = [self.last_event_at, self.running_since, self.trainer_started_at]
+        return Evidence(
+            now=_now(),
+            config_error=config,
+            restarts=restarts,
+            failures=failures,
+            finished=finished,
+            trainer_exited_at=self.trainer_exited_at,
+            running=self.running_since is not None,
+            last_activity=max((r for r in refs if r is not None), default=None),
         )
+
+    def verdict(self, failing: list[tuple[RoleProcess, int]]) -> Judgement:
+        """The lifecycle's judgement of what this job has seen, with `failing` about to be restarted."""
+        return judge(self._evidence(failing), self.spec)
+
+    def _restart(self, failing: list[tuple[RoleProcess, int]]) -> None:
+        """Replace what failed, as the operator replaces pods: a trainer failure restarts every rank (they resume
+        from the checkpoint together), any other process alone."""
+        for p, code in failing:
+            self.failures[p.role] = self._failure(p, code)
+            p.extra["judged"] = True
+        if any(p.role == roles.TRAINER for p, _ in failing):
+            self.restarts[roles.TRAINER] += 1
+            ranks = self.procs[roles.TRAINER]
+            for p in ranks:  # SIGKILL: a SIGTERMed rank would publish an interrupted training_finished
+                if p.alive():
+                    p.signal_group(signal.SIGKILL)
+                    p.proc.wait()
+            self.finished = self.finished_at = self.trainer_exited_at = None
+            ckpt = self.out / "checkpoints"
+            self.console.print(
+                f"[yellow]trainer failed ({self.failures[roles.TRAINER].describe()}); restart "
+                f"{self.restarts[roles.TRAINER]} of {self.spec.run_policy.backoff_limit}, resuming from {ckpt}[/yellow]"
+            )
+            for rank in range(len(ranks)):
+                self._spawn(roles.TRAINER, rank)
+        for p, _ in failing:
+            if p.role == roles.TRAINER:
+                continue
+            self.restarts[p.role] += 1
+            self.console.print(f"[yellow]{self.failures[p.role].describe()}; restarting it[/yellow]")
+            self._spawn(p.role, p.index)
 
     def follow(self) -> Outcome:
         max_steps = self.spec.algorithm.max_steps
-        actors_started = False
-        last_id = "0-0"
         columns = [
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -245,26 +324,38 @@ class LocalJob:
         with Progress(*columns, console=self.console, transient=False) as bar:
             task = bar.add_task(self.name, total=max_steps, info="starting roles")
             while True:
-                if not actors_started and self._inference_healthy():
-                    for i in range(self.spec.actor.replicas):
-                        self._spawn("actor", i)
-                    actors_started = True
-                last_id = self._read_events(last_id, block_ms=500)
-                bar.update(task, completed=self.step, info=self._info(actors_started))
-                outcome = decide(self._observe())
-                if outcome is not None:
-                    bar.update(task, info=f"{outcome.phase}: {outcome.reason}")
-                    return outcome
+                if self._interrupted:
+                    return Outcome.failed(Reason.INTERRUPTED, "stopped by the user (SIGINT/SIGTERM)")
+                if not self.procs[roles.ACTOR]:
+                    self._start_gated()
+                if self.running_since is None and (self.procs[roles.ACTOR] or self.last_event_at):
+                    self.running_since = _now()
+                failing = self._failed_processes()
+                self._read_events(block_ms=500)
+                if self.finished is not None:  # producers that exited 0 on training_finished are done
+                    failing = [(p, c) for p, c in failing if c != 0 or p.role == roles.TRAINER]
+                verdict = self.verdict(failing)
+                if verdict.stalled and not self.stalled:
+                    self.console.print(f"[yellow]Stalled: {verdict.stall_message}[/yellow]")
+                self.stalled = bool(verdict.stalled)
+                bar.update(task, completed=self.step, info=self._info())
+                if verdict.outcome is not None:
+                    bar.update(task, info=f"{verdict.outcome.phase}: {verdict.outcome.reason}")
+                    return verdict.outcome
+                if failing:
+                    self._restart(failing)
 
-    def _info(self, actors_started: bool) -> str:
+    def _info(self) -> str:
         if not self.metrics:
-            return "waiting for inference" if not actors_started else "waiting for the first step"
+            return "waiting for inference" if not self.procs[roles.ACTOR] else "waiting for the first step"
         m = self.metrics[-1]
         parts = [f"reward {m.get('reward_mean', math.nan):.3f}"]
         if "lag_max" in m:
             parts.append(f"lag {m['lag_max']}")
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+        if self.stalled:
+            parts.append("STALLED")
         return "  ".join(parts)
 
     def interrupt(self, *_: Any) -> None:
@@ -275,11 +366,11 @@ class LocalJob:
     def stop(self) -> None:
         """Ordered teardown: actors, preprocessor, inference, trainer, Redis; each stage waited for."""
         grace = self.spec.teardown.grace_period_seconds
-        for role in TEARDOWN_ORDER:
-            if role == "redis":
+        for role in roles.TEARDOWN_ORDER:
+            if role == roles.REDIS:
                 if self.redis_server is not None:
                     self.redis_server.stop(timeout=grace.redis)
-                    self.teardown.append("redis")
+                    self.teardown.append(roles.REDIS)
                 continue
             procs = self.procs.get(role, [])
             if not procs:
@@ -287,6 +378,10 @@ class LocalJob:
             stop_all(procs, grace_seconds=getattr(grace, role))
             self.forced += [p.name for p in procs if p.forced]
             self.teardown.append(role)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 def _plot(metrics: list[dict[str, Any]], path: Path, title: str) -> Path | None:
@@ -311,8 +406,16 @@ def _plot(metrics: list[dict[str, Any]], path: Path, title: str) -> Path | None:
 
 
 def run_local(manifest: dict, output_dir: Path | None = None, console: Console | None = None) -> RunResult:
-    """Run a TrainingJob manifest to the end; raises SpecError for a bad manifest, before starting anything."""
-    meta, spec = parse_manifest(manifest)
+    """Run a TrainingJob manifest to the end. A manifest that fails validation ends as Failed/InvalidSpec (the
+    operator's verdict for it) before anything is started; `invalid` then holds each field's error."""
+    name = (manifest.get("metadata") or {}).get("name") or "job"
+    try:
+        meta, spec = parse_manifest(manifest)
+    except SpecError as exc:
+        verdict = judge(Evidence(now=_now(), spec_error=str(exc)), None).outcome
+        assert verdict is not None
+        return RunResult(name, verdict.phase, verdict.reason, verdict.message, 0, 0, [], [], [], 0.0,
+                         Path(output_dir or "."), invalid=[str(e) for e in exc.errors])
     name = meta["name"]
     console = console or Console(stderr=True)
     out = Path(output_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -324,7 +427,7 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
             job.start()
             outcome = job.follow()
         except (RuntimeError, OSError) as exc:
-            outcome = Outcome("Failed", "RunnerError", str(exc))
+            outcome = Outcome.failed(Reason.RUNNER_ERROR, str(exc))
         finally:
             job.stop()
     finally:
@@ -345,13 +448,15 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
         output_dir=out,
         checkpoint=payload.get("checkpoint"),
         events=job.events_seen,
+        restarts=job.restarts,
+        stalled=job.stalled,
     )
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in job.metrics))
     _plot(job.metrics, out / "reward.png", f"{name}: {spec.algorithm.loss} on {spec.task.name}")
-    if outcome.phase != "Succeeded":
+    if outcome.phase != Phase.SUCCEEDED:
         for procs in job.procs.values():
             for p in procs:
-                if p.returncode() not in (0, None) or outcome.reason in ("ComponentFailed", "TrainerFailed"):
+                if p.returncode() not in (0, None):
                     console.print(f"[red]--- last lines of {p.name} ({p.log_path}) ---[/red]\n{p.log_tail()}")
     return result
 
@@ -366,15 +471,15 @@ def cli(args) -> int:
         with open(args.file) as fh:
             manifest = yaml.safe_load(fh)
         result = run_local(manifest, Path(args.output_dir) if args.output_dir else None, console)
-    except SpecError as exc:
-        for err in exc.errors:
-            console.print(f"[red]{args.file}: {err}[/red]")
-        return 2
     except (RedisNotInstalled, FileNotFoundError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
+    if result.invalid:
+        for err in result.invalid:
+            console.print(f"[red]{args.file}: {err}[/red]")
+        return 2
     s = result.summary()
-    color = "green" if result.phase == "Succeeded" else "red"
+    color = "green" if result.phase == Phase.SUCCEEDED else "red"
     console.print(
         f"[{color}]{result.phase}[/{color}] ({result.reason}: {result.message}); steps {s['steps']}/{s['max_steps']}; "
         f"reward first-10 {_fmt(s['reward_first'])}, last-10 {_fmt(s['reward_last'])}; "
@@ -383,6 +488,6 @@ def cli(args) -> int:
     )
     if args.json:
         sys.stdout.write(json.dumps(s) + "\n")
-    if result.phase == "Succeeded":
+    if result.phase == Phase.SUCCEEDED:
         return 0
-    return 130 if result.reason == "Interrupted" else 1
+    return 130 if result.reason == Reason.INTERRUPTED else 1

@@ -1,0 +1,45 @@
+"""How a job ends: evidence + run policy + time -> an outcome, or when to look again (design.md s4).
+
+`judge` runs the policies in order, each a small module of `rlkube.lifecycle.policies`; the first that decides
+an outcome wins. The operator and `rlkube local` both call it, so the same evidence gets the same verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.lifecycle.evidence import Evidence
+from rlkube.lifecycle.policies import backoff, completion, config_error, invalid_spec, stall
+from rlkube.lifecycle.verdict import Outcome, Verdict
+
+POLICIES = (invalid_spec, config_error, backoff, completion, stall)
+"""In order: a bad spec or input first, then restart budgets, then the completion rules, then the stall rule."""
+
+
+@dataclass(frozen=True)
+class Judgement:
+    outcome: Outcome | None = None
+    wake_at: datetime | None = None
+    """When a time-based rule can fire next (completion timeout, stall deadline)."""
+    stalled: bool | None = None
+    """Stall state while the rule applies (None: not running, disabled, or a finished event is pending)."""
+    stall_message: str = ""
+
+
+def judge(ev: Evidence, spec: TrainingJobSpec | None) -> Judgement:
+    outcome = None
+    wake_at: datetime | None = None
+    stalled: bool | None = None
+    stall_message = ""
+    for policy in POLICIES:
+        verdict: Verdict = policy.check(ev, spec)
+        if verdict.wake_at is not None and (wake_at is None or verdict.wake_at < wake_at):
+            wake_at = verdict.wake_at
+        if verdict.stalled is not None:
+            stalled, stall_message = verdict.stalled, verdict.stall_message
+        if verdict.outcome is not None:
+            outcome = verdict.outcome
+            break
+    return Judgement(outcome, None if outcome else wake_at, stalled, stall_message)

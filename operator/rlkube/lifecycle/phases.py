@@ -1,0 +1,87 @@
+"""Phases, reasons and condition types of a TrainingJob as named constants.
+
+Every decision, the local runner, the metrics and the tests use these names, so a reason can never be spelled
+two ways (kubectl wait, dashboards and alerts match on them).
+"""
+
+from __future__ import annotations
+
+
+class Phase:
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    DRAINING = "Draining"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+    TERMINAL = (SUCCEEDED, FAILED)
+
+
+class Reason:
+    # Outcomes.
+    TRAINING_FINISHED = "TrainingFinished"
+    TRAINING_INTERRUPTED = "TrainingInterrupted"
+    TRAINER_DID_NOT_EXIT = "TrainerDidNotExit"
+    TRAINER_EXITED_WITHOUT_EVENT = "TrainerExitedWithoutFinishedEvent"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    COMPONENT_BACKOFF_LIMIT_EXCEEDED = "ComponentBackoffLimitExceeded"
+    STALLED = "Stalled"
+    INVALID_SPEC = "InvalidSpec"
+    INTERRUPTED = "Interrupted"  # `rlkube local` stopped by the user
+    RUNNER_ERROR = "RunnerError"  # `rlkube local` lost its own Redis or could not start a process
+    # Phase transitions and teardown.
+    ACCEPTED = "Accepted"
+    PODS_PENDING = "PodsPending"
+    COMPONENTS_STARTING = "ComponentsStarting"
+    ALL_COMPONENTS_READY = "AllComponentsReady"
+    TRAINER_REPORTING = "TrainerReporting"
+    DELETED = "Deleted"
+    SUSPENDED = "Suspended"
+    SUSPENDING = "Suspending"
+    RESUMED = "Resumed"
+    # Stall condition.
+    NO_TRAINER_EVENTS = "NoTrainerEvents"
+    PROGRESSING = "Progressing"
+    EVENTS_RESUMED = "EventsResumed"
+    NOT_RUNNING = "NotRunning"
+    # Restarts.
+    TRAINER_RESTARTED = "TrainerRestarted"
+    COMPONENT_RESTARTED = "ComponentRestarted"
+    STALE_FINISHED_EVENT = "StaleFinishedEvent"
+    TRAINER_EXITED = "TrainerExited"
+    TRAINING_FINISHED_EVENT = "TrainingFinishedEvent"
+    CHILD_RECREATED = "ChildRecreated"
+    TTL_EXPIRED = "TTLExpired"
+    # Component readiness conditions.
+    STOPPED = "Stopped"
+    EXTERNAL = "External"
+    ALL_READY = "AllReady"
+    NOT_READY = "NotReady"
+    # Event source and release.
+    CONNECTED = "Connected"
+    REDIS_RELEASED = "RedisReleased"
+    TEARING_DOWN = "TearingDown"
+    ALL_PODS_GONE = "AllPodsGone"
+    SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
+    SPEC_AS_STARTED = "SpecAsStarted"
+
+
+class PodPhase:
+    """Kubernetes' pod phases (what the operator observes; local processes map onto them)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ConditionType:
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STALLED = "Stalled"
+    EVENT_SOURCE_REACHABLE = "EventSourceReachable"
+    RESOURCES_RELEASED = "ResourcesReleased"
+    SUSPENDED = "Suspended"
+    SPEC_CHANGE_IGNORED = "SpecChangeIgnored"

@@ -1,0 +1,1 @@
+"""One module per policy of the judgement; each exposes `check(evidence, spec) -> Verdict`."""

@@ -1,0 +1,54 @@
+"""What one trainer event says about the job's progress: the one reading of the event payloads.
+
+The operator folds these facts into `status.trainer` (and `status.completion`), `rlkube local` into its progress
+bar and summary. Only this module knows which payload field carries what (a weights_ready's `version` falls back
+to its `step`, a checkpoint path comes as `path` or `checkpoint`, the step's worst lag as `lag_max` or `lag`), so
+the two launchers cannot read the same event differently. Unknown types carry no facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlkube.core import protocol
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+@dataclass(frozen=True)
+class Facts:
+    step: int | None = None
+    weights_version: int | None = None
+    documents_seen: int | None = None
+    lag: int | None = None
+    checkpoint: tuple[int, str] | None = None
+    """(step, path) of a checkpoint the event reports as saved."""
+    finished: bool = False
+    interrupted: bool = False
+    """A training_finished of a scheduled or interrupted stop (the payload says so)."""
+    metrics: dict[str, Any] | None = None
+
+
+def read(ev: protocol.TrainerEvent) -> Facts:
+    payload, step = ev.payload, ev.step
+    if ev.type == protocol.WEIGHTS_READY:
+        version = _int(payload.get("version"))
+        return Facts(step=step, weights_version=version if version is not None else step,
+                     documents_seen=_int(payload.get("documents_seen")))
+    if ev.type == protocol.METRICS:
+        return Facts(step=step, lag=_int(payload.get("lag_max", payload.get("lag"))), metrics=payload)
+    if ev.type == protocol.CHECKPOINT_SAVED:
+        path = _str(payload.get("path")) or _str(payload.get("checkpoint"))
+        return Facts(checkpoint=(step, path) if step is not None and path else None)
+    if ev.type == protocol.TRAINING_FINISHED:
+        path = _str(payload.get("checkpoint"))
+        return Facts(step=step, checkpoint=(step, path) if step is not None and path else None, finished=True,
+                     interrupted=bool(payload.get("interrupted")))
+    return Facts()

@@ -1,0 +1,63 @@
+"""The roles of a job, how many processes each has, and when each may start (design.md s3).
+
+Start order: Redis; trainer and inference together (the trainer never waits for inference health, and an
+inference server turns healthy only after joining the trainer's weight-update group); the preprocessor once
+trainer and inference exist; actors once every inference server is healthy. Teardown runs the other way round
+for producers: actors, preprocessor, inference (after the trainer's finished event), trainer, Redis last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from rlkube.api.spec import TrainingJobSpec
+
+REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR = "redis", "trainer", "inference", "preprocessor", "actor"
+
+START_ORDER = (REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
+"""Every role, in the order a pass considers starting them (each gate sees what earlier roles got)."""
+TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
+"""Stop order: producers first, inference after the trainer's finished event, Redis last (design.md s4)."""
+CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
+"""Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
+PRODUCERS = (ACTOR, PREPROCESSOR)
+"""Roles that stop by themselves on training_finished (an exit 0 before it is a failure)."""
+
+
+def replicas(spec: TrainingJobSpec, role: str) -> int:
+    """Processes (pods) a role should have. Redis: one in managed mode, none with an external Redis."""
+    if role == REDIS:
+        return 1 if spec.redis.mode == "managed" else 0
+    if role == TRAINER:
+        return spec.trainer.nodes
+    return getattr(spec, role).replicas
+
+
+@dataclass(frozen=True)
+class StartState:
+    """What a launcher knows when it decides which roles to start."""
+
+    exist: Mapping[str, int] = field(default_factory=dict)
+    """Processes (pods) of each role that exist, counting those started earlier in the same pass."""
+    ready: Mapping[str, int] = field(default_factory=dict)
+    """Processes (pods) of each role that are ready (Redis answers, inference /health is 200)."""
+
+
+def may_start(spec: TrainingJobSpec, role: str, state: StartState) -> bool:
+    """Whether `role` may be started now (only consulted while the job is starting up)."""
+
+    def all_ready(r: str) -> bool:
+        return state.ready.get(r, 0) >= replicas(spec, r)
+
+    def all_exist(r: str) -> bool:
+        return state.exist.get(r, 0) >= replicas(spec, r)
+
+    gates: dict[str, Callable[[], bool]] = {
+        REDIS: lambda: True,
+        TRAINER: lambda: all_ready(REDIS),
+        INFERENCE: lambda: all_ready(REDIS),
+        PREPROCESSOR: lambda: all_ready(REDIS) and all_exist(TRAINER) and all_exist(INFERENCE),
+        ACTOR: lambda: all_ready(INFERENCE),
+    }
+    return gates[role]()
