@@ -43,7 +43,6 @@ import torch
 from aiohttp import web
 
 from rlkube.core import protocol, runtime, streams
-from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
@@ -277,11 +276,7 @@ def main() -> int:
     # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
     # the broadcast, waits with it.
     sys.setswitchinterval(0.001)
-    try:
-        server, follower = build_server(ctx)
-    except ModelError as exc:
-        log.error("cannot load the model: %s", exc)
-        return 1
+    server, follower = build_server(ctx)  # a bad model directory raises ModelError: run_role reports it
     server.engine.start()
     follower.start()
     port = ctx.port or runtime.INFERENCE_PORT

@@ -51,7 +51,7 @@ from rlkube.core import protocol, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.batch import Batch, collate, plan_micro_batches
-from rlkube.core.hf import ModelError
+from rlkube.core.errors import ConfigError
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
@@ -605,9 +605,8 @@ def main() -> int:
     except DocumentTimeout as exc:
         log.error("giving up: %s (no training_finished published)", exc)
         code = 1
-    except ModelError as exc:
-        log.error("cannot load the model: %s", exc)
-        code = 1
+    except ConfigError:
+        raise  # bad input (e.g. the model directory): run_role writes the termination message, EXIT_CONFIG
     except Exception:
         log.exception("trainer failed (no training_finished published)")
         code = 1
