@@ -51,7 +51,7 @@ from rlkube.core import protocol, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.batch import Batch, collate, plan_micro_batches
-from rlkube.core.errors import ConfigError
+from rlkube.core.errors import ConfigError, write_termination_message
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
@@ -206,6 +206,9 @@ class Trainer:
         from its checkpoint, or fresh), so all ranks start identical however they were initialised."""
         if self.dp is None:
             return
+        # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
+        # rendezvous, not in the broadcast below, which fails after the collective timeout.
+        self.dp.gather("model-loaded")
         state = None
         if self.dp.is_leader:
             model_state, optim_state = self.backend.state()
@@ -573,11 +576,12 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if device == "cuda" and cfg is not None:
         device = f"cuda:{cfg.local_rank}"
         torch.cuda.set_device(device)
+    # The group first: a rank restarted alone must fail at once (DataParallel), not after loading the model.
     dp = DataParallel(cfg, device=device) if cfg is not None else None
     leader = dp is None or dp.is_leader
     # Only rank 0 joins the weight-update group with the inference servers.
-    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
     publisher = _make_publisher(ctx, client, device) if leader else None
+    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
     trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=publisher, device=device, dp=dp,
                       model_dir=model_dir)
     if ctx.checkpoint_dir is None:
@@ -595,30 +599,30 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
 
 def main() -> int:
     stop = stop_on_signals("trainer", log, "finishing the current step, then checkpoint and training_finished")
-    role: TrainerRole | None = None
     try:
         ctx = RoleContext.from_env()
         timeout_s = document_timeout_from_env(os.environ)
         client = redis.Redis.from_url(ctx.redis_url)
-        role = build_role(ctx, client, stop, document_timeout_s=timeout_s)
-        code = role.run()
+        code = build_role(ctx, client, stop, document_timeout_s=timeout_s).run()
     except DocumentTimeout as exc:
         log.error("giving up: %s (no training_finished published)", exc)
+        write_termination_message(str(exc))
         code = 1
     except ConfigError:
         raise  # bad input (e.g. the model directory): run_role writes the termination message, EXIT_CONFIG
-    except Exception:
+    except Exception as exc:
         log.exception("trainer failed (no training_finished published)")
+        write_termination_message(f"{type(exc).__name__}: {exc}")
         code = 1
-    blocked = role is not None and role.abandoned_transfer is not None and role.abandoned_transfer.is_alive()
-    # A data-parallel rank that failed may leave its group mid-collective (a peer died); like a blocked transfer,
-    # that must not hold up interpreter shutdown.
-    if blocked or (code != 0 and torch.distributed.is_initialized()):
-        # The abandoned transfer thread is blocked inside gloo; interpreter shutdown could wait on it (process
-        # group destructors), so leave at once: everything that matters (checkpoint, events) is written.
-        logging.shutdown()
-        os._exit(code)
-    return code
+    # Leave without the interpreter's teardown, always: an abandoned transfer thread is blocked inside gloo and
+    # process-group destructors could wait on it; a data-parallel rank that failed may have left its group
+    # mid-collective; and with torch.distributed and transformers loaded, the C++ teardown alone took 2-10 s on a
+    # busy 2-core machine, time the teardown grace period does not have. Everything that matters (checkpoint,
+    # events) is durable by now; only the logs need flushing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
