@@ -39,6 +39,8 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
+# save_torch_state_dict logs every save at INFO ("Model weights successfully saved to .tmp-..."): we log our own.
+logging.getLogger("huggingface_hub.serialization._torch").setLevel(logging.WARNING)
 
 MODEL_FILE = "model.safetensors"  # the weights of a model below MAX_SHARD_SIZE
 INDEX_FILE = "model.safetensors.index.json"  # else: shards named by this index
