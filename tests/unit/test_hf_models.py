@@ -160,3 +160,14 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
 def test_malformed_paths_name_the_field(tmp_path, path):
     with pytest.raises(ModelError, match=r"^spec\.model\.path: "):
         materialize_model(spec(path), tmp_path)
+
+
+def test_a_sequence_limit_beyond_the_models_positions_names_its_field(tmp_path):
+    from rlkube.api.validation import parse_spec
+    from rlkube.core.trainer import Trainer
+
+    d = write_tiny_model(tmp_path / "m", "qwen3", "bpe")  # max_position_embeddings 256
+    spec = parse_spec({"model": {"path": str(d), "maxSequenceLength": 512}, "algorithm": {"maxSteps": 1},
+                       "inference": {"engine": "native"}})
+    with pytest.raises(ModelError, match=r"^spec\.model\.maxSequenceLength: 512 exceeds .* \(256\)"):
+        Trainer(spec)

@@ -157,3 +157,15 @@ def test_bfloat16_training_keeps_float32_masters_so_small_updates_accumulate():
     # what is published (and checkpointed) is the float32 master
     published = dict(trainer.backend.weights())["model.norm.weight"]
     assert published.dtype == torch.float32 and torch.equal(published, norm.detach())
+
+
+def test_gradient_checkpointing_recomputes_to_the_same_step():
+    plain = Trainer(parse_spec(SPEC))
+    ckpt = Trainer(parse_spec({**SPEC, "trainer": {"gradientCheckpointing": True}}))
+    layers = ckpt.model.model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)  # each decoder layer recomputes in backward
+    assert not any(layer.gradient_checkpointing for layer in plain.model.model.layers)
+    ma, mb = plain.train_step(docs(4)), ckpt.train_step(docs(4))
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
+    for k, v in plain.model.state_dict().items():
+        torch.testing.assert_close(v, ckpt.model.state_dict()[k], rtol=1e-5, atol=1e-6)

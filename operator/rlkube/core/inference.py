@@ -44,7 +44,7 @@ from aiohttp import web
 
 from rlkube.core import protocol, runtime, streams
 from rlkube.core.hf import state as hf_state
-from rlkube.core.hf.loading import load_model, load_tokenizer
+from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.openai_api import (
     RequestError,
@@ -256,6 +256,7 @@ def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollo
     model_dir = materialize_model(spec.model, ctx.model_cache_dir)
     model = load_model(model_dir, spec.model.dtype)
     tokenizer = load_tokenizer(model_dir, model.config)
+    check_sequence_length(model.config, spec.model.max_sequence_length)
     engine = SamplingEngine(model, tokenizer, version=0, seed=spec.model.seed * 1000 + ctx.index)
     served = ServedModel(spec.model.path, tokenizer, spec.model.max_sequence_length)
     if not ctx.weight_sync_addr:

@@ -21,8 +21,18 @@ from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import batch_loss, lr_scheduler
 from rlkube.core.batch import Batch
 from rlkube.core.hf import state as hf_state
-from rlkube.core.hf.loading import DTYPES, load_model, load_tokenizer
+from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant torch.utils.checkpoint).
+    transformers >= 5.x calls it activation checkpointing; earlier releases gradient checkpointing."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class TorchBackend:
@@ -31,11 +41,12 @@ class TorchBackend:
         self.device = torch.device(device)
         self.model = load_model(model_dir, torch.float32, self.device)  # float32 masters whatever model.dtype says
         tokenizer = load_tokenizer(model_dir, self.model.config)
+        check_sequence_length(self.model.config, spec.model.max_sequence_length)
         self.pad_id = tokenizer.pad_id
         self.max_sequence_length = spec.model.max_sequence_length
         self.compute_dtype = DTYPES[spec.model.dtype]
         if spec.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         self.model.config.use_cache = False
         self.model.train()
         self._aliases = hf_state.tied_aliases(self.model)

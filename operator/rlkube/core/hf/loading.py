@@ -98,6 +98,13 @@ def check_tokenizer(config, tokenizer: Tokenizer, directory: Path | str = "", fi
                                     f"{rows} embedding rows: tokenizer and model do not match")
 
 
+def check_sequence_length(config, max_sequence_length: int, field: str = "spec.model.maxSequenceLength") -> None:
+    """The job's token limit fits the model's position range (beyond it RoPE models extrapolate badly)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_sequence_length > int(limit):
+        raise ModelError(field, f"{max_sequence_length} exceeds the model's max_position_embeddings ({limit})")
+
+
 def load_model(directory: Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                field: str = FIELD):
     """AutoModelForCausalLM from the directory (checked first), in `dtype`, on `device`, in eval mode."""
