@@ -5,6 +5,7 @@
   else a control plane started here from the cached build (built on first use).
 - `crd` (session): the TrainingJob CRD applied through the API and Established.
 - `namespace`: a fresh namespace per test, deleted afterwards.
+- `wheel` (session): a wheel of this repository, built offline as `pip install .` builds it.
 Every server process started here is checked at session end; one still alive fails the run.
 """
 
@@ -16,6 +17,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -154,3 +157,20 @@ def namespace(api_client):
     core.create_namespace({"metadata": {"name": name, "labels": {"rlkube.io/test": "true"}}})
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of this repository, built offline (`pip wheel --no-deps`) the way `pip install .` builds it."""
+    out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src") / "rlkube"
+    # From a clean copy, so the editable install's build artefacts in the work tree don't leak in.
+    junk = (".git", ".venv", "*.egg-info", "__pycache__", "build", "dist", "runs", "out")
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*junk))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "-w", str(out), str(src)],
+        check=True, capture_output=True, text=True,
+    )
+    (whl,) = out.glob("rlkube-*.whl")
+    return whl

@@ -67,9 +67,14 @@ OPERATOR_NEEDS = [
     ("", "pods/status", "get"),
     *[("", "persistentvolumeclaims", v) for v in ("get", "list", "watch")],
     *[(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")],
+    *[("kueue.x-k8s.io", "workloads", v) for v in ("get", "list", "watch", "create", "patch")],
+    *[("kueue.x-k8s.io", "workloads/status", v) for v in ("get", "patch", "update")],
 ]
 # What kopf itself needs cluster-wide in every mode (it follows CRDs to find the TrainingJob resource).
-FRAMEWORK_NEEDS = [("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")]
+FRAMEWORK_NEEDS = [("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")] + [
+    # ... and the operator reads Kueue's ResourceFlavors (cluster-scoped) named in a Workload's admission.
+    ("kueue.x-k8s.io", "resourceflavors", v) for v in ("get", "list", "watch")
+]
 # What kopf needs cluster-wide when it watches a list of namespaces (it follows which of them exist);
 # a cluster-wide kopf never reads namespaces.
 NAMESPACE_OBSERVATION = [("", "namespaces", v) for v in ("get", "list", "watch")]

@@ -84,22 +84,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("operator", help="run the kopf operator")
     p.add_argument("--namespace", "-n", action="append", default=[], help="watch only these namespaces")
     p.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
-    p.add_argument("--peering", default=None, help="kopf peering object name (for HA operators)")
-    p.add_argument("--standalone", action="store_true", help="no peering (single operator)")
+    p.add_argument("--peering", default=None, help="kopf peering object name (pauses this operator while "
+                   "another one of higher or equal priority runs; elects no leader)")
+    p.add_argument("--standalone", action="store_true", help="no kopf peering")
+    p.add_argument("--leader-elect", action="store_true",
+                   help="replicas: act only while holding a coordination.k8s.io Lease (standby otherwise)")
+    p.add_argument("--lease-name", default="rlkube-operator", help="the leader election Lease")
+    p.add_argument("--lease-namespace", default=None,
+                   help="namespace of the Lease (default: $POD_NAMESPACE, or the pod's service account namespace)")
+    p.add_argument("--lease-duration", type=float, default=15.0,
+                   help="seconds a standby waits on an unrenewed Lease before taking it")
+    p.add_argument("--lease-renew-deadline", type=float, default=10.0,
+                   help="seconds the leader keeps trying to renew before it stops (exits)")
+    p.add_argument("--lease-retry-period", type=float, default=2.0,
+                   help="seconds between renewals, and between a standby's attempts")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.set_defaults(func=_lazy("rlkube.controller.main:cli"))
 
+    # Benchmarks live in rlkube.bench (the top floor: nothing shipped imports it). `operator` needs only the base
+    # install and a cluster; `pipeline` and `serve` run the training core (the `core` extra).
     bench = sub.add_parser("bench", help="benchmarks that print numbers").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("pipeline", help="pipelined vs synchronous RL on this machine")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON summary as the last stdout line")
     p.add_argument("--samples", type=int, default=None, help="samples per mode")
-    p.set_defaults(func=_lazy("rlkube.local.bench:cli"))
+    p.add_argument("--manifest", default=None, help="TrainingJob manifest to run (default: a tiny CPU job)")
+    p.set_defaults(func=_lazy("rlkube.bench.pipeline:cli"))
     p = bench.add_parser("operator", help="N TrainingJobs at once against a real API server")
+    p.add_argument("--json", action="store_true", help="print one JSON list (one object per N) on stdout")
+    p.add_argument("-n", "--jobs", dest="n", type=int, action="append", default=None,
+                   help="jobs at once (repeatable; default 50 and 200)")
+    p.add_argument("--kubeconfig", default=None,
+                   help="the cluster to use (default $KUBECONFIG; `make bench` starts a local control plane)")
+    p.set_defaults(func=_lazy("rlkube.bench.operator:cli"))
+    p = bench.add_parser("serve", help="native inference throughput and weight-update latency on this machine")
     p.add_argument("--json", action="store_true")
-    p.add_argument("-n", type=int, action="append", default=None, help="jobs (repeatable; default 50 and 200)")
-    p.add_argument("--kubeconfig", default=None, help="cluster to use (default: start a local control plane)")
-    p.set_defaults(func=_lazy("rlkube.controller.bench:cli"))
+    p.add_argument("--seconds", type=float, default=5.0, help="load duration per concurrency level")
+    p.add_argument("--updates", type=int, default=20, help="weight updates per measurement")
+    p.set_defaults(func=_lazy("rlkube.bench.serve:cli"))
     return parser
 
 

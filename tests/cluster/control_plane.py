@@ -6,6 +6,8 @@ own data directory and its own process group, and `stop()` leaves no process beh
 
 Run as a script to start one in the foreground and print its KUBECONFIG:
     python tests/cluster/control_plane.py [--dir DIR]
+or to run one command against it, with its kubeconfig in place of `{kubeconfig}` and in $KUBECONFIG (`make bench`):
+    python tests/cluster/control_plane.py --run rlkube bench operator --kubeconfig {kubeconfig}
 """
 
 from __future__ import annotations
@@ -182,15 +184,29 @@ class ControlPlane:
         self.stop()
 
 
+def run(workdir: Path, command: list[str]) -> int:
+    """Start a control plane, run `command` against it, stop it whatever happens; the command's exit status."""
+    if not command:
+        raise SystemExit("--run needs a command")
+    with ControlPlane(workdir) as cp:
+        argv = [a.replace("{kubeconfig}", str(cp.kubeconfig)) for a in command]
+        # The servers are in their own sessions: a Ctrl-C reaches the command (and us), and `with` stops them.
+        return subprocess.run(argv, env={**os.environ, "KUBECONFIG": str(cp.kubeconfig)}).returncode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
     parser.add_argument("--build-only", action="store_true", help="build or find the binaries, then exit")
+    parser.add_argument("--run", nargs=argparse.REMAINDER, default=None, metavar="COMMAND",
+                        help="run COMMAND against the control plane ({kubeconfig} is replaced), then stop it")
     args = parser.parse_args()
     if args.build_only:
         print(binaries())
         return
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="rlkube-cp-"))
+    if args.run is not None:
+        sys.exit(run(workdir, args.run))
     # Blocked before anything starts, so a SIGTERM is waited for below instead of killing us and orphaning servers.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     cp = ControlPlane(workdir).start()

@@ -2,10 +2,9 @@
 
 - `OperatorProcess`: `rlkube operator --namespace NS --standalone` with KUBECONFIG set; SIGTERM, SIGKILL,
   restart; reads its Prometheus endpoint (reconcile passes per job, to know a pass really happened).
-- `JobRecorder`: watches the namespace's TrainingJobs and records every distinct phase in order, each
-  status seen, and when each job disappeared.
 - `job_doc()`: examples/tiny-cpu.yaml with test-sized timeouts and grace periods.
-The kubelet and trainer stand-ins are rlkube.controller.simulate (shared with `rlkube bench operator`).
+The kubelet and trainer stand-ins (rlkube.bench.simulate) and the recorder of every TrainingJob status
+(rlkube.bench.jobs.JobRecorder) are the ones `rlkube bench operator` runs.
 """
 
 from __future__ import annotations
@@ -13,20 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from rlkube.bench.jobs import JobRecorder
+from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
@@ -56,20 +58,26 @@ def job_doc(name: str, **overrides: Any) -> dict:
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path):
+    """One `rlkube operator` process: `--standalone` by default, or with `args` (e.g. leader election flags);
+    `name` prefixes its log files and is its POD_NAME (the start of its Lease holder identity)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path, args: tuple[str, ...] = ("--standalone",),
+                 name: str = "operator"):
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log_dir = log_dir
+        self.args = tuple(args)
+        self.name = name
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> OperatorProcess:
         self.starts += 1
-        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "OMP_NUM_THREADS": "1"}
+        log = open(self.log_dir / f"{self.name}-{self.starts}.log", "wb")
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "OMP_NUM_THREADS": "1", "POD_NAME": self.name}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", self.namespace, "--standalone",
+            [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", self.namespace, *self.args,
              "--metrics-port", str(self.port)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
@@ -92,7 +100,7 @@ class OperatorProcess:
             self.kill()
 
     def log(self) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{self.name}-*.log")))
 
     async def metrics(self) -> str:
         async with aiohttp.ClientSession() as session:
@@ -122,93 +130,6 @@ class OperatorProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"operator made {n} < {at_least} passes for {job} in {timeout}s")
             await asyncio.sleep(0.1)  # polling the metrics endpoint: it has no watch
-
-
-class JobRecorder:
-    """Every TrainingJob status in the namespace, in watch order."""
-
-    def __init__(self, api: client.ApiClient, namespace: str):
-        self.custom = client.CustomObjectsApi(api)
-        self.namespace = namespace
-        self.phases: dict[str, list[str]] = {}
-        self.latest: dict[str, dict] = {}
-        self.gone: dict[str, float] = {}
-        self.seq: dict[str, int] = {}
-        self._n = 0
-        self._changed = asyncio.Condition()
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> JobRecorder:
-        ready = asyncio.Event()
-        self._task = asyncio.create_task(self._watch(ready))
-        await ready.wait()
-        return self
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _watch(self, ready: asyncio.Event) -> None:
-        rv = None
-        while True:
-            try:
-                if rv is None:
-                    listing = await self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
-                    rv = listing["metadata"]["resourceVersion"]
-                    for obj in listing["items"]:
-                        await self._record("ADDED", obj)
-                    ready.set()
-                stream = watch.Watch().stream(
-                    self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
-                    resource_version=rv, timeout_seconds=60,
-                )
-                async with stream as events:
-                    async for event in events:
-                        if event["type"] == "ERROR":
-                            rv = None
-                            break
-                        obj = event["raw_object"] if "raw_object" in event else event["object"]
-                        rv = obj["metadata"]["resourceVersion"]
-                        await self._record(event["type"], obj)
-            except asyncio.CancelledError:
-                raise
-            except (TimeoutError, ApiException, OSError):
-                rv = None
-                await asyncio.sleep(0.2)
-
-    async def _record(self, type_: str, obj: dict) -> None:
-        name = obj["metadata"]["name"]
-        self._n += 1
-        self.seq[name] = self._n
-        status = obj.get("status") or {}
-        self.latest[name] = obj
-        phase = status.get("phase")
-        seen = self.phases.setdefault(name, [])
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
-        if type_ == "DELETED":
-            self.gone[name] = time.monotonic()
-        async with self._changed:
-            self._changed.notify_all()
-
-    def status(self, name: str) -> dict:
-        return (self.latest.get(name) or {}).get("status") or {}
-
-    def condition(self, name: str, type_: str) -> dict | None:
-        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), None)
-
-    async def wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
-            except TimeoutError:
-                raise TimeoutError(f"{what} not reached in {timeout}s") from None
-
-    async def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict:
-        await self.wait(lambda: self.status(name).get("phase") == phase, timeout, f"{name} phase {phase}")
-        return self.status(name)
 
 
 async def create_job(api: client.ApiClient, namespace: str, doc: dict) -> dict:
@@ -245,12 +166,13 @@ async def children(api: client.ApiClient, namespace: str, job: str) -> dict[str,
 class Env:
     """One namespace with its own operator process, fake kubelet and job recorder."""
 
-    def __init__(self, api: client.ApiClient, kubeconfig: Path, namespace: str, log_dir: Path, **kubelet: Any):
-        from rlkube.controller.simulate import FakeKubelet
-
+    def __init__(self, api: client.ApiClient, kubeconfig: Path, namespace: str, log_dir: Path,
+                 operator_args: tuple[str, ...] = ("--standalone",), replicas: int = 1, **kubelet: Any):
         self.api = api
         self.namespace = namespace
-        self.operator = OperatorProcess(kubeconfig, namespace, log_dir)
+        names = ["operator"] if replicas == 1 else [f"operator-{chr(ord('a') + i)}" for i in range(replicas)]
+        self.operators = [OperatorProcess(kubeconfig, namespace, log_dir, operator_args, n) for n in names]
+        self.operator = self.operators[0]
         self.kubelet = FakeKubelet(api, namespace, redis_dir=log_dir / "redis", **kubelet)
         self.recorder = JobRecorder(api, namespace)
         self._redis: list = []
@@ -261,13 +183,15 @@ class Env:
         )
         await self.kubelet.start()
         await self.recorder.start()
-        self.operator.start()
+        for operator in self.operators:
+            operator.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
         # Each step runs even if an earlier one fails: no operator or redis-server may outlive the test.
         try:
-            self.operator.stop()
+            for operator in self.operators:
+                operator.stop()
             for r in self._redis:
                 await r.aclose()
         finally:
@@ -283,7 +207,6 @@ class Env:
     async def trainer(self, job: str, timeout: float = 30):
         """A TrainerPlayer on the job's managed Redis (the real redis-server the fake kubelet runs)."""
         import redis.asyncio as aioredis
-        from rlkube.controller.simulate import TrainerPlayer
 
         await self.kubelet.wait_for(lambda: self.kubelet.redis_server(job) is not None, timeout, f"{job} Redis")
         r = aioredis.Redis.from_url(self.kubelet.redis_server(job).url)
@@ -296,6 +219,18 @@ class Env:
             live = {r.name for r in self.kubelet.live(job) if r.deleting_seq is None}
             return live == names
         await self.kubelet.wait_for(ok, timeout, f"pods {sorted(names)}")
+
+
+def assert_stage_order(env: Env, job: str) -> None:
+    """Every pod of a stage was gone before any pod of the next stage was asked to stop (watch order)."""
+    from rlkube.lifecycle.roles import TEARDOWN_ORDER
+
+    pods = env.kubelet.job_pods(job)
+    assert pods and all(p.gone_seq is not None for p in pods), [(p.name, p.gone_seq) for p in pods]
+    by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
+    for earlier, later in itertools.pairwise(TEARDOWN_ORDER):
+        assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
+            earlier, later)
 
 
 async def job_events(api: client.ApiClient, namespace: str, job: str) -> list[tuple[str, str, str]]:

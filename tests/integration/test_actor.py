@@ -2,16 +2,20 @@
 
 Covered: the lag bound (holds at exactly (maxLag+1) x samplesPerStep samples ahead of the trainer, shared by two
 replicas, resumes on weights_ready), the rebase after a trainer restart, stopping on training_finished and never
-on counts, SIGTERM -> exit 0, and an inference server that dies and comes back is retried, not fatal.
+on counts, SIGTERM -> exit 0, an inference server that dies and comes back is retried, not fatal, prompts from a
+JSONL dataset with a reward function that raises (scored 0, counted, the actor goes on), and a dataset that lacks
+the mapped column stopping the actor at start with the spec field in its message.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 
 import pytest
-from rlkube.core import protocol
+from rlkube.core import protocol, runtime
 from rlkube.core.lag import LagKeys
 from serve_helpers import (
     PREFIX,
@@ -29,8 +33,11 @@ KEYS = protocol.StreamKeys(PREFIX)
 LAG = LagKeys.for_job(KEYS)
 
 
-def make_roles(tmp_path, redis_server, **algorithm) -> RoleProcesses:
-    return RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, job_spec(**algorithm)))
+def make_roles(tmp_path, redis_server, task=None, **algorithm) -> RoleProcesses:
+    spec = job_spec(**algorithm)
+    if task is not None:
+        spec["task"] = task
+    return RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
 
 
 @pytest.fixture
@@ -38,8 +45,8 @@ def stack(tmp_path, redis_server, redis_client):
     """Factory: inference server + trainer stand-in (version 0 announced and transferred) for a given algorithm."""
     made: list[RoleProcesses] = []
 
-    def start(**algorithm):
-        roles = make_roles(tmp_path, redis_server, **algorithm)
+    def start(task=None, **algorithm):
+        roles = make_roles(tmp_path, redis_server, task, **algorithm)
         made.append(roles)
         port = free_port()
         server = roles.start_role("inference", RLKUBE_PORT=str(port))
@@ -180,3 +187,58 @@ def test_reservations_of_a_killed_actor_are_dropped_when_the_pipeline_stalls(sta
     assert reserved(redis_client) == written(redis_client) == 8
     redis_client.xadd(KEYS.events, protocol.training_finished(step=0))
     assert actor.wait(timeout=20) == 0
+
+
+FLAKY_REWARD = """
+calls = 0
+
+
+def score(completion, answer, sample):
+    global calls
+    calls += 1
+    if calls % 2 == 0:
+        raise RuntimeError(f"reward service down (call {calls})")
+    return 0.5 if answer == str(eval(sample["question"][:-1])) else -1.0
+"""
+
+
+def test_dataset_prompts_and_a_reward_that_raises_score_zero_and_are_counted(stack, redis_client, tmp_path):
+    (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6))]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = {"name": "sums", "dataset": {"path": str(tmp_path / "sums.jsonl"), "promptField": "question"},
+            "reward": {"type": "python", "function": "flaky_reward:score"}}
+    roles, url, _, _, _ = stack(task=task, groupSize=4, samplesPerStep=8, maxLag=50)
+    actor = start_actor(roles, url, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 6, 60, "six groups")
+    assert actor.poll() is None  # the failures did not stop it
+    got = groups(redis_client)
+    # the rows are drawn an epoch (3 groups) at a time; with 2 workers at most one draw is still in flight, so 6
+    # written groups hold every row, each prompt exactly as written
+    assert {roles_tokenizer_decode(g.prompt_tokens) for g in got} == {r["question"] for r in rows}
+    for g in got:
+        # each group's 4 completions are scored one after another: calls 2 and 4 of every 4 raised
+        assert [s.reward_error for s in g.samples] == [False, True, False, True], g
+        assert [s.reward for s in g.samples] == [0.5, 0.0, 0.5, 0.0]  # 0.5: the function got the row's answer
+    assert "reward of task sums failed" in log_text(actor) and "reward service down" in log_text(actor)
+    redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
+    assert actor.wait(timeout=20) == 0, log_text(actor)
+    m = re.search(r"(\d+) reward errors in (\d+) completions scored", log_text(actor))
+    assert m and int(m.group(2)) >= 4 * len(got) and int(m.group(1)) * 2 == int(m.group(2)), m
+
+
+def test_a_dataset_without_the_mapped_column_stops_the_actor_naming_the_field(tmp_path, redis_server):
+    (tmp_path / "sums.jsonl").write_text(json.dumps({"question": "1+2=", "answer": "3"}) + "\n")
+    task = {"dataset": {"path": str(tmp_path / "sums.jsonl"), "promptField": "problem"}, "reward": {"type": "math"}}
+    roles = make_roles(tmp_path, redis_server, task)
+    termination = tmp_path / "termination-log"
+    try:
+        # never asked: the task fails first
+        actor = start_actor(roles, "http://127.0.0.1:9", **{runtime.ENV_TERMINATION_LOG: str(termination)})
+        assert actor.wait(timeout=60) == runtime.EXIT_CONFIG, log_text(actor)
+        message = termination.read_text()
+        assert message.startswith("spec.task.dataset.promptField: no column 'problem' in ")
+        assert message.endswith("(columns: question, answer)")
+        assert message in log_text(actor) and "Traceback" not in log_text(actor)
+    finally:
+        roles.cleanup()

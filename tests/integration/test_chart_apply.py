@@ -31,6 +31,7 @@ from kubernetes.dynamic import DynamicClient
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+PEERING = {"peering": {"enabled": True}, "leaderElection": {"enabled": False}}
 
 
 def _missing(sent, got, path="") -> list[str]:
@@ -144,9 +145,11 @@ def _sa_user(namespace: str, name: str) -> dict:
     }
 
 
-def _allowed(api, who: dict, group: str, resource: str, verb: str, namespace: str | None) -> bool:
+def _allowed(api, who: dict, group: str, resource: str, verb: str, namespace: str | None, name: str | None = None) -> bool:
     resource, _, sub = resource.partition("/")
     attrs = {"group": group, "resource": resource, "verb": verb}
+    if name:
+        attrs["name"] = name
     if sub:
         attrs["subresource"] = sub
     if namespace:
@@ -190,8 +193,7 @@ def _wait_established(api, names: list[str], timeout: float = 30) -> None:
 def test_helm_install_cluster_wide_with_peering(rbac_api, helm_in):
     release, ns = "cw", "rlkube-system"
     helm_config = helm_in(ns)
-    rel = helm_config.install(CHART, release, {"peering": {"enabled": True}},
-                              namespace=ns, create_namespace=True, timeout=60)
+    rel = helm_config.install(CHART, release, PEERING, namespace=ns, create_namespace=True, timeout=60)
     try:
         assert rel["status"] == "deployed"
         _wait_established(rbac_api, ["trainingjobs.rlkube.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"])
@@ -219,7 +221,7 @@ def test_helm_install_namespaced(rbac_api, helm_in):
         _ensure_namespace(rbac_api, name)
     release, ns = "nsd", "rlkube-ops"
     helm_config = helm_in(ns)
-    values = {"watch": {"clusterWide": False, "namespaces": ["team-a"]}, "peering": {"enabled": True}}
+    values = {"watch": {"clusterWide": False, "namespaces": ["team-a"]}, **PEERING}
     helm_config.install(CHART, release, values, namespace=ns, create_namespace=True, timeout=60)
     try:
         sa = _sa_user(ns, "nsd-rlkube")
@@ -269,7 +271,7 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
     release, ns, team = f"kp{mode[0]}", f"rlkube-kopf-{mode}", f"team-k{mode[0]}"
     helm_config = helm_in(ns)
     _ensure_namespace(rbac_api, team)
-    values = {"peering": {"enabled": True}}
+    values = dict(PEERING)
     scope = ["--all-namespaces"]
     if mode == "namespaced":
         values["watch"] = {"clusterWide": False, "namespaces": [team]}
@@ -337,16 +339,26 @@ def test_namespaced_render_for_the_shared_cluster_has_no_peering_objects():
 
 
 def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_in, tmp_path):
-    """The real `rlkube operator`, with the arguments the chart renders, under the chart's ServiceAccount:
-    it creates a TrainingJob's children and tears them down on deletion without a permission error."""
+    """The real `rlkube operator`, with the arguments the chart renders (leader election on a Lease, the default),
+    under the chart's ServiceAccount: it takes the Lease, creates a TrainingJob's children and tears them down on
+    deletion without a permission error."""
     from helm_chart import operator_container
 
     release, ns, team = "op", "rlkube-op", "team-op"
     _ensure_namespace(rbac_api, team)
-    values = {"peering": {"enabled": True}, "metrics": {"enabled": False}}
+    values = {"metrics": {"enabled": False}}
     helm_config = helm_in(ns)
     helm_config.install(CHART, release, values, namespace=ns, create_namespace=True, timeout=60)
     args = operator_container(render(values, release=release, namespace=ns))["args"]
+    assert "--leader-elect" in args and f"--lease-namespace={ns}" in args
+    sa = _sa_user(ns, f"{release}-rlkube")
+    lease_verbs = [("coordination.k8s.io", "leases", v) for v in ("get", "update")]
+    # Its own Lease in the release namespace; no other Lease, and none elsewhere.
+    assert not [n for n in lease_verbs if not _allowed(rbac_api, sa, *n, ns, name=f"{release}-rlkube")]
+    assert _allowed(rbac_api, sa, "coordination.k8s.io", "leases", "create", ns)
+    assert not any(_allowed(rbac_api, sa, *n, ns, name="kube-controller-manager") for n in lease_verbs)
+    assert not any(_allowed(rbac_api, sa, "coordination.k8s.io", "leases", v, where)
+                   for v in ("get", "create", "update", "delete") for where in (team, "kube-system"))
     # Same arguments, but the liveness endpoint on a free loopback port (the pod's 0.0.0.0:8081 may be taken).
     args = [a if not a.startswith("--liveness=") else "--liveness=http://127.0.0.1:0/healthz" for a in args]
     log = tmp_path / "operator.log"
@@ -390,6 +402,25 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
         text = log.read_text()
         errors = [line for line in text.splitlines() if any(sign in line for sign in PERMISSION_ERRORS)]
         assert not errors, "the operator hit permission errors:\n" + "\n".join(line[:400] for line in errors[:10])
+        lease = client.CoordinationV1Api(rbac_api).read_namespaced_lease(f"{release}-rlkube", ns)
+        assert lease.spec.holder_identity and lease.spec.lease_duration_seconds == 15
+        assert f"leading: lease {ns}/{release}-rlkube created" in text
+        # A standby's watch, as the API server authorizes it for real: a metadata.name field selector is checked
+        # against the Role's resourceNames; the same request without it is refused.
+        from kubernetes import watch
+
+        sa_api = config.new_client_from_config(config_file=str(kubeconfig))
+        try:
+            coord = client.CoordinationV1Api(sa_api)
+            named = f"metadata.name={release}-rlkube"
+            seen = [e["object"].metadata.name for e in
+                    watch.Watch().stream(coord.list_namespaced_lease, ns, field_selector=named, timeout_seconds=1)]
+            assert seen == [f"{release}-rlkube"]
+            with pytest.raises(ApiException) as denied:
+                coord.list_namespaced_lease(ns)
+            assert denied.value.status == 403
+        finally:
+            sa_api.close()
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)

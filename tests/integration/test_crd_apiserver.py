@@ -29,6 +29,19 @@ def test_example_is_accepted_and_defaulted(api_client, crd, namespace):
     assert spec["trainer"]["checkpoint"]["path"] == "/checkpoints"
 
 
+def test_a_dataset_task_is_accepted_and_defaulted(api_client, crd, namespace):
+    doc = copy.deepcopy(EXAMPLE)
+    doc["metadata"]["name"] = "dataset-task"
+    doc["spec"]["task"] = {"name": "gsm8k", "dataset": {"path": "/data/gsm8k.parquet", "claimName": "gsm8k"},
+                           "reward": {"type": "math", "answerPattern": "#### (.*)"}}
+    task = _create(api_client, namespace, doc)["spec"]["task"]
+    assert task["dataset"] == {"path": "/data/gsm8k.parquet", "claimName": "gsm8k", "format": "auto",
+                               "shuffle": True, "shuffleSeed": 0, "mountPath": "/data"}
+    assert task["reward"] == {"type": "math", "answerPattern": "#### (.*)", "params": {}, "normalize": "strip",
+                              "ignoreCase": False, "match": "full"}
+    assert "chatTemplate" not in task  # unset: decided by the tokenizer
+
+
 def _set(doc, dotted, value):
     node = doc
     *parents, last = dotted.split(".")
@@ -56,6 +69,10 @@ MALFORMED = [
     ("spec.runPolicy.backoffLimit", -2, "spec.runPolicy.backoffLimit"),     # negative backoff
     ("spec.redis.url", "http://x", "spec.redis.url"),                       # url pattern
     ("spec.trainer.nodes", 1.5, "spec.trainer.nodes"),                      # float for int
+    ("spec.task.reward.type", "bleu", "spec.task.reward.type"),             # unknown reward
+    ("spec.task.reward.function", "not a function", "spec.task.reward.function"),  # module:function pattern
+    ("spec.task.dataset.format", "csv", "spec.task.dataset.format"),        # unknown dataset format
+    ("spec.task.dataset.mountPath", "data", "spec.task.dataset.mountPath"),  # relative mount path
 ]
 
 

@@ -1,6 +1,6 @@
 """The operator against the real kube-apiserver and real Redis: children, idempotence, a full successful job.
 
-The operator runs as a subprocess (`rlkube operator --namespace NS --standalone`); rlkube.controller.simulate
+The operator runs as a subprocess (`rlkube operator --namespace NS --standalone`); rlkube.bench.simulate
 plays the kubelet (pod status, exit codes, removal after SIGTERM) and the trainer (XADD of protocol events).
 """
 

@@ -4,11 +4,10 @@ children of a finished job stay deleted, stuck pods are force-deleted with an Ev
 # ruff: noqa: F811  (pytest fixtures imported from operator_harness are redefined as test parameters)
 from __future__ import annotations
 
-from itertools import pairwise
-
 import pytest
 from operator_harness import (  # noqa: F401 (fixtures)
     Env,
+    assert_stage_order,
     children,
     create_job,
     delete_job,
@@ -21,16 +20,6 @@ from operator_harness import (  # noqa: F401 (fixtures)
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def assert_stage_order(env: Env, job: str) -> None:
-    """Every pod of a stage was gone before any pod of the next stage was asked to stop (watch order)."""
-    pods = env.kubelet.job_pods(job)
-    assert pods and all(p.gone_seq is not None for p in pods), [(p.name, p.gone_seq) for p in pods]
-    by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
-    for earlier, later in pairwise(TEARDOWN_ORDER):
-        assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
-            earlier, later)
 
 
 async def _running(env: Env, kapi, name: str, **overrides):

@@ -34,7 +34,10 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
     keys = keys_for("fin", spec)
     ckpt_dir = tmp_path / "ckpt"
     trainer = start_trainer(roles, tmp_path, "fin", spec, redis_server.url)
-    add_documents(redis_client, keys, make_documents(12, version=0))
+    docs = make_documents(12, version=0)
+    for i in (1, 2, 9):  # their reward function failed: counted per step in the metrics
+        docs[i].reward_error = True
+    add_documents(redis_client, keys, docs)
     # Block on the events stream and inspect the checkpoint the moment training_finished arrives.
     last, finished = "0-0", None
     deadline = time.monotonic() + START_TIMEOUT
@@ -70,6 +73,7 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
             assert key in m.payload, key
         assert m.payload["tokens"] == 4 * 7
     assert [m.payload["lag_max"] for m in metrics] == [0, 1, 2]  # every document was sampled by version 0
+    assert [m.payload["reward_errors"] for m in metrics] == [2, 0, 1]  # documents 1, 2 | - | 9 (4 per step)
     # weights really changed and the checkpoint holds the trained ones
     initial = initial_model(parse_spec(spec).model).state_dict()
     assert any(not torch.equal(initial[k], state[k]) for k in initial)

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from pathlib import Path
@@ -401,9 +402,14 @@ class NodeAgent:
         return path
 
     def image_env(self, w: PodWorker, container: str) -> dict[str, str]:
-        """What an image would contribute (we run no images), plus the HOSTNAME kubelet sets."""
+        """What an image would contribute (we run no images), plus the HOSTNAME kubelet sets. The "image" is this
+        machine's environment with the agent's own interpreter first on PATH, so `python` in a pod's command is
+        the (virtual) environment the code under test is installed in; PYTHONPATH goes along for the same reason."""
+        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
+        extra = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
         return {
-            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            **extra,
+            "PATH": path,
             "HOME": "/root",
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",

@@ -1,8 +1,11 @@
-"""charts/rlkube rendered and linted with the Helm v4 SDK: defaults, the watch/peering/metrics variants,
-values the chart must refuse, and agreement with the CRD generator and the `rlkube operator` command line."""
+"""charts/rlkube rendered and linted with the Helm v4 SDK: defaults, the watch/leader election/peering/metrics
+variants, values the chart must refuse, and agreement with the CRD generator and the `rlkube operator` command
+line."""
 
 from __future__ import annotations
 
+import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -29,15 +32,19 @@ ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 NAMESPACED = {"watch": {"clusterWide": False, "namespaces": ["team-a", "team-b"]}}
-PEERING = {"peering": {"enabled": True}}
+PEERING = {"peering": {"enabled": True}, "leaderElection": {"enabled": False}}
+STANDALONE = {"leaderElection": {"enabled": False}}
 VARIANTS = {
     "default": {},
+    "ha": {"replicas": 3},
+    "standalone": STANDALONE,
     "namespaced": NAMESPACED,
     "namespaced-release-ns": {"watch": {"clusterWide": False}},
     "peering": PEERING,
     "namespaced-peering": {**NAMESPACED, **PEERING},
     "no-metrics": {"metrics": {"enabled": False}},
     "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "additionalLabels": {"release": "prom"}}}},
+    "grafana-dashboard": {"metrics": {"grafanaDashboard": {"enabled": True}}},
     "existing-sa": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"aggregateToDefaultRoles": False}},
 }
 
@@ -113,6 +120,8 @@ def test_default_render_has_the_expected_objects():
         ("ClusterRole", "rel-rlkube-trainingjob-viewer"),
         ("ClusterRoleBinding", "rel-rlkube-operator"),
         ("Deployment", "rel-rlkube"),
+        ("Role", "rel-rlkube-leader-election"),
+        ("RoleBinding", "rel-rlkube-leader-election"),
         ("Service", "rel-rlkube-metrics"),
         ("ServiceAccount", "rel-rlkube"),
     ]
@@ -126,12 +135,15 @@ def test_deployment_runs_the_operator_command_line():
     docs = render()
     args = _operator_args(docs)
     assert args == [
-        "operator", "--all-namespaces", "--standalone", "--metrics-port=8080",
-        "--liveness=http://0.0.0.0:8081/healthz",
+        "operator", "--all-namespaces", "--standalone", "--leader-elect", "--lease-name=rel-rlkube",
+        "--lease-namespace=rlkube-system", "--lease-duration=15", "--lease-renew-deadline=10",
+        "--lease-retry-period=2", "--metrics-port=8080", "--liveness=http://0.0.0.0:8081/healthz",
     ]
     # The arguments are the ones `rlkube operator` accepts.
     parsed = build_parser().parse_args(args)
     assert parsed.all_namespaces and parsed.standalone and parsed.namespace == []
+    assert parsed.leader_elect and parsed.lease_name == "rel-rlkube" and parsed.lease_namespace == "rlkube-system"
+    assert (parsed.lease_duration, parsed.lease_renew_deadline, parsed.lease_retry_period) == (15, 10, 2)
     assert parsed.metrics_port == 8080 and parsed.liveness == "http://0.0.0.0:8081/healthz"
     container = operator_container(docs)
     assert container["image"] == f"ghcr.io/rlkube/operator:{VERSION}"
@@ -174,8 +186,6 @@ def test_pod_is_locked_down():
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert {"name": "tmp", "mountPath": "/tmp"} in operator_container(docs)["volumeMounts"]
-    # Standalone: two operators must never overlap during a rollout.
-    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
 
 
 # --- RBAC -------------------------------------------------------------------------------------------------
@@ -213,7 +223,7 @@ def test_namespaced_rbac_is_confined_to_the_watched_namespaces():
 
 def test_namespaced_without_a_list_watches_the_release_namespace():
     docs = render({"watch": {"clusterWide": False}}, namespace="ml")
-    assert [r["metadata"]["namespace"] for r in find(docs, "Role")] == ["ml"]
+    assert [r["metadata"]["namespace"] for r in find(docs, "Role", "rel-rlkube-operator")] == ["ml"]
     assert build_parser().parse_args(_operator_args(docs)).namespace == ["ml"]
 
 
@@ -263,6 +273,58 @@ def test_namespaced_peering():
         assert rules_allow(one(docs, "Role", namespace=ns)["rules"], "kopf.dev", "kopfpeerings", "patch")
 
 
+# --- leader election -------------------------------------------------------------------------------------
+
+
+def _lease_rules(docs, namespace="rlkube-system") -> list[dict]:
+    return one(docs, "Role", "rel-rlkube-leader-election", namespace=namespace)["rules"]
+
+
+def test_replicas_elect_a_leader_on_a_lease_in_the_release_namespace():
+    docs = render({"replicas": 3, "leaderElection": {"leaseName": "ops-lease", "leaseDurationSeconds": 30,
+                                                     "renewDeadlineSeconds": 20, "retryPeriodSeconds": 4}})
+    deploy = one(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 3
+    # A new pod starts as a standby and the old leader releases the Lease as it stops: rolling is safe.
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate"}
+    parsed = build_parser().parse_args(_operator_args(docs))
+    assert parsed.leader_elect and parsed.standalone and parsed.peering is None
+    assert (parsed.lease_name, parsed.lease_namespace) == ("ops-lease", "rlkube-system")
+    assert (parsed.lease_duration, parsed.lease_renew_deadline, parsed.lease_retry_period) == (30, 20, 4)
+    from rlkube.controller.lease import Timing
+
+    Timing(parsed.lease_duration, parsed.lease_renew_deadline, parsed.lease_retry_period)  # what the operator accepts
+    # The identity comes from the pod name; the downward API provides it.
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in operator_container(docs)["env"]}
+    assert env["POD_NAME"] == "metadata.name"
+
+
+def test_lease_rbac_is_the_one_lease_and_only_in_the_release_namespace():
+    for docs in (render(), render(NAMESPACED)):
+        rules = _lease_rules(docs)
+        named = [r for r in rules if r.get("resourceNames")]
+        assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["rel-rlkube"],
+                          "verbs": ["get", "list", "watch", "update"]}]
+        assert [r["verbs"] for r in rules if not r.get("resourceNames")] == [["create"]]
+        binding = one(docs, "RoleBinding", "rel-rlkube-leader-election")
+        assert binding["metadata"]["namespace"] == "rlkube-system"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-rlkube", "namespace": "rlkube-system"}]
+        assert binding["roleRef"]["name"] == "rel-rlkube-leader-election"
+        # No lease permissions anywhere else.
+        for d in find(docs, "ClusterRole") + [r for r in find(docs, "Role") if r["metadata"]["name"] != "rel-rlkube-leader-election"]:
+            assert not rules_allow(d["rules"], "coordination.k8s.io", "leases", "get"), d["metadata"]["name"]
+    assert _lease_rules(render({"leaderElection": {"leaseName": "x"}}))[0]["resourceNames"] == ["x"]
+
+
+def test_standalone_without_leader_election():
+    docs = render(STANDALONE)
+    # Two standalone operators must never overlap during a rollout.
+    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert not find(docs, "Role") and not find(docs, "RoleBinding")
+    parsed = build_parser().parse_args(_operator_args(docs))
+    assert parsed.standalone and not parsed.leader_elect
+
+
 # --- metrics ----------------------------------------------------------------------------------------------
 
 
@@ -280,7 +342,47 @@ def test_service_monitor():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True  # per-job series keep the job's namespace
     assert monitor["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service")["metadata"]["labels"].items()
+
+
+def _exported_metric_names() -> set[str]:
+    """Every series name the operator's registry can expose (per-job gauges included)."""
+    from prometheus_client import REGISTRY
+
+    import rlkube.controller.metrics  # noqa: F401 (registers the operator's collectors)
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {f.name + suffix for f in REGISTRY.collect() for suffix in suffixes.get(f.type, ("",))}
+
+
+def test_grafana_dashboard_configmap_carries_the_dashboard():
+    assert not find(render(), "ConfigMap")
+    assert not find(render({"metrics": {"enabled": False, "grafanaDashboard": {"enabled": True}}}), "ConfigMap")
+    docs = render({"metrics": {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "rlkube"},
+                                                    "namespace": "monitoring"}}})
+    cm = one(docs, "ConfigMap", "rel-rlkube-dashboard", namespace="monitoring")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "rlkube"}
+    shipped = json.loads((CHART / "dashboards" / "rlkube-trainingjobs.json").read_text())
+    assert json.loads(cm["data"]["rlkube-trainingjobs.json"]) == shipped
+    assert one(render(VARIANTS["grafana-dashboard"]), "ConfigMap")["metadata"]["namespace"] == "rlkube-system"
+
+
+def test_grafana_dashboard_queries_only_metrics_the_operator_exports():
+    dashboard = json.loads((CHART / "dashboards" / "rlkube-trainingjobs.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for e in exprs for name in re.findall(r"\b(rlkube_[a-z_]+)", e)}
+    exported = _exported_metric_names()
+    assert used - exported == set(), f"the dashboard queries metrics the operator does not export: {used - exported}"
+    # What the issue asks users to plot and alert on, per job, is on the dashboard.
+    per_job = {"status_phase", "step", "max_steps", "policy_lag", "reward_mean", "tokens_per_second",
+               "seconds_since_last_trainer_event", "component_restarts", "teardown_stage_duration_seconds"}
+    assert {f"rlkube_trainingjob_{n}" for n in per_job} <= used
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)
 
 
 def test_image_and_extra_args():
@@ -296,8 +398,13 @@ def test_image_and_extra_args():
 @pytest.mark.parametrize(
     "values, error, message",
     [
-        ({"replicas": 2}, helm.HelmRenderError, "standalone operators would all act"),
-        ({"replicas": 3, "peering": {"enabled": True}}, helm.HelmRenderError, "kopf pauses every operator of equal priority"),
+        ({"replicas": 2, **STANDALONE}, helm.HelmRenderError, "standalone operators would all act"),
+        ({"replicas": 3, **PEERING}, helm.HelmRenderError, "kopf pauses every operator of equal priority"),
+        ({"peering": {"enabled": True}}, helm.HelmRenderError, "leaderElection.enabled and peering.enabled: choose one"),
+        ({"leaderElection": {"leaseDurationSeconds": 10}}, helm.HelmRenderError, "must exceed renewDeadlineSeconds"),
+        ({"leaderElection": {"retryPeriodSeconds": 9}}, helm.HelmRenderError, "1.2 x retryPeriodSeconds"),
+        ({"leaderElection": {"leaseName": "Not_A_Name"}}, helm.HelmValuesError, "/leaderElection/leaseName"),
+        ({"leaderElection": {"leaseDurationSeconds": "15s"}}, helm.HelmValuesError, "/leaderElection/leaseDurationSeconds"),
         ({"watch": {"namespaces": ["a"]}}, helm.HelmRenderError, "watch.clusterWide"),
         ({"replicas": "two"}, helm.HelmValuesError, "/replicas"),
         ({"metrics": {"port": 0}}, helm.HelmValuesError, "/metrics/port"),
@@ -306,8 +413,9 @@ def test_image_and_extra_args():
         ({"image": {"pullPolicy": "Sometimes"}}, helm.HelmValuesError, "/image/pullPolicy"),
         ({"serviceAccount": {"create": False}}, helm.HelmRenderError, "serviceAccount.name"),
     ],
-    ids=["replicas-without-peering", "replicas-with-peering", "namespaces-while-cluster-wide", "replicas-type", "port-range", "unknown-key",
-         "namespace-name", "pull-policy", "sa-name"],
+    ids=["replicas-without-peering", "replicas-with-peering", "peering-and-leader-election", "lease-shorter-than-deadline",
+         "deadline-vs-retry", "lease-name", "lease-duration-type", "namespaces-while-cluster-wide", "replicas-type",
+         "port-range", "unknown-key", "namespace-name", "pull-policy", "sa-name"],
 )
 def test_bad_values_are_refused_naming_the_value(values, error, message):
     with pytest.raises(error) as err:

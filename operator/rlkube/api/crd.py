@@ -90,6 +90,28 @@ def _without_defaults(node: Any) -> Any:
     return node
 
 
+# `kubectl get tj` as the API server prints it (a server-side Table): every cell is a status field the operator
+# writes from what it observed, never conditions[-1]. Priority 1 columns show with `-o wide`.
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase",
+     "description": "Pending, Starting, Running, Draining, Succeeded, Failed or Suspended."},
+    {"name": "Step", "type": "string", "jsonPath": ".status.progress",
+     "description": "Last optimizer step the trainer reported / spec.algorithm.maxSteps."},
+    {"name": "Lag", "type": "integer", "jsonPath": ".status.lag",
+     "description": "Weight versions between the trainer and the oldest rollout of its last step."},
+    {"name": "Reward", "type": "number", "jsonPath": ".status.trainer.rewardMean",
+     "description": "Mean reward of the last step's training documents."},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.trainer.tokensPerSecond", "priority": 1,
+     "description": "Tokens trained per second in the last step."},
+    {"name": "Backend", "type": "string", "jsonPath": ".spec.trainer.backend", "priority": 1,
+     "description": "Training backend."},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1,
+     "description": "Reason of the current phase."},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
+     "description": "Time since the TrainingJob was created."},
+]
+
+
 def crd() -> dict[str, Any]:
     spec_schema = openapi_schema(TrainingJobSpec)
     # Only the operator writes status; defaults there would invent values it never reported.
@@ -118,23 +140,16 @@ def crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": [
-                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                        {"name": "Step", "type": "string", "jsonPath": ".status.progress"},
-                        {"name": "Lag", "type": "integer", "jsonPath": ".status.lag"},
-                        {"name": "Backend", "type": "string", "jsonPath": ".spec.trainer.backend", "priority": 1},
-                        {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
+                    "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
                             "description": "An LLM reinforcement-learning job run PipelineRL-style.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "apiVersion": {"type": "string", "description": f"{GROUP}/{VERSION}."},
+                                "kind": {"type": "string", "description": f"{KIND}."},
+                                "metadata": {"type": "object"},  # the API server allows nothing else here
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },

@@ -70,19 +70,132 @@ class ModelSpec(Model):
     )
 
 
+ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+"""`package.module:attribute`, the form of every importable plug-in (task factories, reward functions)."""
+
+Scalar = str | int | float | bool
+
+
+class DatasetSpec(Model):
+    """Prompts read from a file or a `datasets` directory inside the pods (an image, a volume, or `claimName`)."""
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "A JSONL or Parquet file (a glob matches several), or a directory written by `datasets`' "
+            "save_to_disk, as seen inside the actor pods."
+        ),
+    )
+    format: Literal["auto", "jsonl", "parquet", "datasets"] = Field(
+        "auto",
+        description="`auto`: a directory is a `datasets` directory, else the file extension decides "
+        "(.jsonl/.json, .parquet).",
+    )
+    split: str | None = Field(
+        None,
+        min_length=1,
+        description="Split to read: a split of a saved DatasetDict, or a `datasets` split expression for files "
+        "(`train[:1000]`). Unset: `train` (a saved single Dataset has no splits).",
+    )
+    prompt_field: str | None = Field(
+        None, min_length=1, description="Column holding the prompt text (default `prompt` unless messagesField is set)."
+    )
+    messages_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Column holding the prompt as chat messages ([{role, content}, ...]) instead of text; "
+        "needs a tokenizer with a chat template.",
+    )
+    answer_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Column holding the reference answer the rewards compare with. Unset: `answer` when the "
+        "dataset has that column (rows without an answer suit only rewards that need none).",
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message put before every prompt (needs the chat template)."
+    )
+    shuffle: bool = Field(
+        True,
+        description="Draw prompts in a new random order every epoch (else in file order); actor replicas take "
+        "interleaved turns, so they do not repeat each other.",
+    )
+    shuffle_seed: int = Field(0, ge=0, description="Seed of the shuffled orders.")
+    claim_name: str | None = Field(
+        None,
+        min_length=1,
+        description="PersistentVolumeClaim holding the dataset, mounted read-only at mountPath in the actor pods.",
+    )
+    mount_path: str = Field(
+        "/data", pattern=r"^/", description="Where claimName is mounted; path must then lie below it."
+    )
+
+    @property
+    def prompt_column(self) -> str | None:
+        """The text column actually read: promptField, or `prompt` when neither field is set."""
+        if self.prompt_field:
+            return self.prompt_field
+        return None if self.messages_field else "prompt"
+
+
+class RewardSpec(Model):
+    """How a completion is scored. Verifiers compare with the prompt's reference answer (answerField)."""
+
+    type: Literal["math", "exact", "regex", "python"] = Field(
+        ...,
+        description="`math`: math-verify equivalence with the answer; `exact`: string equality after "
+        "`normalize`; `regex`: 1 when `pattern` matches (its group `answer`, if any, must equal the answer); "
+        "`python`: `function`(completion, answer, sample, **params) returns the score.",
+    )
+    pattern: str | None = Field(None, min_length=1, description="Regular expression of the `regex` reward.")
+    function: str | None = Field(
+        None, pattern=ENTRY_POINT, description="Importable `package.module:function` of the `python` reward."
+    )
+    params: dict[str, Scalar] = Field(
+        default_factory=dict, description="Keyword arguments passed to the `python` reward function."
+    )
+    answer_pattern: str | None = Field(
+        None,
+        min_length=1,
+        description="`math`/`exact`: take the answer from the completion's first match of this regular "
+        "expression (its group `answer`, else group 1); no match scores 0.",
+    )
+    normalize: Literal["none", "strip", "whitespace"] = Field(
+        "strip",
+        description="`exact`/`regex` answers: `strip` trims whitespace at both ends, `whitespace` also "
+        "collapses inner runs of whitespace to one space.",
+    )
+    ignore_case: bool = Field(False, description="`exact`/`regex`: compare and match without regard to case.")
+    match: Literal["full", "prefix"] = Field(
+        "full", description="`exact`: the whole completion must equal the answer, or only begin with it."
+    )
+
+
 class TaskSpec(Model):
     name: str = Field(
         "reverse-digits",
         min_length=1,
-        description="A built-in task (see `rlkube tasks`) or, with entryPoint set, a label for the custom task.",
+        description="A built-in task (see `rlkube tasks`) or, with entryPoint or dataset set, a label for the task.",
     )
     entry_point: str | None = Field(
         None,
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        pattern=ENTRY_POINT,
         description="Importable `package.module:factory` returning a Task; overrides the built-in name.",
     )
-    params: dict[str, str | int | float | bool] = Field(
+    params: dict[str, Scalar] = Field(
         default_factory=dict, description="Task parameters passed to the task factory."
+    )
+    dataset: DatasetSpec | None = Field(
+        None, description="Read prompts from a dataset instead of a built-in generator (needs `reward`)."
+    )
+    reward: RewardSpec | None = Field(
+        None, description="Score completions with this reward instead of the task's own (required with dataset)."
+    )
+    chat_template: bool | None = Field(
+        None,
+        description="Render prompts with the tokenizer's chat template. Unset: when the tokenizer has one, "
+        "except for the raw-text digit tasks (reverse-digits, copy-digits).",
     )
 
 
@@ -129,6 +242,21 @@ class WeightTransferSpec(Model):
     )
 
 
+FastLLMModelFormat = Literal["llama", "qwen2", "mistral", "mixtral"]
+"""Fast-LLM checkpoint formats of the Hugging Face models it imports and exports (their config.json model_type)."""
+
+
+class FastLLMSpec(Model):
+    model_format: FastLLMModelFormat | None = Field(
+        None,
+        description=(
+            "Backend fast-llm: the Fast-LLM checkpoint format of spec.model.path, i.e. the `model_type` of its "
+            "config.json (llama, qwen2, mistral, mixtral). Fast-LLM imports the model and exports and broadcasts "
+            "the weights in this format. Required with backend fast-llm."
+        ),
+    )
+
+
 class TrainerSpec(Model):
     backend: Literal["torch", "megatron", "fast-llm"] = Field("torch", description="Training backend.")
     nodes: int = Field(1, ge=1, description="Trainer pods (one per node); ranks get a headless Service.")
@@ -148,6 +276,7 @@ class TrainerSpec(Model):
     weight_transfer: WeightTransferSpec = Field(
         default_factory=WeightTransferSpec, description="How weights are sent to the inference servers."
     )
+    fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
 
 
 class InferenceSpec(Model):
@@ -242,6 +371,8 @@ class TeardownSpec(Model):
 
 
 class TrainingJobSpec(Model):
+    """Desired state of a TrainingJob: model, task and reward, RL algorithm, and the pods of every role."""
+
     image: str = Field(
         "ghcr.io/rlkube/core:0.1.0", min_length=1, description="Default image of every role's pods."
     )

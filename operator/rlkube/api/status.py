@@ -67,6 +67,12 @@ class TrainerStatus(Model):
     last_event_id: str | None = Field(None, description="Redis stream id of the last trainer event read.")
     last_event_time: str | None = Field(None, description="When the last trainer event was read (RFC 3339).")
     documents_seen: int = Field(0, description="Training documents consumed, as last reported.")
+    reward_mean: float | None = Field(
+        None, description="Mean reward of the training documents of the last step the trainer reported (4 decimals)."
+    )
+    tokens_per_second: float | None = Field(
+        None, description="Tokens trained per second of wall time in the last step the trainer reported."
+    )
 
 
 class Completion(Model):
@@ -97,12 +103,16 @@ class TeardownStatus(Model):
 
 
 class TrainingJobStatus(Model):
+    """Observed state of a TrainingJob, written by the rlkube operator only."""
+
     phase: Phase = Field("Pending", description="Pending, Starting, Running, Draining, Succeeded, Failed, Suspended.")
     reason: str | None = Field(None, description="Reason of the current phase (CamelCase).")
     message: str | None = Field(None, description="Human-readable detail of the current phase.")
     observed_generation: int = Field(0, description="Last spec generation acted on.")
     progress: str | None = Field(None, description="`step/maxSteps`, for the printer column.")
-    lag: int | None = Field(None, description="Weight versions between the trainer and the newest rollout used.")
+    lag: int | None = Field(
+        None, description="Weight versions between the trainer and the stalest rollout of its last step (lag_max)."
+    )
     start_time: str | None = Field(None, description="When the job was first reconciled.")
     running_since: str | None = Field(None, description="When the phase last became Running (stall reference).")
     completion_time: str | None = Field(None, description="When the job reached Succeeded or Failed.")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import PurePosixPath
 from typing import Any
 
 from pydantic import ValidationError
 
 from rlkube.api.model_path import parse_model_path
-from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
+from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,91 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+def _regex_error(field: str, pattern: str | None) -> FieldError | None:
+    if pattern is None:
+        return None
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return FieldError(field, f"not a regular expression: {exc}")
+    return None
+
+
+def task_errors(task: TaskSpec) -> list[FieldError]:
+    """The task's cross-field rules: a dataset needs a reward, each reward type its own fields."""
+    errs: list[FieldError] = []
+    ds, reward = task.dataset, task.reward
+    if ds is not None:
+        if task.entry_point:
+            errs.append(FieldError("spec.task.entryPoint", "must be empty when spec.task.dataset is set"))
+        if task.params:
+            errs.append(FieldError("spec.task.params", "not used with spec.task.dataset (dataset tasks take none)"))
+        if reward is None:
+            errs.append(FieldError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)"))
+        if ds.prompt_field and ds.messages_field:
+            errs.append(FieldError("spec.task.dataset.messagesField", "set promptField or messagesField, not both"))
+        if ds.claim_name and PurePosixPath(ds.path).is_absolute() and not PurePosixPath(ds.path).is_relative_to(
+            ds.mount_path
+        ):
+            errs.append(FieldError("spec.task.dataset.path", f"must lie below mountPath {ds.mount_path} where "
+                                   f"claimName {ds.claim_name!r} is mounted"))
+    if reward is not None:
+        if reward.type == "python" and not reward.function:
+            errs.append(FieldError("spec.task.reward.function", "required when spec.task.reward.type is python"))
+        if reward.type != "python" and reward.function:
+            errs.append(FieldError("spec.task.reward.function", "only used when spec.task.reward.type is python"))
+        if reward.type != "python" and reward.params:
+            errs.append(FieldError("spec.task.reward.params", "only used when spec.task.reward.type is python"))
+        if reward.type == "regex" and not reward.pattern:
+            errs.append(FieldError("spec.task.reward.pattern", "required when spec.task.reward.type is regex"))
+        if reward.type != "regex" and reward.pattern:
+            errs.append(FieldError("spec.task.reward.pattern", "only used when spec.task.reward.type is regex "
+                                   "(answerPattern extracts answers for math and exact)"))
+        if reward.answer_pattern and reward.type not in ("math", "exact"):
+            errs.append(FieldError("spec.task.reward.answerPattern", "only used by the math and exact rewards"))
+        if err := _regex_error("spec.task.reward.pattern", reward.pattern):
+            errs.append(err)
+        if err := _regex_error("spec.task.reward.answerPattern", reward.answer_pattern):
+            errs.append(err)
+        elif reward.answer_pattern and re.compile(reward.answer_pattern).groups == 0:
+            errs.append(FieldError("spec.task.reward.answerPattern", "needs a group (named `answer`, or the first) "
+                                   "around the answer"))
+    return errs
+
+
+FAST_LLM_LOSSES = ("grpo", "gspo")
+"""The policy-gradient losses Fast-LLM implements (its loss types `grpo` and `gspo`)."""
+
+
+def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """What a `trainer.backend: fast-llm` job needs that Fast-LLM itself would only find out in the pod."""
+    errs: list[FieldError] = []
+    if spec.redis.mode != "managed":
+        errs.append(FieldError("spec.redis.mode", "fast-llm uses fixed stream names and needs its own (managed) Redis"))
+    if spec.trainer.gpus_per_node < 1:
+        errs.append(FieldError("spec.trainer.gpusPerNode", "fast-llm runs on GPUs only; set at least 1"))
+    if spec.trainer.fast_llm.model_format is None:
+        errs.append(FieldError("spec.trainer.fastLlm.modelFormat",
+                               "required with backend fast-llm: the model_type of the checkpoint's config.json"))
+    if spec.model.path.startswith("builtin://"):
+        errs.append(FieldError("spec.model.path", "fast-llm imports a Hugging Face checkpoint directory; "
+                                                  "built-in models exist only in rlkube's own trainers"))
+    if spec.algorithm.loss not in FAST_LLM_LOSSES:
+        errs.append(FieldError("spec.algorithm.loss", f"fast-llm implements {' and '.join(FAST_LLM_LOSSES)}, "
+                                                      f"not {spec.algorithm.loss}"))
+    if spec.inference.engine == "native":
+        errs.append(FieldError("spec.inference.engine", "fast-llm broadcasts weights over NCCL, which the native "
+                                                        "(CPU) engine cannot receive; use vllm"))
+    if spec.trainer.nodes > 1 and not spec.trainer.checkpoint.claim_name:
+        # Fast-LLM's rank 0 creates each checkpoint directory and every rank writes its shard into it.
+        errs.append(FieldError("spec.trainer.checkpoint.claimName", "fast-llm on several nodes writes one "
+                                                                    "checkpoint from every node: a shared "
+                                                                    "(ReadWriteMany) claim is required"))
+    return errs
+
+
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    errs: list[FieldError] = resource_errors(spec)
+    errs: list[FieldError] = resource_errors(spec) + task_errors(spec.task)
     try:
         parse_model_path(spec.model.path)
     except ValueError as exc:
@@ -106,12 +190,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.redis.mode == "managed" and spec.redis.url:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
     if spec.trainer.backend == "fast-llm":
-        if spec.redis.mode != "managed":
-            errs.append(
-                FieldError("spec.redis.mode", "fast-llm uses fixed stream names and needs its own (managed) Redis")
-            )
-        if spec.trainer.gpus_per_node < 1:
-            errs.append(FieldError("spec.trainer.gpusPerNode", "fast-llm runs on GPUs only; set at least 1"))
+        errs += fast_llm_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))

@@ -53,6 +53,16 @@ class DeleteJob:
 
 
 @dataclass(frozen=True)
+class PatchWorkloadStatus:
+    """Merge-patch a Kueue Workload's status, guarded by the resourceVersion the decision saw (a 409 means
+    Kueue wrote first: the next pass decides again on what it wrote)."""
+
+    name: str
+    resource_version: str
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Event:
     """A Kubernetes Event on the TrainingJob."""
 
@@ -61,4 +71,4 @@ class Event:
     message: str
 
 
-Action = Create | DeletePod | DeleteObject | DeleteStreams | DeleteJob
+Action = Create | DeletePod | DeleteObject | DeleteStreams | DeleteJob | PatchWorkloadStatus

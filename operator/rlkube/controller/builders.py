@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.controller import names
+from rlkube.controller import fastllm, names
+from rlkube.controller.placement import Placement, with_placement
 from rlkube.core import runtime
 from rlkube.lifecycle.environment import Addresses, role_env
 from rlkube.lifecycle.roles import CORE_ROLES, START_ORDER, replicas
@@ -93,13 +94,16 @@ def _resources(spec: TrainingJobSpec, role: str) -> dict:
 
 
 def config_map(job: JobRef) -> dict:
-    """`{job}-config` with `job.json` in runtime.write_job_config's format."""
+    """`{job}-config` with `job.json` in runtime.write_job_config's format (and a fast-llm job's Fast-LLM config)."""
     doc = {"namespace": job.namespace, "name": job.name, "spec": job.raw_spec}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(job, names.config_name(job.name), names.job_labels(job.name)),
-        "data": {names.CONFIG_KEY: json.dumps(doc, indent=1)},
+        "data": {
+            names.CONFIG_KEY: json.dumps(doc, indent=1),
+            **fastllm.config_map_data(job.spec, job.namespace, job.name),
+        },
     }
 
 
@@ -255,16 +259,22 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
             if ckpt.claim_name
             else {"name": "checkpoints", "emptyDir": {}}
         )
+        if job.spec.trainer.backend == "fast-llm":
+            container = fastllm.trainer_container(container, job.spec, job.name, index, MASTER_PORT)
     annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
     if role == "trainer" and resume_checkpoint:
         annotations[names.ANNOTATION_RESUME] = resume_checkpoint
     return _pod(job, role, index, container, volumes, annotations)
 
 
-def pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
+def pod(
+    job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None,
+    placement: Placement | None = None,
+) -> dict:
+    """Pod `index` of `role`; `placement` is where a queue (Kueue) admitted the role, applied last."""
     if role == "redis":
-        return redis_pod(job, attempt)
-    return core_pod(job, role, index, attempt, resume_checkpoint)
+        return with_placement(redis_pod(job, attempt), placement)
+    return with_placement(core_pod(job, role, index, attempt, resume_checkpoint), placement)
 
 
 def all_children(job: JobRef, password: str) -> list[dict]:

@@ -30,6 +30,9 @@ table-driven unit test:
 - Once the outcome is decided (or the job is deleted or suspended), nothing is created again and the
   ordered teardown (teardown.py) runs; the phase becomes Succeeded/Failed/Suspended when it is done
   (ResourcesReleased=True).
+- Kueue gate (kueue.py): a job labelled kueue.x-k8s.io/queue-name is held, exactly as if suspended, until its
+  Workload is admitted; an eviction holds it again (the ordered suspend). Its pods get the admitted flavours'
+  node selectors and tolerations; the Workload is marked Finished when the job has finished.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from rlkube.api.status import (
     TrainingJobStatus,
 )
 from rlkube.api.validation import SpecError, parse_spec
-from rlkube.controller import builders, names, specdiff, teardown
+from rlkube.controller import builders, kueue, names, specdiff, teardown
 from rlkube.controller.actions import (
     Action,
     Create,
@@ -126,8 +129,10 @@ def outcome(status: TrainingJobStatus) -> str | None:
 class _Pass:
     """Mutable scratch state of one decision; `decide` orchestrates the steps below."""
 
-    def __init__(self, job: JobView, obs: Observed, now: datetime, password: str):
+    def __init__(self, job: JobView, obs: Observed, now: datetime, password: str, gate: kueue.Gate = kueue.OPEN):
         self.job = job
+        self.gate = gate
+        """The Kueue gate of this pass: while it holds, the job is suspended."""
         self.spec = job.spec
         self.obs = obs
         self.now = now
@@ -194,6 +199,10 @@ def _ingest_events(p: _Pass) -> None:
             tr.documents_seen = facts.documents_seen
         if facts.lag is not None:
             p.status.lag = facts.lag
+        if facts.reward_mean is not None:
+            tr.reward_mean = facts.reward_mean
+        if facts.tokens_per_s is not None:
+            tr.tokens_per_second = facts.tokens_per_s
         if facts.checkpoint is not None:
             tr.last_checkpoint = CheckpointRef(step=facts.checkpoint[0], path=facts.checkpoint[1])
         if facts.finished and outcome(p.status) is None:
@@ -431,7 +440,8 @@ def _create_missing(p: _Pass) -> None:
             if names.pod_name(job.name, role, i) in present:
                 continue
             resume = ckpt.path if (role == roles.TRAINER and ckpt) else None
-            p.actions.append(Create(builders.pod(job, role, i, resume_checkpoint=resume)))
+            placement = p.gate.placements.get(role)
+            p.actions.append(Create(builders.pod(job, role, i, resume_checkpoint=resume, placement=placement)))
             present.add(names.pod_name(job.name, role, i))
             exist[role] += 1
 
@@ -472,9 +482,15 @@ def _teardown_reason(p: _Pass) -> str | None:
         return td.reason  # an ordered stop in progress is finished first
     if p.job.deleting:
         return Reason.DELETED
-    if p.spec is not None and p.spec.run_policy.suspend:
+    if p.spec is not None and (p.spec.run_policy.suspend or p.gate.hold):
         return Reason.SUSPENDED
     return None
+
+
+def _suspend_cause(p: _Pass) -> str:
+    if p.spec is not None and p.spec.run_policy.suspend:
+        return "spec.runPolicy.suspend is set"
+    return p.gate.message
 
 
 def _run_teardown(p: _Pass, reason: str) -> bool:
@@ -519,7 +535,7 @@ def _static_names(p: _Pass) -> list[tuple[str, str]]:
     return out
 
 
-def _can_resume(job: JobView) -> bool:
+def _can_resume(job: JobView, gate: kueue.Gate) -> bool:
     st = job.status
     return (
         st.phase == Phase.SUSPENDED
@@ -527,6 +543,7 @@ def _can_resume(job: JobView) -> bool:
         and st.teardown.stage == teardown.DONE
         and job.spec is not None
         and not job.spec.run_policy.suspend
+        and not gate.hold
         and not job.deleting
     )
 
@@ -568,6 +585,12 @@ def _report_spec_changes(p: _Pass, live: JobView) -> None:
                     event=False)
 
 
+def _kueue_gate(live: JobView, obs: Observed) -> kueue.Gate:
+    """The Kueue gate step: hold the job until its Workload is admitted (creating the Workload first)."""
+    settled = live.deleting or outcome(live.status) is not None
+    return kueue.gate(live.ref if live.spec is not None else None, obs.kueue, settled)
+
+
 def _resume_from_suspend(p: _Pass) -> None:
     st = p.status
     st.teardown = None
@@ -578,7 +601,8 @@ def _resume_from_suspend(p: _Pass) -> None:
     remove(st.conditions, ConditionType.STALLED)
     remove(st.conditions, ConditionType.SPEC_CHANGE_IGNORED)
     p.fresh = True
-    p.condition("Suspended", "False", Reason.RESUMED, "spec.runPolicy.suspend unset")
+    why = p.gate.message if p.gate.reason else "spec.runPolicy.suspend unset"
+    p.condition("Suspended", "False", Reason.RESUMED, why)
     _set_phase(p, Phase.PENDING, Reason.RESUMED, "recreating the components")
 
 
@@ -588,9 +612,11 @@ def _resume_from_suspend(p: _Pass) -> None:
 def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> Decision:
     """Decide one reconcile pass. `password` is only used if the managed Redis Secret must be created."""
     live = job
-    resuming = _can_resume(live)
+    gate = _kueue_gate(live, obs)
+    resuming = _can_resume(live, gate)
     job = live if resuming else _as_started(live)
-    p = _Pass(job, obs, now, password)
+    p = _Pass(job, obs, now, password, gate)
+    p.actions += gate.actions
     st = p.status
     st.observed_generation = job.generation
     if st.start_time is None:
@@ -630,8 +656,10 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
         decided = outcome(st)
         if reason == Phase.SUSPENDED:
             if released:
-                p.condition("Suspended", "True", Phase.SUSPENDED, "all components stopped")
-                _set_phase(p, Phase.SUSPENDED, Phase.SUSPENDED, "spec.runPolicy.suspend is set")
+                why = p.gate.reason if p.gate.hold else Phase.SUSPENDED
+                stopped = f"all components stopped: {p.gate.message}" if p.gate.hold else "all components stopped"
+                p.condition("Suspended", "True", why, stopped)
+                _set_phase(p, Phase.SUSPENDED, why, _suspend_cause(p))
             else:
                 _set_phase(p, Phase.SUSPENDED, Reason.SUSPENDING, "ordered stop in progress")
         elif decided and released:
@@ -661,6 +689,7 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
     if not watching and get(st.conditions, ConditionType.EVENT_SOURCE_REACHABLE) is not None:
         p.condition("EventSourceReachable", "False", Reason.REDIS_RELEASED, "the job's Redis is torn down", event=False)
 
+    p.actions += kueue.release_actions(obs.kueue, st.phase, released, st.message or "", now)
     terminal = st.phase in (Phase.SUCCEEDED, Phase.FAILED)
     ttl = job.spec.run_policy.ttl_seconds_after_finished if job.spec else None
     if terminal and ttl is not None and not job.deleting:

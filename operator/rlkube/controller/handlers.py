@@ -9,6 +9,9 @@
   change wakes its job. Nothing polls the API server.
 - `configmaps_by_job`, `secrets_by_job`, `services_by_job` (indexes) + `*-deleted` (events): the job's other
   children, watched the same way; a deletion wakes the job, whose next pass recreates what is missing.
+- `workloads_by_job` (index) + `workload-changed` (event): the Kueue Workloads of queued jobs (by our labels),
+  watched the same way; any change (admission, eviction) wakes the job. Where Kueue's CRD is not installed,
+  kopf finds no such resource and serves these handlers nothing.
 - `job-gone`: forgets a job (watcher, metrics) when the object is finally removed.
 
 Handlers return None: kopf would store return values in the status.
@@ -23,7 +26,7 @@ from typing import Any
 import kopf
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.controller import names
+from rlkube.controller import kueue, names
 from rlkube.controller.kube import Kube, api_client
 from rlkube.controller.loop import Shared
 from rlkube.controller.observed import PodView, pod_view
@@ -121,9 +124,21 @@ async def static_changed(type: str | None, namespace: str, labels: kopf.Labels, 
         loop.notify()
 
 
+async def index_workload(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict | None:
+    job = labels.get(names.LABEL_JOB)
+    return {(namespace, job): kueue.workload_view(body)} if job else None
+
+
+async def workload_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    loop = memo.shared.loops.get((namespace, labels.get(names.LABEL_JOB)))
+    if loop is not None:
+        loop.notify()
+
+
 def _shared(memo: kopf.Memo, pods_by_job: kopf.Index[tuple[str, str], PodView], **indexes: Any) -> Shared:
     shared: Shared = memo.shared
     shared.pod_index = pods_by_job
+    shared.workload_index = indexes.get("workloads_by_job")
     shared.static_indexes = tuple(indexes[f"{r}_by_job"] for r in STATIC_KINDS if f"{r}_by_job" in indexes)
     return shared
 
@@ -170,6 +185,10 @@ def build_registry() -> kopf.OperatorRegistry:
     for resource, kind in STATIC_KINDS.items():
         kopf.index(resource, labels=MANAGED, id=f"{resource}_by_job", registry=registry)(_static_indexer(kind))
         kopf.on.event(resource, labels=MANAGED, id=f"{resource}-deleted", registry=registry)(static_changed)
+
+    workloads = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
+    kopf.index(*workloads, labels=MANAGED, id="workloads_by_job", registry=registry)(index_workload)
+    kopf.on.event(*workloads, labels=MANAGED, id="workload-changed", registry=registry)(workload_changed)
 
     job = (GROUP, VERSION, PLURAL)
     kopf.daemon(*job, id="job-loop", registry=registry)(job_loop)

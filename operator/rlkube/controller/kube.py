@@ -16,7 +16,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.controller import metrics
+from rlkube.controller import kueue, metrics
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class Kube:
     async def create(self, namespace: str, manifest: dict[str, Any]) -> dict | None:
         """Create a child; returns the created object, or None when it already existed."""
         kind = manifest["kind"]
+        if kind == "Workload":
+            return await self._create_workload(namespace, manifest)
         create = {
             "Pod": self.core.create_namespaced_pod,
             "Service": self.core.create_namespaced_service,
@@ -70,6 +72,38 @@ class Kube:
                 return None
             metrics.API_ERRORS.labels("create", kind).inc()
             raise
+
+    async def _create_workload(self, namespace: str, manifest: dict[str, Any]) -> dict | None:
+        group, version = manifest["apiVersion"].split("/")
+        try:
+            return await self.custom.create_namespaced_custom_object(group, version, namespace, "workloads", manifest)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            metrics.API_ERRORS.labels("create", "Workload").inc()
+            raise
+
+    async def patch_workload_status(
+        self, namespace: str, name: str, resource_version: str, status: dict[str, Any]
+    ) -> None:
+        """Merge-patch a Kueue Workload's status; 409 (Kueue wrote first) and 404 are left to the next pass."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        try:
+            response = await _checked(await self.custom.patch_namespaced_custom_object_status(
+                kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name, body,
+                _content_type="application/merge-patch+json", _preload_content=False,
+            ))
+            response.release()
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                log.info("Workload %s/%s status not patched (%s): the next pass decides again", namespace, name,
+                         exc.status)
+                return
+            metrics.API_ERRORS.labels("patch", "Workload").inc()
+            raise
+
+    async def read_resource_flavor(self, name: str) -> dict:
+        return await self.custom.get_cluster_custom_object(kueue.GROUP, kueue.VERSION, kueue.RESOURCE_FLAVORS, name)
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None, grace_seconds: int) -> bool:
         """Delete (or force-delete with grace 0) one pod; False when it was already gone or replaced."""

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kopf
@@ -29,13 +29,14 @@ from redis.exceptions import RedisError
 
 from rlkube.api.status import TrainingJobStatus
 from rlkube.api.validation import SpecError, parse_spec
-from rlkube.controller import metrics, names
+from rlkube.controller import kueue, metrics, names
 from rlkube.controller.actions import (
     Create,
     DeleteJob,
     DeleteObject,
     DeletePod,
     DeleteStreams,
+    PatchWorkloadStatus,
 )
 from rlkube.controller.decisions import Decision, JobView, decide
 from rlkube.controller.kube import Kube
@@ -72,6 +73,7 @@ class Shared:
     phases: dict[Key, str] = field(default_factory=dict)
     pod_index: Any = None  # kopf.Index[(namespace, job), PodView], set by the first handler call
     static_indexes: tuple = ()  # kopf.Index[(namespace, job), "Kind/name"] of ConfigMaps, Secrets, Services
+    workload_index: Any = None  # kopf.Index[(namespace, job), kueue.WorkloadView] of Kueue Workloads
 
     def loop(self, namespace: str, name: str) -> JobLoop:
         key = (namespace, name)
@@ -184,6 +186,7 @@ class JobLoop:
         self.gone: set[str] = set()
         self.watcher: EventWatcher | None = None
         self.errors = 0
+        self.flavors: dict[str, tuple[str, kueue.Placement]] = {}  # ResourceFlavor name -> (workload rv, placement)
 
     # -- wake-ups ---------------------------------------------------------------------------------
 
@@ -255,6 +258,7 @@ class JobLoop:
                 # Pods first, then the read: whatever made those pods stop is in the stream by now.
                 fresh = await self.watcher.read_to_end()
             obs = self._observe(job, pods, fresh)
+            obs = replace(obs, kueue=await self._kueue(body))
             decision = decide(job, obs, now(), password=secrets.token_urlsafe(24))
             if decision.actions or decision.events:
                 td = decision.status.teardown
@@ -324,6 +328,26 @@ class JobLoop:
             create_rejected=self.rejected,
         )
 
+    async def _kueue(self, body: Any) -> kueue.KueueObserved | None:
+        """The job's Kueue side: queue label, Workload (kopf index), and the flavours its admission names.
+
+        Flavours are read from the API server (they are cluster-scoped and few) once per Workload version."""
+        queue = kueue.queue_name(body["metadata"].get("labels"))
+        if queue is None:
+            return None
+        index = self.shared.workload_index
+        views = list(index.get((self.namespace, self.name), [])) if index is not None else []
+        wl = max(views, key=lambda v: int(v.resource_version or 0), default=None)
+        flavors: dict[str, kueue.Placement] = {}
+        if wl is not None and wl.admitted and not wl.evicted:
+            for name in sorted({f for names_ in wl.flavors.values() for f in names_}):
+                cached = self.flavors.get(name)
+                if cached is None or cached[0] != wl.resource_version:
+                    obj = await self.shared.kube.read_resource_flavor(name)
+                    self.flavors[name] = (wl.resource_version, kueue.flavor_placement(obj))
+                flavors[name] = self.flavors[name][1]
+        return kueue.KueueObserved(queue, wl, flavors)
+
     def _statics(self) -> frozenset[str]:
         """ConfigMap/Secret/Services of this job: the kopf indexes, plus creations the watch has not delivered."""
         present: set[str] = set()
@@ -378,6 +402,8 @@ class JobLoop:
                 await self._delete_streams(job, action.keys)
             elif isinstance(action, DeleteJob):
                 await kube.delete_job(self.namespace, self.name)
+            elif isinstance(action, PatchWorkloadStatus):
+                await kube.patch_workload_status(self.namespace, action.name, action.resource_version, action.status)
 
     async def _delete_streams(self, job: JobView, keys: tuple[str, ...]) -> None:
         target = await self._external_target(job)
@@ -399,6 +425,7 @@ class JobLoop:
             await self.shared.kube.patch_status(self.namespace, self.name, patch)
             self.written = doc
         self.status = decision.status
+        metrics.JOBS.observe(self.namespace, self.name, decision.status)  # what the API server now holds
         if self.watcher is not None:
             self.watcher.commit(decision.status.trainer.last_event_id)
 

@@ -1,14 +1,17 @@
 """The operator's Prometheus metrics (prometheus-client), served on `rlkube operator --metrics-port`.
 
 Module-level collectors in the default registry: the operator is one process, and the tests read the
-same endpoint a Prometheus would scrape.
+same endpoint a Prometheus would scrape. The per-job gauges (phase, step, lag, reward, restarts, teardown stages...)
+are `JOBS`, read from the status each pass writes (jobmetrics.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter as _Tally
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+from rlkube.controller.jobmetrics import JobStatusCollector
 
 JOBS_BY_PHASE = Gauge("rlkube_trainingjobs", "TrainingJobs handled by this operator, by phase", ["phase"])
 RECONCILE_SECONDS = Histogram(
@@ -33,6 +36,12 @@ TEARDOWN_SECONDS = Histogram(
 FORCE_DELETIONS = Counter(
     "rlkube_force_deletions_total", "Pods force-deleted after their teardown stage's grace period", ["role"]
 )
+LEADER = Gauge(
+    "rlkube_operator_leader",
+    "1 while this operator process acts (holds the leader election Lease, or runs without election), else 0",
+)
+JOBS = JobStatusCollector()
+REGISTRY.register(JOBS)
 API_ERRORS = Counter("rlkube_api_errors_total", "Failed Kubernetes API calls of reconcile passes", ["verb", "kind"])
 
 
@@ -44,6 +53,8 @@ def set_phases(phases: dict[object, str]) -> None:
 
 
 def forget_job(namespace: str, name: str) -> None:
+    """Drop a deleted job's series (their number follows the jobs that exist)."""
+    JOBS.forget(namespace, name)
     try:
         RECONCILE_PASSES.remove(namespace, name)
     except KeyError:

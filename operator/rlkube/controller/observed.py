@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlkube.controller import names
 from rlkube.controller.times import parse_time
 from rlkube.core.protocol import TrainerEvent
 from rlkube.lifecycle.roles import START_ORDER
+
+if TYPE_CHECKING:
+    from rlkube.controller.kueue import KueueObserved
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ class Observed:
     plus the ones this operator created that the watch has not delivered yet."""
     create_rejected: Rejected | None = None
     """A create of one of the job's children that the API server rejected as invalid (since the last pass)."""
+    kueue: KueueObserved | None = None
+    """The job's Kueue Workload and admitted flavours; None when the job has no kueue.x-k8s.io/queue-name."""
 
     def role_pods(self, role: str) -> list[PodView]:
         return sorted((p for p in self.pods if p.role == role), key=lambda p: p.index)

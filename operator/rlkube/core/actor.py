@@ -1,9 +1,10 @@
 """The actor role (`python -m rlkube.core.actor`): samples rollout groups from inference and scores them.
 
 It waits until every inference server (RLKUBE_INFERENCE_URLS) answers /health, then runs a few concurrent
-workers, each looping: reserve a group's samples within the lag bound (core/lag.py) -> a task prompt ->
-POST /v1/completions with n = groupSize (round robin over the servers) -> the task's reward per completion ->
-XADD one `RolloutGroup` entry with the per-token sampling log-probs.
+workers, each looping: reserve a group's samples within the lag bound (core/lag.py) -> a task prompt, rendered
+as text, or through the model's chat template as token ids (core/tasks.prompt_renderer) -> POST /v1/completions with
+n = groupSize (round robin over the servers) -> the task's reward per completion -> XADD one `RolloutGroup` entry
+with the per-token sampling log-probs.
 
 Rules it keeps (seed-systems section 6):
 - It stops (exit 0) on `training_finished`, NEVER by counting samples (6.1); SIGTERM also exits 0 promptly.
@@ -15,6 +16,9 @@ Rules it keeps (seed-systems section 6):
 - A failed HTTP request is retried (on the next server, with backoff), never fatal; a 400 (a prompt the model
   cannot take) skips that prompt.
 - Any number of replicas (RLKUBE_INDEX) can run at once: the lag counter is shared in Redis.
+- A reward that raises scores that sample 0, marks it (`Sample.reward_error`, summed into the trainer's
+  `reward_errors` metric) and is logged; it never stops the actor. A task that cannot be built (a missing
+  dataset, an unknown column) exits at start with the message naming the spec field.
 """
 
 from __future__ import annotations
@@ -29,16 +33,16 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
 
-from rlkube.core import protocol, runtime, streams
+from rlkube.core import errors, protocol, runtime, streams
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
-from rlkube.core.tasks import Task, load_task
+from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
 log = logging.getLogger("rlkube.actor")
 T = TypeVar("T")
@@ -74,7 +78,7 @@ class Stopped(Exception):
 
 class Actor:
     def __init__(self, ctx: runtime.RoleContext, client: aioredis.Redis, task: Task,
-                 stall_s: float = DEFAULT_STALL_S):
+                 stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None):
         if not ctx.inference_urls:
             raise SystemExit(f"{runtime.ENV_INFERENCE_URLS} is not set: the actor needs the inference servers")
         self.ctx = ctx
@@ -83,6 +87,8 @@ class Actor:
         self.redis = client
         self.keys = ctx.keys
         self.task = task
+        self.render = render or prompt_renderer(ctx.spec.task, task)  # no tokenizer: plain-text prompts
+        self.score = Scorer(task)
         self.name = f"actor-{ctx.index}"
         self.urls = [u.rstrip("/") for u in ctx.inference_urls]
         self.stall_s = stall_s
@@ -191,7 +197,7 @@ class Actor:
         async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
             return resp.status == 200
 
-    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str,
+    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str | list[int],
                         min_version: int | None) -> dict:
         body = {
             "model": self.spec.model.path,
@@ -227,13 +233,14 @@ class Actor:
         """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt.
         `min_version`: the oldest weights that may sample it (passed to our native server)."""
         prompt = self.task.prompt(self.rng)
+        text = self.render(prompt)
         version_at_start = self.view.version or 0
         delay = 0.2
         while not self.stop.is_set():
             url = self.urls[next(self._servers)]
             try:
                 # A server may hold the request (min_model_version) or never answer (frozen): a stop ends it.
-                reply = await self.until_stopped(self._complete(session, url, prompt.text, min_version))
+                reply = await self.until_stopped(self._complete(session, url, text, min_version))
                 break
             except Stopped:
                 return None
@@ -250,10 +257,10 @@ class Actor:
         samples = []
         for c in choices:
             lp = (c.get("logprobs") or {}).get("token_logprobs") or []
-            reward = float(self.task.reward(prompt, c["text"]))
+            reward, failed = self.score(prompt, c["text"])
             samples.append(protocol.Sample(completion_tokens=[int(t) for t in c["token_ids"]],
                                            logprobs=[float(x) for x in lp], reward=reward,
-                                           finished=c.get("finish_reason") == "stop"))
+                                           finished=c.get("finish_reason") == "stop", reward_error=failed))
         version = reply.get("model_version")
         return protocol.RolloutGroup(
             group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
@@ -343,8 +350,8 @@ class Actor:
         self.reward_sum += sum(s.reward for s in group.samples)
         if self.groups % 20 == 0:
             rate = self.samples / max(time.monotonic() - self.started, 1e-9)
-            log.info("%d groups, %.1f samples/s, mean reward %.3f, version %s", self.groups, rate,
-                     self.reward_sum / max(self.samples, 1), self.view.version)
+            log.info("%d groups, %.1f samples/s, mean reward %.3f, %d reward errors, version %s", self.groups, rate,
+                     self.reward_sum / max(self.samples, 1), self.score.errors, self.view.version)
 
     def worker_count(self) -> int:
         per_server = max(1, min(MAX_WORKERS_PER_SERVER, self.algo.samples_per_step // self.algo.group_size))
@@ -385,18 +392,36 @@ class Actor:
             await asyncio.gather(events, return_exceptions=True)
         if self.failed is not None:
             raise self.failed
-        log.info("%s stopped: %d groups, %d samples, mean reward %.3f, held %d times, %d groups sampled again "
-                 "(too old for their stream position)", self.name, self.groups, self.samples,
-                 self.reward_sum / max(self.samples, 1), self.holds, self.resampled)
+        log.info("%s stopped: %d groups, %d samples, mean reward %.3f, %d reward errors in %d completions scored, "
+                 "held %d times, %d groups sampled again (too old for their stream position)", self.name, self.groups,
+                 self.samples, self.reward_sum / max(self.samples, 1), self.score.errors, self.score.scored,
+                 self.holds, self.resampled)
         return 0
 
 
 async def amain() -> int:
     ctx = runtime.RoleContext.from_env()
-    task = load_task(ctx.spec.task)
+    task = load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas))
+    # The prompts are rendered here, not by inference, with the model's tokenizer (its chat template) unless the
+    # task's prompts are raw text (the digit tasks): those go as text, tokenized by inference as vLLM does.
+    chat = ctx.spec.task.chat_template
+    tokenizer = None
+    if chat or (chat is None and not getattr(task, "raw_prompts", False)):
+        from rlkube.core.hf.loading import load_tokenizer
+        from rlkube.core.hf.source import materialize_model
+
+        tokenizer = load_tokenizer(materialize_model(ctx.spec.model, ctx.model_cache_dir))
+    render = prompt_renderer(ctx.spec.task, task, tokenizer=tokenizer.hf if tokenizer else None)
+    if getattr(render, "chat_template", False):
+        # A rendered conversation holds the special tokens its template writes (a Llama template's BOS): send its
+        # ids, tokenized without adding them again (a text prompt would get a second BOS from inference).
+        as_text = render
+
+        def render(prompt: Prompt) -> list[int]:
+            return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
     client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
-    actor = Actor(ctx, client, task, stall_s=stall_s)
+    actor = Actor(ctx, client, task, stall_s=stall_s, render=render)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.request_stop()))
@@ -408,7 +433,9 @@ async def amain() -> int:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(levelname)s %(message)s")
-    return asyncio.run(amain())
+    # A task that cannot work (a missing dataset or column, ...) is a TaskError, a ConfigError: exit EXIT_CONFIG
+    # with its message, which names the spec field, as the termination message.
+    return errors.run_role(lambda: asyncio.run(amain()))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> lis
                 loss_masking_spans=[(0, len(prompt))],
                 advantage=float(adv),
                 reward=float(s.reward),
+                reward_error=bool(s.reward_error),
                 old_log_probabilities=old,
                 model_version=np.full(len(tokens), group.model_version, dtype=np.int64),
             )

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,8 @@ def decode_event(stream_id: Any, fields: dict[Any, Any]) -> TrainerEvent | None:
 
 
 # --- training documents (preprocessor -> trainer), Fast-LLM streaming format ------------------------
+# numpy is imported where documents are built or read: the operator imports this module for the keys and the
+# events, and its install has no numpy (the training stack is the `core` extra).
 
 
 @dataclass
@@ -183,9 +187,12 @@ class Document:
     reward: float = 0.0
     old_log_probabilities: np.ndarray | None = None  # float32, one per token (0 on the prompt)
     model_version: np.ndarray | None = None  # int64, one per token
+    reward_error: bool = False  # the reward function failed on this sample (it scored 0); counted in metrics
 
     def loss_mask(self) -> np.ndarray:
         """Boolean per token: True where the token counts in the loss."""
+        import numpy as np
+
         mask = np.ones(len(self.tokens), dtype=bool)
         for begin, end in self.loss_masking_spans:
             mask[begin:end] = False
@@ -193,16 +200,19 @@ class Document:
 
 
 def encode_document(doc: Document) -> dict[str, bytes]:
+    import numpy as np
+
     n = len(doc.tokens)
+    data: dict[str, Any] = {
+        "loss_masking_spans": [[int(b), int(e)] for b, e in doc.loss_masking_spans],
+        "advantage": float(doc.advantage),
+        "reward": float(doc.reward),
+    }
+    if doc.reward_error:
+        data["reward_error"] = True  # our key, only when set: the documents Fast-LLM reads keep its own shape
     fields: dict[str, bytes] = {
         "tokens": np.asarray(doc.tokens, dtype="<i8").tobytes(),
-        "data": orjson.dumps(
-            {
-                "loss_masking_spans": [[int(b), int(e)] for b, e in doc.loss_masking_spans],
-                "advantage": float(doc.advantage),
-                "reward": float(doc.reward),
-            }
-        ),
+        "data": orjson.dumps(data),
     }
     if doc.old_log_probabilities is not None:
         if len(doc.old_log_probabilities) != n:
@@ -221,6 +231,8 @@ def _field(fields: dict[Any, Any], name: str) -> Any:
 
 def decode_document(fields: dict[Any, Any]) -> Document:
     """Inverse of encode_document; raises ValueError on a malformed entry."""
+    import numpy as np
+
     tokens_raw = _field(fields, "tokens")
     data_raw = _field(fields, "data")
     if tokens_raw is None or data_raw is None:
@@ -245,6 +257,7 @@ def decode_document(fields: dict[Any, Any]) -> Document:
         reward=float(data.get("reward", 0.0)),
         old_log_probabilities=None if old is None else np.frombuffer(old, dtype="<f4").astype(np.float32),
         model_version=None if ver is None else np.frombuffer(ver, dtype="<i8").astype(np.int64),
+        reward_error=bool(data.get("reward_error", False)),
     )
     for name in ("old_log_probabilities", "model_version"):
         arr = getattr(doc, name)
@@ -262,6 +275,7 @@ class Sample:
     logprobs: list[float]  # sampling log-prob of each completion token
     reward: float
     finished: bool = True
+    reward_error: bool = False  # the reward failed on this completion: `reward` is 0, not a score
 
 
 @dataclass

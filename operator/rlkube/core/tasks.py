@@ -1,34 +1,65 @@
-"""Rollout tasks: where prompts come from and how a completion is scored.
+"""Rollout tasks: where prompts come from, how they become the text inference sees, and how completions are scored.
 
-The actor samples a prompt, asks inference for a group of completions, and scores each with `reward`. A task is
-anything with `name`, `prompt(rng)` and `reward(prompt, completion)`; the built-ins below are tiny verifiable
-string tasks that a randomly initialised character model can measurably learn on one CPU core, and
-`spec.task.entryPoint` (`package.module:factory`, called with `**spec.task.params`) plugs in any other.
+The actor samples a prompt, renders it (`prompt_renderer`: plain text, or the tokenizer's chat template), asks
+inference for a group of completions, and scores each with a `Scorer` over the task's `reward`. A task is anything
+with `name`, `prompt(rng)` and `reward(prompt, completion)`. Where tasks come from (`load_task`):
+- the built-ins below, tiny verifiable string tasks that a randomly initialised model can measurably learn on one
+  CPU core (`rlkube tasks` lists them);
+- `spec.task.dataset`: prompts from JSONL, Parquet or a `datasets` directory (rlkube.core.prompt_dataset);
+- `spec.task.entryPoint` (`package.module:factory`, called with `**spec.task.params`): any other.
+`spec.task.reward` (rlkube.core.rewards: math-verify, exact match, regex, a `module:function`) replaces the task's
+own reward, comparing with the prompt's `meta["answer"]`.
 
-Rewards are in [0, 1] and give PARTIAL credit (per character, with a little credit for the right kind of
-character): with an exact-match reward a random policy almost never scores, every group has equal rewards, and
-group-relative advantages are all zero, so nothing would be learned.
+The digit tasks give PARTIAL credit (per character, with a little credit for the right kind of character): with an
+exact-match reward a random policy almost never scores, every group has equal rewards, and group-relative
+advantages are all zero, so nothing would be learned. `repeat-digit` is the exception that stays learnable under
+exact match: its answer is one token.
+
+A reward that raises (or returns something that is not a finite number) scores that sample 0 and is counted
+(`Scorer.errors`, and per sample into the trainer's `reward_errors` metric); it never stops the actor. A task that
+cannot be built at all (a missing dataset, an unknown column) raises `TaskError`, naming the spec field.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rlkube.api.spec import TaskSpec
+from rlkube.core.errors import ConfigError
+
+log = logging.getLogger("rlkube.tasks")
 
 DIGITS = "0123456789"
 
 
+class TaskError(ConfigError, ValueError):
+    """The job's task cannot be built or used as specified; `field` is the spec field to fix. A ConfigError: the
+    actor exits with runtime.EXIT_CONFIG and `str(error)` (`"spec.task.dataset.promptField: ..."`) as its
+    termination message, and the job fails instead of restarting it (rlkube.core.errors)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)
+        self.message = message
+
+
+Message = dict[str, str]
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt. `meta` carries whatever `reward` needs (for the built-ins: the expected answer)."""
+    """One prompt: plain `text`, or chat `messages` ([{role, content}, ...]; then `text` is only for logs).
+    `meta` carries whatever `reward` needs: `answer` (the reference answer) and, for dataset tasks, `sample`
+    (the dataset row)."""
 
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: Sequence[Message] | None = None
 
 
 @runtime_checkable
@@ -59,13 +90,13 @@ def char_match_reward(answer: str, completion: str, alphabet: str = DIGITS, kind
 
 def _int_param(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"spec.task.params.{name}: expected an integer in [{low}, {high}], got {value!r}")
+        raise TaskError(f"spec.task.params.{name}", f"expected an integer in [{low}, {high}], got {value!r}")
     return value
 
 
 def _float_param(name: str, value: Any, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ValueError(f"spec.task.params.{name}: expected a number in [{low}, {high}], got {value!r}")
+        raise TaskError(f"spec.task.params.{name}", f"expected a number in [{low}, {high}], got {value!r}")
     return float(value)
 
 
@@ -73,14 +104,14 @@ class _DigitsTask:
     """Shared shape of the built-in digit tasks: prompt `"<digits>:"`, answer derived from the digits."""
 
     name = "digits"
+    raw_prompts = True  # `"<digits>:"` as it is: no chat template unless spec.task.chatTemplate asks for one
 
     def __init__(self, min_digits: int = 1, max_digits: int = 2, kind_credit: float = 0.5):
         self.min_digits = _int_param("minDigits", min_digits, 1, 16)
         self.max_digits = _int_param("maxDigits", max_digits, 1, 16)
         if self.max_digits < self.min_digits:
-            raise ValueError(
-                f"spec.task.params.maxDigits ({max_digits}) must be >= spec.task.params.minDigits ({min_digits})"
-            )
+            raise TaskError("spec.task.params.maxDigits",
+                            f"{max_digits} must be >= spec.task.params.minDigits ({min_digits})")
         self.kind_credit = _float_param("kindCredit", kind_credit, 0.0, 1.0)
 
     def answer(self, digits: str) -> str:
@@ -116,6 +147,39 @@ class CopyDigits(_DigitsTask):
         return digits
 
 
+class RepeatDigit:
+    """Repeat the digit the prompt names, scored by exact match: learnable from scratch under an exact-match
+    reward because the answer is a single token (plus stopping)."""
+
+    name = "repeat-digit"
+
+    def __init__(self, template: str = "repeat {digit}:", match: str = "full", digits: str = DIGITS):
+        if not isinstance(template, str) or "{digit}" not in template:
+            raise TaskError("spec.task.params.template", f"must contain {{digit}}, got {template!r}")
+        try:
+            template.format(digit="0")
+        except (IndexError, KeyError, ValueError) as exc:
+            raise TaskError("spec.task.params.template", f"{template!r} is not a format string: {exc}") from None
+        if match not in ("full", "prefix"):
+            raise TaskError("spec.task.params.match", f"`full` or `prefix`, got {match!r}")
+        if not isinstance(digits, str) or not digits or not set(digits) <= set(DIGITS):
+            raise TaskError("spec.task.params.digits", f"the digits prompts may name, e.g. '0123', got {digits!r}")
+        self.template = template
+        self.match = match
+        self.digits = "".join(sorted(set(digits)))  # fewer digits: an easier task (a random digit is right more often)
+
+    def prompt(self, rng: random.Random) -> Prompt:
+        digit = rng.choice(self.digits)
+        return Prompt(self.template.format(digit=digit), {"answer": digit})
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        got, answer = completion.strip(), prompt.meta["answer"]
+        return float(got.startswith(answer) if self.match == "prefix" else got == answer)
+
+    def __repr__(self) -> str:
+        return f"RepeatDigit(template={self.template!r}, match={self.match!r}, digits={self.digits!r})"
+
+
 def _camel_to_snake(params: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in params.items():
@@ -123,12 +187,12 @@ def _camel_to_snake(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _builtin(cls: type[_DigitsTask]) -> Callable[..., Task]:
+def _builtin(cls: type) -> Callable[..., Task]:
     def factory(**params: Any) -> Task:
         try:
             return cls(**_camel_to_snake(params))
         except TypeError as exc:
-            raise ValueError(f"spec.task.params: {exc} (task {cls.name!r})") from None
+            raise TaskError("spec.task.params", f"{exc} (task {cls.name!r})") from None
 
     factory.__doc__ = cls.__doc__
     return factory
@@ -137,42 +201,158 @@ def _builtin(cls: type[_DigitsTask]) -> Callable[..., Task]:
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     ReverseDigits.name: _builtin(ReverseDigits),
     CopyDigits.name: _builtin(CopyDigits),
+    RepeatDigit.name: _builtin(RepeatDigit),
 }
 
 
-def _import_entry_point(entry_point: str) -> Callable[..., Any]:
+def import_attribute(entry_point: str, spec_field: str) -> Any:
+    """`package.module:attribute` imported; TaskError naming `spec_field` when it cannot be."""
     module_name, _, attr = entry_point.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"spec.task.entryPoint: cannot import {module_name!r}: {exc}") from None
+        raise TaskError(spec_field, f"cannot import {module_name!r}: {exc}") from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"spec.task.entryPoint: module {module_name!r} has no attribute {attr!r}") from None
+        raise TaskError(spec_field, f"module {module_name!r} has no attribute {attr!r}") from None
 
 
-def load_task(spec: TaskSpec) -> Task:
-    """The job's task: `spec.entryPoint` called with `**spec.params` when set, else the built-in `spec.name`."""
-    if spec.entry_point:
-        factory = _import_entry_point(spec.entry_point)
+class _WithReward:
+    """A task whose own reward is replaced by spec.task.reward's."""
+
+    def __init__(self, task: Task, reward: Callable[[Prompt, str], float]):
+        self.task = task
+        self.name = task.name
+        self.reward = reward
+        self.raw_prompts = getattr(task, "raw_prompts", False)
+        self.needs_chat_template = getattr(task, "needs_chat_template", None)
+
+    def prompt(self, rng: random.Random) -> Prompt:
+        return self.task.prompt(rng)
+
+    def __repr__(self) -> str:
+        return f"{self.task!r} with reward {self.reward!r}"
+
+
+def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
+    """The job's task: prompts from `spec.dataset`, `spec.entryPoint` called with `**spec.params`, or the built-in
+    `spec.name`; its reward replaced by `spec.reward` when set. `shard` = (this actor replica, replicas): dataset
+    tasks draw their rows in turns so that replicas do not repeat each other. Raises TaskError."""
+    if spec.dataset is not None:
+        from rlkube.core.prompt_dataset import DatasetTask
+
+        if spec.reward is None:
+            raise TaskError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)")
+        task: Any = DatasetTask.load(spec.name, spec.dataset, shard)
+        spec_field, where = "spec.task.dataset", f"spec.task.dataset {spec.dataset.path!r}"
+    elif spec.entry_point:
+        factory = import_attribute(spec.entry_point, "spec.task.entryPoint")
         task = factory(**spec.params)
-        where = f"spec.task.entryPoint {spec.entry_point!r}"
+        spec_field, where = "spec.task.entryPoint", f"spec.task.entryPoint {spec.entry_point!r}"
     else:
         factory = BUILTIN_TASKS.get(spec.name)
         if factory is None:
-            raise ValueError(f"spec.task.name: unknown built-in task {spec.name!r} (known: {', '.join(BUILTIN_TASKS)})")
+            raise TaskError("spec.task.name", f"unknown built-in task {spec.name!r} (known: {', '.join(BUILTIN_TASKS)})")
         task = factory(**spec.params)
-        where = f"spec.task.name {spec.name!r}"
-    for attr in ("prompt", "reward"):
+        spec_field, where = "spec.task.name", f"spec.task.name {spec.name!r}"
+    needed = ("prompt",) if spec.reward is not None else ("prompt", "reward")
+    for attr in needed:
         if not callable(getattr(task, attr, None)):
-            raise ValueError(f"{where} returned {task!r}, which has no {attr}() method")
+            raise TaskError(spec_field, f"{where} returned {task!r}, which has no {attr}() method")
     if not isinstance(getattr(task, "name", None), str):
         try:
-            task.name = spec.name  # type: ignore[misc]
+            task.name = spec.name
         except AttributeError:
-            raise ValueError(f"{where} returned {task!r}, which has no string `name`") from None
+            raise TaskError(spec_field, f"{where} returned {task!r}, which has no string `name`") from None
+    if spec.reward is not None:
+        from rlkube.core.rewards import build_reward, needs_answer
+
+        if spec.dataset is not None and needs_answer(spec.reward) and task.answer_column is None:
+            raise TaskError("spec.task.dataset.answerField", f"the {spec.reward.type} reward compares with a reference "
+                            f"answer, but {spec.dataset.path} has no `answer` column: name the column that holds it")
+        task = _WithReward(task, build_reward(spec.reward))
     return task
+
+
+# --- rendering: a Prompt -> the text inference completes ---------------------------------------------------
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(prompt: Prompt, tokenizer: Any = None) -> str:
+    """The text inference completes. `tokenizer` (anything with `apply_chat_template`, e.g. a transformers
+    tokenizer): render through its chat template, a plain-text prompt becoming one user message; None: the plain
+    text (a chat prompt then cannot be rendered)."""
+    if tokenizer is None:
+        if prompt.messages is not None:
+            raise TaskError("spec.task.chatTemplate", "this task's prompts are chat messages; they need the "
+                            "tokenizer's chat template")
+        return prompt.text
+    messages = [dict(m) for m in prompt.messages] if prompt.messages is not None else [
+        {"role": "user", "content": prompt.text}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not isinstance(text, str):
+        raise TaskError("spec.task.chatTemplate", f"the tokenizer's chat template rendered {type(text).__name__}, "
+                        "not text")
+    return text
+
+
+def prompt_renderer(spec: TaskSpec, task: Task, tokenizer: Any = None) -> Callable[[Prompt], str]:
+    """What the actor calls on every prompt: `render_prompt` with the chat template on or off as `spec.chatTemplate`
+    says (unset: on when the tokenizer has one, unless the task's prompts are raw text). Raises TaskError, naming
+    the field, when the task's prompts need a chat template the job cannot use."""
+    available = has_chat_template(tokenizer)
+    flag = spec.chat_template
+    use = (available and not getattr(task, "raw_prompts", False)) if flag is None else flag
+    if use and not available:
+        raise TaskError("spec.task.chatTemplate", "is true, but the model's tokenizer has no chat template")
+    needs = getattr(task, "needs_chat_template", None)  # the spec field that makes prompts chat messages
+    if needs and not use:
+        why = "spec.task.chatTemplate is false" if available else "the model's tokenizer has no chat template"
+        raise TaskError(needs, f"makes prompts chat messages, which need the chat template, but {why}")
+    chat = tokenizer if use else None
+
+    def render(prompt: Prompt) -> str:
+        return render_prompt(prompt, chat)
+
+    render.chat_template = use  # type: ignore[attr-defined]
+    return render
+
+
+# --- scoring: a reward that fails scores 0 and is counted, never fatal -------------------------------------
+
+_LOGGED_ERRORS = 5  # the first few failures are logged with their traceback; later ones every LOG_EVERY-th
+_LOG_EVERY = 100
+
+
+@dataclass
+class Scorer:
+    """Scores completions with `task.reward`. An exception, or a result that is not a finite number, scores 0,
+    counts in `errors` and reports the sample as failed; the actor carries on."""
+
+    task: Task
+    errors: int = 0
+    scored: int = 0
+
+    def __call__(self, prompt: Prompt, completion: str) -> tuple[float, bool]:
+        """(reward, failed)."""
+        self.scored += 1
+        try:
+            value = self.task.reward(prompt, completion)
+            reward = float(value)
+            if not math.isfinite(reward):
+                raise ValueError(f"the reward is {value!r}, not a finite number")
+        except Exception as exc:  # noqa: BLE001 - any failure of user code is one failed sample
+            self.errors += 1
+            if self.errors <= _LOGGED_ERRORS or self.errors % _LOG_EVERY == 0:
+                log.warning("reward of task %s failed on prompt %r (%d failures in %d samples; each scores 0): %s: %s",
+                            self.task.name, prompt.text[:200], self.errors, self.scored, type(exc).__name__, exc,
+                            exc_info=self.errors <= _LOGGED_ERRORS)
+            return 0.0, True
+        return reward, False
 
 
 def cli(args: Any) -> int:
@@ -188,6 +368,9 @@ def cli(args: Any) -> int:
             for p, v in params.items() if p != "self"
         )
         p = task.prompt(rng)
-        print(f"{name:16} {(factory.__doc__ or '').strip()} e.g. {p.text!r} -> {p.meta['answer']!r}; params: {shown}")
+        doc = " ".join((factory.__doc__ or "").split())
+        print(f"{name:16} {doc} e.g. {p.text!r} -> {p.meta['answer']!r}; params: {shown}")
+    print("dataset tasks: spec.task.dataset (JSONL, Parquet or a `datasets` directory) with spec.task.reward "
+          "(math, exact, regex, or python `package.module:function`)")
     print("custom tasks: spec.task.entryPoint = 'package.module:factory' (called with **spec.task.params)")
     return 0

@@ -511,14 +511,14 @@ class TrainerRole:
                     if d.model_version is not None and d.loss_mask().any()]
         lags = [version - v for v in versions]
         sums = [sum(d.reward for d in docs), len(docs), sum(len(d.tokens) for d in docs),
-                sum(1 for lag in lags if lag > self.ctx.spec.algorithm.max_lag)]
+                sum(1 for lag in lags if lag > self.ctx.spec.algorithm.max_lag), sum(d.reward_error for d in docs)]
         lag_max = max(lags) if lags else 0
         if self.dp is not None:
             sums = self.dp.sum(sums)
             lag_max = self.dp.max(lag_max)
-        reward_sum, n, tokens, stale = sums
+        reward_sum, n, tokens, stale, reward_errors = sums
         return {"reward_mean": reward_sum / max(n, 1), "lag_max": int(lag_max), "stale_documents": int(stale),
-                "tokens": int(tokens)}
+                "tokens": int(tokens), "reward_errors": int(reward_errors)}
 
     def _metrics(self, d: dict[str, float], m: dict[str, float], wait_s: float, busy_s: float,
                  publish_s: float) -> dict[str, Any]:
@@ -529,6 +529,7 @@ class TrainerRole:
             "version": self.trainer.version,
             "loss": m["loss"],
             "reward_mean": d["reward_mean"],
+            "reward_errors": d["reward_errors"],  # samples whose reward function failed (scored 0)
             "lag_max": d["lag_max"],
             "stale_documents": d["stale_documents"],
             "tokens": tokens,

@@ -2,12 +2,14 @@
 
 The operator folds these facts into `status.trainer` (and `status.completion`), `rlkube local` into its progress
 bar and summary. Only this module knows which payload field carries what (a weights_ready's `version` falls back
-to its `step`, a checkpoint path comes as `path` or `checkpoint`, the step's worst lag as `lag_max` or `lag`), so
-the two launchers cannot read the same event differently. Unknown types carry no facts.
+to its `step`, a checkpoint path comes as `path` or `checkpoint`, the step's worst lag as `lag_max` or `lag`, the
+step's mean reward as `reward_mean`, its throughput as `tokens_per_s`), so the two launchers cannot read the same
+event differently. Unknown types carry no facts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,14 @@ from rlkube.core import protocol
 
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _float(value: Any, digits: int) -> float | None:
+    """A finite number, rounded: a status field and a printer column, not a metric's full precision (NaN and
+    infinities are not JSON and are dropped)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return round(float(value), digits)
 
 
 def _str(value: Any) -> str | None:
@@ -33,6 +43,10 @@ class Facts:
     finished: bool = False
     interrupted: bool = False
     """A training_finished of a scheduled or interrupted stop (the payload says so)."""
+    reward_mean: float | None = None
+    """Mean reward of the step's training documents (4 decimals)."""
+    tokens_per_s: float | None = None
+    """Tokens the trainer consumed per second of the step's wall time (1 decimal)."""
     metrics: dict[str, Any] | None = None
 
 
@@ -43,7 +57,9 @@ def read(ev: protocol.TrainerEvent) -> Facts:
         return Facts(step=step, weights_version=version if version is not None else step,
                      documents_seen=_int(payload.get("documents_seen")))
     if ev.type == protocol.METRICS:
-        return Facts(step=step, lag=_int(payload.get("lag_max", payload.get("lag"))), metrics=payload)
+        return Facts(step=step, lag=_int(payload.get("lag_max", payload.get("lag"))),
+                     reward_mean=_float(payload.get("reward_mean"), 4),
+                     tokens_per_s=_float(payload.get("tokens_per_s"), 1), metrics=payload)
     if ev.type == protocol.CHECKPOINT_SAVED:
         path = _str(payload.get("path")) or _str(payload.get("checkpoint"))
         return Facts(checkpoint=(step, path) if step is not None and path else None)

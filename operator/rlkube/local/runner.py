@@ -354,6 +354,9 @@ class LocalJob:
             parts.append(f"lag {m['lag_max']}")
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+        errors = sum(int(x.get("reward_errors") or 0) for x in self.metrics)
+        if errors:
+            parts.append(f"{errors} reward errors")  # samples whose reward function failed (scored 0)
         if self.stalled:
             parts.append("STALLED")
         return "  ".join(parts)

@@ -1,4 +1,4 @@
-"""Stand-ins for the kubelet and the trainer: a TEST AND BENCHMARK HELPER, never used by the operator.
+"""Stand-ins for the kubelet and the trainer, for `rlkube bench operator` and the operator tests (never the operator).
 
 The test cluster is a real kube-apiserver without kubelet or scheduler, so pods would stay Pending forever.
 `FakeKubelet` plays the node for the pods of rlkube jobs in one namespace, through the API only:
@@ -31,9 +31,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from rlkube.bench.listwatch import ListWatch
 from rlkube.controller import names
 from rlkube.core import protocol, runtime
 from rlkube.local.redis_server import RedisServer
@@ -92,7 +93,7 @@ class FakeKubelet:
         self.by_job: dict[str, list[PodRecord]] = {}  # job -> its pods, in order of appearance
         self.redis: dict[str, RedisServer] = {}  # uid -> server
         self._seq = itertools.count(1)
-        self._task: asyncio.Task | None = None
+        self._watch: ListWatch | None = None
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Condition()
         self._own_dir = self.redis_dir is None
@@ -101,16 +102,14 @@ class FakeKubelet:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> FakeKubelet:
-        ready = asyncio.Event()
-        self._task = asyncio.create_task(self._watch(ready))
-        await ready.wait()
+        selector = names.label_selector({names.LABEL_MANAGED_BY: names.MANAGED_BY})
+        self._watch = await ListWatch.pods(self.api, self.namespace, self._on_event, selector).start()
         return self
 
     async def close(self) -> None:
         try:
-            if self._task is not None:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+            if self._watch is not None:
+                await self._watch.close()
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -135,41 +134,7 @@ class FakeKubelet:
     def _matches(rules: set[tuple[str | None, str]], job: str, role: str) -> bool:
         return (job, role) in rules or (None, role) in rules
 
-    # -- the watch --------------------------------------------------------------------------------
-
-    async def _watch(self, ready: asyncio.Event) -> None:
-        selector = names.label_selector({names.LABEL_MANAGED_BY: names.MANAGED_BY})
-        rv = None
-        while True:
-            try:
-                if rv is None:
-                    listing = await self.core.list_namespaced_pod(self.namespace, label_selector=selector)
-                    rv = listing.metadata.resource_version
-                    for pod in listing.items:
-                        await self._on_event("ADDED", self.api.sanitize_for_serialization(pod))
-                    ready.set()
-                stream = watch.Watch().stream(
-                    self.core.list_namespaced_pod,
-                    self.namespace,
-                    label_selector=selector,
-                    resource_version=rv,
-                    timeout_seconds=60,
-                    _request_timeout=90,
-                )
-                async with stream as events:
-                    async for event in events:
-                        obj = event["raw_object"]
-                        if event["type"] == "ERROR":
-                            rv = None  # 410 Gone: list again
-                            break
-                        rv = obj["metadata"]["resourceVersion"]
-                        await self._on_event(event["type"], obj)
-            except asyncio.CancelledError:
-                raise
-            except (TimeoutError, ApiException, OSError) as exc:
-                log.warning("fake kubelet watch restarts: %s", exc)
-                rv = None
-                await asyncio.sleep(0.2)  # retry delay before re-listing
+    # -- what the watch sees ----------------------------------------------------------------------
 
     async def _on_event(self, type_: str, pod: dict) -> None:
         meta = pod["metadata"]

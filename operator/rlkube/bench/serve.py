@@ -1,4 +1,4 @@
-"""Benchmark of the serving side (`python -m rlkube.core.bench_serve [--json]`): prints numbers, asserts nothing.
+"""`rlkube bench serve [--json]`: the serving side (native inference + weight updates); prints numbers only.
 
 Starts a private Redis and a real native inference server process for the tiny model, joins it from this
 process as the trainer (WeightPublisher), then measures
@@ -6,6 +6,7 @@ process as the trainer (WeightPublisher), then measures
 - weight updates: the trainer's blocking time per publish (announce + transfer) and the time until the server
   reports the new version in effect (transfer + load + swap), over repeated updates, with the server idle and
   while it generates flat out (as in a pipelined run).
+Needs the `core` extra.
 """
 
 from __future__ import annotations
@@ -147,12 +148,7 @@ def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> d
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--seconds", type=float, default=5.0, help="load duration per concurrency level")
-    parser.add_argument("--updates", type=int, default=20)
-    args = parser.parse_args(argv)
+def cli(args: argparse.Namespace) -> int:
     result = run(args.seconds, args.updates)
     if args.json:
         print(json.dumps(result))
@@ -167,7 +163,3 @@ def main(argv: list[str] | None = None) -> int:
               f"({w['publish_ms_max']:.1f} max); in effect after {w['in_effect_ms_median']:.1f} ms median "
               f"({w['in_effect_ms_max']:.1f} max)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,6 +5,8 @@
 with the current weights and wait for the trainer to train on it: generate, train, generate, train.
 Throughput is measured between the first and the last optimizer step (Redis stream-id timestamps of the
 trainer's `metrics` events), which leaves process start-up out of both numbers.
+The job is `--manifest FILE`, by default TINY_JOB below: examples/tiny-cpu.yaml, written here so the benchmark
+runs from an installed package, with no repository beside it. Needs the `core` extra.
 """
 
 from __future__ import annotations
@@ -19,9 +21,32 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from rlkube.api.spec import GROUP, KIND, VERSION
 from rlkube.local.runner import RunResult, run_local
 
-DEFAULT_MANIFEST = Path(__file__).resolve().parents[3] / "examples" / "tiny-cpu.yaml"
+# examples/tiny-cpu.yaml (tests/unit/test_bench_jobs.py keeps them equal): a randomly initialised tiny model
+# learning the built-in task on one CPU.
+TINY_JOB = {
+    "apiVersion": f"{GROUP}/{VERSION}",
+    "kind": KIND,
+    "metadata": {"name": "bench"},
+    "spec": {
+        "image": "ghcr.io/rlkube/core:0.1.0",
+        "model": {"path": "builtin://tiny-llama", "seed": 0, "maxSequenceLength": 32},
+        "task": {"name": "reverse-digits"},
+        "algorithm": {"loss": "grpo", "maxSteps": 40, "groupSize": 8, "samplesPerStep": 32,
+                      "learningRate": 0.003, "maxLag": 2, "maxNewTokens": 4},
+        "trainer": {"backend": "torch", "checkpoint": {"intervalSteps": 10},
+                    "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}},
+        "inference": {"engine": "native", "replicas": 1, "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}},
+        "actor": {"replicas": 1},
+        "preprocessor": {"replicas": 1},
+        "redis": {"mode": "managed"},
+        "runPolicy": {"backoffLimit": 2, "completionTimeoutSeconds": 60, "eventTimeoutSeconds": 300},
+        "teardown": {"gracePeriodSeconds": {"actor": 10, "preprocessor": 10, "inference": 10, "trainer": 30,
+                                            "redis": 10}},
+    },
+}
 
 
 def steady_throughput(result: RunResult, samples_per_step: int) -> tuple[float, float]:
@@ -68,7 +93,10 @@ def run_pair(manifest: dict, samples: int | None, console: Console) -> dict[str,
 
 def cli(args) -> int:
     console = Console(stderr=True)
-    manifest = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    if args.manifest:
+        manifest = yaml.safe_load(Path(args.manifest).read_text())
+    else:
+        manifest = copy.deepcopy(TINY_JOB)
     out = run_pair(manifest, args.samples, console)
     console.print(
         f"pipelined {out['pipelined_sps']} samples/s, synchronous {out['sync_sps']} samples/s, "

@@ -1,0 +1,34 @@
+"""The jobs the benchmarks build in code (they run from an installed package, with no examples/ beside them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rlkube.api import parse_manifest
+from rlkube.bench import operator as bench_operator
+from rlkube.bench import pipeline
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+
+
+def test_bench_pipeline_runs_the_tiny_example_job():
+    # `rlkube bench pipeline` is documented as the tiny example pipelined vs synchronous.
+    _, bench = parse_manifest(pipeline.TINY_JOB)
+    _, example = parse_manifest(yaml.safe_load(EXAMPLE.read_text()))
+    assert bench == example
+
+
+def test_bench_operator_jobs_are_valid_external_redis_jobs():
+    meta, spec = parse_manifest(bench_operator.job_manifest("job-0001", "redis://127.0.0.1:6379/0"))
+    assert meta["name"] == "job-0001"
+    assert spec.redis.mode == "external" and spec.algorithm.max_steps == bench_operator.MAX_STEPS
+
+
+def test_bench_operator_table_aligns_columns():
+    rows = [{"n": 2, "operator_rss_mb": 81.5}, {"n": 200, "operator_rss_mb": 312.25}]
+    lines = bench_operator.table(rows).splitlines()
+    assert lines[1].split() == ["n", "operator_rss_mb"]
+    assert [line.split() for line in lines[2:]] == [["2", "81.5"], ["200", "312.25"]]
+    assert len({len(line) for line in lines[1:]}) == 1

@@ -1,0 +1,39 @@
+"""A standby operator answers the liveness endpoint (kopf serves it only once it runs), and frees the port for
+kopf when it becomes the leader."""
+
+from __future__ import annotations
+
+import socket
+
+import aiohttp
+import pytest
+
+from rlkube.controller.main import standby_health
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_standby_answers_the_liveness_endpoint_then_frees_the_port():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/healthz"
+    async with aiohttp.ClientSession() as session:
+        async with standby_health(url):
+            async with session.get(url) as r:
+                assert r.status == 200 and await r.json() == {"leader": False}
+            async with session.get(f"http://127.0.0.1:{port}/other") as r:
+                assert r.status == 404
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with session.get(url) as r:
+                pass
+    with socket.socket() as s:  # kopf can bind it now
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+async def test_no_endpoint_serves_nothing():
+    async with standby_health(None):
+        pass
