@@ -169,3 +169,10 @@ def test_gradient_checkpointing_recomputes_to_the_same_step():
     assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
     for k, v in plain.model.state_dict().items():
         torch.testing.assert_close(v, ckpt.model.state_dict()[k], rtol=1e-5, atol=1e-6)
+
+
+def test_float16_training_is_refused_naming_the_field():
+    from rlkube.core.hf import ModelError
+
+    with pytest.raises(ModelError, match=r"^spec\.model\.dtype: the torch backend trains in float32 or bfloat16"):
+        Trainer(parse_spec({**SPEC, "model": {**SPEC["model"], "dtype": "float16"}}))

@@ -52,11 +52,12 @@ class ModelSpec(Model):
             "(a tiny random Llama with a character tokenizer, written locally from `seed`)."
         ),
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description=(
             "Compute and serving dtype. bfloat16 trains with float32 master weights and optimizer state "
-            "(bfloat16 autocast) and serves bfloat16 weights."
+            "(bfloat16 autocast) and serves bfloat16 weights. float16: Fast-LLM and serving only (the torch "
+            "backend has no loss scaling and refuses it)."
         ),
     )
     seed: int = Field(0, ge=0, description="Seed for the built-in model's random weights and for sampling.")

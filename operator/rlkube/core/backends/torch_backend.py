@@ -20,6 +20,7 @@ import torch
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import batch_loss, lr_scheduler
 from rlkube.core.batch import Batch
+from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
@@ -38,6 +39,10 @@ def enable_activation_checkpointing(model) -> None:
 class TorchBackend:
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
+        if spec.model.dtype == "float16":
+            # float16 gradients underflow without loss scaling, which this backend does not do.
+            raise ModelError("spec.model.dtype", "the torch backend trains in float32 or bfloat16 (float16 needs "
+                                                 "loss scaling); use bfloat16")
         self.device = torch.device(device)
         self.model = load_model(model_dir, torch.float32, self.device)  # float32 masters whatever model.dtype says
         tokenizer = load_tokenizer(model_dir, self.model.config)
