@@ -216,6 +216,9 @@ def test_dataset_prompts_and_a_reward_that_raises_score_zero_and_are_counted(sta
     # the rows are drawn an epoch (3 groups) at a time; with 2 workers at most one draw is still in flight, so 6
     # written groups hold every row, each prompt exactly as written
     assert {roles_tokenizer_decode(g.prompt_tokens) for g in got} == {r["question"] for r in rows}
+    # rendered by the built-in model's chat template, which writes <bos> (id 1): sent as ids, so inference does not
+    # add a second one
+    assert all(g.prompt_tokens[0] == 1 and g.prompt_tokens[1] != 1 for g in got), [g.prompt_tokens for g in got]
     for g in got:
         # each group's 4 completions are scored one after another: calls 2 and 4 of every 4 raised
         assert [s.reward_error for s in g.samples] == [False, True, False, True], g
