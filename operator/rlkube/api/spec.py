@@ -38,9 +38,6 @@ class Resources(Model):
     )
 
 
-MODEL_PATH_FORMS = "a directory, `hf://org/name[@revision]`, or `builtin://tiny-llama`"
-
-
 class ModelSpec(Model):
     path: str = Field(
         ...,

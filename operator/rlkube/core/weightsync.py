@@ -430,10 +430,11 @@ class WeightPublisher:
     """The trainer's whole weight-publication duty: announce on the events stream, then transfer.
 
     ```
-    pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size)
-    pub.start(model.named_parameters(), version=resumed_step)            # at start-up (also after a restart)
-    pub.publish(model.named_parameters(), version=step, step=step, documents_seen=n)  # after each optim_step
-    pub.close()                                                          # on training_finished
+    pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
+                          transfer_dtype=torch.bfloat16, bucket_bytes=64 * 2**20)
+    pub.start(backend.weights(), version=resumed_step)            # at start-up (also after a restart)
+    pub.publish(backend.weights(), version=step, step=step, documents_seen=n)  # after each optim_step
+    pub.close()                                                   # on training_finished
     ```
     `start` opens a new epoch and pushes the current weights (version 0, or the resumed checkpoint's step): the
     inference servers join on that announcement and report healthy only then, so the trainer must call it before
