@@ -33,7 +33,8 @@ from rlkube.core.protocol import TrainerEvent
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 ALL_STATIC = frozenset(
-    {"ConfigMap/j-config", "Secret/j-redis", "Service/j-redis", "Service/j-inference", "Service/j-trainer"}
+    {"ConfigMap/j-config", "Secret/j-redis", "NetworkPolicy/j-redis", "Service/j-redis", "Service/j-inference",
+     "Service/j-trainer"}
 )
 REACHABLE = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", caught_up=True)
 
@@ -135,8 +136,9 @@ def reasons(d: Decision) -> list[str]:
 def test_new_job_is_pending_and_creates_config_services_secret_and_redis_only():
     d = run(job(), static=())
     assert d.status.phase == "Pending" and d.status.start_time == fmt_time(T0)
-    assert creates(d) == ["j-config", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
-    assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "Service", "Service", "Service", "Pod"]
+    assert creates(d) == ["j-config", "j-redis", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
+    assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "NetworkPolicy", "Service", "Service", "Service",
+                                           "Pod"]
     assert "Accepted" in reasons(d)
     assert d.watch_events and cond(d.status, "EventSourceReachable").status == "True"
 
@@ -496,8 +498,8 @@ def test_suspend_stops_in_order_then_resume_recreates():
     assert d.status.phase == "Suspended" and cond(d.status, "Suspended").status == "True"
     assert cond(d.status, "ResourcesReleased").status == "True" and not d.watch_events
     assert {(a.kind, a.name) for a in d.actions if isinstance(a, DeleteObject)} == {
-        ("ConfigMap", "j-config"), ("Secret", "j-redis"), ("Service", "j-redis"), ("Service", "j-inference"),
-        ("Service", "j-trainer")}
+        ("ConfigMap", "j-config"), ("Secret", "j-redis"), ("NetworkPolicy", "j-redis"), ("Service", "j-redis"),
+        ("Service", "j-inference"), ("Service", "j-trainer")}
     d = run(job(d.status), [], static=())  # suspend unset
     assert d.status.phase == "Pending" and d.status.teardown is None
     assert cond(d.status, "Suspended").status == "False" and cond(d.status, "ResourcesReleased") is None
@@ -582,7 +584,7 @@ def test_a_static_child_deleted_while_the_job_runs_is_recreated_with_an_event(mi
 
 def test_first_creation_and_resume_are_not_reported_as_recreations():
     d = run(job(), static=())
-    assert len(creates(d)) == 6 and "ChildRecreated" not in reasons(d)
+    assert len(creates(d)) == 7 and "ChildRecreated" not in reasons(d)
     j = lambda st: job(st, **{"runPolicy.suspend": True})
     d = run(j(running_status()), all_pods())
     d = run(j(d.status), [])
@@ -710,7 +712,10 @@ def test_resources_the_pod_schema_would_reject_fail_up_front_naming_the_field(re
 @pytest.mark.parametrize(
     "resources",
     [{"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 1, "memory": "1.5Gi"}},
-     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1}, "limits": {"hugepages-2Mi": "2Mi"}}],
+     # (hugepages need cpu or memory beside them, an extended resource an equal limit: the API server refuses
+     # such a Pod)
+     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1},
+      "limits": {"hugepages-2Mi": "2Mi", "memory": "1Gi", "example.com/fpga": 1}}],
 )
 def test_valid_resources_pass(resources):
     parse_spec(raw_spec(**{"actor.resources": resources}))

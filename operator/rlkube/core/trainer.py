@@ -20,7 +20,8 @@ waiting for (the step is checkpointed and reported interrupted, the process exit
 and documents that stop coming: like Fast-LLM, the trainer gives up after RLKUBE_DOCUMENT_TIMEOUT_S (600 s)
 without one, checkpoints what it trained and exits 1 without training_finished.
 
-With `spec.trainer.nodes > 1` (torch backend) one trainer process runs per node, data-parallel (see
+With more than one rank (spec.trainer.nodes x processes per node; torch and megatron backends) one trainer
+process runs per rank, data-parallel (several per pod through rlkube.core.launcher; see
 rlkube.core.backends.torch_distributed): each rank reads its share of samplesPerStep documents per step as its own consumer
 `fast_llm_consumer_{rank}`, the gradients are summed over the ranks (normalised by the step's global loss-token
 count, so the result is single-process training on the union of the step's documents), and every rank steps.
@@ -56,6 +57,7 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
 from rlkube.core.runtime import RoleContext
+from rlkube.lifecycle.environment import processes_per_node, trainer_world_size
 
 log = logging.getLogger("rlkube.trainer")
 
@@ -566,13 +568,14 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
                document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S, env=None) -> TrainerRole:
     spec = ctx.spec
     env = os.environ if env is None else env
-    nodes = spec.trainer.nodes
-    if nodes > 1 and spec.trainer.backend != "torch":
-        raise ValueError(f"spec.trainer.nodes={nodes}: the {spec.trainer.backend} backend of "
-                         "`python -m rlkube.core.trainer` trains on one node (data parallelism: backend torch)")
-    cfg = DistConfig.from_env(env) if nodes > 1 else None
-    if cfg is not None and cfg.world_size != nodes:
-        raise ValueError(f"WORLD_SIZE={cfg.world_size} but spec.trainer.nodes={nodes}")
+    world = trainer_world_size(spec)
+    if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
+        raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
+                         f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
+    cfg = DistConfig.from_env(env) if world > 1 else None
+    if cfg is not None and cfg.world_size != world:
+        raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "
+                         f"{spec.trainer.nodes} x {processes_per_node(spec)} processes per node)")
     device = "cuda" if spec.trainer.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
     if device == "cuda" and cfg is not None:
         device = f"cuda:{cfg.local_rank}"
