@@ -64,6 +64,7 @@ OPERATOR_NEEDS = [
     ("rlkube.io", "trainingjobs/finalizers", "update"),
     *[("", r, v) for r in ("pods", "services", "secrets", "configmaps")
       for v in ("get", "list", "watch", "create", "patch", "delete")],
+    *[("networking.k8s.io", "networkpolicies", v) for v in ("get", "list", "watch", "create", "patch", "delete")],
     ("", "pods/status", "get"),
     *[("", "persistentvolumeclaims", v) for v in ("get", "list", "watch")],
     *[(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")],

@@ -357,6 +357,8 @@ class ClusterJob:
         left += [f"service/{s.metadata.name}" for s in self.core.list_namespaced_service(self.namespace, label_selector=sel).items]
         left += [f"secret/{s.metadata.name}" for s in self.core.list_namespaced_secret(self.namespace, label_selector=sel).items]
         left += [f"configmap/{c.metadata.name}" for c in self.core.list_namespaced_config_map(self.namespace, label_selector=sel).items]
+        left += [f"networkpolicy/{n.metadata.name}" for n in client.NetworkingV1Api(self.api_client)
+                 .list_namespaced_network_policy(self.namespace, label_selector=sel).items]
         return left
 
     def leftover_processes(self) -> list[str]:

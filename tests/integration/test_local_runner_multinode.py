@@ -38,3 +38,31 @@ def test_tiny_job_on_two_trainer_nodes(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == [
         "step-000003", "step-000006"]
     assert not _leftovers(out)
+
+
+def test_two_local_ranks_in_one_trainer_process(tmp_path):
+    """trainer.processesPerNode: 2 on CPU: `rlkube local` starts ONE trainer process (as the operator starts one
+    trainer pod), the launcher in it starts ranks 0 and 1 with torchrun's worker env, and the job succeeds."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["trainer"]["processesPerNode"] = 2
+    doc["spec"]["trainer"]["checkpoint"]["intervalSteps"] = 3
+    doc["spec"]["algorithm"]["maxSteps"] = STEPS
+    manifest = tmp_path / "two-local-ranks.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = _run([str(manifest), "--json", "--output-dir", str(out)])
+    stdout, stderr = proc.communicate(timeout=300)
+    print(f"{STEPS} steps on 2 local ranks of one trainer process: {time.monotonic() - t0:.1f}s")
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Succeeded" and summary["steps"] == STEPS, summary
+    assert summary["teardown"] == ORDER and summary["forced"] == [], summary
+    assert sorted(p.name for p in (out / "logs").glob("trainer-*.log")) == ["trainer-0.log"]
+    log = (out / "logs" / "trainer-0.log").read_text()
+    assert "node 0: started ranks [0, 1]" in log, log[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] " in log and f"rank {rank}/2 joined the data-parallel group" in log, log[-3000:]
+    assert "rank 1 left the data-parallel group after rank 0 finished" in log, log[-3000:]
+    assert "rank 0 exited 0" in log and "rank 1 exited 0" in log and "Traceback" not in log, log[-3000:]
+    assert not _leftovers(out)

@@ -9,7 +9,8 @@ main process and its process group is the container's. Standard library only (`-
 fast start).
 
 CONFIG is a JSON file: {"netns": path|null, "hostname": str, "mounts": [{"source", "target", "readOnly"}],
-"cwd": str, "argv": [...], "env": {...}, "startError": path}. On a failure before exec it writes the reason
+"cwd": str (workingDir, in the container's view) or "hostCwd": str (a host directory), "argv": [...],
+"env": {...}, "startError": path}. On a failure before exec it writes the reason
 to `startError` and exits 128 (what kubelet reports for a container that could not start).
 """
 
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -29,6 +31,7 @@ MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG = 1
+O_PATH = 0o10000000
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,24 +58,42 @@ def enter(cfg: dict) -> None:
     _check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare(mount, uts)")
     # Private propagation: our binds must not leak back to the host's mount namespace.
     _mount(None, "/", MS_REC | MS_PRIVATE)
-    for m in cfg.get("mounts", []):
-        if os.path.isfile(m["source"]) and not os.path.exists(m["target"]):
-            # A file mounted where none is (the termination log at /dev/termination-log): make the mount point,
-            # as a container runtime does in the container's root filesystem.
-            os.makedirs(os.path.dirname(m["target"]), exist_ok=True)
-            open(m["target"], "a").close()
-        _mount(m["source"], m["target"], MS_BIND | MS_REC)
+    # The agent's work directory for the pod is a host path: held open across the mounts below, like the sources.
+    host_cwd = os.open(cfg["hostCwd"], os.O_RDONLY | os.O_DIRECTORY) if cfg.get("hostCwd") else None
+    mounts = cfg.get("mounts", [])
+    # Every source is opened before the first bind: a volume mounted over a directory that holds other sources
+    # (an emptyDir at /tmp while the pod directory lives under /tmp) must not hide them, as a container runtime
+    # resolves sources on the host, not in the container's view.
+    sources = [os.open(m["source"], O_PATH) for m in mounts]
+    for m, fd in zip(mounts, sources):
+        if not os.path.exists(m["target"]):
+            # A mount point that is not there in the pod's view (a file such as /dev/termination-log, or a path
+            # under an earlier volume): make it, as a container runtime does in the container's root filesystem.
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.makedirs(os.path.dirname(m["target"]), exist_ok=True)
+                open(m["target"], "a").close()
+            else:
+                os.makedirs(m["target"], exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", m["target"], MS_BIND | MS_REC)
         if m.get("readOnly"):
             _mount(None, m["target"], MS_REMOUNT | MS_BIND | MS_RDONLY)
+    for fd in sources:
+        os.close(fd)
     if cfg.get("hostname"):
         socket.sethostname(cfg["hostname"])
-    os.chdir(cfg.get("cwd") or "/")
+    if host_cwd is not None:
+        os.fchdir(host_cwd)
+        os.close(host_cwd)
+    else:
+        os.chdir(cfg.get("cwd") or "/")  # workingDir: a path in the container's view
 
 
 def main() -> None:
     with open(sys.argv[1]) as fh:
         cfg = json.load(fh)
     argv = cfg["argv"]
+    # Where the agent looks for a start error, opened now: a volume may cover its path once mounted (/tmp).
+    error_dir = os.open(os.path.dirname(cfg["startError"]), os.O_RDONLY | os.O_DIRECTORY)
     try:
         enter(cfg)
         os.execvpe(argv[0], argv, cfg["env"])
@@ -80,7 +101,9 @@ def main() -> None:
         message = f"failed to start container command {argv[0]!r}: {exc}"
         print(message, file=sys.stderr, flush=True)
         try:
-            with open(cfg["startError"], "w") as fh:
+            fd = os.open(os.path.basename(cfg["startError"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
+                         dir_fd=error_dir)
+            with os.fdopen(fd, "w") as fh:
                 fh.write(message)
         except OSError:
             pass

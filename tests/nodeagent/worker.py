@@ -241,7 +241,8 @@ class PodWorker(threading.Thread):
         cfg_path = self.dir / f"{c.name}.podinit.json"
         cfg_path.write_text(json.dumps({
             "netns": self.netns, "hostname": self.hostname, "mounts": mounts,
-            "cwd": spec.get("workingDir") or str(self.dir / "work"), "argv": argv, "env": env,
+            **({"cwd": spec["workingDir"]} if spec.get("workingDir") else {"hostCwd": str(self.dir / "work")}),
+            "argv": argv, "env": env,
             "startError": str(start_error),
         }))
         with open(logdir / f"{c.restart_count}.log", "ab") as logf:

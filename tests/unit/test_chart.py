@@ -444,7 +444,8 @@ def test_rbac_covers_every_child_the_operator_builds(path):
         rules = [r for d in find(docs, kind) if d["metadata"]["name"] == "rel-rlkube-operator" for r in d["rules"]]
         for child in children:
             group = child["apiVersion"].rpartition("/")[0]
-            resource = child["kind"].lower() + "s"
+            kind_lower = child["kind"].lower()
+            resource = kind_lower[:-1] + "ies" if kind_lower.endswith("y") else kind_lower + "s"
             for verb in ("create", "delete", "get", "list", "watch"):
                 assert rules_allow(rules, group, resource, verb), f"{kind}: cannot {verb} {child['kind']}"
             pod = child.get("spec", {}) if child["kind"] == "Pod" else {}

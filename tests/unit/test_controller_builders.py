@@ -36,7 +36,8 @@ def env_of(pod: dict) -> dict[str, dict]:
 def test_managed_job_children_names_labels_and_owner():
     kids = by_name(builders.all_children(ref(), password="s3cret"))
     assert set(kids) == {
-        "ConfigMap/tj-config", "Secret/tj-redis", "Service/tj-redis", "Service/tj-inference", "Service/tj-trainer",
+        "ConfigMap/tj-config", "Secret/tj-redis", "NetworkPolicy/tj-redis", "Service/tj-redis", "Service/tj-inference",
+        "Service/tj-trainer",
         "Pod/tj-redis", "Pod/tj-trainer-0", "Pod/tj-inference-0", "Pod/tj-preprocessor-0", "Pod/tj-actor-0",
     }
     for key, m in kids.items():
@@ -117,10 +118,13 @@ def test_trainer_pod_checkpoint_volume_rank_env_and_gpus():
     ranks = [builders.core_pod(job, "trainer", i) for i in range(3)]
     for i, p in enumerate(ranks):
         e = env_of(p)
-        assert (e["RANK"]["value"], e["WORLD_SIZE"]["value"], e["NODE_RANK"]["value"]) == (str(i), "3", str(i))
+        # Two ranks per pod: the launcher gives each its RANK/LOCAL_RANK (environment.rank_env), not the pod.
+        assert (e["WORLD_SIZE"]["value"], e["NODE_RANK"]["value"], e["LOCAL_WORLD_SIZE"]["value"]) == ("6", str(i), "2")
+        assert "RANK" not in e and "LOCAL_RANK" not in e
         assert e["MASTER_ADDR"]["value"] == "tj-trainer-0.tj-trainer" and e["MASTER_PORT"]["value"] == "29400"
         c = p["spec"]["containers"][0]
         assert c["image"] == "ghcr.io/rlkube/trainer-megatron:1"
+        assert c["command"] == ["python", "-m", "rlkube.core.launcher"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
         vols = {v["name"]: v for v in p["spec"]["volumes"]}
         assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}

@@ -33,7 +33,8 @@ from rlkube.core.protocol import TrainerEvent
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 ALL_STATIC = frozenset(
-    {"ConfigMap/j-config", "Secret/j-redis", "Service/j-redis", "Service/j-inference", "Service/j-trainer"}
+    {"ConfigMap/j-config", "Secret/j-redis", "NetworkPolicy/j-redis", "Service/j-redis", "Service/j-inference",
+     "Service/j-trainer"}
 )
 REACHABLE = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", caught_up=True)
 
@@ -135,8 +136,9 @@ def reasons(d: Decision) -> list[str]:
 def test_new_job_is_pending_and_creates_config_services_secret_and_redis_only():
     d = run(job(), static=())
     assert d.status.phase == "Pending" and d.status.start_time == fmt_time(T0)
-    assert creates(d) == ["j-config", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
-    assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "Service", "Service", "Service", "Pod"]
+    assert creates(d) == ["j-config", "j-redis", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
+    assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "NetworkPolicy", "Service", "Service", "Service",
+                                           "Pod"]
     assert "Accepted" in reasons(d)
     assert d.watch_events and cond(d.status, "EventSourceReachable").status == "True"
 
@@ -496,8 +498,8 @@ def test_suspend_stops_in_order_then_resume_recreates():
     assert d.status.phase == "Suspended" and cond(d.status, "Suspended").status == "True"
     assert cond(d.status, "ResourcesReleased").status == "True" and not d.watch_events
     assert {(a.kind, a.name) for a in d.actions if isinstance(a, DeleteObject)} == {
-        ("ConfigMap", "j-config"), ("Secret", "j-redis"), ("Service", "j-redis"), ("Service", "j-inference"),
-        ("Service", "j-trainer")}
+        ("ConfigMap", "j-config"), ("Secret", "j-redis"), ("NetworkPolicy", "j-redis"), ("Service", "j-redis"),
+        ("Service", "j-inference"), ("Service", "j-trainer")}
     d = run(job(d.status), [], static=())  # suspend unset
     assert d.status.phase == "Pending" and d.status.teardown is None
     assert cond(d.status, "Suspended").status == "False" and cond(d.status, "ResourcesReleased") is None
@@ -514,9 +516,9 @@ def test_deleting_a_running_job_runs_the_teardown_and_reports_released():
 
 
 def test_invalid_spec_fails_names_the_field_and_creates_nothing():
-    d = run(job(**{"model.architecture.heads": 5}), static=())
+    d = run(job(**{"model.path": "builtin://tiny-gpt"}), static=())
     assert outcome_of(d) == ("Failed", "InvalidSpec")
-    assert "spec.model.architecture.heads" in cond(d.status, "Failed").message
+    assert "spec.model.path" in cond(d.status, "Failed").message
     assert creates(d) == [] and d.status.phase == "Failed" and d.released
     assert any(e.type == "Warning" and e.reason == "InvalidSpec" for e in d.events)
 
@@ -582,7 +584,7 @@ def test_a_static_child_deleted_while_the_job_runs_is_recreated_with_an_event(mi
 
 def test_first_creation_and_resume_are_not_reported_as_recreations():
     d = run(job(), static=())
-    assert len(creates(d)) == 6 and "ChildRecreated" not in reasons(d)
+    assert len(creates(d)) == 7 and "ChildRecreated" not in reasons(d)
     j = lambda st: job(st, **{"runPolicy.suspend": True})
     d = run(j(running_status()), all_pods())
     d = run(j(d.status), [])
@@ -654,9 +656,9 @@ def test_a_spec_change_undone_clears_the_condition_and_suspend_is_not_a_change()
 
 
 def test_an_invalid_spec_edit_of_a_running_job_is_ignored_not_fatal():
-    d = run(job(running_status(), generation=2, changed=True, **{"model.architecture.heads": 5}), all_pods())
+    d = run(job(running_status(), generation=2, changed=True, **{"model.path": "builtin://tiny-gpt"}), all_pods())
     assert outcome_of(d) is None and d.status.phase == "Running"
-    assert cond(d.status, "SpecChangeIgnored").message.startswith("spec.model.architecture.heads changed")
+    assert cond(d.status, "SpecChangeIgnored").message.startswith("spec.model.path changed")
 
 
 def test_resume_applies_the_changed_spec():
@@ -710,7 +712,10 @@ def test_resources_the_pod_schema_would_reject_fail_up_front_naming_the_field(re
 @pytest.mark.parametrize(
     "resources",
     [{"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 1, "memory": "1.5Gi"}},
-     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1}, "limits": {"hugepages-2Mi": "2Mi"}}],
+     # (hugepages need cpu or memory beside them, an extended resource an equal limit: the API server refuses
+     # such a Pod)
+     {"requests": {"ephemeral-storage": "1e3", "example.com/fpga": 1},
+      "limits": {"hugepages-2Mi": "2Mi", "memory": "1Gi", "example.com/fpga": 1}}],
 )
 def test_valid_resources_pass(resources):
     parse_spec(raw_spec(**{"actor.resources": resources}))

@@ -13,8 +13,7 @@ from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT, RoleContext
 from rlkube.core.trainer import build_role
 
 SPEC = {
-    "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 1, "hiddenSize": 16, "heads": 2,
-                                                             "maxSequenceLength": 16}},
+    "model": {"path": "builtin://tiny-llama", "maxSequenceLength": 16},
     "algorithm": {"maxSteps": 3, "samplesPerStep": 4},
     "inference": {"engine": "native"},
     "trainer": {"nodes": 2},
@@ -33,7 +32,7 @@ def test_every_node_needs_a_share_of_each_step():
     with pytest.raises(SpecError) as err:
         parse_spec(spec_with(nodes=4, samples=3))
     assert [e.field for e in err.value.errors] == ["spec.algorithm.samplesPerStep"]
-    assert "spec.trainer.nodes (4)" in str(err.value)
+    assert "the trainer's ranks (4 = nodes x processes per node)" in str(err.value)
     assert parse_spec(spec_with(nodes=2, samples=7)).trainer.nodes == 2  # uneven shares (4 and 3) are fine
     assert parse_spec(spec_with(nodes=4, samples=4)).algorithm.samples_per_step == 4
 
@@ -64,12 +63,16 @@ def _ctx(spec: dict) -> RoleContext:
     return RoleContext(namespace="ns", job="j", spec=parse_spec(spec), redis_url="redis://127.0.0.1:1/0")
 
 
-def test_megatron_refuses_more_than_one_node_naming_the_field():
-    # Refused before anything is started or connected (no Redis, no rendezvous needed).
-    with pytest.raises(ValueError, match=r"spec.trainer.nodes=2: the megatron backend .* trains on one node"):
-        build_role(_ctx(spec_with(nodes=2, samples=4, backend="megatron")), client=None, env=ENV)
+def test_processes_per_node_multiply_the_ranks():
+    spec = spec_with(nodes=2, samples=3)
+    spec["trainer"]["processesPerNode"] = 2
+    with pytest.raises(SpecError, match=r"the trainer's ranks \(4 = nodes x processes per node\)"):
+        parse_spec(spec)
+    spec["algorithm"]["samplesPerStep"] = 4
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 but the spec has 4 trainer ranks"):
+        build_role(_ctx(spec), client=None, env=ENV)
 
 
 def test_world_size_must_match_the_spec():
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=3 but spec.trainer.nodes=2"):
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=3 but the spec has 2 trainer ranks"):
         build_role(_ctx(spec_with(nodes=2, samples=4)), client=None, env={**ENV, "WORLD_SIZE": "3"})

@@ -7,9 +7,10 @@ JSON schema that `rlkube.api.crd` turns into the CRD's OpenAPI schema, so the tw
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic.alias_generators import to_camel
 
 GROUP = "rlkube.io"
@@ -22,11 +23,20 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 Quantity = int | str
 
+MAX_SECONDS = 10 * 365 * 24 * 3600
+"""Upper bound of every duration field (ten years): the operator adds durations to the current time, and a
+datetime cannot go past year 9999 (a generated-input test found 10**14 seconds crashing every reconcile pass)."""
+
 
 class Model(BaseModel):
     """Base for every spec type: camelCase on the wire, snake_case in Python, unknown fields rejected."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+PRESERVE = {"x-kubernetes-preserve-unknown-fields": True}
+"""Marks a Kubernetes type too big to model here (affinity terms, volume sources): the CRD keeps it as written and
+the API server checks it when the operator creates the pod."""
 
 
 class Resources(Model):
@@ -38,31 +48,33 @@ class Resources(Model):
     )
 
 
-class Architecture(Model):
-    layers: int = Field(2, ge=1, description="Transformer blocks of a built-in model.")
-    hidden_size: int = Field(64, ge=8, description="Hidden width of a built-in model.")
-    heads: int = Field(4, ge=1, description="Attention heads of a built-in model (must divide hiddenSize).")
-    max_sequence_length: int = Field(64, ge=8, description="Longest prompt plus completion, in tokens.")
-
-
 class ModelSpec(Model):
     path: str = Field(
         ...,
         min_length=1,
         description=(
-            "Where the initial weights are: a directory with safetensors weights, or `builtin://<name>` for a "
-            "randomly initialised built-in model (`builtin://tiny-lm`), built locally from `architecture` and `seed`."
+            "The Hugging Face model directory every role loads (config.json, safetensors weights, tokenizer files, "
+            "optional chat template): a directory inside the pods (a volume, a PVC, the image), "
+            "`hf://org/name[@revision]` (fetched once per job into the model cache), or `builtin://tiny-llama` "
+            "(a tiny random Llama with a character tokenizer, written locally from `seed`)."
         ),
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
-    tokenizer: str = Field(
-        "builtin://char",
-        min_length=1,
-        description="Tokenizer: a directory, or `builtin://char` for the built-in character tokenizer.",
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description=(
+            "Compute and serving dtype. bfloat16 trains with float32 master weights and optimizer state "
+            "(bfloat16 autocast) and serves bfloat16 weights. float16: Fast-LLM and serving only (the torch "
+            "backend has no loss scaling and refuses it)."
+        ),
     )
-    seed: int = Field(0, ge=0, description="Seed for random initialisation and sampling.")
-    architecture: Architecture = Field(
-        default_factory=Architecture, description="Shape of a built-in model (ignored for a directory)."
+    seed: int = Field(0, ge=0, description="Seed for the built-in model's random weights and for sampling.")
+    max_sequence_length: int = Field(
+        1024,
+        ge=8,
+        description=(
+            "Most tokens of prompt plus completion. Inference refuses requests whose prompt plus max tokens exceed "
+            "it; a longer sample (from an engine with a larger limit) is dropped by the preprocessor and counted."
+        ),
     )
 
 
@@ -200,7 +212,11 @@ class AlgorithmSpec(Model):
     max_steps: int = Field(..., ge=1, description="Optimizer steps after which training finishes.")
     group_size: int = Field(8, ge=1, description="Completions sampled per prompt (one group).")
     samples_per_step: int = Field(32, ge=1, description="Training samples consumed per optimizer step.")
-    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate (the peak, after warm-up).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or decaying to 0 at maxSteps."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from 0.")
     clip_epsilon_low: float = Field(0.2, ge=0, description="Lower clip of the importance ratio (1 - eps).")
     clip_epsilon_high: float = Field(0.2, ge=0, description="Upper clip of the importance ratio (1 + eps).")
     max_lag: int = Field(
@@ -223,6 +239,270 @@ class CheckpointSpec(Model):
     interval_steps: int = Field(10, ge=1, description="Save a checkpoint every this many steps (and at the end).")
 
 
+class WeightTransferSpec(Model):
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Dtype weights travel in to the inference servers (`auto`: bfloat16 on GPUs, float32 on CPU); "
+        "each server converts them to the dtype it serves.",
+    )
+    bucket_megabytes: int = Field(
+        64, ge=1, description="Size of one transfer bucket: several tensors flattened into one collective."
+    )
+
+
+# --- per-role pod template overrides (a partial Kubernetes PodTemplateSpec; merged by controller/podtemplate.py) ---
+
+
+class TemplateMetadata(Model):
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels added to every pod of the role.")
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Annotations added to every pod of the role."
+    )
+
+
+class Toleration(Model):
+    key: str | None = Field(None, description="Taint key (empty with operator Exists: every taint).")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal (default).")
+    value: str | None = Field(None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate (empty: every effect)."
+    )
+    toleration_seconds: int | None = Field(None, description="How long a NoExecute taint is tolerated.")
+
+
+class LabelSelectorRequirement(Model):
+    key: str = Field(..., min_length=1)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+
+class LabelSelector(Model):
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+
+class TopologySpreadConstraint(Model):
+    max_skew: int = Field(..., ge=1, description="Most pods one topology domain may have over another.")
+    topology_key: str = Field(..., min_length=1, description="Node label that defines a domain.")
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(
+        ..., description="Whether the spread is a requirement or a preference."
+    )
+    label_selector: LabelSelector | None = Field(None, description="Pods counted in each domain.")
+    min_domains: int | None = Field(None, ge=1)
+    match_label_keys: list[str] = Field(default_factory=list)
+    node_affinity_policy: Literal["Honor", "Ignore"] | None = None
+    node_taints_policy: Literal["Honor", "Ignore"] | None = None
+
+
+class Affinity(Model):
+    """Kubernetes' Affinity by its three keys; each term list is kept as written (too big a type to model here)."""
+
+    node_affinity: dict[str, Any] | None = Field(
+        None, json_schema_extra=PRESERVE, description="core/v1 NodeAffinity, as in a pod spec."
+    )
+    pod_affinity: dict[str, Any] | None = Field(
+        None, json_schema_extra=PRESERVE, description="core/v1 PodAffinity, as in a pod spec."
+    )
+    pod_anti_affinity: dict[str, Any] | None = Field(
+        None, json_schema_extra=PRESERVE, description="core/v1 PodAntiAffinity (replaces the operator's own)."
+    )
+
+
+class LocalObjectReference(Model):
+    name: str = Field(..., min_length=1)
+
+
+class KeySelector(Model):
+    name: str = Field(..., min_length=1, description="ConfigMap or Secret name.")
+    key: str = Field(..., min_length=1)
+    optional: bool | None = None
+
+
+class FieldSelector(Model):
+    field_path: str = Field(..., min_length=1, description="Downward API field, e.g. metadata.name.")
+    api_version: str | None = None
+
+
+class ResourceFieldSelector(Model):
+    resource: str = Field(..., min_length=1)
+    container_name: str | None = None
+    divisor: Quantity | None = None
+
+
+class EnvVarSource(Model):
+    config_map_key_ref: KeySelector | None = None
+    secret_key_ref: KeySelector | None = None
+    field_ref: FieldSelector | None = None
+    resource_field_ref: ResourceFieldSelector | None = None
+
+
+class EnvVar(Model):
+    name: str = Field(..., min_length=1, pattern=r"^[^=]+$")
+    value: str | None = None
+    value_from: EnvVarSource | None = None
+
+
+class VolumeMount(Model):
+    name: str = Field(..., min_length=1, description="A volume of the pod (yours, or the operator's tmp/dshm).")
+    mount_path: str = Field(..., pattern=r"^/", description="Absolute path in the container.")
+    sub_path: str | None = None
+    sub_path_expr: str | None = None
+    read_only: bool | None = None
+    mount_propagation: Literal["None", "HostToContainer", "Bidirectional"] | None = None
+
+
+class Volume(Model):
+    """A core/v1 Volume: `name` plus one volume source, kept as written (too many source types to model)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=PRESERVE)
+    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class SeccompProfile(Model):
+    type: Literal["RuntimeDefault", "Unconfined", "Localhost"]
+    localhost_profile: str | None = None
+
+
+class AppArmorProfile(Model):
+    type: Literal["RuntimeDefault", "Unconfined", "Localhost"]
+    localhost_profile: str | None = None
+
+
+class SELinuxOptions(Model):
+    user: str | None = None
+    role: str | None = None
+    type: str | None = None
+    level: str | None = None
+
+
+class Capabilities(Model):
+    add: list[str] = Field(default_factory=list)
+    drop: list[str] = Field(default_factory=list)
+
+
+class Sysctl(Model):
+    name: str = Field(..., min_length=1)
+    value: str
+
+
+class PodSecurityContext(Model):
+    run_as_user: int | None = Field(None, ge=0)
+    run_as_group: int | None = Field(None, ge=0)
+    run_as_non_root: bool | None = None
+    fs_group: int | None = Field(None, ge=0)
+    fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = None
+    supplemental_groups: list[int] = Field(default_factory=list)
+    seccomp_profile: SeccompProfile | None = None
+    app_armor_profile: AppArmorProfile | None = None
+    se_linux_options: SELinuxOptions | None = None
+    sysctls: list[Sysctl] = Field(default_factory=list)
+
+
+class SecurityContext(Model):
+    allow_privilege_escalation: bool | None = None
+    privileged: bool | None = None
+    read_only_root_filesystem: bool | None = None
+    run_as_user: int | None = Field(None, ge=0)
+    run_as_group: int | None = Field(None, ge=0)
+    run_as_non_root: bool | None = None
+    capabilities: Capabilities | None = None
+    seccomp_profile: SeccompProfile | None = None
+    app_armor_profile: AppArmorProfile | None = None
+    se_linux_options: SELinuxOptions | None = None
+
+
+def _refuse_owned(data: Any, owned: dict[str, str]) -> Any:
+    """A field the operator sets is refused by name (`where` says what to use instead), not as an unknown field."""
+    if isinstance(data, dict):
+        for name, where in owned.items():
+            if name in data:
+                raise PydanticCustomError("operator_owned", "{field}: set by the operator ({where})",
+                                          {"field": name, "where": where})
+    return data
+
+
+_OWNED_CONTAINER_FIELDS = {
+    "command": "the role's module", "args": "the role's module", "image": "use spec.<role>.image",
+    "resources": "use spec.<role>.resources", "ports": "the role's ports", "readinessProbe": "the role's probe",
+    "livenessProbe": "the role's probes", "startupProbe": "the role's probes", "workingDir": "the image's",
+    "terminationMessagePolicy": "the roles write a termination message", "envFrom": "list variables in env",
+}
+_OWNED_POD_FIELDS = {
+    "restartPolicy": "use spec.runPolicy.restartPolicy", "hostname": "the role's stable name",
+    "subdomain": "the role's headless Service", "terminationGracePeriodSeconds": "use spec.teardown",
+    "enableServiceLinks": "off, so Service env cannot shadow the role's", "initContainers": "not supported",
+}
+
+
+class ContainerOverride(Model):
+    """What may be added to the role's container (named after the role: trainer, inference, ..., redis)."""
+
+    name: str = Field(..., min_length=1, description="The role's container: trainer, inference, actor, "
+                                                     "preprocessor or redis.")
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Variables merged by name; the operator's (rank, Redis, addresses) cannot be overridden.",
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, description="Mounts merged by mountPath; the job config and checkpoints are the "
+                                          "operator's.",
+    )
+    security_context: SecurityContext | None = Field(
+        None, description="Merged field by field over the operator's hardened container securityContext."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _owned(cls, data: Any) -> Any:
+        return _refuse_owned(data, _OWNED_CONTAINER_FIELDS)
+
+
+class PodSpecOverride(Model):
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Merged key by key.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Added to the pod's.")
+    affinity: Affinity | None = Field(
+        None, description="Each key given (nodeAffinity, podAffinity, podAntiAffinity) replaces the operator's."
+    )
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list, description="Merged by topologyKey."
+    )
+    priority_class_name: str | None = Field(None, min_length=1)
+    service_account_name: str | None = Field(None, min_length=1)
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, description="Merged by name.")
+    runtime_class_name: str | None = Field(None, min_length=1)
+    security_context: PodSecurityContext | None = Field(
+        None, description="Merged field by field over the operator's hardened pod securityContext."
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list,
+        description="Merged by name: yours are added, or replace the operator's `tmp` and `dshm` (e.g. a "
+                    "sizeLimit); `job-config` and `checkpoints` are the operator's.",
+    )
+    containers: list[ContainerOverride] = Field(
+        default_factory=list, description="At most one: the role's container, by name."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _owned(cls, data: Any) -> Any:
+        return _refuse_owned(data, _OWNED_POD_FIELDS)
+
+
+class PodTemplate(Model):
+    """A partial pod template merged into what the operator builds for a role (rules: controller/podtemplate.py)."""
+
+    metadata: TemplateMetadata = Field(default_factory=TemplateMetadata, description="Labels and annotations.")
+    spec: PodSpecOverride = Field(default_factory=PodSpecOverride, description="Placement, identity, security, "
+                                                                               "env and volumes.")
+
+
+TEMPLATE_DESCRIPTION = (
+    "Partial pod template merged into this role's pods (a Kubernetes PodTemplateSpec subset): metadata labels/"
+    "annotations, placement, identity, securityContext, env, volumes and mounts. Lists merge by name; what the "
+    "operator owns (rank env, Redis password, command, its labels and volumes) is refused naming the field."
+)
+
+
 FastLLMModelFormat = Literal["llama", "qwen2", "mistral", "mixtral"]
 """Fast-LLM checkpoint formats of the Hugging Face models it imports and exports (their config.json model_type)."""
 
@@ -242,9 +522,31 @@ class TrainerSpec(Model):
     backend: Literal["torch", "megatron", "fast-llm"] = Field("torch", description="Training backend.")
     nodes: int = Field(1, ge=1, description="Trainer pods (one per node); ranks get a headless Service.")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per trainer pod (0 = CPU).")
+    processes_per_node: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Training processes (ranks) per trainer pod, as torchrun's --nproc-per-node. Default: gpusPerNode (one "
+            "per GPU), or 1 on CPU. With GPUs it must equal gpusPerNode; on CPU, more than 1 runs that many gloo "
+            "ranks in each pod."
+        ),
+    )
     image: str | None = Field(None, min_length=1, description="Image of the trainer pods (default: spec.image).")
     resources: Resources = Field(default_factory=Resources, description="Resources of each trainer pod.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Token budget of one forward/backward pass (rows x padded length); a step accumulates as many "
+        "micro-batches as its documents need (a longer document gets a micro-batch of its own).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (less memory, about a third more compute)."
+    )
+    weight_transfer: WeightTransferSpec = Field(
+        default_factory=WeightTransferSpec, description="How weights are sent to the inference servers."
+    )
+    template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
     fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
 
 
@@ -256,12 +558,14 @@ class InferenceSpec(Model):
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of each server.")
     image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")
     resources: Resources = Field(default_factory=Resources, description="Resources of each server.")
+    template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
 
 
 class WorkerSpec(Model):
     replicas: int = Field(1, ge=1, description="Pods of this role.")
     image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")
     resources: Resources = Field(default_factory=Resources, description="Resources of each pod.")
+    template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
 
 
 class SecretKeyRef(Model):
@@ -280,6 +584,7 @@ class RedisSpec(Model):
         None, description="Secret holding the external Redis password (managed mode generates its own)."
     )
     image: str = Field("redis:7-alpine", min_length=1, description="Image of the managed Redis.")
+    template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION + " Managed mode only.")
 
 
 RestartPolicy = Literal["OnFailure", "Never"]
@@ -310,24 +615,25 @@ class RunPolicy(Model):
     completion_timeout_seconds: int = Field(
         120,
         ge=1,
+        le=MAX_SECONDS,
         description="How long one completion signal (trainer exit 0, or training_finished) may wait for the other.",
     )
     event_timeout_seconds: int = Field(
-        900, ge=0, description="No trainer event for this long while Running sets Stalled (0 disables)."
+        900, ge=0, le=MAX_SECONDS, description="No trainer event for this long while Running sets Stalled (0 disables)."
     )
     fail_on_stall: bool = Field(False, description="Fail the job when it is Stalled instead of only reporting it.")
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the TrainingJob this long after it finished (unset: keep)."
+        None, ge=0, le=MAX_SECONDS, description="Delete the TrainingJob this long after it finished (unset: keep)."
     )
     suspend: bool = Field(False, description="Stop all pods (ordered) and keep the job; unset to resume.")
 
 
 class GracePeriods(Model):
-    actor: int = Field(30, ge=0, description="Seconds actors get to stop before they are force-deleted.")
-    preprocessor: int = Field(30, ge=0, description="Seconds the preprocessor gets to stop.")
-    inference: int = Field(30, ge=0, description="Seconds inference servers get to stop.")
-    trainer: int = Field(60, ge=0, description="Seconds trainer pods get to stop.")
-    redis: int = Field(30, ge=0, description="Seconds Redis gets to stop.")
+    actor: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds actors get to stop before they are force-deleted.")
+    preprocessor: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds the preprocessor gets to stop.")
+    inference: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds inference servers get to stop.")
+    trainer: int = Field(60, ge=0, le=MAX_SECONDS, description="Seconds trainer pods get to stop.")
+    redis: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds Redis gets to stop.")
 
 
 class TeardownSpec(Model):
@@ -345,7 +651,7 @@ class TrainingJobSpec(Model):
     image: str = Field(
         "ghcr.io/rlkube/core:0.1.0", min_length=1, description="Default image of every role's pods."
     )
-    model: ModelSpec = Field(..., description="Initial weights and tokenizer.")
+    model: ModelSpec = Field(..., description="The model (a Hugging Face directory) every role loads.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Rollout environment and reward.")
     algorithm: AlgorithmSpec = Field(..., description="RL algorithm and its hyper-parameters.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer pods.")
@@ -355,6 +661,9 @@ class TrainingJobSpec(Model):
     redis: RedisSpec = Field(default_factory=RedisSpec, description="The Redis that connects the roles.")
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, timeouts, suspend.")
     teardown: TeardownSpec = Field(default_factory=TeardownSpec, description="Ordered teardown settings.")
+
+    def template_for(self, role: str) -> PodTemplate | None:
+        return getattr(self, role).template
 
     def image_for(self, role: str) -> str:
         if role == "redis":

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
 
 
@@ -38,8 +39,12 @@ class SpecError(ValueError):
 def _pydantic_errors(exc: ValidationError, prefix: str) -> list[FieldError]:
     out = []
     for err in exc.errors():
-        path = ".".join([prefix, *(str(p) for p in err["loc"])])
-        out.append(FieldError(path, err["msg"]))
+        loc = [prefix, *(str(p) for p in err["loc"])]
+        if err["type"] == "operator_owned":  # spec.PodTemplate refusing a field the operator sets: name the field
+            field, where = err["ctx"]["field"], err["ctx"]["where"]
+            out.append(FieldError(".".join([*loc, field]), f"set by the operator ({where})"))
+            continue
+        out.append(FieldError(".".join(loc), err["msg"]))
     return out
 
 
@@ -87,11 +92,164 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
                 if quantity < 0:
                     errs.append(FieldError(where, "must not be negative"))
                     continue
+                if "/" in name and quantity != quantity.to_integral_value():
+                    errs.append(FieldError(where, "an extended resource is counted in whole units"))
+                    continue
                 parsed[kind][name] = quantity
+        if gpus := gpu_count(spec, role):
+            # builders._resources replaces the GPU count written in resources with the one it derives
+            parsed["limits"][GPU] = Decimal(gpus)
+            if GPU in parsed["requests"]:
+                parsed["requests"][GPU] = Decimal(gpus)
+        names = set(parsed["requests"]) | set(parsed["limits"])
+        if any(n.startswith("hugepages-") for n in names) and not names & {"cpu", "memory"}:
+            errs.append(FieldError(f"spec.{role}.resources", "hugepages need a cpu or memory request or limit too"))
         for name, request in parsed["requests"].items():
             limit = parsed["limits"].get(name)
-            if limit is not None and request > limit:
+            if "/" in name and limit != request:  # extended resources are not overcommitted
+                errs.append(FieldError(f"spec.{role}.resources.requests.{name}", "an extended resource needs a limit "
+                                       "equal to its request"))
+            elif limit is not None and request > limit:
                 errs.append(FieldError(f"spec.{role}.resources.requests.{name}", f"must not exceed the limit {limit}"))
+    return errs
+
+
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def pod_field_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """Values the CRD schema lets through that the Pod schema refuses (found by the generated-input tests): caught
+    here, the job fails naming its own field and creates nothing, instead of failing on its first trainer pod."""
+    errs = []
+    for where, image in [("spec.image", spec.image), ("spec.redis.image", spec.redis.image),
+                         *((f"spec.{r}.image", getattr(spec, r).image) for r in ("trainer", "inference", "actor",
+                                                                                  "preprocessor"))]:
+        if image is not None and image != image.strip():
+            errs.append(FieldError(where, f"{image!r} must not have leading or trailing whitespace"))
+    secret = spec.redis.password_secret
+    if secret is not None and spec.redis.mode == "external":  # (managed mode ignores it)
+        if len(secret.name) > 253 or not _DNS1123_SUBDOMAIN.match(secret.name):
+            errs.append(FieldError("spec.redis.passwordSecret.name", f"{secret.name[:80]!r} is not a Secret name "
+                                   "(lower case letters, digits, '-' and '.', at most 253 characters)"))
+        if len(secret.key) > 253 or not _SECRET_KEY.match(secret.key) or secret.key in (".", ".."):
+            errs.append(FieldError("spec.redis.passwordSecret.key", f"{secret.key[:80]!r} is not a Secret key "
+                                   "(letters, digits, '-', '_' and '.')"))
+    from rlkube.controller import names  # string constants only (see _owned_label)
+
+    path = spec.trainer.checkpoint.path
+    taken = {names.CONFIG_MOUNT: "the job's config", names.TMP_MOUNT: "the pod's /tmp",
+             names.SHM_MOUNT: "shared memory"}
+    if not path.startswith("/"):
+        errs.append(FieldError("spec.trainer.checkpoint.path", f"{path!r} must be an absolute path"))
+    elif path.rstrip("/") in taken:
+        errs.append(FieldError("spec.trainer.checkpoint.path", f"{path.rstrip('/')} holds {taken[path.rstrip('/')]}"))
+    return errs
+
+
+TEMPLATE_ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
+GPU = "nvidia.com/gpu"
+
+
+def gpu_count(spec: TrainingJobSpec, role: str) -> int:
+    """GPUs per pod the operator requests: gpusPerNode for the trainer; tensorParallel for vLLM servers of a GPU
+    job (the weight-update group runs over NCCL when the trainer is on GPUs, so both ends must be); else 0."""
+    if role == "trainer":
+        return spec.trainer.gpus_per_node
+    if role == "inference" and spec.inference.engine == "vllm" and spec.trainer.gpus_per_node > 0:
+        return spec.inference.tensor_parallel
+    return 0
+
+
+def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """trainer.processesPerNode against the GPUs and the backend. (A GPU count the operator derives replaces one
+    written in resources: builders._resources.)"""
+    errs = []
+    trainer = spec.trainer
+    if trainer.processes_per_node is not None:
+        where = "spec.trainer.processesPerNode"
+        if trainer.backend == "fast-llm":
+            errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
+        elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
+            errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
+    return errs
+
+
+def _owned_label(key: str) -> bool:
+    from rlkube.controller import names  # a pure module of string constants (it imports only rlkube.api.spec)
+
+    return key.startswith(names.OWNED_PREFIX) or key in (names.LABEL_MANAGED_BY, names.LABEL_NAME)
+
+
+def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """What a pod template may not change: the operator's labels, env, volumes and mounts, named by field
+    (`spec.trainer.template.spec.containers[trainer].env[RANK]`). Fields the operator sets outright (command,
+    image, restartPolicy, ...) are refused while parsing (spec._refuse_owned)."""
+    # Imported here: the core's runtime imports this module, and the environment module imports the runtime.
+    from rlkube.controller import names
+    from rlkube.lifecycle.environment import operator_env_names
+
+    errs: list[FieldError] = []
+    for role in TEMPLATE_ROLES:
+        tpl = spec.template_for(role)
+        if tpl is None:
+            continue
+        at = f"spec.{role}.template"
+        if role == "redis" and spec.redis.mode != "managed":
+            errs.append(FieldError(at, "only a managed Redis has pods (spec.redis.mode is external)"))
+            continue
+        for kind in ("labels", "annotations"):
+            for key in getattr(tpl.metadata, kind):
+                if _owned_label(key):
+                    errs.append(FieldError(f"{at}.metadata.{kind}[{key}]", "set by the operator (its own keys: "
+                                           f"{names.OWNED_PREFIX}*, {names.LABEL_MANAGED_BY}, {names.LABEL_NAME})"))
+        pod = tpl.spec
+        owned_volumes = names.owned_volumes(role)
+        volumes = {v.name for v in pod.volumes} | set(names.role_volumes(role))
+        seen: set[str] = set()
+        for v in pod.volumes:
+            where = f"{at}.spec.volumes[{v.name}]"
+            if v.name in seen:
+                errs.append(FieldError(where, "listed twice"))
+            seen.add(v.name)
+            if v.name in owned_volumes:
+                errs.append(FieldError(where, f"set by the operator ({owned_volumes[v.name]})"))
+            if len(v.model_extra or {}) != 1:
+                errs.append(FieldError(where, "needs exactly one volume source (emptyDir, configMap, "
+                                              "persistentVolumeClaim, ...)"))
+        containers = [c.name for c in pod.containers]
+        for name in containers:
+            if name != role:
+                errs.append(FieldError(f"{at}.spec.containers[{name}]",
+                                       f"only the role's container {role!r} can be overridden (no sidecars)"))
+        if len(containers) != len(set(containers)):
+            errs.append(FieldError(f"{at}.spec.containers[{role}]", "listed twice"))
+        owned_env = operator_env_names(spec, role)
+        owned_mounts = names.owned_mounts(role, spec.trainer.checkpoint.path)
+        for c in pod.containers:
+            if c.name != role:
+                continue
+            cat = f"{at}.spec.containers[{c.name}]"
+            names_seen: set[str] = set()
+            for e in c.env:
+                if e.name in owned_env:
+                    errs.append(FieldError(f"{cat}.env[{e.name}]", "set by the operator"))
+                if e.name in names_seen:
+                    errs.append(FieldError(f"{cat}.env[{e.name}]", "listed twice"))
+                names_seen.add(e.name)
+                if (e.value is None) == (e.value_from is None):
+                    errs.append(FieldError(f"{cat}.env[{e.name}]", "needs exactly one of value and valueFrom"))
+            paths: set[str] = set()
+            for m in c.volume_mounts:
+                where = f"{cat}.volumeMounts[{m.mount_path}]"
+                if m.mount_path.rstrip("/") in owned_mounts:
+                    errs.append(FieldError(where, f"set by the operator ({owned_mounts[m.mount_path.rstrip('/')]})"))
+                if m.mount_path in paths:
+                    errs.append(FieldError(where, "listed twice"))
+                paths.add(m.mount_path)
+                if m.name not in volumes:
+                    errs.append(FieldError(f"{where}.name", f"no volume {m.name!r} in the pod (add it to "
+                                                            f"{at}.spec.volumes)"))
     return errs
 
 
@@ -179,10 +337,14 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    errs: list[FieldError] = resource_errors(spec) + task_errors(spec.task)
-    arch = spec.model.architecture
-    if arch.hidden_size % arch.heads:
-        errs.append(FieldError("spec.model.architecture.heads", f"must divide hiddenSize {arch.hidden_size}"))
+    from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
+
+    errs: list[FieldError] = resource_errors(spec) + pod_field_errors(spec) + rank_errors(spec) + template_errors(spec)
+    errs += task_errors(spec.task)
+    try:
+        parse_model_path(spec.model.path)
+    except ValueError as exc:
+        errs.append(FieldError("spec.model.path", str(exc).removeprefix("spec.model.path: ")))
     if spec.redis.mode == "external" and not spec.redis.url:
         errs.append(FieldError("spec.redis.url", "required when spec.redis.mode is external"))
     if spec.redis.mode == "managed" and spec.redis.url:
@@ -192,18 +354,18 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
-    if algo.samples_per_step < spec.trainer.nodes:
-        # Each trainer node trains its share of every step (samplesPerStep split as evenly as possible).
-        errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least spec.trainer.nodes "
-                               f"({spec.trainer.nodes}): every trainer node trains a share of each step"))
+    ranks = trainer_world_size(spec)
+    if algo.samples_per_step < ranks:
+        # Each trainer rank trains its share of every step (samplesPerStep split as evenly as possible).
+        errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's ranks "
+                               f"({ranks} = nodes x processes per node): every rank trains a share of each step"))
     if algo.clip_epsilon_low >= 1:
         errs.append(FieldError("spec.algorithm.clipEpsilonLow", "must be below 1 (the ratio is clipped at 1-eps)"))
     if spec.inference.engine == "native" and spec.inference.tensor_parallel != 1:
         errs.append(FieldError("spec.inference.tensorParallel", "the native engine has no tensor parallelism"))
-    if spec.inference.engine == "vllm" and arch.hidden_size // arch.heads < 32 and spec.model.path.startswith(
-        "builtin://"
-    ):
-        errs.append(FieldError("spec.model.architecture", "vLLM needs a head dimension (hiddenSize/heads) >= 32"))
+    if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
+        errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
+                               f"{algo.lr_schedule} schedule to decay after it"))
     return errs
 
 

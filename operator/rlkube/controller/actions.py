@@ -36,7 +36,7 @@ class DeletePod:
 
 @dataclass(frozen=True)
 class DeleteObject:
-    kind: str  # ConfigMap | Secret | Service
+    kind: str  # ConfigMap | Secret | Service | NetworkPolicy
     name: str
 
 

@@ -1,9 +1,19 @@
 """TrainingJob -> the manifests of its children, as plain dicts. Pure: no client, no clock, no randomness.
 
 What is built (design.md s3): a ConfigMap with the job config, the managed Redis (Secret with a password the
-caller generates, Pod, headless Service), headless Services for inference and trainer, and one Pod per
-replica of trainer, inference, preprocessor and actor. Pods rather than Deployments or Jobs: the operator
-deletes them stage by stage and reads each one's exit code.
+caller generates, Pod, headless Service, and a NetworkPolicy that admits only the job's pods and the operator),
+headless Services for inference and trainer, and one Pod per replica of trainer, inference, preprocessor and
+actor. Pods rather than Deployments or Jobs: the operator deletes them stage by stage and reads each one's exit
+code. Each pod is then merged with the role's `spec.<role>.template` (controller/podtemplate.py).
+
+Hardened by default (Pod Security Standards "restricted"): every pod runs as the images' non-root user 10001
+with seccomp RuntimeDefault, no privilege escalation and every capability dropped, and a read-only root
+filesystem where the role allows it; what a role writes goes to volumes: /tmp (an emptyDir, also HOME), the
+checkpoints, and a memory-backed /dev/shm for the trainer and inference. vLLM inference and Fast-LLM trainer
+pods keep a writable root: they run third-party code whose JIT and kernel caches write where we do not control.
+GPU pods get `nvidia.com/gpu` limits (validation.gpu_count); a trainer with several ranks per pod runs the
+launcher (lifecycle.environment.role_module), and trainer pods spread one per node (podAntiAffinity: required
+with GPUs, preferred on CPU so that a one-node CPU cluster still runs a multi-node job).
 
 Every Service is headless and maps port == targetPort: the test cluster has no kube-proxy and the node agent
 resolves `{pod}.{service}` to pod IPs directly, exactly as cluster DNS does for headless Services.
@@ -16,14 +26,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.controller import fastllm, names
+from rlkube.api.validation import GPU, gpu_count
+from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
 from rlkube.core import runtime
-from rlkube.lifecycle.environment import Addresses, role_env
+from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module
 from rlkube.lifecycle.roles import CORE_ROLES, START_ORDER, replicas
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
+RUN_AS = 10001
+"""The images' user (images/*/Dockerfile `USER 10001`); the managed Redis runs as it too (it writes nothing)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +90,7 @@ def _password_env(job: JobRef) -> list[dict]:
 
 
 def _pod_ip_env() -> dict:
-    return {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    return {"name": POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
 def _resources(spec: TrainingJobSpec, role: str) -> dict:
@@ -87,10 +100,39 @@ def _resources(spec: TrainingJobSpec, role: str) -> dict:
         out["requests"] = dict(res.requests)
     if res.limits:
         out["limits"] = dict(res.limits)
-    if role == "trainer" and spec.trainer.gpus_per_node:
-        # Extended resources must be in limits; requests default to them.
-        out.setdefault("limits", {}).setdefault("nvidia.com/gpu", spec.trainer.gpus_per_node)
+    gpus = gpu_count(spec, role)
+    if gpus:
+        # The count follows gpusPerNode / tensorParallel, replacing one written in resources. Extended resources
+        # must be in limits; requests default to them, and must equal them when given.
+        out.setdefault("limits", {})[GPU] = gpus
+        if GPU in out.get("requests", {}):
+            out["requests"][GPU] = gpus
     return out
+
+
+def writable_root(spec: TrainingJobSpec, role: str) -> bool:
+    """Roles whose root filesystem stays writable: third-party servers with caches we do not control."""
+    return (role == "inference" and spec.inference.engine == "vllm") or (
+        role == "trainer" and spec.trainer.backend == "fast-llm"
+    )
+
+
+def pod_security_context() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,  # volumes (emptyDir, PVC checkpoints) writable by the pod's group
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context(read_only_root: bool) -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": read_only_root,
+    }
 
 
 def config_map(job: JobRef) -> dict:
@@ -148,22 +190,61 @@ def services(job: JobRef) -> list[dict]:
     return [service(job, r) for r in roles]
 
 
+OPERATOR_PEER = {"app.kubernetes.io/part-of": "rlkube", "app.kubernetes.io/component": "operator"}
+"""Labels of the operator's own pods (charts/rlkube selectorLabels): it reads the trainer's events from Redis."""
+
+
+def redis_network_policy(job: JobRef) -> dict:
+    """Only the job's own pods (same namespace, the job's labels) and the rlkube operator reach the managed Redis.
+
+    The operator's namespace is not known to these pure builders, so its peer matches the chart's operator labels
+    in any namespace; Redis still asks every client for the job's password."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, names.network_policy_name(job.name), names.role_labels(job.name, "redis")),
+        "spec": {
+            "podSelector": {"matchLabels": names.role_selector(job.name, "redis")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [
+                    {"podSelector": {"matchLabels": names.job_labels(job.name)}},
+                    {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_PEER)}},
+                ],
+                "ports": [{"protocol": "TCP", "port": runtime.REDIS_PORT}],
+            }],
+        },
+    }
+
+
 def static_children(job: JobRef, password: str) -> list[dict]:
     """Everything that is not a pod: created first, deleted after the last teardown stage."""
     out = [config_map(job)]
     if job.managed_redis:
-        out.append(redis_secret(job, password))
+        out += [redis_secret(job, password), redis_network_policy(job)]
     return out + services(job)
+
+
+def _trainer_spread(job: JobRef) -> dict:
+    """One trainer pod per node: its GPUs are the node's; on CPU a preference, so one node can still run it."""
+    term = {"labelSelector": {"matchLabels": names.role_selector(job.name, "trainer")},
+            "topologyKey": "kubernetes.io/hostname"}
+    if job.spec.trainer.gpus_per_node:
+        return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
 
 
 def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict], annotations: dict) -> dict:
     policies = job.spec.run_policy.restart_policy
+    container["securityContext"] = container_security_context(not writable_root(job.spec, role))
     spec: dict[str, Any] = {
         # Redis is a plain server: restart it whatever the exit. Core roles follow runPolicy.restartPolicy.
         "restartPolicy": "Always" if role == "redis" else getattr(policies, role),
         "terminationGracePeriodSeconds": getattr(job.spec.teardown.grace_period_seconds, role),
         # Service links would inject env such as `{JOB}_REDIS_PORT` that can shadow the runtime contract.
         "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
         "containers": [container],
     }
     if volumes:
@@ -171,7 +252,9 @@ def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict
     if role in names.SERVICE_ROLES:
         spec["hostname"] = names.pod_name(job.name, role, index)
         spec["subdomain"] = names.service_name(job.name, role)
-    return {
+    if role == "trainer" and job.spec.trainer.nodes > 1:
+        spec["affinity"] = _trainer_spread(job)
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _meta(
@@ -179,6 +262,7 @@ def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict
         ),
         "spec": spec,
     }
+    return podtemplate.apply(pod, job.spec.template_for(role))
 
 
 def redis_pod(job: JobRef, attempt: int = 0) -> dict:
@@ -228,17 +312,28 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     container: dict[str, Any] = {
         "name": role,
         "image": job.spec.image_for(role),
-        "command": ["python", "-m", f"rlkube.core.{role}"],
-        "env": _core_env(job, role, index),
+        "command": ["python", "-m", role_module(job.spec, role)],
+        # HOME on the writable /tmp volume (caches of torch, triton, HF); a template's env may point it elsewhere.
+        "env": [*_core_env(job, role, index), {"name": "HOME", "value": names.TMP_MOUNT}],
         # The role writes why it failed to /dev/termination-log (rlkube.core.errors); a crash that could not
         # write it still leaves the end of its log, and either lands in the job's Failed condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [{"name": "job-config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
+        "volumeMounts": [
+            {"name": names.VOLUME_CONFIG, "mountPath": names.CONFIG_MOUNT, "readOnly": True},
+            {"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT},
+        ],
     }
     resources = _resources(job.spec, role)
     if resources:
         container["resources"] = resources
-    volumes: list[dict] = [{"name": "job-config", "configMap": {"name": names.config_name(job.name)}}]
+    volumes: list[dict] = [
+        {"name": names.VOLUME_CONFIG, "configMap": {"name": names.config_name(job.name)}},
+        {"name": names.VOLUME_TMP, "emptyDir": {}},
+    ]
+    if role in ("trainer", "inference"):
+        # NCCL, torch and vLLM use shared memory; a container runtime's default /dev/shm is 64 MiB.
+        container["volumeMounts"].append({"name": names.VOLUME_SHM, "mountPath": names.SHM_MOUNT})
+        volumes.append({"name": names.VOLUME_SHM, "emptyDir": {"medium": "Memory"}})
     if role == "inference":
         port = runtime.INFERENCE_PORT
         container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
@@ -253,11 +348,11 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
             {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
         ]
         ckpt = job.spec.trainer.checkpoint
-        container["volumeMounts"].append({"name": "checkpoints", "mountPath": ckpt.path})
+        container["volumeMounts"].append({"name": names.VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
         volumes.append(
-            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+            {"name": names.VOLUME_CHECKPOINTS, "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
             if ckpt.claim_name
-            else {"name": "checkpoints", "emptyDir": {}}
+            else {"name": names.VOLUME_CHECKPOINTS, "emptyDir": {}}
         )
         if job.spec.trainer.backend == "fast-llm":
             container = fastllm.trainer_container(container, job.spec, job.name, index, MASTER_PORT)

@@ -530,7 +530,7 @@ def _static_names(p: _Pass) -> list[tuple[str, str]]:
     out = [("ConfigMap", names.config_name(job))]
     managed = p.spec is None or p.spec.redis.mode == "managed"
     if managed:
-        out.append(("Secret", names.secret_name(job)))
+        out += [("Secret", names.secret_name(job)), ("NetworkPolicy", names.network_policy_name(job))]
     out += [("Service", names.service_name(job, r)) for r in names.SERVICE_ROLES if r != "redis" or managed]
     return out
 

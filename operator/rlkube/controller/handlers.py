@@ -7,8 +7,9 @@
   restarted mid-deletion calls it again and the teardown resumes from `status.teardown`.
 - `pods_by_job` (index) + `pod-changed` (event): the job's pods come from kopf's pod watch, and every pod
   change wakes its job. Nothing polls the API server.
-- `configmaps_by_job`, `secrets_by_job`, `services_by_job` (indexes) + `*-deleted` (events): the job's other
-  children, watched the same way; a deletion wakes the job, whose next pass recreates what is missing.
+- `configmaps_by_job`, `secrets_by_job`, `services_by_job`, `networkpolicies_by_job` (indexes) + `*-deleted`
+  (events): the job's other children, watched the same way; a deletion wakes the job, whose next pass recreates
+  what is missing.
 - `workloads_by_job` (index) + `workload-changed` (event): the Kueue Workloads of queued jobs (by our labels),
   watched the same way; any change (admission, eviction) wakes the job. Where Kueue's CRD is not installed,
   kopf finds no such resource and serves these handlers nothing.
@@ -103,7 +104,8 @@ async def pod_changed(
         loop.pod_event(body.metadata.uid or "", type)
 
 
-STATIC_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "services": "Service"}
+STATIC_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "services": "Service",
+                "networkpolicies": "NetworkPolicy"}
 """The job's children besides pods (resource -> kind); each has an index named `{resource}_by_job`."""
 
 

@@ -51,6 +51,7 @@ class Kube:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.networking = client.NetworkingV1Api(api)
 
     async def create(self, namespace: str, manifest: dict[str, Any]) -> dict | None:
         """Create a child; returns the created object, or None when it already existed."""
@@ -62,6 +63,7 @@ class Kube:
             "Service": self.core.create_namespaced_service,
             "Secret": self.core.create_namespaced_secret,
             "ConfigMap": self.core.create_namespaced_config_map,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
         }[kind]
         try:
             # Raw JSON: deserialising into the generated models and back costs more than the request.
@@ -128,6 +130,7 @@ class Kube:
             "Service": self.core.delete_namespaced_service,
             "Secret": self.core.delete_namespaced_secret,
             "ConfigMap": self.core.delete_namespaced_config_map,
+            "NetworkPolicy": self.networking.delete_namespaced_network_policy,
         }[kind]
         try:
             response = await _checked(await delete(name, namespace, _preload_content=False))

@@ -158,6 +158,8 @@ def job_view(body: Any, status: TrainingJobStatus) -> JobView:
         spec = parse_spec(raw_spec)
     except SpecError as exc:
         error = str(exc)
+    if spec is not None and (bad_name := names.job_name_error(meta["name"], spec)) is not None:
+        spec, error = None, bad_name
     return JobView(
         namespace=meta["namespace"],
         name=meta["name"],

@@ -6,7 +6,9 @@ One module so the builders (which stamp them), the operator (which selects by th
 
 from __future__ import annotations
 
-from rlkube.api.spec import API_VERSION, KIND
+import re
+
+from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -14,6 +16,8 @@ LABEL_JOB = "rlkube.io/job-name"
 LABEL_ROLE = "rlkube.io/role"
 LABEL_INDEX = "rlkube.io/index"
 MANAGED_BY = "rlkube"
+OWNED_PREFIX = "rlkube.io/"
+"""Labels and annotations under this prefix (and the two app.kubernetes.io ones above) are the operator's."""
 
 ANNOTATION_ATTEMPT = "rlkube.io/attempt"
 """Replacement count of a pod slot: 0 for the first pod, +1 each time the operator replaces a failed one."""
@@ -25,9 +29,64 @@ CONFIG_MOUNT = "/etc/rlkube"
 CONFIG_KEY = "job.json"
 SECRET_KEY = "password"
 
+VOLUME_CONFIG = "job-config"  # the job's ConfigMap at CONFIG_MOUNT
+VOLUME_CHECKPOINTS = "checkpoints"  # trainer: spec.trainer.checkpoint (PVC or emptyDir) at its path
+VOLUME_TMP = "tmp"  # emptyDir at /tmp (and HOME): the writable place of a read-only root filesystem
+VOLUME_SHM = "dshm"  # memory-backed emptyDir at /dev/shm (NCCL, torch and vLLM shared memory)
+TMP_MOUNT = "/tmp"
+SHM_MOUNT = "/dev/shm"
+
 SERVICE_ROLES = ("redis", "inference", "trainer")
 """Roles with a headless Service (and so `hostname`/`subdomain` on their pods)."""
 
+
+
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_MAX = 63
+
+
+def job_name_error(job: str, spec: TrainingJobSpec) -> str | None:
+    """Why the children of a job of this name cannot exist, or None. A TrainingJob name may be any DNS subdomain
+    (dots, a leading digit, 253 characters), but its Services `{job}-{role}` must be DNS-1035 labels and the pods
+    of those roles carry `{job}-{role}-{index}` as hostname (a label, too), all at most 63 characters; the API
+    server would refuse them one by one after the first children exist (a generated-input test found it)."""
+    longest = max((pod_name(job, "inference", spec.inference.replicas - 1), pod_name(job, "trainer", spec.trainer.nodes - 1),
+                   service_name(job, "inference")), key=len)
+    if not _DNS1035_LABEL.match(job):
+        return (f"metadata.name: {job!r} must be a DNS-1035 label (lower case letters, digits and '-', starting with a "
+                f"letter): it names the job's Services")
+    if len(longest) > LABEL_MAX:
+        return (f"metadata.name: {job!r} is too long: its child {longest!r} has {len(longest)} characters, at most "
+                f"{LABEL_MAX} are allowed")
+    return None
+
+
+def role_volumes(role: str) -> tuple[str, ...]:
+    """The volumes the builders give a role's pods."""
+    if role == "redis":
+        return ()
+    extra = {"trainer": (VOLUME_CHECKPOINTS, VOLUME_SHM), "inference": (VOLUME_SHM,)}.get(role, ())
+    return (VOLUME_CONFIG, VOLUME_TMP, *extra)
+
+
+def owned_volumes(role: str) -> dict[str, str]:
+    """Volumes a pod template may not replace (name -> where they come from); tmp and dshm it may."""
+    if role == "redis":
+        return {}
+    owned = {VOLUME_CONFIG: "the job config"}
+    if role == "trainer":
+        owned[VOLUME_CHECKPOINTS] = "use spec.trainer.checkpoint.claimName"
+    return owned
+
+
+def owned_mounts(role: str, checkpoint_path: str) -> dict[str, str]:
+    """Mount paths a pod template may not take (path -> why)."""
+    if role == "redis":
+        return {}
+    owned = {CONFIG_MOUNT: "the job config"}
+    if role == "trainer":
+        owned[checkpoint_path.rstrip("/")] = "spec.trainer.checkpoint.path"
+    return owned
 
 
 def pod_name(job: str, role: str, index: int = 0) -> str:
@@ -40,6 +99,10 @@ def service_name(job: str, role: str) -> str:
 
 
 def secret_name(job: str) -> str:
+    return f"{job}-redis"
+
+
+def network_policy_name(job: str) -> str:
     return f"{job}-redis"
 
 

@@ -28,7 +28,11 @@ def parse_time(value: str | None) -> datetime | None:
 
 
 def stream_id_time(stream_id: str) -> datetime:
-    """The wall-clock time Redis stamped on an entry (`<ms>-<seq>`)."""
-    return datetime.fromtimestamp(int(stream_id.split("-", 1)[0]) / 1000, UTC)
+    """The wall-clock time Redis stamped on an entry (`<ms>-<seq>`). A producer may XADD explicit ids up to 2**64-1
+    ms; those beyond what datetime holds (year 9999) read as datetime.max."""
+    try:
+        return datetime.fromtimestamp(int(stream_id.split("-", 1)[0]) / 1000, UTC)
+    except (ValueError, OverflowError, OSError):
+        return datetime.max.replace(tzinfo=UTC)
 
 

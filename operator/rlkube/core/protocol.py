@@ -10,6 +10,7 @@ Keys are namespaced `{namespace}/{job}/...`, except for Fast-LLM trainers whose 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,14 +109,28 @@ class TrainerEvent:
 
     @property
     def step(self) -> int | None:
-        step = self.payload.get("step")
-        return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
+        """The payload's `step` as an int; None when absent, not a number, or beyond int64 (a status field)."""
+        return as_int64(self.payload.get("step"))
 
     @property
     def time(self) -> float:
         """When Redis added the entry (the id's millisecond clock), in seconds since the epoch: times steps
         without trusting the pods' clocks."""
         return stream_id_key(self.stream_id)[0] / 1000
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def as_int64(value: Any) -> int | None:
+    """A JSON number as an int if it fits int64 (what a Kubernetes integer field holds), else None. JSON numbers
+    from a producer can be anything: 1e308 parses as a float whose int() has 309 digits."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    number = int(value)
+    return number if INT64_MIN <= number <= INT64_MAX else None
 
 
 def stream_id_key(stream_id: str | None) -> tuple[int, int]:

@@ -2,7 +2,10 @@
 by `rlkube local`.
 
 The variables are the runtime contract of `rlkube.core.runtime` (what `RoleContext.from_env` reads) plus
-torchrun's names for trainer ranks. What differs between launchers is only where things are, which the caller
+torchrun's names for trainer ranks. Trainer ranks follow torchrun's static-rendezvous arithmetic: a trainer pod
+(node) runs `processes_per_node` ranks, RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, WORLD_SIZE = nodes *
+processes_per_node. With one rank per pod the pod's process is the rank (RANK/LOCAL_RANK in its env); with more,
+the pod runs `rlkube.core.launcher`, which starts each rank with `rank_env` added. What differs between launchers is only where things are, which the caller
 passes as `Addresses`: in a cluster, headless-Service names and `$(POD_IP)`; locally, 127.0.0.1 ports. The Redis
 password is not here: pods take it from a Secret (`secretKeyRef`), a local job's Redis has none.
 """
@@ -13,7 +16,45 @@ from dataclasses import dataclass
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import runtime
-from rlkube.lifecycle.roles import INFERENCE, TRAINER
+from rlkube.lifecycle.roles import INFERENCE, REDIS, TRAINER
+
+POD_IP = "POD_IP"
+"""The pod's IP from the downward API (pods only): servers bind to it (`bind_host` is `$(POD_IP)`)."""
+LAUNCHER_MODULE = "rlkube.core.launcher"
+
+
+def processes_per_node(spec: TrainingJobSpec) -> int:
+    """Trainer ranks per trainer pod: spec.trainer.processesPerNode, else one per GPU, else 1 (CPU)."""
+    trainer = spec.trainer
+    return trainer.processes_per_node or max(trainer.gpus_per_node, 1)
+
+
+def trainer_world_size(spec: TrainingJobSpec) -> int:
+    return spec.trainer.nodes * processes_per_node(spec)
+
+
+def role_module(spec: TrainingJobSpec, role: str) -> str:
+    """The module a role's pod (or local process) runs: the trainer's launcher when a pod holds several ranks.
+    Fast-LLM trainer pods run Fast-LLM's own launcher instead (built apart; not decided here)."""
+    if role == TRAINER and processes_per_node(spec) > 1:
+        return LAUNCHER_MODULE
+    return f"rlkube.core.{role}"
+
+
+def rank_env(spec: TrainingJobSpec, node_rank: int, local_rank: int) -> list[tuple[str, str]]:
+    """What the launcher adds for local rank `local_rank` of trainer pod `node_rank` (torchrun's worker env)."""
+    per_node = processes_per_node(spec)
+    if not 0 <= local_rank < per_node:
+        raise ValueError(f"local rank {local_rank} outside 0..{per_node - 1}")
+    return [
+        ("RANK", str(node_rank * per_node + local_rank)),
+        ("LOCAL_RANK", str(local_rank)),
+        ("GROUP_RANK", str(node_rank)),
+    ]
+
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK")
+"""Names rank_env sets per process."""
 
 
 @dataclass(frozen=True)
@@ -56,19 +97,35 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses) -> lis
     if role == INFERENCE:
         env.append((runtime.ENV_PORT, str(at.inference_ports[index])))
     if role == TRAINER:
-        nodes = spec.trainer.nodes
+        nodes, per_node = spec.trainer.nodes, processes_per_node(spec)
         env += [
             (runtime.ENV_PORT, str(at.weight_sync_port)),
             (runtime.ENV_CHECKPOINT_DIR, at.checkpoint_dir),
-            # torch.distributed env:// rendezvous, one process per node (torchrun's names).
-            ("RANK", str(index)),
-            ("WORLD_SIZE", str(nodes)),
+            # torch.distributed rendezvous at rank 0 (torchrun's names; static: every rank knows its number).
+            ("WORLD_SIZE", str(nodes * per_node)),
             ("NODE_RANK", str(index)),
             ("NNODES", str(nodes)),
-            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", str(per_node)),
             ("MASTER_ADDR", at.weight_sync_host),
             ("MASTER_PORT", str(at.master_port)),
         ]
+        if per_node == 1:  # the pod's process is the rank; with more, the launcher adds rank_env per process
+            env += rank_env(spec, index, 0)
     if at.output_dir is not None:
         env.append((runtime.ENV_OUTPUT_DIR, at.output_dir))
     return env
+
+
+def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
+    """Every variable the operator sets in a role's container: a pod template may not override these (the rank
+    env, where the job's parts are, the Redis password). Derived from role_env itself, so the two cannot drift."""
+    pod_only = {runtime.ENV_REDIS_PASSWORD, POD_IP}  # from the job's Secret and the downward API (builders)
+    if role == REDIS:
+        return frozenset(pod_only)
+    n = spec.inference.replicas
+    at = Addresses(config_path="", redis_url="", bind_host="", inference_urls=("",) * n, inference_ports=(0,) * n,
+                   weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="")
+    names = {name for name, _ in role_env(spec, role, 0, at)} | pod_only
+    if role == TRAINER:
+        names |= set(RANK_ENV)
+    return frozenset(names)

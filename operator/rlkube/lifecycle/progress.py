@@ -16,8 +16,13 @@ from typing import Any
 from rlkube.core import protocol
 
 
+MAX_PATH = 4096
+"""Longest checkpoint path taken from an event (Linux's PATH_MAX): a longer string is no path, and the status that
+records it must stay small enough for the API server to store."""
+
+
 def _int(value: Any) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    return protocol.as_int64(value)
 
 
 def _float(value: Any, digits: int) -> float | None:
@@ -29,7 +34,7 @@ def _float(value: Any, digits: int) -> float | None:
 
 
 def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_PATH else None
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ def read(ev: protocol.TrainerEvent) -> Facts:
         return Facts(checkpoint=(step, path) if step is not None and path else None)
     if ev.type == protocol.TRAINING_FINISHED:
         path = _str(payload.get("checkpoint"))
+        # A `step` that is there but no int64 number is no evidence of the final step: without this the job
+        # would be judged on the last weights_ready step as if the field were absent (Fast-LLM sends none).
+        garbled = "step" in payload and step is None
         return Facts(step=step, checkpoint=(step, path) if step is not None and path else None, finished=True,
-                     interrupted=bool(payload.get("interrupted")))
+                     interrupted=bool(payload.get("interrupted")) or garbled)
     return Facts()

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rlkube.api import SpecError, TrainingJobSpec, parse_manifest
 from rlkube.core import protocol, runtime, streams
 from rlkube.lifecycle import progress, roles
-from rlkube.lifecycle.environment import Addresses, role_env
+from rlkube.lifecycle.environment import Addresses, role_env, role_module
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import Judgement, judge
 from rlkube.lifecycle.phases import Phase, Reason
@@ -134,7 +134,7 @@ class LocalJob:
         proc = RoleProcess(
             role=role,
             index=index,
-            argv=python_module(f"rlkube.core.{role}"),
+            argv=python_module(role_module(self.spec, role)),
             env=self._env(role, index),
             log_path=self.out / "logs" / f"{role}-{index}.log",
         ).start()
