@@ -17,8 +17,7 @@ from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier 
 from rlkube.core import protocol
 from rlkube.core.backends.base import batch_loss
 from rlkube.core.batch import collate
-from rlkube.core.losses import LossConfig
-from rlkube.core.model import token_logprobs
+from rlkube.core.losses import LossConfig, token_logprobs
 
 pytestmark = [
     pytest.mark.megatron,
@@ -77,9 +76,9 @@ def load(path, dtype=torch.float32):
 
 
 def read_hf_weights(path):
-    from rlkube.core.backends.megatron_gpt import read_hf_weights
+    from rlkube.core.checkpoint import load_weights
 
-    return read_hf_weights(path)
+    return load_weights(path)
 
 
 def tokens_of(seed: int, batch: int = 3, length: int = 48) -> torch.Tensor:
@@ -206,20 +205,16 @@ def test_loss_and_grad_norm_equal_the_transformers_models(tmp_path, loss, cls_na
 
 def test_unsupported_architectures_are_named(tmp_path):
     from rlkube.core.backends.megatron_hf import UnsupportedArchitecture
-    from transformers import GPT2Config
+    from rlkube.core.hf.errors import ModelError
+    from transformers import AutoModelForCausalLM, GPT2Config
 
-    with pytest.raises(UnsupportedArchitecture, match="model_type 'gpt2'"):
-        load(write_model_of(tmp_path / "gpt2", GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)))
+    gpt2 = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).save_pretrained(gpt2)
+    with pytest.raises(ModelError, match="GPT2LMHeadModel"):  # refused by the directory check, naming the field
+        load(gpt2)
     _, path = write_model(tmp_path / "bias", "LlamaConfig", attention_bias=True)
-    with pytest.raises(UnsupportedArchitecture, match="attention_bias"):
+    with pytest.raises(UnsupportedArchitecture, match="attention_bias"):  # loads in transformers, not mapped here
         load(path)
-
-
-def write_model_of(path, config):
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
 
 
 def test_activation_recomputation_gives_the_same_gradients(tmp_path):

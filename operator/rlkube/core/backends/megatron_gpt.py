@@ -4,7 +4,7 @@ Why: the megatron backend trains megatron-core's GPTModel while every other part
 checkpoints, weight updates to inference) speaks Hugging Face directories and parameter names. `MegatronGPT` is the
 model half of that backend: it builds the GPTModel of a transformers config (`megatron_hf` holds the translation),
 loads the directory's safetensors into it, computes logits, and exports weights (or any per-parameter tensors,
-such as gradients or Adam moments) under Hugging Face names. One rank: tensor and pipeline parallel size 1.
+such as float32 master weights or gradients) under Hugging Face names. One rank: tensor and pipeline parallel size 1.
 
 It uses megatron's TE-less local layer spec (`get_gpt_layer_local_spec`), which runs on CPU (through the shim in
 `megatron_cpu`) and on a GPU, with every fusion that needs CUDA kernels switched off.
@@ -12,15 +12,13 @@ It uses megatron's TE-less local layer spec (`get_gpt_layer_local_spec`), which 
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-
+from rlkube.core import checkpoint as ckpt
 from rlkube.core.backends import megatron_cpu
 from rlkube.core.backends.megatron_hf import (
     Architecture,
@@ -36,31 +34,6 @@ with warnings.catch_warnings():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def read_hf_config(path: str | Path) -> Any:
-    """The transformers config of a model directory (no remote code)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-
-
-def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory's safetensors files (one file, or shards named by an index)."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                out[key] = f.get_tensor(key)
-    return out
 
 
 def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -131,7 +104,9 @@ class MegatronGPT:
     @classmethod
     def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", seed: int = 0, recompute: bool = False) -> MegatronGPT:
-        gpt = cls(read_hf_config(path), dtype, device, seed, recompute)
+        from rlkube.core.hf.loading import load_config  # checks the directory; raises ModelError naming the field
+
+        gpt = cls(load_config(Path(path)), dtype, device, seed, recompute)
         gpt.load_hf_dir(path)
         return gpt
 
@@ -139,7 +114,7 @@ class MegatronGPT:
 
     def load_hf_dir(self, path: str | Path) -> None:
         """Load the safetensors weights of a model directory of this architecture."""
-        self.load_hf_state_dict(read_hf_weights(path))
+        self.load_hf_state_dict(ckpt.load_weights(Path(path)))
 
     def load_hf_state_dict(self, hf_state: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights (strict; converted to the model's dtype)."""

@@ -206,7 +206,8 @@ def _qkv_to_hf(arch: Architecture, qkv: torch.Tensor) -> list[torch.Tensor]:
     rest = tuple(qkv.shape[1:])
     grouped = qkv.reshape(arch.kv_heads, (per_group + 2) * arch.head_dim, *rest)
     q, k, v = grouped.split([per_group * arch.head_dim, arch.head_dim, arch.head_dim], dim=1)
-    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+    # clone: with one key/value head the slices are contiguous views of one storage, which safetensors refuses
+    return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
 
 
 def to_megatron(arch: Architecture, megatron_name: str, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -220,14 +221,13 @@ def to_megatron(arch: Architecture, megatron_name: str, hf_tensors: list[torch.T
 
 
 def to_hf(arch: Architecture, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One megatron tensor -> its Hugging Face (name, tensor) pairs (new tensors for fused parameters, the same
-    tensor otherwise)."""
+    """One megatron tensor -> its Hugging Face (name, tensor) pairs (new tensors of their own for fused parameters,
+    the same tensor otherwise)."""
     names = hf_names(megatron_name)
     if ".linear_qkv." in megatron_name:
         parts = _qkv_to_hf(arch, tensor)
     elif megatron_name.endswith("linear_fc1.weight"):
-        parts = list(tensor.chunk(2, dim=0))
-        parts = [p.contiguous() for p in parts]
+        parts = [p.clone() for p in tensor.chunk(2, dim=0)]  # independent tensors, as for the QKV
     else:
         parts = [tensor]
     return list(zip(names, parts, strict=True))
