@@ -132,6 +132,13 @@ def test_bfloat16_computes_with_float32_masters(model_dir):
     assert m["loss"] == pytest.approx(r["loss"], rel=BF16_RTOL, abs=BF16_LOSS_ATOL)
     assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=BF16_RTOL)
     assert all(t.dtype == torch.float32 for _, t in meg.backend.weights())  # the masters (the publisher casts)
+    # the accumulated gradient (what data parallelism sums) is the masters' float32 one, not the bfloat16 model's
+    batch = meg.make_batch(docs)
+    meg.backend.forward_backward(batch, batch.num_loss_tokens)
+    assert all(p.grad is None for p in meg.model.parameters())
+    grads = [p.grad for p in meg.backend.gradient_parameters()]
+    assert len(grads) == len(list(meg.model.parameters()))
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
 
 
 def test_bfloat16_updates_below_its_resolution_accumulate(model_dir):

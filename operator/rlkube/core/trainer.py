@@ -183,7 +183,8 @@ class Trainer:
         statistics of everything accumulated since the previous step (summed over the data-parallel ranks)."""
         if self.dp is not None:
             names = [f.name for f in dataclass_fields(LossStats)]
-            summed = self.dp.sum_gradients(self.model.parameters(), [getattr(self._pending, n) for n in names])
+            summed = self.dp.sum_gradients(self.backend.gradient_parameters(),
+                                           [getattr(self._pending, n) for n in names])
             self._pending = LossStats(**dict(zip(names, summed, strict=True)))
         lr = self.backend.learning_rate
         grad_norm = self.backend.optim_step()

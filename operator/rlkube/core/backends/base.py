@@ -23,8 +23,9 @@ The contract a backend keeps (the torch backend is the reference; the megatron b
 - `optim_step()` clips the gradient norm to `spec.algorithm.gradClipNorm`, steps the optimizer and the learning
   rate schedule (`spec.algorithm.lrSchedule`, `warmupSteps`), then zeroes the gradients; returns the norm
   before clipping. `learning_rate` is the rate the next `optim_step` applies.
-- `model.parameters()` are the trained parameters whose `.grad` the data-parallel path sums over ranks between
-  the last `forward_backward` and `optim_step` (torch backend; other backends refuse `trainer.nodes > 1`).
+- `gradient_parameters()` are the parameters whose `.grad` holds the gradient accumulated since the last
+  `optim_step` (what the data-parallel path sums over ranks before `optim_step`): the model's parameters for the
+  torch backend, the float32 masters for the megatron backend in bfloat16.
 - `state()` -> (model state as `weights()` gives it, float32; optimizer state: any dict that `torch.save` and
   `torch.load(weights_only=True)` round-trip, including the LR schedule). `load_state(model_state,
   optimizer_state or None)` is its inverse, strict: a missing or unexpected name raises. The optimizer state is
@@ -57,6 +58,10 @@ class TrainerBackend(Protocol):
     @property
     def learning_rate(self) -> float:
         """The learning rate the next optim_step applies (after warm-up and schedule)."""
+        ...
+
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters whose `.grad` holds the accumulated gradient (see the module docstring)."""
         ...
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:

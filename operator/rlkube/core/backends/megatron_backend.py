@@ -2,7 +2,7 @@
 
 `spec.trainer.backend: megatron` (image trainer-megatron, extra `rlkube[megatron]`) trains a megatron-core (0.16.1)
 `GPTModel` built from megatron's local layer spec with the architecture of the job's Hugging Face directory
-(`megatron_gpt`, `megatron_hf`), on CPU through the shim in `megatron_cpu` or on one GPU. It keeps the contract of
+(`megatron_gpt`, `megatron_hf`), on CPU through the shim in `megatron_cpu` or on a GPU (one per rank). It keeps the contract of
 `base.py`: the same losses (`base.batch_loss`), Adam with gradient clipping and the same LR schedule, and weights
 and checkpoints under Hugging Face names and layouts (megatron's fused QKV and gate/up are split at the edge), so
 inference servers receive what they loaded from the directory and a checkpoint loads in transformers and vLLM.
@@ -13,8 +13,9 @@ master weights that Adam updates; each backward's bfloat16 gradients are added i
 (megatron's `main_grad`), and the masters are copied into the model after each step. The LM head multiplies in
 float32 (`megatron_gpt`). With float32 the model's parameters are the masters.
 
-One rank: tensor and pipeline parallel size 1; megatron's distributed optimizer and data-parallel wrappers are not
-used (parallelism is a later issue; the trainer role refuses `trainer.nodes > 1` for this backend).
+Tensor and pipeline parallel size 1; megatron's distributed optimizer and data-parallel wrappers are not used. With
+several trainer ranks the Trainer's data-parallel path sums `gradient_parameters()` (the float32 masters'
+gradients) over the ranks, as for the torch backend; tensor and pipeline parallelism are a later issue.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class MegatronBackend:
     @property
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.masters.values()  # the model's own parameters in float32
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.gpt.logits(tokens)

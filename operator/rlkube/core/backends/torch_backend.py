@@ -77,6 +77,9 @@ class TorchBackend:
             hidden = self.model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
         return self.model.get_output_embeddings()(hidden.float())
 
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.model.parameters()
+
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
         logits = self.logits(batch.tokens.to(self.device))
         out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer)
