@@ -60,7 +60,7 @@ def samples() -> dict[str, dict]:
     """(name -> namespace, job, spec): the shipped example and a multi-node GSPO variant."""
     example = yaml.safe_load((ROOT / "examples" / "fast-llm.yaml").read_text())
     two_nodes = copy.deepcopy(example["spec"])
-    two_nodes["model"]["architecture"] = {"maxSequenceLength": 4096}
+    two_nodes["model"]["maxSequenceLength"] = 4096
     two_nodes["algorithm"].update(loss="gspo", temperature=0.7, clipEpsilonLow=0.003, clipEpsilonHigh=0.004,
                                   samplesPerStep=512, maxSteps=400, gradClipNorm=0.3)
     two_nodes["trainer"].update(nodes=2, checkpoint={"path": "/checkpoints", "claimName": "ckpt", "intervalSteps": 20},

@@ -13,7 +13,10 @@ import yaml
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol
-from rlkube.core.model import CharTokenizer, build_model
+from rlkube.core.hf import state as hf_state
+from rlkube.core.hf.loading import load_model, load_tokenizer
+from rlkube.core.hf.source import materialize_model
+from rlkube.core.hf.tokenizer import Tokenizer
 from rlkube.core.preprocessor import DocumentConfig, group_to_documents
 from rlkube.core.tasks import load_task
 from rlkube.core.trainer import Trainer
@@ -29,20 +32,20 @@ def tiny_cpu_spec(backend: str = "torch", **algorithm) -> TrainingJobSpec:
 
 
 @torch.no_grad()
-def sample_group(model, tok: CharTokenizer, prompt_ids: list[int], n: int, max_new: int, temperature: float):
+def sample_group(model, tok: Tokenizer, prompt_ids: list[int], n: int, max_new: int, temperature: float):
     """n completions of one prompt: (tokens incl. <eos> when produced, sampling log-probs)."""
     out = torch.tensor([prompt_ids] * n)
     done = torch.zeros(n, dtype=torch.bool)
     comps: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
     for _ in range(max_new):
-        logp = torch.log_softmax(model(out)[:, -1] / temperature, dim=-1)
+        logp = torch.log_softmax(model(out).logits[:, -1].float() / temperature, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
         for i in range(n):
             if not done[i]:
                 comps[i].append(int(nxt[i]))
                 lps[i].append(float(logp[i, nxt[i]]))
-        done |= nxt == tok.eos_id
+        done |= torch.isin(nxt, torch.tensor(tok.eos_ids))
         if done.all():
             break
         out = torch.cat([out, nxt[:, None]], dim=1)
@@ -50,16 +53,17 @@ def sample_group(model, tok: CharTokenizer, prompt_ids: list[int], n: int, max_n
 
 
 def learning_run(spec: TrainingJobSpec, seed: int, steps: int, served: bool = False) -> list[float]:
-    """The mean reward of every step. `served`: sample from a separate TinyLM that receives the trainer's published
-    weights after every step (what the native inference server does; needed where the backend's model is not TinyLM),
-    else from the trainer's own model."""
+    """The mean reward of every step. `served`: sample from a separate HF model loaded from the job's directory that
+    receives the trainer's published weights (HF names) after every step (what the native inference server does;
+    needed where the backend's model is not an HF model), else from the trainer's own model."""
     algo = spec.algorithm
-    tok, task = CharTokenizer(), load_task(spec.task)
-    trainer = Trainer(spec)
-    policy = build_model(spec.model) if served else trainer.model  # served: starts from the same weights
+    model_dir = materialize_model(spec.model)
+    tok, task = load_tokenizer(model_dir), load_task(spec.task)
+    trainer = Trainer(spec, model_dir=model_dir)
+    policy = load_model(model_dir) if served else trainer.model  # served: starts from the same weights
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    cfg = DocumentConfig(estimator=algo.advantage, max_length=spec.model.architecture.max_sequence_length)
+    cfg = DocumentConfig(estimator=algo.advantage, max_length=spec.model.max_sequence_length)
     rewards = []
     for step in range(steps):
         docs, step_rewards = [], []
@@ -76,7 +80,7 @@ def learning_run(spec: TrainingJobSpec, seed: int, steps: int, served: bool = Fa
         # On-policy: the trainer's log-probs of the sampled tokens equal the sampling ones before the update.
         assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
         if served:
-            policy.load_state_dict(dict(trainer.backend.weights()), strict=True)
+            hf_state.load_weights(policy, dict(trainer.backend.weights()))
         rewards.append(sum(step_rewards) / len(step_rewards))
     return rewards
 

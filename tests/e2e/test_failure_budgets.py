@@ -18,8 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, re
 
 def test_crash_looping_inference_fails_the_job_within_its_budget(job):
     budget = 2
-    job.apply(example(**{"spec.inference.engine": "vllm", "spec.runPolicy.componentBackoffLimit": budget,
-                         "spec.model.architecture.heads": 2}))  # head dim 32: what vLLM accepts
+    job.apply(example(**{"spec.inference.engine": "vllm", "spec.runPolicy.componentBackoffLimit": budget}))
     tj = job.wait_phase(("Succeeded", "Failed"), 300)
     st = tj["status"]
     assert st["phase"] == "Failed" and st["reason"] == "ComponentBackoffLimitExceeded", job.diagnostics()

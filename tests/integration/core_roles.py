@@ -20,10 +20,10 @@ import torch
 import yaml
 from cluster.control_plane import free_port
 from rlkube.api.validation import parse_spec
-from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol, runtime
-from rlkube.core.model import build_model, token_logprobs
-from safetensors.torch import load_file
+from hf_models import initial_model
+from rlkube.core.hf.loading import load_model
+from rlkube.core.losses import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test"
@@ -171,21 +171,20 @@ def train_with_inference(roles: list[Role], tmp: Path, job: str, spec: dict, cli
 
 def assert_serves_checkpoint(url: str, spec: dict, checkpoint: Path, version: int, n: int) -> None:
     """The server at `url` is at `version`, and its log-probs of n sampled completions are those of the checkpoint's
-    weights (a strict load of TinyLM's state_dict) and clearly not the initial weights'."""
+    weights (the checkpoint is a HF directory: transformers loads it as it is) and clearly not the initial weights'."""
     status, body = http_json(url + "/health")
     assert status == 200 and body["model_version"] == version, body
-    status, reply = http_json(url + "/v1/completions", {"model": "builtin://tiny-lm", "prompt": "42:", "n": n,
+    status, reply = http_json(url + "/v1/completions", {"model": "builtin://tiny-llama", "prompt": "42:", "n": n,
                                                         "max_tokens": 4, "temperature": 1.0, "logprobs": 0, "seed": 3})
     assert status == 200 and reply["model_version"] == version, reply
-    trained, initial = build_model(parse_spec(spec).model), build_model(parse_spec(spec).model)
-    trained.load_state_dict(load_file(str(checkpoint / ckpt.MODEL_FILE)), strict=True)
+    trained, initial = load_model(checkpoint), initial_model(parse_spec(spec).model)
     moved = 0.0
     for choice in reply["choices"]:
         tokens = torch.tensor([choice["prompt_token_ids"] + choice["token_ids"]])
         start = len(choice["prompt_token_ids"]) - 1
         with torch.no_grad():
-            want = token_logprobs(trained(tokens), tokens)[0, start:].tolist()
-            before = token_logprobs(initial(tokens), tokens)[0, start:].tolist()
+            want = token_logprobs(trained(tokens).logits, tokens)[0, start:].tolist()
+            before = token_logprobs(initial(tokens).logits, tokens)[0, start:].tolist()
         got = choice["logprobs"]["token_logprobs"]
         assert got == pytest.approx(want, abs=1e-4)
         moved = max(moved, max(abs(a - b) for a, b in zip(got, before, strict=True)))

@@ -26,6 +26,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from rlkube.api.crd import crd
+from rlkube.api.model_path import parse_model_path
 
 SPEC_SCHEMA: dict = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 ROLES = ("trainer", "inference", "actor", "preprocessor")
@@ -33,7 +34,7 @@ ROLES = ("trainer", "inference", "actor", "preprocessor")
 # Pod counts and the shape of the built-in model stay small: every pod is a real object in the API server.
 SMALL = {
     "trainer.nodes": 2, "inference.replicas": 2, "actor.replicas": 2, "preprocessor.replicas": 1,
-    "inference.tensorParallel": 2, "trainer.gpusPerNode": 2, "model.architecture.heads": 4,
+    "inference.tensorParallel": 2, "trainer.gpusPerNode": 2,
 }
 ASCII_NAME = st.text("abcdefghijklmnopqrstuvwxyz0123456789-./:_", min_size=1, max_size=20)
 
@@ -169,10 +170,10 @@ def _eff(spec: dict, path: str) -> Any:
 def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     """Repair a schema-valid spec so that it also runs: the cross-field rules, and the Redis the test provides."""
     spec = copy.deepcopy(spec)
-    heads = _eff(spec, "model.architecture.heads")
-    hidden = _eff(spec, "model.architecture.hiddenSize")
-    if hidden % heads or hidden // heads < 32:  # divisible, and a head dimension vLLM takes
-        _set(spec, "model.architecture.hiddenSize", heads * 32 * max(1, hidden // (heads * 32)))
+    try:
+        parse_model_path(_eff(spec, "model.path"))
+    except ValueError:  # a directory, hf://org/name[@rev] or a known builtin:// (random strings with :// are not)
+        _set(spec, "model.path", "builtin://tiny-llama")
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
     _drop(spec, "task.dataset")
     _drop(spec, "task.reward")
@@ -212,6 +213,9 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         _set(spec, "algorithm.samplesPerStep", ranks)
     if _eff(spec, "algorithm.clipEpsilonLow") >= 1:
         _set(spec, "algorithm.clipEpsilonLow", 0.5)
+    if _eff(spec, "algorithm.lrSchedule") != "constant" and _eff(spec, "algorithm.warmupSteps") >= _eff(
+            spec, "algorithm.maxSteps"):
+        _set(spec, "algorithm.warmupSteps", 0)  # a decaying schedule needs steps after the warm-up
     path = _eff(spec, "trainer.checkpoint.path")
     if not path.startswith("/") or path.rstrip("/") == "/etc/rlkube":  # absolute, not the config mount
         _set(spec, "trainer.checkpoint.path", "/" + path.strip("/").replace("etc/rlkube", "etc/ckpt"))
@@ -294,14 +298,13 @@ def schema_mutation(draw, spec: dict) -> tuple[str, str]:
 @st.composite
 def operator_mutation(draw, spec: dict, redis_url: str) -> tuple[str, str]:
     """Apply one schema-valid mutation that cannot run; return (the field the operator must name, description)."""
-    kind = draw(st.sampled_from(["heads", "no-url", "managed-url", "fast-llm-external", "fast-llm-cpu",
-                                 "group", "samples", "clip", "tensor-parallel", "head-dim", "quantity",
+    kind = draw(st.sampled_from(["model-path", "no-url", "managed-url", "fast-llm-external", "fast-llm-cpu",
+                                 "group", "samples", "clip", "tensor-parallel", "quantity",
                                  "negative", "resource-name", "request-over-limit", "params"]))
     role = draw(st.sampled_from(ROLES))
-    if kind == "heads":
-        _set(spec, "model.architecture.hiddenSize", 64)
-        _set(spec, "model.architecture.heads", draw(st.sampled_from([3, 5, 7])))
-        return "spec.model.architecture.heads", "heads do not divide hiddenSize"
+    if kind == "model-path":
+        _set(spec, "model.path", draw(st.sampled_from(["builtin://tiny-gpt", "hf://no-org", "s3://bucket/m"])))
+        return "spec.model.path", "a model path of no known form"
     if kind == "no-url":
         _set(spec, "redis.mode", "external")
         _drop(spec, "redis.url")
@@ -339,12 +342,6 @@ def operator_mutation(draw, spec: dict, redis_url: str) -> tuple[str, str]:
         _set(spec, "inference.engine", "native")
         _set(spec, "inference.tensorParallel", 2)
         return "spec.inference.tensorParallel", "native engine with tensor parallelism"
-    if kind == "head-dim":
-        _set(spec, "inference.engine", "vllm")
-        _set(spec, "model.path", "builtin://tiny-lm")
-        _set(spec, "model.architecture.hiddenSize", 64)
-        _set(spec, "model.architecture.heads", 4)
-        return "spec.model.architecture", "vLLM with a head dimension of 16"
     kind_of = draw(st.sampled_from(["requests", "limits"]))
     if kind == "quantity":
         value = draw(st.sampled_from(["lots", "1.2.3", "5 Gi", "0x10", "1Gb", "--1"]))

@@ -34,11 +34,7 @@ def free_port() -> int:
 
 def job_spec(**algorithm: Any) -> dict[str, Any]:
     return {
-        "model": {
-            "path": "builtin://tiny-lm",
-            "seed": 7,
-            "architecture": {"layers": 2, "hiddenSize": 64, "heads": 4, "maxSequenceLength": 32},
-        },
+        "model": {"path": "builtin://tiny-llama", "seed": 7, "maxSequenceLength": 32},
         "task": {"name": "reverse-digits"},
         "algorithm": {"maxSteps": 50, "groupSize": 4, "samplesPerStep": 8, "maxLag": 1, "maxNewTokens": 4,
                       **algorithm},

@@ -116,9 +116,11 @@ def test_two_replicas_hold_at_max_lag_and_resume_on_weights_ready(stack, redis_c
 
 
 def roles_tokenizer_decode(ids: list[int]) -> str:
-    from rlkube.core.model import CharTokenizer
+    """The job's tokenizer (the built-in model's) decoding `ids` (special tokens such as <bos> dropped)."""
+    from hf_models import builtin_dir
+    from rlkube.core.hf.loading import load_tokenizer
 
-    return CharTokenizer().decode(ids)
+    return load_tokenizer(builtin_dir(seed=7)).decode(ids)
 
 
 def test_restarted_trainer_lowers_the_lag_credit(stack, redis_client):
@@ -214,6 +216,9 @@ def test_dataset_prompts_and_a_reward_that_raises_score_zero_and_are_counted(sta
     # the rows are drawn an epoch (3 groups) at a time; with 2 workers at most one draw is still in flight, so 6
     # written groups hold every row, each prompt exactly as written
     assert {roles_tokenizer_decode(g.prompt_tokens) for g in got} == {r["question"] for r in rows}
+    # rendered by the built-in model's chat template, which writes <bos> (id 1): sent as ids, so inference does not
+    # add a second one
+    assert all(g.prompt_tokens[0] == 1 and g.prompt_tokens[1] != 1 for g in got), [g.prompt_tokens for g in got]
     for g in got:
         # each group's 4 completions are scored one after another: calls 2 and 4 of every 4 raised
         assert [s.reward_error for s in g.samples] == [False, True, False, True], g

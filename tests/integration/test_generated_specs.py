@@ -250,7 +250,7 @@ def test_generated_specs_against_the_api_server_and_one_operator(cluster, api_cl
 
         # A control job afterwards: still served, and its Redis stream read to the end past malformed entries.
         control = "control"
-        spec = {"model": {"path": "builtin://tiny-lm"}, "algorithm": {"maxSteps": 3},
+        spec = {"model": {"path": "builtin://tiny-llama"}, "algorithm": {"maxSteps": 3},
                 "inference": {"engine": "native"}, "redis": {"mode": "external", "url": redis_server.url}}
         k.create(control, spec)
         r = redis_server.client()

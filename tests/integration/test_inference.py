@@ -19,8 +19,9 @@ import pytest
 import torch
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol
-from rlkube.core.model import build_model, token_logprobs
-from rlkube.core.weightsync import WeightSender
+from hf_models import initial_model
+from rlkube.core.losses import token_logprobs
+from rlkube.core.weightsync import WeightSender, checksums_match, weights_checksum
 from serve_helpers import (
     PREFIX,
     RoleProcesses,
@@ -64,7 +65,7 @@ def health(url: str) -> tuple[int, dict]:
 
 def complete(url: str, **body) -> dict:
     status, reply = http_json(url + "/v1/completions", {
-        "model": "builtin://tiny-lm", "prompt": PROMPT, "n": 4, "max_tokens": 4, "temperature": 1.0,
+        "model": "builtin://tiny-llama", "prompt": PROMPT, "n": 4, "max_tokens": 4, "temperature": 1.0,
         "logprobs": 0, "seed": 11, **body,
     })
     assert status == 200, reply
@@ -72,11 +73,10 @@ def complete(url: str, **body) -> dict:
 
 
 def expected_logprobs(config, state: dict[str, torch.Tensor], choice: dict, temperature: float = 1.0) -> list:
-    model = build_model(parse_spec(json.loads(config.read_text())["spec"]).model)
-    model.load_state_dict(state)
+    model = initial_model(parse_spec(json.loads(config.read_text())["spec"]).model, state)
     tokens = torch.tensor([choice["prompt_token_ids"] + choice["token_ids"]])
     with torch.no_grad():
-        lp = token_logprobs(model(tokens), tokens, temperature)[0]
+        lp = token_logprobs(model(tokens).logits, tokens, temperature)[0]
     return lp[len(choice["prompt_token_ids"]) - 1:].tolist()
 
 
@@ -100,7 +100,7 @@ def test_health_and_logprobs_follow_the_weight_updates(roles):
     first = wait_version(url, 0)
     assert first["epoch"] and first["updates"] == 1
     publish(trainer, 1)
-    wait_version(url, 1)
+    served = wait_version(url, 1)
 
     after = complete(url)
     assert after["model_version"] == 1
@@ -114,6 +114,9 @@ def test_health_and_logprobs_follow_the_weight_updates(roles):
         old = expected_logprobs(roles.config, old_state, choice)
         moved = max(moved, max(abs(a - b) for a, b in zip(got, old, strict=True)))
     assert moved > 0.1, "the update did not change the served distribution"
+    # the server reports the checksum of what it serves: the trainer's weights of version 1, not version 0's
+    assert checksums_match(served["weights_checksum"], weights_checksum(new_state.items()))
+    assert not checksums_match(served["weights_checksum"], weights_checksum(old_state.items()))
 
 
 def test_generation_continues_while_the_first_update_is_pending(roles, redis_client):
@@ -208,7 +211,6 @@ def test_bad_request_names_the_field(roles):
 def test_vllm_engine_without_vllm_fails_fast(tmp_path, redis_server):
     spec = job_spec()
     spec["inference"]["engine"] = "vllm"
-    spec["model"]["architecture"]["heads"] = 2  # vLLM needs a head dimension >= 32 (checked by the spec)
     roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
     try:
         proc = roles.start_role("inference", RLKUBE_PORT=str(free_port()))

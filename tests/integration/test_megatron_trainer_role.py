@@ -1,9 +1,9 @@
 """The trainer ROLE on the megatron backend (`spec.trainer.backend: megatron`) with the native inference server,
 both as subprocesses over real Redis and the gloo weight-update group (megatron tier).
 
-The megatron-core GPTModel's weights reach the server in TinyLM's names and layout: after training, the served
-log-probs of fixed completions are the final checkpoint's (and not the initial weights'), and the checkpoint is
-the same format the torch backend writes.
+The megatron-core GPTModel's weights reach the server under their Hugging Face names and layouts: after training,
+the served log-probs of fixed completions are the final checkpoint's (and not the initial weights'), and the
+checkpoint is the Hugging Face directory the torch backend writes.
 """
 
 from __future__ import annotations
@@ -37,5 +37,5 @@ def test_megatron_trainer_weights_are_served_by_native_inference(redis_client, r
     assert [e.step for e in read_events(redis_client, keys_for("meg", spec), protocol.METRICS)] == [1, 2, 3]
     path = ckpt.Path(finished.payload["checkpoint"])
     assert ckpt.read_meta(path).extra == {"backend": "megatron"}
-    # the checkpoint is TinyLM's state_dict (strict load), and the server computes with exactly those weights
+    # the checkpoint is a Hugging Face directory, and the server computes with exactly its weights
     assert_serves_checkpoint(url, spec, path, version=3, n=3)

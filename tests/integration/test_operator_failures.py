@@ -236,8 +236,8 @@ async def scenario_suspend_and_resume(env: Env, kapi):
 
 @scenario
 async def scenario_invalid_spec(env: Env, kapi):
-    # The schema accepts each field alone; only the operator sees that 5 heads cannot split 64 dims.
-    await create_job(kapi, env.namespace, job_doc("invalid", **{"model.architecture.heads": 5}))
+    # The schema accepts any string as model.path; only the operator knows which built-in models exist.
+    await create_job(kapi, env.namespace, job_doc("invalid", **{"model.path": "builtin://tiny-gpt"}))
     out = await result(env, kapi, "invalid", "Failed")
     out["events"] = await wait_event(kapi, env.namespace, "invalid", "InvalidSpec")
     return out
@@ -415,9 +415,9 @@ async def test_suspend_stops_in_order_and_resume_recreates(outcomes):
 async def test_invalid_spec_fails_with_the_field_and_creates_nothing(outcomes):
     out = await outcome(outcomes, "invalid_spec")
     failed = cond(out["status"], "Failed")
-    assert failed["reason"] == "InvalidSpec" and "spec.model.architecture.heads" in failed["message"]
+    assert failed["reason"] == "InvalidSpec" and "spec.model.path" in failed["message"]
     assert out["pods"] == [] and out["children"] == {}
-    assert any(e[0] == "Warning" and e[1] == "InvalidSpec" and "heads" in e[2] for e in out["events"])
+    assert any(e[0] == "Warning" and e[1] == "InvalidSpec" and "tiny-gpt" in e[2] for e in out["events"])
 
 
 async def test_a_deleted_pod_of_a_running_job_is_recreated(outcomes):

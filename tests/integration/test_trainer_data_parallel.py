@@ -28,7 +28,7 @@ from rlkube.core import protocol
 from rlkube.core.trainer import Trainer
 from safetensors.torch import load_file
 
-TIMEOUT = 60
+TIMEOUT = 120  # two trainer processes importing torch and transformers at once on a loaded 2-core machine
 GRACE = 10  # well inside the trainer's default teardown grace period (30 s)
 NODES = 2
 

@@ -21,7 +21,8 @@ from core_roles import (
 from rlkube.api.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol, runtime
-from rlkube.core.model import build_model
+from hf_models import initial_model
+from rlkube.core.hf.loading import load_model
 from safetensors.torch import load_file
 
 START_TIMEOUT = 60  # python + torch import on a loaded 2-core machine
@@ -54,8 +55,7 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
                 state = load_file(str(path / ckpt.MODEL_FILE))
     assert meta is not None and meta.step == 3 and meta.documents_seen == 12
     assert finished.payload["step"] == 3 and finished.payload["interrupted"] is False
-    model = build_model(parse_spec(spec).model)
-    model.load_state_dict(state, strict=True)
+    assert sorted(load_model(path).state_dict()) == sorted(state)  # transformers loads it as it is: an HF directory
     assert trainer.wait(30) == 0, trainer.log()
 
     types = [e.type for e in read_events(redis_client, keys)]
@@ -75,7 +75,7 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
     assert [m.payload["lag_max"] for m in metrics] == [0, 1, 2]  # every document was sampled by version 0
     assert [m.payload["reward_errors"] for m in metrics] == [2, 0, 1]  # documents 1, 2 | - | 9 (4 per step)
     # weights really changed and the checkpoint holds the trained ones
-    initial = build_model(parse_spec(spec).model).state_dict()
+    initial = initial_model(parse_spec(spec).model).state_dict()
     assert any(not torch.equal(initial[k], state[k]) for k in initial)
     # only the last two checkpoints are kept, and no temp directories are left
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-000002", "step-000003"]
@@ -110,7 +110,7 @@ def test_killed_trainer_resumes_from_its_checkpoint(redis_client, redis_server, 
     from rlkube.core.trainer import Trainer
 
     replay = Trainer(parse_spec(spec), checkpoint_dir=tmp_path / "replay")
-    ckpt.load_checkpoint(ckpt_dir / "step-000002", replay.model, replay.backend.optimizer)
+    ckpt.load_checkpoint_state(ckpt_dir / "step-000002", replay.backend.load_state)
     for k, v in saved.items():
         assert torch.equal(replay.model.state_dict()[k], v)
     docs = make_documents(8, version=2, seed=2)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from rlkube.core import protocol
-from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError
+from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, checksums_match, weights_checksum
 
 sys.path.insert(0, str(Path(__file__).parent))
 from weightsync_peer import make_weights
@@ -41,12 +41,12 @@ def peers(redis_server, tmp_path):
     """Start trainer-side publisher processes; every one is killed at teardown."""
     procs: list[subprocess.Popen] = []
 
-    def start(addr: str, first_version: int, overlap: bool = False) -> subprocess.Popen:
+    def start(addr: str, first_version: int, overlap: bool = False, **env: str) -> subprocess.Popen:
         with open(tmp_path / f"peer-{len(procs)}.log", "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(PEER), addr, "2", redis_server.url, PREFIX, str(first_version)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "PEER_OVERLAP": "1" if overlap else "0"},
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PEER_OVERLAP": "1" if overlap else "0", **env},
             )
         procs.append(proc)
         return proc
@@ -121,6 +121,27 @@ def test_versions_arrive_exactly_in_one_epoch(redis_client, peers, receivers):
         assert version == v
         assert_weights(state, v)
         assert trainer.stdout.readline().strip() == f"published {v}"
+
+
+def test_weights_travel_in_the_transfer_dtype_in_buckets_with_a_checksum(redis_client, peers, receivers):
+    # bfloat16 transfer, 300-byte buckets: the 16x8 matrix (256 bytes in bfloat16) and the 8-element vector
+    # (16 bytes) travel in one bucket; the int64 counter keeps its dtype, in a bucket of its own.
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0, PEER_TRANSFER_DTYPE="bfloat16", PEER_BUCKET_BYTES="300")
+    rx = receivers(addr)
+    _, ann = next_announcement(redis_client, "0-0")
+    rx.join(ann["epoch"])
+    version, state = rx.receive()
+    assert trainer.stdout.readline().strip() == "published 0"
+    expected = make_weights(0)
+    assert version == 0 and state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert state[name].dtype == want.dtype and torch.equal(state[name], want), name
+    # the announcement carries the checksum of what was sent; the receiver verified it on arrival
+    want_sum = weights_checksum(expected.items(), torch.bfloat16)
+    assert checksums_match(ann["checksum"], want_sum) and checksums_match(rx.last_checksum, want_sum)
+    assert not checksums_match(weights_checksum(expected.items()), want_sum)  # float32 values differ
 
 
 def test_overlapped_transfers_arrive_in_order_after_their_announcements(redis_client, peers, receivers):

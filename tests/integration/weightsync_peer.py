@@ -3,7 +3,8 @@
 `python weightsync_peer.py ADDR WORLD REDIS_URL PREFIX START_VERSION [JOB_CONFIG]`: starts a WeightPublisher
 (announces a new epoch with START_VERSION and sends it; with JOB_CONFIG the weights are the job's tiny model
 nudged per version, else small test tensors), then publishes one version per line read from stdin (`VERSION [DOCUMENTS_SEEN]`), printing
-`published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile. PEER_OVERLAP=1 overlaps transfers.
+`published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile. PEER_OVERLAP=1 overlaps transfers;
+PEER_TRANSFER_DTYPE (e.g. bfloat16) and PEER_BUCKET_BYTES set the publisher's transfer dtype and bucket size.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 import redis
 import torch
 from rlkube.api.validation import parse_spec
-from rlkube.core.model import build_model
+from rlkube.core.hf import state as hf_state
+from rlkube.core.hf.loading import load_model
+from rlkube.core.hf.source import materialize_model
 from rlkube.core.protocol import StreamKeys
-from rlkube.core.weightsync import WeightPublisher
+from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher
 
 
 def make_weights(version: int) -> dict[str, torch.Tensor]:
@@ -33,9 +36,10 @@ def make_weights(version: int) -> dict[str, torch.Tensor]:
 
 
 def model_weights(config_path: str, version: int) -> dict[str, torch.Tensor]:
-    """The job's tiny model as a trainer would have it after `version` steps: seeded init plus a seeded nudge."""
+    """The job's tiny model (HF names, each tied weight once) as a trainer would have it after `version` steps:
+    its initial weights plus a seeded nudge."""
     spec = parse_spec(json.loads(Path(config_path).read_text())["spec"])
-    state = build_model(spec.model).state_dict()
+    state = hf_state.named_weights(load_model(materialize_model(spec.model)))
     g = torch.Generator().manual_seed(version)
     return {k: v + 0.5 * version * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in state.items()}
 
@@ -48,8 +52,11 @@ def main() -> None:
         return model_weights(config[0], version) if config else make_weights(version)
 
     client = redis.Redis.from_url(url)
+    dtype = os.environ.get("PEER_TRANSFER_DTYPE")
     pub = WeightPublisher(client, StreamKeys(prefix), addr, int(world), timeout_s=20, watch_interval_s=0.1,
-                          overlap=os.environ.get("PEER_OVERLAP") == "1")
+                          overlap=os.environ.get("PEER_OVERLAP") == "1",
+                          transfer_dtype=getattr(torch, dtype) if dtype else None,
+                          bucket_bytes=int(os.environ.get("PEER_BUCKET_BYTES", str(DEFAULT_BUCKET_BYTES))))
     pub.start(weights(int(first)).items(), version=int(first))
     print(f"published {first}", flush=True)
     for line in sys.stdin:

@@ -27,7 +27,7 @@ def test_save_then_load_round_trip(tmp_path):
     opt.step()
     path = _save(tmp_path, 5, model, opt)
     assert path.name == "step-000005"
-    assert sorted(p.name for p in path.iterdir()) == sorted(ckpt.REQUIRED_FILES)
+    assert sorted(p.name for p in path.iterdir()) == sorted([ckpt.MODEL_FILE, *ckpt.REQUIRED_FILES])
     other = _model(2)
     other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
     meta = ckpt.load_checkpoint(path, other, other_opt)
@@ -47,7 +47,7 @@ def test_latest_ignores_incomplete_and_torn_directories(tmp_path):
     (torn / ckpt.MODEL_FILE).write_bytes(b"partial")
     bad_meta = tmp_path / "step-000008"
     bad_meta.mkdir()
-    for name in ckpt.REQUIRED_FILES:
+    for name in (ckpt.MODEL_FILE, *ckpt.REQUIRED_FILES):
         (bad_meta / name).write_text("{")
     mismatch = _save(tmp_path / "elsewhere", 3)
     mismatch.rename(tmp_path / "step-000006")  # meta says step 3
@@ -85,4 +85,42 @@ def test_failed_save_leaves_nothing_visible(tmp_path):
     with pytest.raises(TypeError):
         ckpt.save_checkpoint(tmp_path, ckpt.CheckpointMeta(step=1), _model().state_dict(), {"x": Unpicklable()})
     assert list(tmp_path.iterdir()) == []
+    assert ckpt.latest_checkpoint(tmp_path) is None
+
+
+def test_checkpoint_of_a_hf_model_is_a_hf_directory(tmp_path):
+    """config, tokenizer, generation config and chat template come from the model directory (config.json with the
+    job's dtype); transformers loads the checkpoint as it is and gets the saved weights."""
+    from hf_models import builtin_dir
+    from rlkube.core.hf import state as hf_state
+    from rlkube.core.hf.loading import load_model, load_tokenizer
+
+    source = builtin_dir()
+    model = load_model(source)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # something the source directory does not hold
+    path = ckpt.save_checkpoint(tmp_path, ckpt.CheckpointMeta(step=1), hf_state.named_weights(model), {},
+                                model_dir=source, dtype="bfloat16")
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.META_FILE} <= names
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (path / name).read_bytes() == (source / name).read_bytes()
+    loaded = load_model(path, torch.float32)
+    for name, tensor in hf_state.named_weights(model).items():
+        assert torch.equal(hf_state.named_weights(loaded)[name], tensor), name
+    assert load_tokenizer(path).encode("12:") == load_tokenizer(source).encode("12:")
+
+
+def test_sharded_weights_count_as_complete_only_with_every_shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "MAX_SHARD_SIZE", 100)  # bytes: every tensor in a shard of its own
+    path = _save(tmp_path, 1)
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
+    assert len(shards) > 1 and (path / ckpt.INDEX_FILE).is_file() and not (path / ckpt.MODEL_FILE).exists()
+    other = _model(2)
+    ckpt.load_checkpoint(path, other)
+    for a, b in zip(_model(1).state_dict().values(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    (path / shards[0]).unlink()
     assert ckpt.latest_checkpoint(tmp_path) is None

@@ -516,9 +516,9 @@ def test_deleting_a_running_job_runs_the_teardown_and_reports_released():
 
 
 def test_invalid_spec_fails_names_the_field_and_creates_nothing():
-    d = run(job(**{"model.architecture.heads": 5}), static=())
+    d = run(job(**{"model.path": "builtin://tiny-gpt"}), static=())
     assert outcome_of(d) == ("Failed", "InvalidSpec")
-    assert "spec.model.architecture.heads" in cond(d.status, "Failed").message
+    assert "spec.model.path" in cond(d.status, "Failed").message
     assert creates(d) == [] and d.status.phase == "Failed" and d.released
     assert any(e.type == "Warning" and e.reason == "InvalidSpec" for e in d.events)
 
@@ -656,9 +656,9 @@ def test_a_spec_change_undone_clears_the_condition_and_suspend_is_not_a_change()
 
 
 def test_an_invalid_spec_edit_of_a_running_job_is_ignored_not_fatal():
-    d = run(job(running_status(), generation=2, changed=True, **{"model.architecture.heads": 5}), all_pods())
+    d = run(job(running_status(), generation=2, changed=True, **{"model.path": "builtin://tiny-gpt"}), all_pods())
     assert outcome_of(d) is None and d.status.phase == "Running"
-    assert cond(d.status, "SpecChangeIgnored").message.startswith("spec.model.architecture.heads changed")
+    assert cond(d.status, "SpecChangeIgnored").message.startswith("spec.model.path changed")
 
 
 def test_resume_applies_the_changed_spec():

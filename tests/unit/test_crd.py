@@ -69,8 +69,10 @@ def test_example_parses():
     "patch, field",
     [
         ({"redis": {"mode": "external"}}, "spec.redis.url"),
-        ({"model": {"path": "builtin://tiny-lm", "architecture": {"hiddenSize": 64, "heads": 5}}},
-         "spec.model.architecture.heads"),
+        ({"model": {"path": "builtin://tiny-gpt"}}, "spec.model.path"),
+        ({"model": {"path": "hf://just-a-name"}}, "spec.model.path"),
+        ({"model": {"path": "s3://bucket/model"}}, "spec.model.path"),
+        ({"algorithm": {"maxSteps": 3, "warmupSteps": 3, "lrSchedule": "cosine"}}, "spec.algorithm.warmupSteps"),
         ({"algorithm": {"maxSteps": 3, "groupSize": 1}}, "spec.algorithm.groupSize"),
         ({"trainer": {"backend": "fast-llm"}}, "spec.trainer.gpusPerNode"),
         ({"algorithm": {"maxSteps": 0}}, "spec.algorithm.maxSteps"),

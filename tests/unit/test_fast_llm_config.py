@@ -170,7 +170,7 @@ def test_values_follow_the_spec(name):
     assert c["model"]["distributed"] == {"compute_dtype": s.model.dtype, "seed": s.model.seed}
     assert c["optimizer"]["learning_rate"]["base"] == algo.learning_rate
     assert c["optimizer"]["gradient_norm_clipping"] == pytest.approx(algo.grad_clip_norm * algo.samples_per_step)
-    assert c["data"]["micro_batch_size"] == s.model.architecture.max_sequence_length
+    assert c["data"]["micro_batch_size"] == s.model.max_sequence_length
     assert c["run"]["experiment_dir"] == s.trainer.checkpoint.path
     assert c["training"]["checkpoint"]["interval"] == s.trainer.checkpoint.interval_steps
     assert c["training"]["export"] == {"format": fmt, "interval": algo.max_steps}
@@ -284,7 +284,7 @@ def test_other_backends_keep_their_trainer_command():
 @pytest.mark.parametrize(("changes", "field"), [
     ({"trainer__gpusPerNode": 0}, "spec.trainer.gpusPerNode"),
     ({"trainer__fastLlm": {}}, "spec.trainer.fastLlm.modelFormat"),
-    ({"model__path": "builtin://tiny-lm", "model__architecture": {"hiddenSize": 128, "heads": 4}}, "spec.model.path"),
+    ({"model__path": "builtin://tiny-llama"}, "spec.model.path"),
     ({"algorithm__loss": "ppo"}, "spec.algorithm.loss"),
     ({"inference__engine": "native", "inference__tensorParallel": 1}, "spec.inference.engine"),
     ({"trainer__nodes": 2}, "spec.trainer.checkpoint.claimName"),

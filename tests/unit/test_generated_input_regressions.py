@@ -58,7 +58,7 @@ def test_durations_are_bounded_so_now_plus_duration_is_a_datetime(field):
 @pytest.mark.parametrize("name, says", [("tiny-cpu", None), ("l" * 51, None), ("l" * 52, "too long"),
                                         ("1job", "DNS-1035"), ("a.b", "DNS-1035"), ("Job", "DNS-1035")])
 def test_a_job_name_its_children_cannot_carry_is_refused_naming_metadata_name(name, says):
-    spec = parse_spec({"model": {"path": "builtin://tiny-lm"}, "algorithm": {"maxSteps": 3},
+    spec = parse_spec({"model": {"path": "builtin://tiny-llama"}, "algorithm": {"maxSteps": 3},
                        "inference": {"engine": "native"}})
     error = job_name_error(name, spec)
     assert (error is None) if says is None else (error.startswith("metadata.name: ") and says in error)
@@ -81,6 +81,6 @@ def test_values_a_pod_would_refuse_are_refused_up_front_naming_the_field(patch, 
     from rlkube.api.validation import SpecError
 
     with pytest.raises(SpecError) as err:
-        parse_spec({"model": {"path": "builtin://tiny-lm"}, "algorithm": {"maxSteps": 3},
+        parse_spec({"model": {"path": "builtin://tiny-llama"}, "algorithm": {"maxSteps": 3},
                     "inference": {"engine": "native"}, **patch})
     assert [e.field for e in err.value.errors] == [field]

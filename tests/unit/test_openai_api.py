@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from rlkube.core.model import CharTokenizer
+from hf_models import builtin_dir
+from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.openai_api import (
     RequestError,
     ServedModel,
@@ -12,17 +13,19 @@ from rlkube.core.openai_api import (
 )
 from rlkube.core.sampling import Completion, GenerationResult
 
-SERVED = ServedModel("builtin://tiny-lm", CharTokenizer(), 16)
+TOK = load_tokenizer(builtin_dir())
+SERVED = ServedModel("builtin://tiny-llama", TOK, 16)
 
 
 def test_defaults_and_both_prompt_forms():
     r = parse_completion_request({"prompt": "12:"}, SERVED)
-    assert r.prompt_ids == [1, *CharTokenizer().encode("12:", bos=False)]
+    # the tokenizer's post-processor prepends <bos>, as vLLM's completions endpoint does for a Llama tokenizer
+    assert r.prompt_ids == [TOK.bos_id, *(TOK.hf.convert_tokens_to_ids(c) for c in "12:")]
     # max_tokens defaults to OpenAI's 16, cut to the 12 tokens the 16-token context leaves after the prompt
     assert (r.n, r.max_tokens, r.temperature, r.top_logprobs, r.seed, r.stop, r.min_version) == (
         1, 12, 1.0, None, None, (), None)
     ids = parse_completion_request({"prompt": [1, 5, 6], "n": 3, "max_tokens": 4, "logprobs": 0, "seed": 2,
-                                    "stop": "x", "min_model_version": 4, "model": "builtin://tiny-lm"}, SERVED)
+                                    "stop": "x", "min_model_version": 4, "model": "builtin://tiny-llama"}, SERVED)
     assert (ids.prompt_ids, ids.n, ids.max_tokens, ids.top_logprobs, ids.seed, ids.stop, ids.min_version) == (
         [1, 5, 6], 3, 4, 0, 2, ("x",), 4)
 
@@ -32,7 +35,7 @@ def test_defaults_and_both_prompt_forms():
     [
         ({"prompt": "12:", "model": "gpt-4"}, "model", 404),
         ({}, "prompt", 400),
-        ({"prompt": "ABC"}, "prompt", 400),  # not in the alphabet
+        ({"prompt": "ABC"}, "prompt", 400),  # not in the alphabet: <unk>
         ({"prompt": [1, 999]}, "prompt", 400),
         ({"prompt": ["a", "b"]}, "prompt", 400),
         ({"prompt": "1:", "n": 0}, "n", 400),
@@ -60,7 +63,6 @@ def test_neutral_values_of_unsupported_parameters_are_accepted():
 
 
 def test_response_carries_tokens_logprobs_and_the_version():
-    tok = CharTokenizer()
     req = parse_completion_request({"prompt": "1:", "n": 2, "max_tokens": 3, "logprobs": 0}, SERVED)
     result = GenerationResult(5, [
         Completion(token_ids=[4, 5], logprobs=[-0.1, -0.2], text="12", finish_reason="stop"),
@@ -72,7 +74,7 @@ def test_response_carries_tokens_logprobs_and_the_version():
     first, second = body["choices"]
     assert (first["index"], first["text"], first["finish_reason"], first["token_ids"]) == (0, "12", "stop", [4, 5])
     assert first["prompt_token_ids"] == req.prompt_ids
-    assert first["logprobs"]["tokens"] == [tok.vocab[4], tok.vocab[5]]
+    assert first["logprobs"]["tokens"] == [TOK.token_text(4), TOK.token_text(5)] == ["0", "1"]
     assert first["logprobs"]["token_logprobs"] == [-0.1, -0.2]
     assert first["logprobs"]["text_offset"] == [0, 1]
     assert second["finish_reason"] == "length"

@@ -366,8 +366,7 @@ def test_the_network_policy_admits_exactly_the_jobs_pods_to_its_redis():
 
 def test_gpu_limits_shm_and_the_launcher():
     job = job_of(raw_with(**{"trainer.nodes": 2, "trainer.gpusPerNode": 8, "algorithm.samplesPerStep": 64,
-                             "inference.engine": "vllm", "inference.tensorParallel": 4,
-                             "model.architecture.hiddenSize": 128}))
+                             "inference.engine": "vllm", "inference.tensorParallel": 4}))
     trainer, inference, actor = (builders.pod(job, r, 1 if r == "trainer" else 0)
                                  for r in ("trainer", "inference", "actor"))
     assert container(trainer)["resources"]["limits"]["nvidia.com/gpu"] == 8

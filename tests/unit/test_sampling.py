@@ -1,4 +1,5 @@
-"""The native engine's batched sampling on the real tiny model (no server): padding, seeds, stops, versions."""
+"""The native engine's batched sampling on the real tiny HF model (no server): padding + KV cache, seeds, stops,
+versions."""
 
 from __future__ import annotations
 
@@ -6,16 +7,17 @@ import copy
 
 import pytest
 import torch
-from rlkube.api.spec import ModelSpec
-from rlkube.core.model import CharTokenizer, build_model, token_logprobs
+from hf_models import builtin_dir
+from rlkube.core.hf.loading import load_model, load_tokenizer
+from rlkube.core.losses import token_logprobs
 from rlkube.core.sampling import EngineStopped, GenerationRequest, SamplingEngine
 
-TOK = CharTokenizer()
+TOK = load_tokenizer(builtin_dir(3))
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(ModelSpec(path="builtin://tiny-lm", seed=3, architecture={"maxSequenceLength": 32}))
+    return load_model(builtin_dir(3))
 
 
 def req(prompt: str, **kw) -> GenerationRequest:
@@ -41,7 +43,7 @@ def test_logprobs_are_those_of_the_sampled_distribution(model, temperature):
     for c in result.completions:
         tokens = torch.tensor([r.prompt_ids + c.token_ids])
         with torch.no_grad():
-            expected = token_logprobs(model(tokens), tokens, temperature or 1.0)[0, len(r.prompt_ids) - 1:]
+            expected = token_logprobs(model(tokens).logits, tokens, temperature or 1.0)[0, len(r.prompt_ids) - 1:]
         assert c.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
     if temperature == 0:  # greedy: every row the same
         assert len({tuple(c.token_ids) for c in result.completions}) == 1
@@ -56,22 +58,27 @@ def test_same_seed_same_samples_other_seed_other_samples(model):
     assert {tuple(x.token_ids) for x in c} != {tuple(x.token_ids) for x in a}
 
 
+class Ones(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(x)
+
+
 def test_eos_and_stop_strings_end_a_row(model):
-    # A model whose head always prefers one token makes the outcome certain.
+    # A model whose head always prefers one token makes the outcome certain: the final norm outputs ones, and only
+    # that token's row of the LM head is non-zero.
     def forced(token: int) -> torch.nn.Module:
         m = copy.deepcopy(model)
+        m.model.norm = Ones()
         with torch.no_grad():
-            m.head.weight.zero_()
-            m.ln_f.weight.zero_()
-            m.ln_f.bias.fill_(1.0)
-            m.head.weight[token] = 10.0
+            m.lm_head.weight.zero_()
+            m.lm_head.weight[token] = 1.0
         return m
 
     eos = SamplingEngine(forced(TOK.eos_id), TOK).generate([req("1:", temperature=0)])[0]
     for c in eos.completions:
         assert c.token_ids == [TOK.eos_id] and c.finish_reason == "stop" and c.text == ""
 
-    seven = TOK.index["7"]
+    seven = TOK.hf.convert_tokens_to_ids("7")
     out = SamplingEngine(forced(seven), TOK).generate(
         [req("1:", temperature=0, stop=("77",)), req("1:", temperature=0, max_tokens=3)])
     stopped, capped = out[0].completions[0], out[1].completions[0]
@@ -130,3 +137,16 @@ def test_shutdown_refuses_waiting_and_new_requests_at_once(model):
         waiting.result(timeout=0)
     with pytest.raises(EngineStopped):
         engine.submit(req("3:")).result(timeout=0)
+
+
+def test_kv_cache_generation_matches_a_full_recompute(model):
+    # Every sampled token's log-prob equals one full forward pass over prompt + completion (no cache, no padding),
+    # for rows whose prompts had different lengths (left padding) in one batch.
+    engine = SamplingEngine(model, TOK)
+    reqs = [req("7:", n=3, max_tokens=8, seed=4), req("123456:", n=2, max_tokens=8, seed=5)]
+    for r, result in zip(reqs, engine.generate(reqs), strict=True):
+        for c in result.completions:
+            tokens = torch.tensor([r.prompt_ids + c.token_ids])
+            with torch.no_grad():
+                full = token_logprobs(model(tokens).logits, tokens)[0, len(r.prompt_ids) - 1:]
+            assert c.logprobs == pytest.approx(full.tolist(), abs=1e-5)

@@ -7,7 +7,7 @@ from rlkube.api import SpecError
 from rlkube.api.crd import crd
 from rlkube.api.validation import parse_spec
 
-BASE = {"model": {"path": "builtin://tiny-lm"}, "algorithm": {"maxSteps": 3}, "inference": {"engine": "native"}}
+BASE = {"model": {"path": "builtin://tiny-llama"}, "algorithm": {"maxSteps": 3}, "inference": {"engine": "native"}}
 DATASET = {"path": "/data/math.jsonl"}
 
 

@@ -1,4 +1,6 @@
-"""The Trainer API of design.md section 6 on the torch backend: accumulation, zeroing, versions, backends."""
+"""The Trainer API of design.md section 6 on the torch backend (the tiny HF Llama): accumulation, zeroing,
+versions, micro-batches by a token budget, the learning-rate schedule, float32 master weights under bfloat16
+compute, backends."""
 
 import copy
 
@@ -10,12 +12,13 @@ from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol
 from rlkube.core.backends import BackendUnavailable, build_backend
-from rlkube.core.batch import collate
+from rlkube.core.batch import collate, plan_micro_batches
 from rlkube.core.trainer import Trainer
 
+from hf_models import builtin_dir
+
 SPEC = {
-    "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 1, "hiddenSize": 16, "heads": 2,
-                                                             "maxSequenceLength": 16}},
+    "model": {"path": "builtin://tiny-llama", "maxSequenceLength": 16},
     "algorithm": {"maxSteps": 3, "samplesPerStep": 4},
     "inference": {"engine": "native"},
 }
@@ -54,7 +57,7 @@ def test_collate_shifts_mask_and_logprobs():
 
 def test_gradients_accumulate_across_calls_and_zero_after_step():
     spec = parse_spec(SPEC)
-    trainer = Trainer(spec, micro_batch_size=4)
+    trainer = Trainer(spec, micro_batch_tokens=24)  # 4 documents of 6 tokens: one micro-batch
     batch = trainer.make_batch(docs(4))
     n = batch.num_loss_tokens
     trainer.forward_backward(batch, normalizer=n)
@@ -72,9 +75,10 @@ def test_gradients_accumulate_across_calls_and_zero_after_step():
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
-def test_micro_batch_size_does_not_change_the_step():
+def test_micro_batch_budget_does_not_change_the_step():
     spec = parse_spec(SPEC)
-    a, b = Trainer(spec, micro_batch_size=4), Trainer(spec, micro_batch_size=1)
+    a, b = Trainer(spec, micro_batch_tokens=4096), Trainer(spec, micro_batch_tokens=1)  # one pass vs one per doc
+    assert len(a.micro_batches(docs(4))) == 1 and len(b.micro_batches(docs(4))) == 4
     ma, mb = a.train_step(docs(4)), b.train_step(docs(4))
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5)
     for k, v in a.model.state_dict().items():
@@ -86,8 +90,89 @@ def test_backend_selector_names_the_field():
         # model_validate, not parse_spec: the selector must hold even without the semantic checks in front of it
         spec = TrainingJobSpec.model_validate({**SPEC, "trainer": {"backend": backend, "gpusPerNode": gpus}})
         try:
-            build_backend(spec)
+            build_backend(spec, builtin_dir())
         except BackendUnavailable as exc:
             assert f"spec.trainer.backend '{backend}'" in str(exc)
         else:
             assert backend == "megatron", "fast-llm must never run in our trainer"
+
+
+def test_micro_batches_are_cut_by_tokens_longest_first():
+    lengths = [5, 20, 7, 6, 30, 4]
+    plans = plan_micro_batches(lengths, budget=30)
+    assert plans == [[4], [1], [2, 3, 0, 5]]  # 30 alone, 20 alone (2 x 20 > 30), then 4 x 7 = 28 <= 30
+    assert sorted(i for p in plans for i in p) == list(range(len(lengths)))
+    for p in plans:
+        assert len(p) == 1 or len(p) * max(lengths[i] for i in p) <= 30
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_micro_batches(lengths, 0)
+
+
+@pytest.mark.parametrize(("schedule", "expected"), [
+    ("constant", [0.5, 1.0, 1.0, 1.0]),
+    ("linear", [0.5, 1.0, 2 / 3, 1 / 3]),
+    ("cosine", [0.5, 1.0, 0.75, 0.25]),
+])
+def test_learning_rate_warms_up_then_follows_the_schedule(schedule, expected):
+    spec = parse_spec({**SPEC, "algorithm": {"maxSteps": 5, "samplesPerStep": 4, "learningRate": 0.01,
+                                             "warmupSteps": 2, "lrSchedule": schedule}})
+    trainer = Trainer(spec)
+    lrs = []
+    for _ in range(4):
+        lrs.append(trainer.train_step(docs(4))["lr"])
+    lrs.append(trainer.backend.learning_rate)
+    # warm-up: 0 at the first step, 0.5 at the second... (transformers' schedules, stepped after each update)
+    assert lrs[0] == 0.0
+    assert [x / 0.01 for x in lrs[1:]] == pytest.approx(expected, abs=1e-6)
+
+
+def test_bfloat16_training_keeps_float32_masters_so_small_updates_accumulate():
+    """lr = 1e-4 and Adam's first steps move every weight by about lr. The RMSNorm weights are 1.0, where
+    bfloat16's spacing is 2^-7 = 0.0078: a model stored in bfloat16 rounds every such update away (1 - 1e-4 is 1.0
+    in bfloat16), so after 20 steps it has not moved at all. With float32 masters under bfloat16 compute the
+    updates accumulate to about 20 x 1e-4."""
+    spec = parse_spec({**SPEC, "model": {**SPEC["model"], "dtype": "bfloat16"},
+                       "algorithm": {"maxSteps": 20, "samplesPerStep": 4, "learningRate": 1e-4}})
+    trainer = Trainer(spec)
+    norm = dict(trainer.model.named_parameters())["model.norm.weight"]
+    assert norm.dtype == torch.float32 and trainer.backend.compute_dtype == torch.bfloat16
+    start = norm.detach().clone()
+
+    pure = copy.deepcopy(trainer.model).to(torch.bfloat16)  # the counterfactual: weights and Adam in bfloat16
+    pure_norm = dict(pure.named_parameters())["model.norm.weight"]
+    pure_opt = torch.optim.Adam(pure.parameters(), lr=1e-4)
+    batch = trainer.make_batch(docs(4))
+    for step in range(20):
+        trainer.train_step(docs(4, seed=step))
+        pure_opt.zero_grad()
+        logits = pure(batch.tokens).logits.float()
+        (logits[:, :-1].log_softmax(-1).gather(-1, batch.tokens[:, 1:, None]) * batch.advantages[:, None, None]).mean() \
+            .backward()
+        assert pure_norm.grad.abs().max() > 0  # it gets gradients: its updates are rounded away, not missing
+        pure_opt.step()
+
+    moved = (norm.detach() - start).abs()
+    assert moved.max() > 10e-4, moved.max()  # float32 masters: many 1e-4 steps added up
+    assert torch.equal(pure_norm.detach().float(), start), "pure bfloat16 weights should not have moved at all"
+    # what is published (and checkpointed) is the float32 master
+    published = dict(trainer.backend.weights())["model.norm.weight"]
+    assert published.dtype == torch.float32 and torch.equal(published, norm.detach())
+
+
+def test_gradient_checkpointing_recomputes_to_the_same_step():
+    plain = Trainer(parse_spec(SPEC))
+    ckpt = Trainer(parse_spec({**SPEC, "trainer": {"gradientCheckpointing": True}}))
+    layers = ckpt.model.model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)  # each decoder layer recomputes in backward
+    assert not any(layer.gradient_checkpointing for layer in plain.model.model.layers)
+    ma, mb = plain.train_step(docs(4)), ckpt.train_step(docs(4))
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
+    for k, v in plain.model.state_dict().items():
+        torch.testing.assert_close(v, ckpt.model.state_dict()[k], rtol=1e-5, atol=1e-6)
+
+
+def test_float16_training_is_refused_naming_the_field():
+    from rlkube.core.hf import ModelError
+
+    with pytest.raises(ModelError, match=r"^spec\.model\.dtype: the torch backend trains in float32 or bfloat16"):
+        Trainer(parse_spec({**SPEC, "model": {**SPEC["model"], "dtype": "float16"}}))

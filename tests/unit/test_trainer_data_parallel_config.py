@@ -13,8 +13,7 @@ from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT, RoleContext
 from rlkube.core.trainer import build_role
 
 SPEC = {
-    "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 1, "hiddenSize": 16, "heads": 2,
-                                                             "maxSequenceLength": 16}},
+    "model": {"path": "builtin://tiny-llama", "maxSequenceLength": 16},
     "algorithm": {"maxSteps": 3, "samplesPerStep": 4},
     "inference": {"engine": "native"},
     "trainer": {"nodes": 2},

@@ -48,31 +48,33 @@ class Resources(Model):
     )
 
 
-class Architecture(Model):
-    layers: int = Field(2, ge=1, description="Transformer blocks of a built-in model.")
-    hidden_size: int = Field(64, ge=8, description="Hidden width of a built-in model.")
-    heads: int = Field(4, ge=1, description="Attention heads of a built-in model (must divide hiddenSize).")
-    max_sequence_length: int = Field(64, ge=8, description="Longest prompt plus completion, in tokens.")
-
-
 class ModelSpec(Model):
     path: str = Field(
         ...,
         min_length=1,
         description=(
-            "Where the initial weights are: a directory with safetensors weights, or `builtin://<name>` for a "
-            "randomly initialised built-in model (`builtin://tiny-lm`), built locally from `architecture` and `seed`."
+            "The Hugging Face model directory every role loads (config.json, safetensors weights, tokenizer files, "
+            "optional chat template): a directory inside the pods (a volume, a PVC, the image), "
+            "`hf://org/name[@revision]` (fetched once per job into the model cache), or `builtin://tiny-llama` "
+            "(a tiny random Llama with a character tokenizer, written locally from `seed`)."
         ),
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
-    tokenizer: str = Field(
-        "builtin://char",
-        min_length=1,
-        description="Tokenizer: a directory, or `builtin://char` for the built-in character tokenizer.",
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description=(
+            "Compute and serving dtype. bfloat16 trains with float32 master weights and optimizer state "
+            "(bfloat16 autocast) and serves bfloat16 weights. float16: Fast-LLM and serving only (the torch "
+            "backend has no loss scaling and refuses it)."
+        ),
     )
-    seed: int = Field(0, ge=0, description="Seed for random initialisation and sampling.")
-    architecture: Architecture = Field(
-        default_factory=Architecture, description="Shape of a built-in model (ignored for a directory)."
+    seed: int = Field(0, ge=0, description="Seed for the built-in model's random weights and for sampling.")
+    max_sequence_length: int = Field(
+        1024,
+        ge=8,
+        description=(
+            "Most tokens of prompt plus completion. Inference refuses requests whose prompt plus max tokens exceed "
+            "it; a longer sample (from an engine with a larger limit) is dropped by the preprocessor and counted."
+        ),
     )
 
 
@@ -210,7 +212,11 @@ class AlgorithmSpec(Model):
     max_steps: int = Field(..., ge=1, description="Optimizer steps after which training finishes.")
     group_size: int = Field(8, ge=1, description="Completions sampled per prompt (one group).")
     samples_per_step: int = Field(32, ge=1, description="Training samples consumed per optimizer step.")
-    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate (the peak, after warm-up).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or decaying to 0 at maxSteps."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from 0.")
     clip_epsilon_low: float = Field(0.2, ge=0, description="Lower clip of the importance ratio (1 - eps).")
     clip_epsilon_high: float = Field(0.2, ge=0, description="Upper clip of the importance ratio (1 + eps).")
     max_lag: int = Field(
@@ -231,6 +237,17 @@ class CheckpointSpec(Model):
         None, min_length=1, description="PersistentVolumeClaim mounted at `path`; emptyDir when unset."
     )
     interval_steps: int = Field(10, ge=1, description="Save a checkpoint every this many steps (and at the end).")
+
+
+class WeightTransferSpec(Model):
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Dtype weights travel in to the inference servers (`auto`: bfloat16 on GPUs, float32 on CPU); "
+        "each server converts them to the dtype it serves.",
+    )
+    bucket_megabytes: int = Field(
+        64, ge=1, description="Size of one transfer bucket: several tensors flattened into one collective."
+    )
 
 
 # --- per-role pod template overrides (a partial Kubernetes PodTemplateSpec; merged by controller/podtemplate.py) ---
@@ -517,6 +534,18 @@ class TrainerSpec(Model):
     image: str | None = Field(None, min_length=1, description="Image of the trainer pods (default: spec.image).")
     resources: Resources = Field(default_factory=Resources, description="Resources of each trainer pod.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Token budget of one forward/backward pass (rows x padded length); a step accumulates as many "
+        "micro-batches as its documents need (a longer document gets a micro-batch of its own).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (less memory, about a third more compute)."
+    )
+    weight_transfer: WeightTransferSpec = Field(
+        default_factory=WeightTransferSpec, description="How weights are sent to the inference servers."
+    )
     template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
     fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
 
@@ -622,7 +651,7 @@ class TrainingJobSpec(Model):
     image: str = Field(
         "ghcr.io/rlkube/core:0.1.0", min_length=1, description="Default image of every role's pods."
     )
-    model: ModelSpec = Field(..., description="Initial weights and tokenizer.")
+    model: ModelSpec = Field(..., description="The model (a Hugging Face directory) every role loads.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Rollout environment and reward.")
     algorithm: AlgorithmSpec = Field(..., description="RL algorithm and its hyper-parameters.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer pods.")

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
 
 
@@ -340,9 +341,10 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
     errs: list[FieldError] = resource_errors(spec) + pod_field_errors(spec) + rank_errors(spec) + template_errors(spec)
     errs += task_errors(spec.task)
-    arch = spec.model.architecture
-    if arch.hidden_size % arch.heads:
-        errs.append(FieldError("spec.model.architecture.heads", f"must divide hiddenSize {arch.hidden_size}"))
+    try:
+        parse_model_path(spec.model.path)
+    except ValueError as exc:
+        errs.append(FieldError("spec.model.path", str(exc).removeprefix("spec.model.path: ")))
     if spec.redis.mode == "external" and not spec.redis.url:
         errs.append(FieldError("spec.redis.url", "required when spec.redis.mode is external"))
     if spec.redis.mode == "managed" and spec.redis.url:
@@ -361,10 +363,9 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.algorithm.clipEpsilonLow", "must be below 1 (the ratio is clipped at 1-eps)"))
     if spec.inference.engine == "native" and spec.inference.tensor_parallel != 1:
         errs.append(FieldError("spec.inference.tensorParallel", "the native engine has no tensor parallelism"))
-    if spec.inference.engine == "vllm" and arch.hidden_size // arch.heads < 32 and spec.model.path.startswith(
-        "builtin://"
-    ):
-        errs.append(FieldError("spec.model.architecture", "vLLM needs a head dimension (hiddenSize/heads) >= 32"))
+    if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
+        errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
+                               f"{algo.lr_schedule} schedule to decay after it"))
     return errs
 
 

@@ -67,7 +67,7 @@ def job_manifest(name: str, redis_url: str) -> dict:
         "kind": "TrainingJob",
         "metadata": {"name": name},
         "spec": {
-            "model": {"path": "builtin://tiny-lm", "architecture": {"hiddenSize": 64, "heads": 4}},
+            "model": {"path": "builtin://tiny-llama"},
             "algorithm": {"maxSteps": MAX_STEPS},
             "inference": {"engine": "native"},
             "redis": {"mode": "external", "url": redis_url},

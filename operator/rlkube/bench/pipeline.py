@@ -32,8 +32,7 @@ TINY_JOB = {
     "metadata": {"name": "bench"},
     "spec": {
         "image": "ghcr.io/rlkube/core:0.1.0",
-        "model": {"path": "builtin://tiny-lm", "tokenizer": "builtin://char", "seed": 0,
-                  "architecture": {"layers": 2, "hiddenSize": 64, "heads": 4, "maxSequenceLength": 32}},
+        "model": {"path": "builtin://tiny-llama", "seed": 0, "maxSequenceLength": 32},
         "task": {"name": "reverse-digits"},
         "algorithm": {"loss": "grpo", "maxSteps": 40, "groupSize": 8, "samplesPerStep": 32,
                       "learningRate": 0.003, "maxLag": 2, "maxNewTokens": 4},

@@ -29,14 +29,15 @@ import aiohttp
 
 from rlkube.api.validation import parse_spec
 from rlkube.core import runtime
-from rlkube.core.model import build_model
+from rlkube.core.hf import state as hf_state
+from rlkube.core.hf.loading import load_model
+from rlkube.core.hf.source import materialize_model
 from rlkube.core.protocol import StreamKeys
 from rlkube.core.weightsync import WeightPublisher
 from rlkube.local.redis_server import RedisServer, _free_port
 
 SPEC = {
-    "model": {"path": "builtin://tiny-lm", "architecture": {"layers": 2, "hiddenSize": 64, "heads": 4,
-                                                             "maxSequenceLength": 32}},
+    "model": {"path": "builtin://tiny-llama", "maxSequenceLength": 32},
     "algorithm": {"maxSteps": 1, "groupSize": 8, "maxNewTokens": 4},
     "inference": {"engine": "native", "replicas": 1},
 }
@@ -91,11 +92,12 @@ def run(seconds: float, updates: int) -> dict:
                                       stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            model = build_model(parse_spec(SPEC).model)
+            model = load_model(materialize_model(parse_spec(SPEC).model))
             pub = WeightPublisher(redis_server.client(), StreamKeys.for_job("bench", "serve"),
                                   f"127.0.0.1:{sync_port}", 2, timeout_s=60)
             t0 = time.monotonic()
-            starter = threading.Thread(target=pub.start, args=(list(model.named_parameters()),), daemon=True)
+            starter = threading.Thread(target=pub.start, args=(list(hf_state.named_weights(model).items()),),
+                                       daemon=True)
             starter.start()
             while _health(url).get("status") != "ok":
                 if server.poll() is not None:
@@ -132,7 +134,7 @@ def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> d
     publish_s, effective_s = [], []
     for v in range(first, first + count):
         t0 = time.monotonic()
-        pub.publish(model.named_parameters(), version=v, step=v)
+        pub.publish(hf_state.named_weights(model).items(), version=v, step=v)
         publish_s.append(time.monotonic() - t0)
         while _health(url).get("model_version") != v:
             time.sleep(0.001)

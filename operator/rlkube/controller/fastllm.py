@@ -90,7 +90,7 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
         "data": {
             # Tokens per micro-batch: the preprocessor caps a document at maxSequenceLength tokens, and Fast-LLM
             # needs every document to fit one micro-batch (documents are never truncated for RL).
-            "micro_batch_size": spec.model.architecture.max_sequence_length,
+            "micro_batch_size": spec.model.max_sequence_length,
             "truncate_documents": False,
             "shuffle": "disabled",
             "datasets": {"training": {"type": "streaming", **redis_relay}},

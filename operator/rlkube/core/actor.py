@@ -2,7 +2,7 @@
 
 It waits until every inference server (RLKUBE_INFERENCE_URLS) answers /health, then runs a few concurrent
 workers, each looping: reserve a group's samples within the lag bound (core/lag.py) -> a task prompt, rendered
-as text (the chat template when the job uses one, core/tasks.prompt_renderer) -> POST /v1/completions with
+as text, or through the model's chat template as token ids (core/tasks.prompt_renderer) -> POST /v1/completions with
 n = groupSize (round robin over the servers) -> the task's reward per completion -> XADD one `RolloutGroup` entry
 with the per-token sampling log-probs.
 
@@ -78,7 +78,7 @@ class Stopped(Exception):
 
 class Actor:
     def __init__(self, ctx: runtime.RoleContext, client: aioredis.Redis, task: Task,
-                 stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str] | None = None):
+                 stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None):
         if not ctx.inference_urls:
             raise SystemExit(f"{runtime.ENV_INFERENCE_URLS} is not set: the actor needs the inference servers")
         self.ctx = ctx
@@ -197,7 +197,7 @@ class Actor:
         async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
             return resp.status == 200
 
-    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str,
+    async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str | list[int],
                         min_version: int | None) -> dict:
         body = {
             "model": self.spec.model.path,
@@ -402,9 +402,23 @@ class Actor:
 async def amain() -> int:
     ctx = runtime.RoleContext.from_env()
     task = load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas))
-    # The prompts are rendered here, not by inference: the chat template needs the model's tokenizer, which the
-    # actor does not load yet (the character tokenizer has no template), so prompts are plain text.
-    render = prompt_renderer(ctx.spec.task, task, tokenizer=None)
+    # The prompts are rendered here, not by inference, with the model's tokenizer (its chat template) unless the
+    # task's prompts are raw text (the digit tasks): those go as text, tokenized by inference as vLLM does.
+    chat = ctx.spec.task.chat_template
+    tokenizer = None
+    if chat or (chat is None and not getattr(task, "raw_prompts", False)):
+        from rlkube.core.hf.loading import load_tokenizer
+        from rlkube.core.hf.source import materialize_model
+
+        tokenizer = load_tokenizer(materialize_model(ctx.spec.model, ctx.model_cache_dir))
+    render = prompt_renderer(ctx.spec.task, task, tokenizer=tokenizer.hf if tokenizer else None)
+    if getattr(render, "chat_template", False):
+        # A rendered conversation holds the special tokens its template writes (a Llama template's BOS): send its
+        # ids, tokenized without adding them again (a text prompt would get a second BOS from inference).
+        as_text = render
+
+        def render(prompt: Prompt) -> list[int]:
+            return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
     client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
     actor = Actor(ctx, client, task, stall_s=stall_s, render=render)

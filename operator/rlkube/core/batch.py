@@ -3,6 +3,10 @@
 Token t is predicted from position t-1, so every per-token array here has T-1 columns: column j describes the
 prediction of token j+1. A document's loss mask (spans EXCLUDED, Fast-LLM semantics) and its sampling
 log-probs are shifted the same way; padding never counts in the loss.
+
+Micro-batches are cut by a token budget (`spec.trainer.microBatchTokens`, counted as rows x padded length, which is
+what a forward pass costs): `plan_micro_batches` sorts a step's documents by length so that similar lengths share a
+micro-batch (little padding), and a document longer than the budget gets a micro-batch of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class Batch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def split_by_tokens(self, budget: int) -> list[Batch]:
+        """Row slices of at most `budget` tokens (rows x this batch's padded length; at least one row each)."""
+        return self.split(max(1, budget // max(int(self.tokens.shape[1]), 1)))
+
     def split(self, micro_batch_size: int) -> list[Batch]:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
@@ -47,6 +55,22 @@ class Batch:
                 )
             )
         return out
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of the documents of each micro-batch: longest first, each micro-batch as many documents as keep
+    rows x its longest length within `budget` (a longer document alone)."""
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plans: list[list[int]] = []
+    for i in order:
+        # Longest first: the first document of a micro-batch sets its padded length.
+        if plans and (len(plans[-1]) + 1) * lengths[plans[-1][0]] <= budget:
+            plans[-1].append(i)
+        else:
+            plans.append([i])
+    return plans
 
 
 def collate(docs: Sequence[Document], pad_id: int = 0, max_length: int | None = None) -> Batch:

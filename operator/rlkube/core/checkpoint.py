@@ -1,4 +1,12 @@
-"""Durable, atomic trainer checkpoints: `step-{N:06d}/` = model.safetensors + optimizer.pt + meta.json.
+"""Durable, atomic trainer checkpoints. `step-{N:06d}/` is a Hugging Face model directory (config.json,
+model.safetensors or shards + index, generation config, tokenizer files, chat template) plus optimizer.pt
+(optimizer and LR-schedule state) and meta.json, so `AutoModelForCausalLM.from_pretrained(path)` and vLLM load
+any checkpoint directly, and the final one is the job's trained policy.
+
+The weights are the trainer's float32 masters under their HF names (each tied weight once, as save_pretrained
+writes them); config.json is the job's model config with `dtype` set to `spec.model.dtype`, so loaders that use
+the config's dtype serve the precision the job trained in. Everything that is not weights (config, tokenizer,
+generation config, chat template) is copied from the job's model directory, byte for byte except config.json.
 
 Why this shape: the operator only declares a job Succeeded on a `training_finished` event that names a saved
 checkpoint, and a restarted trainer resumes from the newest one, so a checkpoint directory must be either
@@ -27,14 +35,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
+# save_torch_state_dict logs every save at INFO ("Model weights successfully saved to .tmp-..."): we log our own.
+logging.getLogger("huggingface_hub.serialization._torch").setLevel(logging.WARNING)
 
-MODEL_FILE = "model.safetensors"
+MODEL_FILE = "model.safetensors"  # the weights of a model below MAX_SHARD_SIZE
+INDEX_FILE = "model.safetensors.index.json"  # else: shards named by this index
+CONFIG_FILE = "config.json"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "meta.json"
-REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, META_FILE)
+REQUIRED_FILES = (OPTIMIZER_FILE, META_FILE)  # plus MODEL_FILE or INDEX_FILE
+MAX_SHARD_SIZE = "5GB"
+# Files of a model directory that a checkpoint does not copy: its own weights replace them.
+_NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack", ".gguf", ".onnx")
 _NAME = re.compile(r"^step-(\d{6,})$")
 DEFAULT_KEEP = 2
 
@@ -76,26 +92,55 @@ def _remove_out_of_sight(root: Path, path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def copy_model_files(model_dir: Path, target: Path, dtype: str | None = None) -> list[Path]:
+    """Copy the non-weight files of a HF model directory (config, tokenizer, generation config, chat template...)
+    into `target`; config.json gets `dtype` when given. Returns the files written."""
+    written = []
+    for src in sorted(Path(model_dir).iterdir()):
+        if not src.is_file() or src.name.startswith(".") or src.name.endswith(_NOT_COPIED):
+            continue
+        if src.name in (OPTIMIZER_FILE, META_FILE):  # a checkpoint used as the model directory
+            continue
+        dst = target / src.name
+        if src.name == CONFIG_FILE and dtype is not None:
+            config = json.loads(src.read_text())
+            config["dtype"] = dtype
+            config.pop("torch_dtype", None)  # transformers < 5 spelling; `dtype` replaces it
+            dst.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copyfile(src, dst)
+        written.append(dst)
+    return written
+
+
 def save_checkpoint(
     root: Path,
     meta: CheckpointMeta,
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
     keep: int = DEFAULT_KEEP,
+    model_dir: Path | None = None,
+    dtype: str | None = None,
 ) -> Path:
-    """Write `root/step-{meta.step:06d}` atomically and durably; prune to the newest `keep`. Returns its path."""
+    """Write `root/step-{meta.step:06d}` atomically and durably; prune to the newest `keep`. Returns its path.
+
+    `model_state`: the weights under HF names; `model_dir`: the job's model directory whose config and tokenizer
+    files make the checkpoint a loadable HF directory (config.json's dtype set to `dtype`)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(meta.step)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
+        if model_dir is not None:
+            copy_model_files(model_dir, tmp, dtype)
+        save_torch_state_dict({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, tmp,
+                              max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         # meta.json last: its presence is part of what "complete" means.
         (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
-        for name in REQUIRED_FILES:
-            _fsync_file(tmp / name)
+        for child in tmp.iterdir():
+            _fsync_file(child)
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): replace the old copy as a whole
             _remove_out_of_sight(root, final)
@@ -108,6 +153,33 @@ def save_checkpoint(
     return final
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's (or model directory's) weights; [] when incomplete."""
+    path = Path(path)
+    if (path / MODEL_FILE).is_file():
+        return [path / MODEL_FILE]
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return []
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    files = [path / n for n in names]
+    return files if files and all(f.is_file() for f in files) else []
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors (one file or shards)."""
+    files = weight_files(path)
+    if not files:
+        raise ValueError(f"{path} has no complete safetensors weights ({MODEL_FILE} or {INDEX_FILE} and its shards)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
 def read_meta(path: Path) -> CheckpointMeta | None:
     """The meta of a COMPLETE checkpoint directory, else None (with the reason logged)."""
     path = Path(path)
@@ -115,6 +187,8 @@ def read_meta(path: Path) -> CheckpointMeta | None:
     if not m or not path.is_dir():
         return None
     missing = [n for n in REQUIRED_FILES if not (path / n).is_file()]
+    if not weight_files(path):
+        missing.append(f"{MODEL_FILE} (or {INDEX_FILE} and its shards)")
     if missing:
         log.warning("ignoring incomplete checkpoint %s: missing %s", path, ", ".join(missing))
         return None
@@ -180,7 +254,7 @@ def load_checkpoint_state(
     meta = read_meta(path)
     if meta is None:
         raise ValueError(f"{path} is not a complete checkpoint")
-    state = load_file(str(path / MODEL_FILE))
+    state = load_weights(path)
     opt_state = None
     try:
         if with_optimizer:

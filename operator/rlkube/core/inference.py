@@ -1,12 +1,12 @@
 """The inference role (`python -m rlkube.core.inference`): engine `native`, a small OpenAI-compatible server.
 
 An aiohttp server on RLKUBE_BIND_HOST:RLKUBE_PORT with POST /v1/completions, GET /v1/models and GET /health,
-sampling with `SamplingEngine` (core/sampling.py) from the job's model (`build_model(spec.model)`: the same seed
-gives the trainer's initial weights).
+sampling with `SamplingEngine` (core/sampling.py, a KV cache) from the job's Hugging Face model directory (the
+same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
 
 A background thread (`WeightFollower`) follows the trainer's events stream. On `weights_ready` it joins the
-announced epoch's weight-update group when it is a new one (leaving the old), receives the weights and swaps
-them in; generation keeps going meanwhile (seed pitfall 6.4: the first update must not pause generation, so
+announced epoch's weight-update group when it is a new one (leaving the old), receives the weights (HF names, the transfer dtype), loads them by name into a copy of the model (converting to
+the served dtype) and swaps it in; generation keeps going meanwhile (seed pitfall 6.4: the first update must not pause generation, so
 requests are never gated on the update). /health answers 200 only once the first update arrived over the group
 (so the server has joined it; the trainer's start-up push makes that happen without any training step). On
 `training_finished` it leaves the group, as the trainer does on the same event (6.5), and the server keeps
@@ -43,7 +43,9 @@ import torch
 from aiohttp import web
 
 from rlkube.core import protocol, runtime, streams
-from rlkube.core.model import build_model, build_tokenizer
+from rlkube.core.hf import state as hf_state
+from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
+from rlkube.core.hf.source import materialize_model
 from rlkube.core.openai_api import (
     RequestError,
     ServedModel,
@@ -52,7 +54,7 @@ from rlkube.core.openai_api import (
     parse_completion_request,
 )
 from rlkube.core.sampling import EngineStopped, SamplingEngine
-from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError
+from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
 
 log = logging.getLogger("rlkube.inference")
 
@@ -78,12 +80,14 @@ class WeightFollower:
         self.keys = keys
         self.receiver = receiver
         self.engine = engine
-        self.template = template  # architecture to load received state dicts into
+        self.template = template  # the model a received update is loaded into (a copy of it per update)
+        self.aliases = hf_state.tied_aliases(template)  # received without tied duplicates: put them back
         self.synced = threading.Event()  # set once weights arrived over the group at least once
         self.finished = threading.Event()
         self.updates = 0
         self.last_update_s: float | None = None
         self.last_update_at: float | None = None
+        self.served_checksum: float | None = None  # weights_checksum of the served weights in the transfer dtype
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -150,12 +154,16 @@ class WeightFollower:
         received = time.monotonic()
         model = copy.deepcopy(self.template)
         try:
-            model.load_state_dict(state, strict=True)  # strict: a missing or extra tensor is an error (6.15)
+            # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error (6.15).
+            hf_state.load_weights(model, state, self.aliases)
         except RuntimeError as exc:
             log.error("weights of version %d do not fit the model: %s; keeping version %d", version, exc,
                       self.engine.policy.version)
             return
         self.engine.set_policy(model, version)
+        # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost.
+        served = hf_state.named_weights(model)
+        self.served_checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items() if n in state)
         self.updates += 1
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
@@ -200,6 +208,7 @@ class InferenceServer:
             "epoch": f.receiver.epoch if f else None,
             "updates": f.updates if f else 0,
             "last_update_s": f.last_update_s if f else None,
+            "weights_checksum": f.served_checksum if f else None,
             "training_finished": f.finished.is_set() if f else False,
             "requests": self.requests,
         }
@@ -244,10 +253,12 @@ def _check_engine(engine: str) -> None:
 
 def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollower]:
     spec = ctx.spec
-    tokenizer = build_tokenizer(spec.model)
-    model = build_model(spec.model, tokenizer.vocab_size)
+    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
+    model = load_model(model_dir, spec.model.dtype)
+    tokenizer = load_tokenizer(model_dir, model.config)
+    check_sequence_length(model.config, spec.model.max_sequence_length)
     engine = SamplingEngine(model, tokenizer, version=0, seed=spec.model.seed * 1000 + ctx.index)
-    served = ServedModel(spec.model.path, tokenizer, model.config.max_sequence_length)
+    served = ServedModel(spec.model.path, tokenizer, spec.model.max_sequence_length)
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
@@ -266,7 +277,7 @@ def main() -> int:
     # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
     # the broadcast, waits with it.
     sys.setswitchinterval(0.001)
-    server, follower = build_server(ctx)
+    server, follower = build_server(ctx)  # a bad model directory raises ModelError: run_role reports it
     server.engine.start()
     follower.start()
     port = ctx.port or runtime.INFERENCE_PORT
@@ -286,7 +297,12 @@ def main() -> int:
         logging.shutdown()
         os._exit(0)
     log.info("stopped")
-    return 0
+    # Nothing is left to flush but the logs: skip the interpreter's teardown, which with torch and transformers
+    # loaded takes 1-2 s on a busy machine, time the teardown grace period does not need to spend.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

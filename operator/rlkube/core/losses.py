@@ -158,3 +158,10 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logp = torch.log_softmax(logits.float(), dim=-1)
         return -(logp.exp() * logp).sum(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of tokens[:, 1:] under logits[:, :-1] / temperature -> [B, T-1] (float32 whatever the logits' dtype).
+    The native engine's sampling log-probs are of the same temperature-scaled distribution."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)

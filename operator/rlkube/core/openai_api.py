@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rlkube.core.model import CharTokenizer
+from rlkube.core.hf.tokenizer import Tokenizer
 from rlkube.core.sampling import GenerationRequest, GenerationResult
 
 MAX_N = 256
@@ -45,7 +45,7 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class ServedModel:
     name: str
-    tokenizer: CharTokenizer
+    tokenizer: Tokenizer
     max_sequence_length: int
 
 
@@ -76,10 +76,12 @@ def parse_completion_request(body: Any, served: ServedModel) -> GenerationReques
     prompt = body.get("prompt")
     tok = served.tokenizer
     if isinstance(prompt, str):
-        try:
-            prompt_ids = tok.encode(prompt)
-        except ValueError as exc:
-            raise RequestError(f"`prompt`: {exc}", "prompt") from None
+        # Special tokens added as vLLM adds them to a completions prompt (a Llama tokenizer's BOS).
+        prompt_ids = tok.encode(prompt)
+        if tok.unk_id is not None and tok.unk_id in prompt_ids:
+            # A prompt the tokenizer cannot represent would be sampled from as if it said <unk>: refuse it.
+            raise RequestError("`prompt` has characters the model's tokenizer does not know (they encode to "
+                               f"{tok.token_text(tok.unk_id)!r})", "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
         if bad:
@@ -129,12 +131,12 @@ def parse_completion_request(body: Any, served: ServedModel) -> GenerationReques
 
 
 def completion_response(req: GenerationRequest, result: GenerationResult, served: ServedModel) -> dict[str, Any]:
-    vocab = served.tokenizer.vocab
+    tok = served.tokenizer
     choices = []
     for i, c in enumerate(result.completions):
         logprobs = None
         if req.top_logprobs is not None:
-            tokens = [vocab[t] for t in c.token_ids]
+            tokens = [tok.token_text(t) for t in c.token_ids]
             offsets, pos = [], 0
             for t in tokens:
                 offsets.append(pos)

@@ -74,7 +74,7 @@ return 1
 class DocumentConfig:
     estimator: str = "leave-one-out"
     normalize: bool = False
-    max_length: int | None = None  # the model's maxSequenceLength: longer documents are dropped
+    max_length: int | None = None  # spec.model.maxSequenceLength: longer samples are dropped (and counted)
     drop_singletons: bool = True  # SFT keeps them: its loss does not use the advantage
 
 
@@ -121,6 +121,14 @@ def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> lis
     return docs
 
 
+def too_long(group: protocol.RolloutGroup, cfg: DocumentConfig) -> int:
+    """Samples of `group` that group_to_documents drops for exceeding cfg.max_length."""
+    if cfg.max_length is None:
+        return 0
+    prompt = len(group.prompt_tokens)
+    return sum(1 for s in group.samples if prompt + len(s.completion_tokens) > cfg.max_length)
+
+
 def trainer_lag(client: redis.Redis, keys: protocol.StreamKeys) -> int:
     """Documents written but not yet read by the trainer's group (0 before the group exists)."""
     try:
@@ -150,7 +158,7 @@ class PreprocessorRole:
         self.cfg = DocumentConfig(
             estimator=algo.advantage,
             normalize=algo.normalize_advantage,
-            max_length=ctx.spec.model.architecture.max_sequence_length,
+            max_length=ctx.spec.model.max_sequence_length,
             drop_singletons=algo.loss != "sft",
         )
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
@@ -167,6 +175,7 @@ class PreprocessorRole:
         self.events = streams.EventReader(client, self.keys.events, "0-0")
         self.finished = False
         self.groups = self.documents = self.skipped = self.claimed = self.lost = 0
+        self.too_long = 0  # samples dropped for exceeding maxSequenceLength
         self.holds = 0
 
     def _read_events(self, block: int | None = None) -> None:
@@ -209,6 +218,7 @@ class PreprocessorRole:
             else:
                 self.groups += 1
                 self.documents += len(docs)
+                self.too_long += too_long(group, self.cfg)
 
     def _read_rollouts(self, count: int) -> list:
         """Up to `count` rollout entries this replica should process now: its own pending ones first, then
@@ -273,8 +283,9 @@ class PreprocessorRole:
             self.poll()
             if time.monotonic() - last_report > 10:
                 last_report = time.monotonic()
-                log.info("%d groups -> %d documents (%d entries skipped, %d claimed)", self.groups, self.documents,
-                         self.skipped, self.claimed)
+                log.info("%d groups -> %d documents (%d entries skipped, %d claimed, %d samples over "
+                         "maxSequenceLength dropped)", self.groups, self.documents, self.skipped, self.claimed,
+                         self.too_long)
         if not self.finished:
             log.info("stopped by signal after %d groups", self.groups)
         return 0

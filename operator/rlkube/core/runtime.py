@@ -31,6 +31,9 @@ ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
 ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
+# Where spec.model.path is materialized (hf:// snapshots, builtin:// models); every role of a job should see the
+# same directory (a shared volume) or each writes/fetches its own copy. Default ~/.cache/rlkube/models.
+ENV_MODEL_CACHE = "RLKUBE_MODEL_CACHE"
 # Trainer with spec.trainer.nodes > 1 (data parallelism), besides torchrun's RANK, WORLD_SIZE, NODE_RANK, NNODES,
 # LOCAL_RANK, MASTER_ADDR, MASTER_PORT: seconds after which a rank that stopped answering (died or hung) makes the
 # other ranks exit 1 without training_finished (default 120; rlkube.core.backends.torch_distributed).
@@ -63,6 +66,7 @@ class RoleContext:
     port: int | None = None
     checkpoint_dir: Path | None = None
     output_dir: Path | None = None
+    model_cache_dir: Path | None = None  # None: rlkube.core.hf.source.default_cache_dir()
 
     @property
     def keys(self) -> StreamKeys:
@@ -95,6 +99,7 @@ class RoleContext:
             port=int(env[ENV_PORT]) if env.get(ENV_PORT) else None,
             checkpoint_dir=Path(env[ENV_CHECKPOINT_DIR]) if env.get(ENV_CHECKPOINT_DIR) else None,
             output_dir=Path(env[ENV_OUTPUT_DIR]) if env.get(ENV_OUTPUT_DIR) else None,
+            model_cache_dir=Path(env[ENV_MODEL_CACHE]) if env.get(ENV_MODEL_CACHE) else None,
         )
 
 

@@ -2,9 +2,10 @@
 
 Kept apart from the HTTP server so it can be driven (and tested) without a socket. One worker thread takes every
 request that may run, runs them as ONE batch (all `n` samples of every request), and answers each request's
-future. Rows are right-padded: with causal attention a real token never attends to the padding on its right, so
-no attention mask is needed and rows of different lengths share a forward pass (no KV cache: on the tiny model a
-full recompute per token is cheaper than the bookkeeping).
+future. The model is any supported Hugging Face causal LM (transformers), generating with a KV cache
+(DynamicCache): one prefill of the prompts, then one token per row per forward pass. Prompts of different lengths
+are LEFT-padded with an attention mask and position ids counted from each row's first real token, so every row
+computes exactly what it would alone (RoPE positions are relative to the row's start).
 
 The policy (model, version) is one immutable pair swapped by reference: a batch samples every token with the
 pair it took at its start, and a weight update never waits for generation nor generation for an update.
@@ -17,7 +18,7 @@ once with `EngineStopped` (the server answers 503), and only the batch being sam
 
 Log-probs are those of the distribution actually sampled from, i.e. of logits / temperature (for temperature 0,
 of the raw logits), which is what the trainer's importance ratio needs (`model.token_logprobs` with the same
-temperature reproduces them).
+temperature reproduces them; `losses.token_logprobs` on the trainer's side).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlkube.core.model import CharTokenizer
+from rlkube.core.hf.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class _Row:
 class SamplingEngine:
     """Owns the current policy and the generation worker thread."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, version: int = 0, seed: int = 0,
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, version: int = 0, seed: int = 0,
                  max_batch_rows: int = 512):
         model.eval()
         self._policy = Policy(model, version)
@@ -201,6 +202,8 @@ class SamplingEngine:
     @torch.inference_mode()
     def generate(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
         """Sample every request's n completions in one batch with the current policy."""
+        from transformers import DynamicCache
+
         policy = self._policy
         model = policy.model
         device = next(model.parameters()).device
@@ -210,25 +213,40 @@ class SamplingEngine:
             gens.append(torch.Generator(device=device).manual_seed(seed))
         rows = [_Row(i, req.prompt_ids, bool(req.top_logprobs)) for i, req in enumerate(reqs) for _ in range(req.n)]
         t0 = time.monotonic()
-        for step in range(max(req.max_tokens for req in reqs)):
-            active = [r for r in rows if not r.done]
-            if not active:
-                break
-            width = max(len(r.tokens) for r in active)
-            batch = torch.full((len(active), width), self.tokenizer.pad_id, dtype=torch.long)
-            for i, r in enumerate(active):
-                batch[i, : len(r.tokens)] = torch.tensor(r.tokens)
-            last = torch.tensor([len(r.tokens) - 1 for r in active])
-            logits = model(batch.to(device))[torch.arange(len(active)), last.to(device)].float()
-            # Sample per request (each has its own temperature and generator), rows of a request together.
+        # Prefill: prompts left-padded; pads are masked out and positions start at each row's first real token.
+        width = max(len(r.tokens) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r.tokens):] = torch.tensor(r.tokens)
+            mask[i, width - len(r.tokens):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        max_steps = max(req.max_tokens for req in reqs)
+        for step in range(max_steps):
+            # Sample per request (each has its own temperature and generator), the active rows of a request together.
+            next_ids = torch.full((len(rows),), self.tokenizer.pad_id, dtype=torch.long)
             start = 0
-            while start < len(active):
-                req_i = active[start].req
+            while start < len(rows):
+                req_i = rows[start].req
                 end = start
-                while end < len(active) and active[end].req == req_i:
+                while end < len(rows) and rows[end].req == req_i:
                     end += 1
-                self._sample(reqs[req_i], gens[req_i], logits[start:end], active[start:end], step)
+                active = [i for i in range(start, end) if not rows[i].done]
+                if active:
+                    sampled = self._sample(reqs[req_i], gens[req_i], logits[active], [rows[i] for i in active], step)
+                    next_ids[active] = torch.tensor(sampled)
                 start = end
+            if step + 1 == max_steps or all(r.done for r in rows):
+                break
+            # Decode: one token per row (finished rows too: dropping them from the cache costs more than it saves).
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = model(input_ids=next_ids[:, None].to(device), attention_mask=mask, position_ids=positions,
+                           past_key_values=cache, use_cache=True).logits[:, -1].float()
         for r in rows:
             if not r.done:
                 r.out.text = self.tokenizer.decode(r.out.token_ids)
@@ -242,7 +260,8 @@ class SamplingEngine:
         return [GenerationResult(policy.version, comps) for comps in out]
 
     def _sample(self, req: GenerationRequest, gen: torch.Generator, logits: torch.Tensor, rows: list[_Row],
-                step: int) -> None:
+                step: int) -> list[int]:
+        """Sample one token for each of `rows` (one request's active rows) from their `logits`; returns them."""
         if req.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             tokens = logp.argmax(dim=-1)
@@ -253,21 +272,21 @@ class SamplingEngine:
         tokens = tokens.tolist()
         if req.top_logprobs:
             top_v, top_i = logp.topk(req.top_logprobs, dim=-1)
-        vocab = self.tokenizer.vocab
+        tok = self.tokenizer
         for i, r in enumerate(rows):
-            tok = tokens[i]
-            r.tokens.append(tok)
-            r.out.token_ids.append(tok)
+            tok_id = tokens[i]
+            r.tokens.append(tok_id)
+            r.out.token_ids.append(tok_id)
             r.out.logprobs.append(chosen[i])
             if req.top_logprobs:
                 r.out.top_logprobs.append(
-                    {vocab[j]: v for j, v in zip(top_i[i].tolist(), top_v[i].tolist(), strict=True)}
+                    {tok.token_text(j): v for j, v in zip(top_i[i].tolist(), top_v[i].tolist(), strict=True)}
                 )
-            if tok == self.tokenizer.eos_id:
+            if tok_id in tok.eos_ids:
                 r.done, r.out.finish_reason = True, "stop"
-                r.out.text = self.tokenizer.decode(r.out.token_ids)
+                r.out.text = tok.decode(r.out.token_ids)
             elif req.stop:
-                text = self.tokenizer.decode(r.out.token_ids)
+                text = tok.decode(r.out.token_ids)
                 hits = [text.find(s) for s in req.stop if s and s in text]
                 if hits:
                     # As the OpenAI API does: the text ends before the stop string (the tokens keep it: they
@@ -275,4 +294,5 @@ class SamplingEngine:
                     r.done, r.out.finish_reason, r.out.text = True, "stop", text[: min(hits)]
             if not r.done and step + 1 >= req.max_tokens:
                 r.done, r.out.finish_reason = True, "length"
-                r.out.text = self.tokenizer.decode(r.out.token_ids)
+                r.out.text = tok.decode(r.out.token_ids)
+        return tokens

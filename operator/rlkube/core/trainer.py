@@ -1,8 +1,9 @@
 """The trainer: the design.md section 6 API (`Trainer`) and the trainer ROLE (`python -m rlkube.core.trainer`).
 
-`Trainer` is backend-independent: it turns documents into batches, accumulates gradients over micro-batches
-normalised by the step's loss-token count, steps the optimizer, checkpoints, and hands the weights to a
-publisher. The role around it reads the job's training documents from Redis (Fast-LLM's consumer-group
+`Trainer` is backend-independent: it loads the job's Hugging Face model directory (materialized from
+`spec.model.path`) into the backend, turns documents into micro-batches by a token budget
+(`spec.trainer.microBatchTokens`), accumulates their gradients normalised by the step's loss-token count, steps the
+optimizer, writes checkpoints that are HF directories, and hands the weights (HF names) to a publisher. The role around it reads the job's training documents from Redis (Fast-LLM's consumer-group
 protocol), trains `samplesPerStep` documents per step, and reports on the job's events stream:
 
     weights_ready (at start, then after every step; announce BEFORE the transfer)  ->  metrics (every step)
@@ -50,7 +51,9 @@ from rlkube.core import checkpoint as ckpt
 from rlkube.core import protocol, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
-from rlkube.core.batch import Batch, collate
+from rlkube.core.batch import Batch, collate, plan_micro_batches
+from rlkube.core.errors import ConfigError, write_termination_message
+from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
 from rlkube.core.runtime import RoleContext
@@ -58,7 +61,6 @@ from rlkube.lifecycle.environment import processes_per_node, trainer_world_size
 
 log = logging.getLogger("rlkube.trainer")
 
-DEFAULT_MICRO_BATCH = 32  # documents per forward/backward; the step's gradient is the same for any value
 READ_BLOCK_MS = 1000  # Fast-LLM's XREADGROUP block; also how often a waiting trainer checks for SIGTERM
 ENV_DOCUMENT_TIMEOUT = "RLKUBE_DOCUMENT_TIMEOUT_S"
 DEFAULT_DOCUMENT_TIMEOUT_S = 600.0  # Fast-LLM gives up after this long without a document
@@ -124,14 +126,18 @@ class Trainer:
         publisher: Publisher | None = None,
         backend: TrainerBackend | None = None,
         device: str = "cpu",
-        micro_batch_size: int = DEFAULT_MICRO_BATCH,
+        micro_batch_tokens: int | None = None,
         dp: DataParallel | None = None,
+        model_dir: Path | None = None,
     ):
         self.spec = spec
-        self.backend = backend or build_backend(spec, device=device)
+        # The job's model directory: the initial weights, and the config/tokenizer files of every checkpoint.
+        self.model_dir = Path(model_dir) if model_dir is not None else materialize_model(spec.model)
+        self.backend = backend or build_backend(spec, self.model_dir, device=device)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.publisher = publisher
-        self.micro_batch_size = micro_batch_size
+        # The step's gradient is the same for any budget (up to float rounding); it bounds activation memory.
+        self.micro_batch_tokens = micro_batch_tokens or spec.trainer.micro_batch_tokens
         self.dp = dp  # None: one process; else gradients and counts are summed over the data-parallel ranks
         self.step = 0  # optimizer steps taken; weights after step N are policy version N
         self.documents_seen = 0
@@ -150,15 +156,24 @@ class Trainer:
     def make_batch(self, docs: Sequence[protocol.Document]) -> Batch:
         return collate(docs, pad_id=self.backend.pad_id, max_length=self.backend.max_sequence_length)
 
+    def micro_batches(self, docs: Sequence[protocol.Document]) -> list[Batch]:
+        """The documents as padded micro-batches within the token budget (similar lengths together)."""
+        plans = plan_micro_batches([len(d.tokens) for d in docs], self.micro_batch_tokens)
+        return [self.make_batch([docs[i] for i in plan]) for plan in plans]
+
     def forward_backward(self, batch: Batch | Sequence[protocol.Document], normalizer: float | None = None) -> dict[str, float]:
         """Accumulate the gradient of `batch`'s loss (sum over loss tokens / `normalizer`, default: the batch's
-        own loss-token count). Pass the whole step's loss-token count when splitting a step into micro-batches."""
-        if not isinstance(batch, Batch):
-            batch = self.make_batch(batch)
-        norm = float(normalizer) if normalizer is not None else float(max(batch.num_loss_tokens, 1))
+        own loss-token count), micro-batch by micro-batch. Pass the whole step's loss-token count when a step is
+        split over several calls."""
+        micro = batch.split_by_tokens(self.micro_batch_tokens) if isinstance(batch, Batch) else self.micro_batches(batch)
+        return self._accumulate(micro, normalizer)
+
+    def _accumulate(self, micro: Sequence[Batch], normalizer: float | None) -> dict[str, float]:
+        total = sum(m.num_loss_tokens for m in micro)
+        norm = float(normalizer) if normalizer is not None else float(max(total, 1))
         stats = LossStats()
-        for micro in batch.split(self.micro_batch_size):
-            stats = stats.merge(self.backend.forward_backward(micro, norm))
+        for m in micro:
+            stats = stats.merge(self.backend.forward_backward(m, norm))
         self._pending = self._pending.merge(stats)
         self._pending_normalizer = norm
         return stats.metrics(norm)
@@ -168,22 +183,24 @@ class Trainer:
         statistics of everything accumulated since the previous step (summed over the data-parallel ranks)."""
         if self.dp is not None:
             names = [f.name for f in dataclass_fields(LossStats)]
-            summed = self.dp.sum_gradients(self.model.parameters(), [getattr(self._pending, n) for n in names])
+            summed = self.dp.sum_gradients(self.backend.gradient_parameters(),
+                                           [getattr(self._pending, n) for n in names])
             self._pending = LossStats(**dict(zip(names, summed, strict=True)))
+        lr = self.backend.learning_rate
         grad_norm = self.backend.optim_step()
         self.step += 1
         metrics = self._pending.metrics(self._pending_normalizer or None)
         self._pending, self._pending_normalizer = LossStats(), 0.0
-        return {**metrics, "grad_norm": grad_norm, "policy_version": self.version, "step": self.step}
+        return {**metrics, "grad_norm": grad_norm, "lr": lr, "policy_version": self.version, "step": self.step}
 
     def train_step(self, docs: Sequence[protocol.Document]) -> dict[str, float]:
         """One optimizer step on `docs`: micro-batched forward/backward normalised over the whole step (with data
         parallelism: `docs` are this rank's share, normalised by the loss-token count of every rank's share)."""
-        batch = self.make_batch(docs)
-        loss_tokens, n_docs = batch.num_loss_tokens, len(docs)
+        micro = self.micro_batches(docs)
+        loss_tokens, n_docs = sum(m.num_loss_tokens for m in micro), len(docs)
         if self.dp is not None:
             loss_tokens, n_docs = self.dp.sum([loss_tokens, n_docs])
-        self.forward_backward(batch, normalizer=max(loss_tokens, 1))
+        self._accumulate(micro, normalizer=max(loss_tokens, 1))
         self.documents_seen += int(n_docs)
         return self.optim_step()
 
@@ -192,6 +209,9 @@ class Trainer:
         from its checkpoint, or fresh), so all ranks start identical however they were initialised."""
         if self.dp is None:
             return
+        # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
+        # rendezvous, not in the broadcast below, which fails after the collective timeout.
+        self.dp.gather("model-loaded")
         state = None
         if self.dp.is_leader:
             model_state, optim_state = self.backend.state()
@@ -210,7 +230,8 @@ class Trainer:
         model_state, optim_state = self.backend.state()
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})
-        path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state)
+        path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state, model_dir=self.model_dir,
+                                    dtype=self.spec.model.dtype)
         self.last_checkpoint = (step, path)
         return path
 
@@ -221,7 +242,13 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
-        meta = ckpt.load_checkpoint_state(path, self.backend.load_state)
+        # Weights are HF-named whatever the backend; optimizer state is the writing backend's own layout.
+        written_by = (ckpt.read_meta(path) or ckpt.CheckpointMeta(0)).extra.get("backend")
+        same_backend = written_by in (None, self.spec.trainer.backend)
+        if not same_backend:
+            log.warning("checkpoint %s was written by the %s backend: loading its weights, not its optimizer state",
+                        path, written_by)
+        meta = ckpt.load_checkpoint_state(path, self.backend.load_state, with_optimizer=same_backend)
         self.step, self.documents_seen = meta.step, meta.documents_seen
         self.last_checkpoint = (meta.step, path)
         log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
@@ -519,6 +546,7 @@ class TrainerRole:
             "kl": m["kl"],
             "entropy": m.get("entropy"),
             "grad_norm": m["grad_norm"],
+            "learning_rate": m["lr"],
             "documents_seen": self.trainer.documents_seen,
             "documents_skipped": self.skipped,
         }
@@ -528,10 +556,13 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
     if not ctx.weight_sync_addr:
         log.info("%s unset: announcing weights without transferring them", "RLKUBE_WEIGHT_SYNC_ADDR")
         return AnnounceOnly(client, ctx.keys)
-    from rlkube.core.weightsync import WeightPublisher
+    from rlkube.core.weightsync import WeightPublisher, transfer_dtype
 
+    transfer = ctx.spec.trainer.weight_transfer
     return WeightPublisher(client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
-                           backend="nccl" if device.startswith("cuda") else "gloo", device=device)
+                           backend="nccl" if device.startswith("cuda") else "gloo", device=device,
+                           transfer_dtype=transfer_dtype(transfer.dtype, device),
+                           bucket_bytes=transfer.bucket_megabytes * 2**20)
 
 
 def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
@@ -550,11 +581,14 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if device == "cuda" and cfg is not None:
         device = f"cuda:{cfg.local_rank}"
         torch.cuda.set_device(device)
+    # The group first: a rank restarted alone must fail at once (DataParallel), not after loading the model.
     dp = DataParallel(cfg, device=device) if cfg is not None else None
     leader = dp is None or dp.is_leader
     # Only rank 0 joins the weight-update group with the inference servers.
     publisher = _make_publisher(ctx, client, device) if leader else None
-    trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=publisher, device=device, dp=dp)
+    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
+    trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=publisher, device=device, dp=dp,
+                      model_dir=model_dir)
     if ctx.checkpoint_dir is None:
         log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
         trainer.checkpoint_dir = Path("checkpoints")
@@ -570,28 +604,30 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
 
 def main() -> int:
     stop = stop_on_signals("trainer", log, "finishing the current step, then checkpoint and training_finished")
-    role: TrainerRole | None = None
     try:
         ctx = RoleContext.from_env()
         timeout_s = document_timeout_from_env(os.environ)
         client = redis.Redis.from_url(ctx.redis_url)
-        role = build_role(ctx, client, stop, document_timeout_s=timeout_s)
-        code = role.run()
+        code = build_role(ctx, client, stop, document_timeout_s=timeout_s).run()
     except DocumentTimeout as exc:
         log.error("giving up: %s (no training_finished published)", exc)
+        write_termination_message(str(exc))
         code = 1
-    except Exception:
+    except ConfigError:
+        raise  # bad input (e.g. the model directory): run_role writes the termination message, EXIT_CONFIG
+    except Exception as exc:
         log.exception("trainer failed (no training_finished published)")
+        write_termination_message(f"{type(exc).__name__}: {exc}")
         code = 1
-    blocked = role is not None and role.abandoned_transfer is not None and role.abandoned_transfer.is_alive()
-    # A data-parallel rank that failed may leave its group mid-collective (a peer died); like a blocked transfer,
-    # that must not hold up interpreter shutdown.
-    if blocked or (code != 0 and torch.distributed.is_initialized()):
-        # The abandoned transfer thread is blocked inside gloo; interpreter shutdown could wait on it (process
-        # group destructors), so leave at once: everything that matters (checkpoint, events) is written.
-        logging.shutdown()
-        os._exit(code)
-    return code
+    # Leave without the interpreter's teardown, always: an abandoned transfer thread is blocked inside gloo and
+    # process-group destructors could wait on it; a data-parallel rank that failed may have left its group
+    # mid-collective; and with torch.distributed and transformers loaded, the C++ teardown alone took 2-10 s on a
+    # busy 2-core machine, time the teardown grace period does not have. Everything that matters (checkpoint,
+    # events) is durable by now; only the logs need flushing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

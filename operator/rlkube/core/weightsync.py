@@ -17,21 +17,37 @@ A restarted server that finds the current epoch already formed also files a rejo
 trainer re-announces without waiting for its next step (which may never come while that server is missing).
 `WeightPublisher` below does that announce/send/reopen dance for the trainer.
 
+The weight contract (design.md s5), whatever the trainer backend:
+- names: the Hugging Face parameter names of the job's model directory, each tied weight once (the backend's
+  `weights()`, see rlkube.core.backends.base), so any engine that loads the directory can apply an update by name;
+- dtype: the trainer casts every floating-point tensor to the transfer dtype (`spec.trainer.weightTransfer.dtype`:
+  bfloat16 on GPUs, float32 on CPU by default; None keeps each tensor's own dtype) and the receiver converts to the
+  dtype it serves (load_state_dict copies with conversion). Non-float tensors (integer buffers) keep theirs.
+- buckets: consecutive tensors of one dtype are flattened into one buffer of at most `bucket_bytes`
+  (`weightTransfer.bucketMegabytes`; a larger tensor gets a bucket of its own), one broadcast per bucket rather
+  than one per tensor;
+- checksum: the sender puts `weights_checksum()` of what it sends into the metadata; the receiver recomputes it on
+  what arrived and refuses an update that differs, and an engine can report the checksum of what it serves
+  (`weights_checksum` of its weights cast to the transfer dtype: equal to the trainer's whenever the served dtype
+  holds the transfer dtype exactly, e.g. float32 or bfloat16 served from a bfloat16 transfer).
+
 Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
-`{"version", "tensors": [[name, shape, dtype], ...]}`, then every tensor in that order, then a `null` sentinel.
-Objects travel as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
-Tensors keep their dtype (no cast on the way, seed pitfall 6.15).
+`{"version", "checksum", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel], ...]}`,
+then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel as a
+length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import threading
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -56,6 +72,97 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     )
 }
+
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+CHECKSUM_REL_TOL = 1e-9  # float64 sums of the same values in another order differ in the last bits only
+
+
+def transfer_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """`spec.trainer.weightTransfer.dtype` as a torch dtype (`auto`: bfloat16 on GPUs, float32 on CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> float:
+    """A cheap fingerprint of a set of weights: per tensor, the float64 sum of its values (cast to `dtype`
+    first, when given), combined as sum over tensors sorted by name of (position + 1) x that sum, so a tensor
+    under the wrong name changes it too. Values in the transfer dtype are exact in float64, so trainer and engine
+    agree up to summation order (compare with CHECKSUM_REL_TOL)."""
+    sums = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        sums.append((name, float(t.sum(dtype=torch.float64))))
+    return math.fsum((i + 1) * s for i, (_, s) in enumerate(sorted(sums)))
+
+
+def checksums_match(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=CHECKSUM_REL_TOL, abs_tol=1e-6)
+
+
+@dataclass
+class PackedWeights:
+    """One update ready to send: the metadata object and the bucket buffers (already in the transfer dtype, on
+    the sending device). Packing is also the snapshot: the trainer may change its weights once it returns."""
+
+    meta: dict[str, Any]
+    buffers: list[torch.Tensor]
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str | torch.device | None = None) -> PackedWeights:
+    """Cast floating-point tensors to `dtype` (None: keep) and flatten consecutive same-dtype tensors into buckets
+    of at most `bucket_bytes` (a larger tensor alone)."""
+    tensors = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if device is not None:
+            t = t.to(device)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if _dtype_name(t.dtype) not in _DTYPES:
+            raise ValueError(f"weight {name}: dtype {t.dtype} cannot be transferred")
+        tensors.append((name, t))
+    buckets: list[list[int]] = []  # [first, end, bytes]
+    for i, (_, t) in enumerate(tensors):
+        size = t.numel() * t.element_size()
+        last = buckets[-1] if buckets else None
+        if last is not None and tensors[last[0]][1].dtype == t.dtype and last[2] + size <= bucket_bytes:
+            last[1], last[2] = i + 1, last[2] + size
+        else:
+            buckets.append([i, i + 1, size])
+    buffers, bucket_meta = [], []
+    for first, end, _ in buckets:
+        # torch.cat copies: the buffers are a snapshot even when no cast happened.
+        flat = torch.cat([tensors[i][1].reshape(-1) for i in range(first, end)])
+        buffers.append(flat)
+        bucket_meta.append([first, end, _dtype_name(flat.dtype), flat.numel()])
+    meta = {
+        "tensors": [[n, list(t.shape), _dtype_name(t.dtype)] for n, t in tensors],
+        "buckets": bucket_meta,
+        "checksum": weights_checksum(tensors),
+    }
+    return PackedWeights(meta, buffers)
+
+
+def unpack_weights(meta: dict[str, Any], buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The named tensors (views into the buffers) of a received update."""
+    specs = meta["tensors"]
+    state: dict[str, torch.Tensor] = {}
+    for (first, end, _dtype, _numel), flat in zip(meta["buckets"], buffers, strict=True):
+        offset = 0
+        for name, shape, _ in specs[first:end]:
+            n = math.prod(shape)
+            state[name] = flat[offset:offset + n].view(shape)
+            offset += n
+    return state
 
 
 class WeightSyncError(RuntimeError):
@@ -168,9 +275,12 @@ class WeightSender(_Endpoint):
     """The trainer's side (rank 0). Hosts the TCPStore; one group per epoch."""
 
     def __init__(self, addr: str, world_size: int, timeout_s: float = 300, backend: str = "gloo",
-                 device: str = "cpu", local_host: str | None = None):
+                 device: str = "cpu", local_host: str | None = None, transfer_dtype: torch.dtype | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         super().__init__(addr, 0, world_size, timeout_s, backend, device)
         self._store: dist.TCPStore | None = None
+        self.transfer_dtype = transfer_dtype
+        self.bucket_bytes = bucket_bytes
         # The address inference servers reach us at: RLKUBE_BIND_HOST (the pod IP) rather than the store's DNS
         # name, which a headless Service may not publish before the pod is Ready.
         self.local_host = local_host or os.environ.get(ENV_BIND_HOST) or self.host
@@ -213,22 +323,24 @@ class WeightSender(_Endpoint):
         log.info("weight-sync epoch %s formed with %d ranks in %.2fs", self.epoch, self.world_size,
                  time.monotonic() - t0)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Broadcast one update. The first send of an epoch waits until every inference rank has joined.
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
+        """The update's snapshot in this sender's transfer dtype and buckets, on its device."""
+        return pack_weights(named_tensors, self.transfer_dtype, self.bucket_bytes, self.device)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]] | PackedWeights, version: int) -> None:
+        """Broadcast one update (named tensors, or what `pack` made of them). The first send of an epoch waits
+        until every inference rank has joined.
 
         On failure the group is dropped and WeightSyncError raised: call open(), announce, send again.
         """
         if self.epoch is None:
             raise RuntimeError("WeightSender.send() before open(): open an epoch and announce it first")
-        tensors = [(name, t.detach()) for name, t in named_tensors]
+        packed = weights if isinstance(weights, PackedWeights) else self.pack(weights)
         try:
             if self.pg is None:
                 self._form()
-            self._bcast_object(
-                {"version": int(version),
-                 "tensors": [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors]}
-            )
-            self._bcast_all([t.to(self.device).contiguous() for _, t in tensors])
+            self._bcast_object({"version": int(version), **packed.meta})
+            self._bcast_all(packed.buffers)
             self._bcast_object(None)
         except WeightSyncError:
             self._leave()
@@ -249,6 +361,7 @@ class WeightReceiver(_Endpoint):
             raise ValueError(f"inference weight-sync rank must be >= 1 (rank 0 is the trainer), got {rank}")
         super().__init__(addr, rank, world_size, timeout_s, backend, device)
         self.local_host = local_host or os.environ.get(ENV_BIND_HOST)
+        self.last_checksum: float | None = None
 
     def join(self, epoch: str) -> None:
         """Leave the current group and join `epoch`'s. Blocks until the trainer forms it (its first send).
@@ -281,25 +394,32 @@ class WeightReceiver(_Endpoint):
         return self.pg is not None
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """Receive one update -> (version, state_dict). On failure the group is dropped (WeightSyncError)."""
+        """Receive one update -> (version, {HF name: tensor in the transfer dtype}); its checksum, verified, is
+        `last_checksum`. On failure the group is dropped (WeightSyncError)."""
         if self.pg is None:
             raise RuntimeError("WeightReceiver.receive() before join()")
         try:
             meta = self._bcast_object(None)
-            if not isinstance(meta, dict) or "tensors" not in meta:
+            if not isinstance(meta, dict) or "tensors" not in meta or "buckets" not in meta:
                 raise WeightSyncError(f"weight-sync protocol error: expected metadata, got {meta!r}")
-            state: dict[str, torch.Tensor] = {}
-            for name, shape, dtype in meta["tensors"]:
+            buffers = []
+            for first, end, dtype, numel in meta["buckets"]:
                 if dtype not in _DTYPES:
-                    raise WeightSyncError(f"weight-sync: tensor {name} has unsupported dtype {dtype}")
-                state[name] = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
-            self._bcast_all(list(state.values()))
+                    raise WeightSyncError(f"weight-sync: tensors {first}..{end - 1} have unsupported dtype {dtype}")
+                buffers.append(torch.empty(numel, dtype=_DTYPES[dtype], device=self.device))
+            self._bcast_all(buffers)
             end = self._bcast_object(None)
             if end is not None:
                 raise WeightSyncError(f"weight-sync protocol error: expected the end sentinel, got {end!r}")
+            state = unpack_weights(meta, buffers)
+            checksum = weights_checksum(state.items())
+            if not checksums_match(checksum, float(meta["checksum"])):
+                raise WeightSyncError(f"weight-sync: version {meta['version']} arrived with checksum {checksum!r}, "
+                                      f"the trainer sent {meta['checksum']!r}")
         except WeightSyncError:
             self._leave()
             raise
+        self.last_checksum = checksum
         return int(meta["version"]), state
 
     def close(self) -> None:
@@ -310,10 +430,11 @@ class WeightPublisher:
     """The trainer's whole weight-publication duty: announce on the events stream, then transfer.
 
     ```
-    pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size)
-    pub.start(model.named_parameters(), version=resumed_step)            # at start-up (also after a restart)
-    pub.publish(model.named_parameters(), version=step, step=step, documents_seen=n)  # after each optim_step
-    pub.close()                                                          # on training_finished
+    pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
+                          transfer_dtype=torch.bfloat16, bucket_bytes=64 * 2**20)
+    pub.start(backend.weights(), version=resumed_step)            # at start-up (also after a restart)
+    pub.publish(backend.weights(), version=step, step=step, documents_seen=n)  # after each optim_step
+    pub.close()                                                   # on training_finished
     ```
     `start` opens a new epoch and pushes the current weights (version 0, or the resumed checkpoint's step): the
     inference servers join on that announcement and report healthy only then, so the trainer must call it before
@@ -334,17 +455,18 @@ class WeightPublisher:
 
     def __init__(self, redis_client, keys: protocol.StreamKeys, addr: str, world_size: int,
                  timeout_s: float = 300, backend: str = "gloo", device: str = "cpu", retries: int = 3,
-                 watch_interval_s: float = 0.5, local_host: str | None = None, overlap: bool = False):
+                 watch_interval_s: float = 0.5, local_host: str | None = None, overlap: bool = False,
+                 transfer_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.redis = redis_client
         self.keys = keys
         self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device,
-                                   local_host=local_host)
+                                   local_host=local_host, transfer_dtype=transfer_dtype, bucket_bytes=bucket_bytes)
         self.retries = retries
         self.watch_interval_s = watch_interval_s
         self.epoch: str | None = None
         self.last_transfer_s = 0.0
         self._lock = threading.Lock()
-        self._last: tuple[list[tuple[str, torch.Tensor]], int, int, int, dict[str, Any]] | None = None
+        self._last: tuple[PackedWeights, int, int, int, dict[str, Any]] | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         self.overlap = overlap
@@ -373,7 +495,7 @@ class WeightPublisher:
         a snapshot); either way the caller may change the weights afterwards.
         """
         self.wait()
-        snapshot = [(n, t.detach().clone()) for n, t in named_tensors]
+        snapshot = self.sender.pack(named_tensors)  # a copy in the transfer dtype: the caller may go on training
         with self._lock:
             if self.epoch is None:
                 raise RuntimeError("WeightPublisher.publish() before start()")
@@ -404,8 +526,9 @@ class WeightPublisher:
     def _announce(self) -> None:
         if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
             self.epoch = self.sender.open()
-        _, version, step, documents_seen, extra = self._last
-        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version, **extra)
+        packed, version, step, documents_seen, extra = self._last
+        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version,
+                                        checksum=packed.meta["checksum"], **extra)
         self._announced = (protocol.text(self.redis.xadd(self.keys.events, fields)), fields)
 
     def _send_locked(self, announced: bool = False) -> None:

@@ -1,8 +1,10 @@
 """Training backends behind one interface (design.md section 6), chosen by `spec.trainer.backend`.
 
-`torch` trains the built-in model with plain torch. `megatron` trains a megatron-core GPTModel of the same
-architecture (module `megatron_backend`, importable only where the `megatron` extra is installed; on CPU through
-the shim in `megatron_cpu`); both read and write the same checkpoints and publish the same weights.
+Every backend starts from the job's Hugging Face model directory and speaks Hugging Face names and layouts in
+its weights and checkpoints (the contract is written down in `base.py`). `torch` trains AutoModelForCausalLM
+with plain torch. `megatron` trains a megatron-core GPTModel of the same architecture (module `megatron_backend`,
+importable only where the `megatron` extra is installed; on CPU through the shim in `megatron_cpu`); both read
+and write the same checkpoints and publish the same weights.
 `fast-llm` is never run by our trainer role: the trainer pod runs Fast-LLM itself and we only speak its Redis
 protocol. Asking for a backend that is not available raises `BackendUnavailable` naming the field.
 """
@@ -10,6 +12,7 @@ protocol. Asking for a backend that is not available raises `BackendUnavailable`
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import TrainerBackend
@@ -26,7 +29,8 @@ _BACKENDS = {
 }
 
 
-def build_backend(spec: TrainingJobSpec, device: str = "cpu") -> TrainerBackend:
+def build_backend(spec: TrainingJobSpec, model_dir: Path, device: str = "cpu") -> TrainerBackend:
+    """The backend `spec.trainer.backend`, loaded from `model_dir` (the materialized model directory)."""
     name = spec.trainer.backend
     if name == "fast-llm":
         raise BackendUnavailable(
@@ -44,7 +48,7 @@ def build_backend(spec: TrainingJobSpec, device: str = "cpu") -> TrainerBackend:
             f"spec.trainer.backend {name!r} is not available in this image ({exc}); use backend 'torch' "
             f"or the image built for {name}"
         ) from None
-    return getattr(module, cls_name)(spec, device=device)
+    return getattr(module, cls_name)(spec, Path(model_dir), device=device)
 
 
 __all__ = ["BackendUnavailable", "TrainerBackend", "build_backend"]

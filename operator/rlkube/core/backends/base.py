@@ -1,5 +1,36 @@
-"""The interface every in-process training backend implements (`rlkube.core.trainer.Trainer` drives it), and
-the loss step they share, so that every backend optimises exactly the same objective from its logits."""
+"""The interface every in-process training backend implements (`rlkube.core.trainer.Trainer` drives it), and the
+loss step they share, so that every backend optimises exactly the same objective from its logits.
+
+The contract a backend keeps (the torch backend is the reference; the megatron backend maps to it):
+
+- Construction: `Backend(spec, model_dir, device)`. `model_dir` is the job's Hugging Face model directory, already
+  materialized and checked (`rlkube.core.hf.source.materialize_model(spec.model)`): config.json, safetensors
+  weights, tokenizer files. The backend loads its initial weights from it, under the HF names.
+- Names and layout: `weights()` and `state()` speak Hugging Face: exactly the names, shapes and layouts of the
+  directory's safetensors (what `AutoModelForCausalLM.state_dict()` has), each tied weight ONCE under the first
+  name the state_dict has for it (`model.embed_tokens.weight` for tied embeddings; see rlkube.core.hf.state).
+  A backend that keeps its weights differently (megatron's fused QKV / gate-up, its own names) converts in these
+  two methods and back in `load_state`. Checkpoints (the HF directory plus optimizer state) and the weight
+  transfer to inference are built from them, so they are interchangeable between backends and loadable by
+  transformers and vLLM.
+- Precision: `weights()`/`state()` give the master weights (float32); the weight publisher casts to the
+  transfer dtype (`spec.trainer.weightTransfer.dtype`). Compute may be bfloat16 (`spec.model.dtype`), but the
+  optimizer updates float32 masters, so updates smaller than bfloat16's resolution still accumulate.
+- `forward_backward(batch, normalizer)` ACCUMULATES gradients of `loss / normalizer` (never zeroes them) and
+  returns the micro-batch's loss statistics (use `batch_loss` below on float32 logits). `batch.tokens` are
+  right-padded; the loss mask excludes the padding, so no attention mask is needed (causal attention never looks
+  right).
+- `optim_step()` clips the gradient norm to `spec.algorithm.gradClipNorm`, steps the optimizer and the learning
+  rate schedule (`spec.algorithm.lrSchedule`, `warmupSteps`), then zeroes the gradients; returns the norm
+  before clipping. `learning_rate` is the rate the next `optim_step` applies.
+- `gradient_parameters()` are the parameters whose `.grad` holds the gradient accumulated since the last
+  `optim_step` (what the data-parallel path sums over ranks before `optim_step`): the model's parameters for the
+  torch backend, the float32 masters for the megatron backend in bfloat16.
+- `state()` -> (model state as `weights()` gives it, float32; optimizer state: any dict that `torch.save` and
+  `torch.load(weights_only=True)` round-trip, including the LR schedule). `load_state(model_state,
+  optimizer_state or None)` is its inverse, strict: a missing or unexpected name raises. The optimizer state is
+  backend-specific: the trainer only hands it back to the backend that wrote it (meta.json names the backend).
+"""
 
 from __future__ import annotations
 
@@ -15,31 +46,38 @@ from rlkube.core.losses import (
     LossStats,
     policy_loss,
     token_entropy,
+    token_logprobs,
 )
-from rlkube.core.model import token_logprobs
 
 
 class TrainerBackend(Protocol):
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
     pad_id: int
     max_sequence_length: int
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the next optim_step applies (after warm-up and schedule)."""
+        ...
+
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters whose `.grad` holds the accumulated gradient (see the module docstring)."""
+        ...
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
         """Loss of `batch` divided by `normalizer`; ACCUMULATES gradients (never zeroes them)."""
         ...
 
     def optim_step(self) -> float:
-        """Clip, step, then zero the gradients; returns the gradient norm before clipping."""
+        """Clip, step the optimizer and the LR schedule, then zero the gradients; returns the norm before clipping."""
         ...
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """(name, tensor) of every weight, in the order the inference side expects (its state_dict's)."""
+        """(HF name, tensor) of every weight, master precision, each tied weight once (see the module docstring)."""
         ...
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(model state_dict, optimizer state_dict) for a checkpoint, in TinyLM's names, layout and parameter
-        order whatever the backend, so checkpoints are interchangeable and servable."""
+        """(model state under HF names, float32; optimizer + LR schedule state) for a checkpoint."""
         ...
 
     def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
@@ -57,3 +95,12 @@ def batch_loss(logits: torch.Tensor, batch: Batch, config: LossConfig, temperatu
     old = torch.where(batch.has_old_logprobs.to(device)[:, None], batch.old_logprobs.to(device), new_logp.detach())
     return policy_loss(new_logp, old, batch.advantages.to(device), batch.loss_mask.to(device), config,
                        normalizer=normalizer, entropy=token_entropy(logits[:, :-1]))
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, max_steps: int):
+    """transformers' schedule of that name (constant/cosine/linear, with linear warm-up from 0), stepped once per
+    optimizer step; cosine and linear reach 0 at maxSteps."""
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}[schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps)

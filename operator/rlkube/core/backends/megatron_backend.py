@@ -1,176 +1,130 @@
-"""The `megatron` backend: a megatron-core GPTModel of the job's architecture behind the Trainer API.
+"""The `megatron` backend: the job's Hugging Face model as a megatron-core GPTModel behind the Trainer API.
 
-`spec.trainer.backend: megatron` (image trainer-megatron, extra `rlkube[megatron]`) trains a megatron-core
-(0.16.1) `GPTModel` built from megatron's local layer spec with the job's architecture, on CPU through the shim in
-`megatron_cpu` or on one GPU. Same losses (`base.batch_loss`), same optimizer (Adam with gradient clipping,
-zeroed after the step), and the same checkpoint and weight formats as the torch backend: weights and Adam moments
-are converted to TinyLM's names and layout at the edge (`megatron_layout`), so the native inference server
-receives the weights it already knows, and a checkpoint written by either backend resumes on the other.
+`spec.trainer.backend: megatron` (image trainer-megatron, extra `rlkube[megatron]`) trains a megatron-core (0.16.1)
+`GPTModel` built from megatron's local layer spec with the architecture of the job's Hugging Face directory
+(`megatron_gpt`, `megatron_hf`), on CPU through the shim in `megatron_cpu` or on a GPU (one per rank). It keeps the contract of
+`base.py`: the same losses (`base.batch_loss`), Adam with gradient clipping and the same LR schedule, and weights
+and checkpoints under Hugging Face names and layouts (megatron's fused QKV and gate/up are split at the edge), so
+inference servers receive what they loaded from the directory and a checkpoint loads in transformers and vLLM.
 
-The initial weights are the job's model (`builtin://tiny-lm` seeded, or a saved directory) loaded into the
-GPTModel, so the trainer starts from exactly the weights every inference server built for itself.
+Precision, as megatron trains in bfloat16 (its Float16Module + a float32 copy in the optimizer): with
+`spec.model.dtype: bfloat16` the GPTModel's parameters are bfloat16 (the compute), and the backend keeps float32
+master weights that Adam updates; each backward's bfloat16 gradients are added into the masters' float32 gradients
+(megatron's `main_grad`), and the masters are copied into the model after each step. The LM head multiplies in
+float32 (`megatron_gpt`). With float32 the model's parameters are the masters.
 
-One rank: tensor and pipeline parallel size 1 (the trainer role trains on one node); megatron's distributed
-optimizer and data-parallel wrappers are not used.
+Tensor and pipeline parallel size 1; megatron's distributed optimizer and data-parallel wrappers are not used. With
+several trainer ranks the Trainer's data-parallel path sums `gradient_parameters()` (the float32 masters'
+gradients) over the ranks, as for the torch backend; tensor and pipeline parallelism are a later issue.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core.backends import megatron_cpu
-from rlkube.core.backends.base import batch_loss
-from rlkube.core.backends.megatron_layout import (
-    convert_optimizer_state,
-    megatron_layout,
-    megatron_name,
-    tiny_layout,
-    tiny_name,
-    to_megatron,
-)
+from rlkube.core import checkpoint as ckpt
+from rlkube.core.backends.base import batch_loss, lr_scheduler
+from rlkube.core.backends.megatron_gpt import MegatronGPT
+from rlkube.core.backends.megatron_hf import UnsupportedArchitecture
 from rlkube.core.batch import Batch
+from rlkube.core.hf.errors import ModelError
+from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
-from rlkube.core.model import TinyConfig, build_model, build_tokenizer
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def build_gpt_model(cfg: TinyConfig, dtype: torch.dtype = torch.float32) -> GPTModel:
-    """A megatron-core GPTModel computing the same function as TinyLM(cfg) (see megatron_layout)."""
-    config = TransformerConfig(
-        num_layers=cfg.layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.heads,
-        ffn_hidden_size=4 * cfg.hidden_size,
-        hidden_dropout=0.0,  # TinyLM has no dropout; the sampling log-probs are dropout-free too
-        attention_dropout=0.0,
-        layernorm_epsilon=1e-5,  # torch.nn.LayerNorm's
-        add_bias_linear=True,
-        gated_linear_unit=False,
-        activation_func=torch.nn.functional.gelu,  # exact (erf) GELU, like nn.GELU()
-        normalization="LayerNorm",
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # overwritten by the job's initial weights
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cuda_graph_scope=[],  # megatron's default ("full") only triggers a deprecation warning
-    )
-    with warnings.catch_warnings():
-        # megatron 0.16's own deprecations while building from the local spec (tp_group None, ffn_hidden_size)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
-        return GPTModel(
-            config,
-            get_gpt_layer_local_spec(),
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.max_sequence_length,
-            position_embedding_type="learned_absolute",
-            share_embeddings_and_output_weights=False,
-            parallel_output=False,
-        )
 
 
 class MegatronBackend:
-    def __init__(self, spec: TrainingJobSpec, device: str = "cpu"):
+    def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
+        if spec.model.dtype == "float16":
+            # float16 gradients underflow without loss scaling, which this backend does not do (as the torch one)
+            raise ModelError("spec.model.dtype", "the megatron backend trains in float32 or bfloat16 (float16 needs "
+                                                 "loss scaling); use bfloat16")
         self.device = torch.device(device)
-        megatron_cpu.initialize(spec.model.seed, self.device)
-        tokenizer = build_tokenizer(spec.model)
-        self.pad_id = tokenizer.pad_id
-        initial = build_model(spec.model, tokenizer.vocab_size)  # the weights every inference server starts from
-        self.config: TinyConfig = initial.config
-        self.heads = self.config.heads
-        self.max_sequence_length = self.config.max_sequence_length
-        # .to(dtype) as megatron's Float16Module does: some modules (the torch LayerNorm of the local spec) are
-        # created in float32 whatever params_dtype says.
-        dtype = _DTYPES[spec.model.dtype]
-        self.model = build_gpt_model(self.config, dtype).to(device=self.device, dtype=dtype)
-        # TinyLM's parameter order: the order of the checkpoint's optimizer state and of published weights.
-        self.tiny_names = list(initial.state_dict().keys())
-        self.names = [name for name, _ in self.model.named_parameters()]
-        if sorted(tiny_name(n) for n in self.names) != sorted(self.tiny_names):
-            raise RuntimeError("megatron GPTModel parameters do not correspond to TinyLM's one to one: "
-                               f"{sorted(self.names)}")
-        self._load_weights(initial.state_dict())
-        del initial
+        config = load_config(model_dir)
+        self.pad_id = load_tokenizer(model_dir, config).pad_id
+        check_sequence_length(config, spec.model.max_sequence_length)
+        self.max_sequence_length = spec.model.max_sequence_length
+        self.compute_dtype = DTYPES[spec.model.dtype]
+        try:
+            self.gpt = MegatronGPT(config, self.compute_dtype, self.device, seed=spec.model.seed,
+                                   recompute=spec.trainer.gradient_checkpointing)
+        except UnsupportedArchitecture as exc:
+            raise ModelError(FIELD, f"the megatron backend cannot train {model_dir}: {exc}") from None
+        self.model = self.gpt.model
         self.model.train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
+        params = dict(self.model.named_parameters())
+        if self.compute_dtype == torch.float32:
+            self.masters = params  # the model's own parameters are the float32 weights Adam updates
+        else:
+            self.masters = {n: torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=self.device))
+                            for n, p in params.items()}
+        self.load_state(ckpt.load_weights(model_dir), None)  # the directory's safetensors, under HF names
+        self.optimizer = torch.optim.Adam(self.masters.values(), lr=algo.learning_rate)
+        self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
         self.loss_config = LossConfig(algo.loss, algo.clip_epsilon_low, algo.clip_epsilon_high)
         self.temperature = algo.temperature
         self.grad_clip_norm = algo.grad_clip_norm
 
-    # --- the Trainer API's backend half ---
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.masters.values()  # the model's own parameters in float32
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, V] float32, like TinyLM.forward."""
-        t = tokens.shape[1]
-        if t > self.max_sequence_length:
-            raise ValueError(f"sequence of {t} tokens exceeds maxSequenceLength {self.max_sequence_length}")
-        tokens = tokens.to(self.device)
-        positions = torch.arange(t, device=self.device)[None].expand_as(tokens)
-        out = self.model(tokens, positions, megatron_cpu.causal_mask(t, self.device))
-        return out.float()
+        return self.gpt.logits(tokens)
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
         out = batch_loss(self.logits(batch.tokens), batch, self.loss_config, self.temperature, normalizer)
         out.loss.backward()
+        if self.compute_dtype != torch.float32:
+            # megatron's main_grad: low-precision gradients accumulate in float32 across micro-batches
+            for name, p in self.model.named_parameters():
+                if p.grad is None:
+                    continue
+                master = self.masters[name]
+                grad = p.grad.float()
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                p.grad = None
         return out.stats
 
     def optim_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.values(), self.grad_clip_norm)
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # AFTER the step: gradients accumulate until here
+        if self.compute_dtype != torch.float32:
+            self._copy_masters_to_model()
         return float(grad_norm)
 
+    def _copy_masters_to_model(self) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(self.masters[name])
+
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """TinyLM-named, TinyLM-layout tensors in TinyLM's order: what the native inference server loads."""
-        params = dict(self.model.named_parameters())
-        by_tiny = {tiny_name(n): tiny_layout(n, p.detach(), self.heads) for n, p in params.items()}
-        return [(name, by_tiny[name]) for name in self.tiny_names]
+        """Hugging Face names and layouts of the float32 master weights (a tied embedding once)."""
+        return list(self.gpt.to_hf_names({n: m.detach() for n, m in self.masters.items()}).items())
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        model_state = dict(self.weights())
-        optim_state = convert_optimizer_state(
-            self.optimizer.state_dict(), self.names, self.tiny_names, tiny_name,
-            lambda name, t: tiny_layout(name, t, self.heads),
-        )
-        return model_state, optim_state
+        return dict(self.weights()), {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
-        self._load_weights(model_state)
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(convert_optimizer_state(
-                optimizer_state, self.tiny_names, self.names, megatron_name,
-                lambda name, t: megatron_layout(name, t, self.heads),
-            ))
-
-    def _load_weights(self, tiny_state: dict[str, torch.Tensor]) -> None:
-        missing = set(self.tiny_names) - set(tiny_state)
-        unexpected = set(tiny_state) - set(self.tiny_names)
-        if missing or unexpected:
-            raise KeyError(f"weights do not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        params = dict(self.model.named_parameters())
+        values = self.gpt.to_megatron_names(model_state)  # strict: a missing or unexpected name raises
         with torch.no_grad():
-            for name, tensor in tiny_state.items():
-                target, value = to_megatron(name, tensor, self.heads)
-                if params[target].shape != value.shape:
-                    raise ValueError(f"{name}: shape {tuple(value.shape)} != the model's {tuple(params[target].shape)}")
-                params[target].copy_(value)
+            for name, value in values.items():
+                master = self.masters[name]
+                if master.shape != value.shape:
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} != the model's {tuple(master.shape)}")
+                master.copy_(value)
+        if self.compute_dtype != torch.float32:
+            self._copy_masters_to_model()
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state["optimizer"])
+            self.scheduler.load_state_dict(optimizer_state["scheduler"])

@@ -8,7 +8,13 @@ backward of a GPTModel reach:
 2. `parallel_state`'s global memory buffer (`utils.GlobalMemoryBuffer`, used by the local attention for its
    score matrix) allocates on `torch.cuda.current_device()`. `DeviceMemoryBuffer` allocates on the model's device;
 3. the local attention's default causal mask is built with `device="cuda"` when no mask is passed; the backend
-   always passes its own mask (`causal_mask`).
+   always passes its own mask (`causal_mask`);
+4. `RotaryEmbedding.get_emb` moves its inverse frequencies to `torch.cuda.current_device()` on the first forward.
+   `adapt_model` gives the model's rotary embedding `CpuRotaryEmbedding`'s `get_emb`, which leaves them in place;
+5. activation recomputation (`recompute_granularity`, the backend's gradient checkpointing) saves and restores
+   the CUDA generator's state around each recomputed block; a CPU process has no CUDA generator, so `initialize`
+   makes those two functions save nothing and restore nothing (the CPU generator and the tracker's states are
+   still saved and restored by megatron).
 Everything else (model construction with `use_cpu_initialization`, the tensor-parallel layers at size 1, the
 transformer block) runs unchanged. On a GPU none of this is installed: megatron's own CUDA tracker is seeded.
 
@@ -31,6 +37,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     warnings.simplefilter("ignore", DeprecationWarning)
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.utils import GlobalMemoryBuffer
 
@@ -79,9 +86,40 @@ class DeviceMemoryBuffer(GlobalMemoryBuffer):
         return buf[:needed].view(*tensor_shape)
 
 
+class CpuRotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding with `get_emb` minus its move to the current CUDA device (megatron-core 0.16.1's
+    body otherwise: the same frequencies, rotate-half or interleaved)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+
+def adapt_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Make a built GPTModel run on `device`; nothing changes on a GPU."""
+    if device.type != "cuda":
+        for module in model.modules():
+            if type(module) is RotaryEmbedding:
+                module.__class__ = CpuRotaryEmbedding  # same state, one method differs
+    return model
+
+
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """megatron's mask convention: [1, 1, T, T] bool, True where attention is NOT allowed (the future)."""
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    if new_state.numel():
+        raise RuntimeError("a CUDA RNG state reached megatron's CPU shim")
 
 
 def initialize(seed: int, device: torch.device) -> None:
@@ -95,6 +133,8 @@ def initialize(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         megatron_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         return
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
     tracker = CpuRNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET)
     megatron_random._CUDA_RNG_STATE_TRACKER = tracker

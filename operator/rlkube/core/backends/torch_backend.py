@@ -1,36 +1,87 @@
-"""The `torch` backend: the built-in model trained with plain torch (CPU or one GPU), Adam, grad clipping."""
+"""The `torch` backend: the job's Hugging Face model (AutoModelForCausalLM) trained with plain torch on CPU or one
+GPU (several with data parallelism, see torch_distributed), Adam, gradient clipping, an LR schedule.
+
+Precision: the parameters and Adam's state are float32 (the master weights). With `spec.model.dtype: bfloat16`
+the decoder runs under bfloat16 autocast (matmuls in bfloat16), while the LM head and the log-softmax stay in
+float32 so the log-probs that form the importance ratio are as exact as the sampler's. Updates are applied to the
+float32 masters, so an update below bfloat16's resolution (lr x step << |w| / 256) still accumulates, where a
+model trained in pure bfloat16 would round it away every step.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core.backends.base import batch_loss
+from rlkube.core.backends.base import batch_loss, lr_scheduler
 from rlkube.core.batch import Batch
+from rlkube.core.hf import ModelError
+from rlkube.core.hf import state as hf_state
+from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
-from rlkube.core.model import build_model, build_tokenizer
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant torch.utils.checkpoint).
+    transformers >= 5.x calls it activation checkpointing; earlier releases gradient checkpointing."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class TorchBackend:
-    def __init__(self, spec: TrainingJobSpec, device: str = "cpu"):
+    def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
+        if spec.model.dtype == "float16":
+            # float16 gradients underflow without loss scaling, which this backend does not do.
+            raise ModelError("spec.model.dtype", "the torch backend trains in float32 or bfloat16 (float16 needs "
+                                                 "loss scaling); use bfloat16")
         self.device = torch.device(device)
-        tokenizer = build_tokenizer(spec.model)
+        self.model = load_model(model_dir, torch.float32, self.device)  # float32 masters whatever model.dtype says
+        tokenizer = load_tokenizer(model_dir, self.model.config)
+        check_sequence_length(self.model.config, spec.model.max_sequence_length)
         self.pad_id = tokenizer.pad_id
-        self.model = build_model(spec.model, tokenizer.vocab_size).to(self.device)
+        self.max_sequence_length = spec.model.max_sequence_length
+        self.compute_dtype = DTYPES[spec.model.dtype]
+        if spec.trainer.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
+        self.model.config.use_cache = False
         self.model.train()
-        self.max_sequence_length = self.model.config.max_sequence_length
+        self._aliases = hf_state.tied_aliases(self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
+        self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
         self.loss_config = LossConfig(algo.loss, algo.clip_epsilon_low, algo.clip_epsilon_high)
         # The actors' sampling log-probs are of the temperature-scaled distribution; so are ours.
         self.temperature = algo.temperature
         self.grad_clip_norm = algo.grad_clip_norm
 
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, T, V] of right-padded `tokens` (decoder in the compute dtype, LM head in float32)."""
+        with self._autocast():
+            hidden = self.model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+        return self.model.get_output_embeddings()(hidden.float())
+
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.model.parameters()
+
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
-        logits = self.model(batch.tokens.to(self.device))
+        logits = self.logits(batch.tokens.to(self.device))
         out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer)
         out.loss.backward()
         return out.stats
@@ -38,17 +89,20 @@ class TorchBackend:
     def optim_step(self) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         self.optimizer.step()
+        self.scheduler.step()
         # Zero AFTER the step (seed-systems 6.15: zeroing inside forward_backward broke accumulation).
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return list(self.model.state_dict().items())
+        return list(hf_state.named_weights(self.model).items())
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.model.state_dict(), self.optimizer.state_dict()
+        return (hf_state.named_weights(self.model),
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
 
     def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
-        self.model.load_state_dict(model_state, strict=True)
+        hf_state.load_weights(self.model, model_state, self._aliases)
         if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+            self.optimizer.load_state_dict(optimizer_state["optimizer"])
+            self.scheduler.load_state_dict(optimizer_state["scheduler"])

@@ -1,0 +1,155 @@
+"""A megatron-core GPTModel loaded from a Hugging Face model directory, exporting Hugging Face names back.
+
+Why: the megatron backend trains megatron-core's GPTModel while every other part of rlkube (the job's model,
+checkpoints, weight updates to inference) speaks Hugging Face directories and parameter names. `MegatronGPT` is the
+model half of that backend: it builds the GPTModel of a transformers config (`megatron_hf` holds the translation),
+loads the directory's safetensors into it, computes logits, and exports weights (or any per-parameter tensors,
+such as float32 master weights or gradients) under Hugging Face names. One rank: tensor and pipeline parallel size 1.
+
+It uses megatron's TE-less local layer spec (`get_gpt_layer_local_spec`), which runs on CPU (through the shim in
+`megatron_cpu`) and on a GPU, with every fusion that needs CUDA kernels switched off.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from rlkube.core import checkpoint as ckpt
+from rlkube.core.backends import megatron_cpu
+from rlkube.core.backends.megatron_hf import (
+    Architecture,
+    gpt_model_kwargs,
+    hf_state_to_megatron,
+    megatron_state_to_hf,
+    transformer_config_kwargs,
+)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    recompute: bool = False) -> GPTModel:
+    """An uninitialised GPTModel with the architecture of `hf_config` (weights are loaded after). `recompute`:
+    activation recomputation of every transformer layer in the backward pass (gradient checkpointing)."""
+    device = torch.device(device)
+    recompute_kwargs = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                        if recompute else {})
+    config = TransformerConfig(
+        **recompute_kwargs,
+        **transformer_config_kwargs(hf_config),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is overwritten by the checkpoint's
+        # the fused kernels these switches select need CUDA (and some Apex / Transformer Engine)
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cuda_graph_scope=[],  # megatron's default ("full") only triggers a deprecation warning
+    )
+    arch = Architecture.of(hf_config)
+    with warnings.catch_warnings():
+        # megatron 0.16's own deprecations while building from the local spec (tp_group None, ffn_hidden_size)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm"),
+            **gpt_model_kwargs(hf_config),
+        )
+    # .to(dtype) as megatron's Float16Module does: the torch norms of the local spec are created in float32
+    return megatron_cpu.adapt_model(model.to(device=device, dtype=dtype), device)
+
+
+def _float32_head(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pre-hook of the output layer of a low-precision model: the LM head multiplies in float32 (the logits that
+    form the importance ratio are as exact as the sampler's), like the torch backend's. The weight (its own, or
+    the shared embedding GPTModel passes for tied embeddings) is cast inside autograd, so its gradient flows back
+    to the low-precision parameter."""
+    (hidden, *rest) = args
+    weight = kwargs.get("weight")
+    kwargs["weight"] = (module.weight if weight is None else weight).float()
+    return (hidden.float(), *rest), kwargs
+
+
+class MegatronGPT:
+    """A GPTModel with a Hugging Face model's architecture and weights (see the module docstring)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 seed: int = 0, recompute: bool = False):
+        self.device = torch.device(device)
+        megatron_cpu.initialize(seed, self.device)
+        self.hf_config = hf_config
+        self.arch = Architecture.of(hf_config)
+        self.dtype = dtype
+        self.model = build_gpt_model(hf_config, dtype, self.device, recompute)
+        if dtype != torch.float32:
+            self.model.output_layer.register_forward_pre_hook(_float32_head, with_kwargs=True)
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.max_sequence_length = int(hf_config.max_position_embeddings)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", seed: int = 0, recompute: bool = False) -> MegatronGPT:
+        from rlkube.core.hf.loading import load_config  # checks the directory; raises ModelError naming the field
+
+        gpt = cls(load_config(Path(path)), dtype, device, seed, recompute)
+        gpt.load_hf_dir(path)
+        return gpt
+
+    # --- weights in ---
+
+    def load_hf_dir(self, path: str | Path) -> None:
+        """Load the safetensors weights of a model directory of this architecture."""
+        self.load_hf_state_dict(ckpt.load_weights(Path(path)))
+
+    def load_hf_state_dict(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named weights (strict; converted to the model's dtype)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in self.to_megatron_names(hf_state).items():
+                if params[name].shape != value.shape:
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} != the model's {tuple(params[name].shape)}")
+                params[name].copy_(value)
+
+    # --- Hugging Face names out ---
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names, as the model directory's safetensors hold them (a tied embedding
+        once), detached: fused parameters are split into new tensors, the others are the parameters' own storage
+        (copy before changing them)."""
+        return self.to_hf_names({n: p.detach() for n, p in self.model.named_parameters()})
+
+    def to_hf_names(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors keyed by megatron name (weights, master weights, gradients) -> Hugging Face names,
+        in megatron's parameter order."""
+        return megatron_state_to_hf(self.arch, tensors)
+
+    def to_megatron_names(self, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face-named tensors -> one per megatron parameter (strict: a missing or unexpected name raises)."""
+        return hf_state_to_megatron(self.arch, hf_state, self.names)
+
+    # --- compute ---
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (right-padded: causal attention never looks at the padding) -> logits [B, T, V] float32."""
+        t = tokens.shape[1]
+        if t > self.max_sequence_length:
+            raise ValueError(f"sequence of {t} tokens exceeds max_position_embeddings {self.max_sequence_length}")
+        tokens = tokens.to(self.device)
+        positions = torch.arange(t, device=self.device)[None].expand_as(tokens)
+        return self.model(tokens, positions, megatron_cpu.causal_mask(t, self.device)).float()
+
