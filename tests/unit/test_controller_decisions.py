@@ -174,6 +174,17 @@ def test_all_components_ready_is_running():
     assert d.status.running_since == fmt_time(T0)
     assert all(cond(d.status, t).status == "True" for t in ("RedisReady", "TrainerReady", "ActorsReady"))
     assert "Running" in reasons(d)
+    # Events are API writes: the one phase transition says it, not one Event per component or per first connection.
+    assert not {"AllReady", "External", "Connected"} & set(reasons(d)) and reasons(d).count("Running") == 1
+
+
+def test_the_event_source_has_an_event_when_it_recovers_not_when_it_first_connects():
+    first = run(job(TrainingJobStatus(phase="Starting")), all_pods())
+    assert cond(first.status, "EventSourceReachable").status == "True" and "Connected" not in reasons(first)
+    lost = run(job(first.status), all_pods(), source=EventSource("Unreachable", "ConnectionError", "refused"))
+    assert cond(lost.status, "EventSourceReachable").status == "False" and "ConnectionError" in reasons(lost)
+    back = run(job(lost.status), all_pods())
+    assert cond(back.status, "EventSourceReachable").status == "True" and "Connected" in reasons(back)
 
 
 def test_a_trainer_event_means_running_even_if_a_component_is_not_ready():

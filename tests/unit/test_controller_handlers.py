@@ -1,8 +1,6 @@
-"""The kopf wiring: explicit handler ids, timeouts at start-up, and a diff-base equal to kopf's own."""
+"""The kopf wiring: explicit handler ids, timeouts at start-up, no diff-base, and what wakes a job's loop."""
 
 from __future__ import annotations
-
-import copy
 
 import kopf
 from rlkube.controller import handlers
@@ -26,22 +24,47 @@ def _body() -> dict:
     }
 
 
-def test_lean_diffbase_builds_exactly_kopfs_essence():
-    ours = handlers.LeanDiffBaseStorage(prefix="rlkube.io", key="last-handled-configuration")
-    kopfs = kopf.AnnotationsDiffBaseStorage(prefix="rlkube.io", key="last-handled-configuration")
-    for body in (_body(), {**_body(), "status": {}}, {"metadata": {"name": "p"}, "spec": {}}):
-        assert ours.build(body=kopf.Body(copy.deepcopy(body))) == kopfs.build(body=kopf.Body(copy.deepcopy(body)))
-    essence = ours.build(body=kopf.Body(_body()))
-    assert "status" not in essence and essence["metadata"] == {"labels": {"team": "rl"}, "annotations": {"note": "x"}}
+def test_kopf_sees_no_change_in_any_event_and_stores_no_diffbase():
+    # A constant essence: kopf's change detection finds nothing to do (NOOP), so it never PATCHes an annotation.
+    from kopf._core.intents import causes
+
+    storage = handlers.NoDiffBaseStorage()
+    body = kopf.Body(_body())
+    changed = kopf.Body({**_body(), "spec": {"algorithm": {"maxSteps": 9}}})
+    assert storage.fetch(body=body) == storage.build(body=changed)
+    patch = kopf.Patch()
+    storage.store(body=body, patch=patch, essence=storage.build(body=changed))
+    assert not patch
+    cause = causes.detect_changing_cause(
+        finalizer="rlkube.io/teardown", raw_event={"type": "MODIFIED", "object": dict(changed)}, body=changed,
+        old=storage.fetch(body=changed), new=storage.build(body=changed), diff=(), resource=None, indices=None,
+        logger=None, patch=kopf.Patch(), memo=None,
+    )
+    assert cause.reason == causes.Reason.NOOP
+
+
+def test_a_loop_is_woken_by_spec_and_label_changes_not_by_its_own_status_writes():
+    from rlkube.controller.loop import JobLoop, Shared
+
+    loop = JobLoop(Shared(kube=None), "ns", "tj")
+    body = _body()
+    assert loop.trigger_changed(body)  # no pass yet
+    loop.trigger = loop._trigger(body)  # what a pass records
+    assert not loop.trigger_changed({**body, "status": {"phase": "Succeeded"}})
+    assert not loop.trigger_changed({**body, "metadata": {**body["metadata"], "resourceVersion": "8"}})
+    assert loop.trigger_changed({**body, "metadata": {**body["metadata"], "generation": 3}})
+    assert loop.trigger_changed({**body, "metadata": {**body["metadata"], "labels": {"kueue.x-k8s.io/queue-name": "q"}}})
 
 
 def test_registry_has_explicit_handler_ids():
     registry = handlers.build_registry()
     ids = {h.id for h in registry._changing.get_all_handlers()} | {h.id for h in registry._spawning.get_all_handlers()}
     ids |= {h.id for h in registry._watching.get_all_handlers()} | {h.id for h in registry._indexing.get_all_handlers()}
-    assert {"job-create", "job-resume", "job-update", "job-delete", "job-loop", "job-gone", "pod-changed",
+    assert {"job-delete", "job-loop", "job-event", "pod-changed",
             "pods_by_job", "configmaps_by_job", "secrets_by_job", "services_by_job", "configmaps-deleted",
             "secrets-deleted", "services-deleted"} <= ids
+    # Creation/update/resume handlers would need kopf's diff-base annotation (a PATCH per job): the loop does it.
+    assert not {h.id for h in registry._changing.get_all_handlers()} - {"job-delete"}
 
 
 def test_startup_sets_watch_and_request_timeouts_and_the_finalizer():
@@ -51,4 +74,21 @@ def test_startup_sets_watch_and_request_timeouts_and_the_finalizer():
     assert settings.networking.request_timeout == 60
     assert settings.persistence.finalizer == "rlkube.io/teardown"
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
-    assert isinstance(settings.persistence.diffbase_storage, handlers.LeanDiffBaseStorage)
+    assert isinstance(settings.persistence.diffbase_storage, handlers.NoDiffBaseStorage)
+
+
+def test_actions_go_in_waves_of_one_kind_in_the_decisions_order():
+    from rlkube.controller.actions import Create, DeleteObject, DeletePod, DeleteStreams
+    from rlkube.controller.loop import waves
+
+    def create(kind: str, name: str) -> Create:
+        return Create({"kind": kind, "metadata": {"name": name}})
+
+    cm, svc, trainer, inference = create("ConfigMap", "c"), create("Service", "s"), create("Pod", "t"), create("Pod", "i")
+    assert waves([cm, svc, trainer, inference]) == [[cm, svc], [trainer, inference]]
+    a, b = DeletePod("a", "1", 10, "actor"), DeletePod("b", "2", 10, "actor")
+    streams = DeleteStreams(("k",))
+    obj1, obj2 = DeleteObject("ConfigMap", "c"), DeleteObject("Service", "s")
+    assert waves([a, b, streams, obj1, obj2]) == [[a, b], [streams], [obj1, obj2]]
+    assert waves([streams, streams]) == [[streams], [streams]]  # kinds without a wave run one at a time
+    assert waves([]) == []

@@ -196,6 +196,7 @@ async def run_one(
 async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path, controller_manager: str | None) -> list[dict]:
     api = await config.new_client_from_config(config_file=str(kubeconfig))
     api.configuration.connection_pool_maxsize = 64
+    api.rest_client.pool_manager._trust_env = False  # as the operator's client (rlkube.controller.kube says why)
     redis_server = RedisServer(workdir / "shared-redis").start()
     try:
         await apply_crd(api)

@@ -173,7 +173,8 @@ class _Pass:
     def decide_outcome(self, kind: str, reason: str, message: str) -> None:
         if outcome(self.status) is not None:
             return
-        self.condition(kind, "True", reason, message)
+        # Succeeded needs no Event of its own: the phase transitions (-> Draining, -> Succeeded) carry its reason.
+        self.condition(kind, "True", reason, message, event=kind != "Succeeded")
         self.status.reason = reason
         self.status.message = message
 
@@ -259,9 +260,12 @@ def _update_components(p: _Pass, stopping: bool) -> None:
         elif desired == 0:
             # External Redis: ready means the operator can read the job's events from it.
             reachable = p.obs.event_source.state == "Reachable"
-            p.condition(ctype, "True" if reachable else "False", Reason.EXTERNAL, "external Redis (spec.redis.url)")
+            p.condition(ctype, "True" if reachable else "False", Reason.EXTERNAL, "external Redis (spec.redis.url)",
+                        event=False)
         elif comp.ready >= desired:
-            p.condition(ctype, "True", Reason.ALL_READY, f"{comp.ready}/{desired} ready")
+            # No Event: the phase's "-> Running: AllComponentsReady" says it for all of them at once (Events are
+            # API writes: one per component per job adds up at scale); a pod that failed has its Warning.
+            p.condition(ctype, "True", Reason.ALL_READY, f"{comp.ready}/{desired} ready", event=False)
         else:
             waiting = sorted({pod.waiting_reason for pod in live if pod.waiting_reason})
             detail = f"; waiting: {', '.join(waiting)}" if waiting else ""
@@ -404,12 +408,18 @@ def _handle_failures(p: _Pass, failing: list[tuple[PodView, str]]) -> None:
                 f"trainer restarted in place ({trainer.restarts} restart(s) so far)")
 
 
+def _condition_status(p: _Pass, type_: str) -> str | None:
+    return next((c.status for c in p.status.conditions if c.type == type_), None)
+
+
 def _update_event_source(p: _Pass, watching: bool) -> None:
     if not watching:
         return
     src = p.obs.event_source
     if src.state == "Reachable":
-        p.condition("EventSourceReachable", "True", Reason.CONNECTED, src.message)
+        # An Event only for a recovery: the first connection is routine (the condition records it).
+        was = _condition_status(p, "EventSourceReachable")
+        p.condition("EventSourceReachable", "True", Reason.CONNECTED, src.message, event=was == "False")
     elif src.state == "Unreachable":
         p.condition("EventSourceReachable", "False", src.reason, src.message)
     else:
@@ -499,7 +509,8 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
     if td is None or td.reason != reason and td.stage == teardown.DONE:
         # A new teardown (a finished suspend followed by deletion or an outcome restarts the sequence).
         td = TeardownStatus(reason=reason)
-        p.condition("ResourcesReleased", "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})")
+        # The first TeardownStage Event and the phase transition say it: no Event of its own.
+        p.condition("ResourcesReleased", "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})", event=False)
     elif td.reason != reason:
         td = td.model_copy(update={"reason": reason})
     spec = p.spec

@@ -7,8 +7,10 @@ periods, completion and stall timeouts, TTL). It never lists anything from the A
 other children come from the kopf indexes, the job from kopf's live body, trainer events from Redis.
 
 Index staleness is handled here, not in the decisions: children this loop created are counted as present until
-the watch delivers them (so a teardown that starts right after a creation still waits for them), and pods
-it force-deleted are hidden until the watch confirms they are gone (so nothing is counted twice).
+the watch delivers them (so a teardown that starts right after a creation still waits for them), pods it
+deleted count as deleting until the watch shows their deletionTimestamp (so a pass in between does not delete
+them again), and pods it force-deleted are hidden until the watch confirms they are gone (so nothing is
+counted twice).
 """
 
 from __future__ import annotations
@@ -120,6 +122,35 @@ def describe(action: Any) -> str:
     return type(action).__name__
 
 
+def _wave_kind(action: Any) -> str | None:
+    """Actions of the same wave kind may run concurrently; None: on its own."""
+    if isinstance(action, Create):
+        return "create-pod" if action.kind == "Pod" else "create-object"
+    if isinstance(action, DeletePod | DeleteObject):
+        return type(action).__name__
+    return None
+
+
+def waves(actions: list[Any]) -> list[list[Any]]:
+    """The actions cut into runs of consecutive actions of one wave kind, in order."""
+    out: list[list[Any]] = []
+    for action in actions:
+        kind = _wave_kind(action)
+        if out and kind is not None and _wave_kind(out[-1][0]) == kind:
+            out[-1].append(action)
+        else:
+            out.append([action])
+    return out
+
+
+async def _outcome(coro: Any) -> Any:
+    """The coroutine's result, or the exception it raised (as asyncio.gather(return_exceptions=True) gives)."""
+    try:
+        return await coro
+    except Exception as exc:  # noqa: BLE001 (handed back to the caller, which re-raises what it does not handle)
+        return exc
+
+
 def without_empty_strings(node: Any) -> Any:
     """Drop "" values: an absent optional field says the same, and the test cluster's kube-apiserver 1.20
     (built with Debian's json-iterator) turns "" into null inside merge patches and then rejects it."""
@@ -186,9 +217,11 @@ class JobLoop:
         self.rejected: Rejected | None = None
         self.inflight: dict[str, tuple[PodView, float]] = {}
         self.gone: set[str] = set()
+        self.deleting: dict[str, tuple[int, float]] = {}  # uid -> (grace, when) of deletes the watch has not shown
         self.watcher: EventWatcher | None = None
         self.errors = 0
         self.flavors: dict[str, tuple[str, kueue.Placement]] = {}  # ResourceFlavor name -> (workload rv, placement)
+        self.trigger: tuple | None = None  # what of the object the last pass saw that a change of must wake it
 
     # -- wake-ups ---------------------------------------------------------------------------------
 
@@ -198,7 +231,19 @@ class JobLoop:
                 del self.inflight[name]
         if event_type == "DELETED":
             self.gone.discard(uid)
+            self.deleting.pop(uid, None)
         self.notify()
+
+    @staticmethod
+    def _trigger(body: Any) -> tuple:
+        """The parts of the object whose change needs a pass: the spec (generation) and the labels (a Kueue
+        queue). The job's own status writes change neither, so they wake nothing."""
+        meta = body.get("metadata") or {}
+        return meta.get("generation"), tuple(sorted((meta.get("labels") or {}).items()))
+
+    def trigger_changed(self, body: Any) -> bool:
+        """This event's object differs from what the last pass saw (or no pass has run yet)."""
+        return self._trigger(body) != self.trigger
 
     def notify(self) -> None:
         """Something changed: every loop running for this job makes a pass."""
@@ -252,6 +297,7 @@ class JobLoop:
     async def reconcile(self, body: Any) -> Decision:
         async with self.lock:
             t0 = time.perf_counter()
+            self.trigger = self._trigger(body)
             status = self.status if self.status is not None else parse_status(body.get("status"))
             job = job_view(body, status)
             pods = self._pods()
@@ -300,9 +346,19 @@ class JobLoop:
     def _pods(self) -> list[PodView]:
         index = self.shared.pod_index
         indexed: list[PodView] = list(index.get((self.namespace, self.name), [])) if index is not None else []
-        pods = [p for p in indexed if p.uid not in self.gone]
-        seen = {p.name for p in pods}
         horizon = time.monotonic() - INFLIGHT_SECONDS
+        pods = []
+        for p in indexed:
+            if p.uid in self.gone:
+                continue
+            if p.uid in self.deleting:
+                grace, when = self.deleting[p.uid]
+                if p.deleting or when < horizon:
+                    del self.deleting[p.uid]  # the watch has it (or it never came: deleting it again is right)
+                else:
+                    p = replace(p, deleting=True, deletion_grace=grace)
+            pods.append(p)
+        seen = {p.name for p in pods}
         for name, (view, created) in list(self.inflight.items()):
             if created < horizon or any(p.uid == view.uid for p in indexed):
                 del self.inflight[name]
@@ -366,46 +422,67 @@ class JobLoop:
     # -- apply ------------------------------------------------------------------------------------
 
     async def _apply(self, job: JobView, decision: Decision) -> None:
-        kube = self.shared.kube
         if decision.status.conditions and self.rejected is not None and any(
             c.type == "Failed" and c.status == "True" for c in decision.status.conditions
         ):
             self.rejected = None  # recorded as the outcome (written below with this decision's status)
-        for action in decision.actions:
-            if isinstance(action, Create):
-                try:
-                    created = await kube.create(self.namespace, action.manifest)
-                except ApiException as exc:
-                    if exc.status not in (400, 422):
-                        raise
-                    # Invalid, not transient: no retry; the next pass (at once) fails the job and tears down.
-                    self.rejected = Rejected(action.kind, action.name, api_message(exc))
-                    log.error("%s/%s: %s/%s rejected: %s", self.namespace, self.name, action.kind, action.name,
-                              self.rejected.message)
-                    self.notify()
-                    return  # nothing after a rejected child is created
-                if action.kind == "Pod":
-                    if created is not None:
-                        view = pod_view(created)
-                        if view is not None:
-                            self.inflight[action.name] = (view, time.monotonic())
-                else:
-                    self.static_inflight[f"{action.kind}/{action.name}"] = time.monotonic()
-            elif isinstance(action, DeletePod):
-                deleted = await kube.delete_pod(self.namespace, action.name, action.uid, action.grace_seconds)
-                if action.grace_seconds == 0 or not deleted:
-                    self.gone.add(action.uid)  # grace 0 removes it at once; 404/409: it is already gone
-                if action.force and deleted:
-                    metrics.FORCE_DELETIONS.labels(action.role).inc()
-            elif isinstance(action, DeleteObject):
-                await kube.delete_object(self.namespace, action.kind, action.name)
-                self.static_inflight.pop(f"{action.kind}/{action.name}", None)
-            elif isinstance(action, DeleteStreams):
-                await self._delete_streams(job, action.keys)
-            elif isinstance(action, DeleteJob):
-                await kube.delete_job(self.namespace, self.name)
-            elif isinstance(action, PatchWorkloadStatus):
-                await kube.patch_workload_status(self.namespace, action.name, action.resource_version, action.status)
+        # Consecutive actions of one kind go to the API server together (the ConfigMap, Secret and Services of a
+        # new job, then its first pods; the pods of one teardown stage): one round trip per wave, not per child,
+        # which is most of a pass under load. The waves keep the decisions' order between kinds: statics exist
+        # before the pods that mount them, and nothing after a rejected child is created.
+        for wave in waves(decision.actions):
+            if not await self._apply_wave(job, wave):
+                return
+
+    async def _apply_wave(self, job: JobView, wave: list[Any]) -> bool:
+        """Apply actions of one kind concurrently; False when the API server rejected a child (stop there)."""
+        if len(wave) == 1:
+            results: list[Any] = [await _outcome(self._apply_one(job, wave[0]))]
+        else:
+            results = await asyncio.gather(*(self._apply_one(job, a) for a in wave), return_exceptions=True)
+        rejected = None
+        for action, result in zip(wave, results, strict=True):
+            if isinstance(result, ApiException) and isinstance(action, Create) and result.status in (400, 422):
+                rejected = rejected or Rejected(action.kind, action.name, api_message(result))
+            elif isinstance(result, BaseException):
+                raise result  # what went through is recorded (by _apply_one); the next pass retries the rest
+        if rejected is not None:
+            # Invalid, not transient: no retry; the next pass (at once) fails the job and tears down.
+            self.rejected = rejected
+            log.error("%s/%s: %s/%s rejected: %s", self.namespace, self.name, rejected.kind, rejected.name,
+                      rejected.message)
+            self.notify()
+            return False
+        return True
+
+    async def _apply_one(self, job: JobView, action: Any) -> None:
+        kube = self.shared.kube
+        if isinstance(action, Create):
+            created = await kube.create(self.namespace, action.manifest)
+            if action.kind == "Pod":
+                if created is not None:
+                    view = pod_view(created)
+                    if view is not None:
+                        self.inflight[action.name] = (view, time.monotonic())
+            else:
+                self.static_inflight[f"{action.kind}/{action.name}"] = time.monotonic()
+        elif isinstance(action, DeletePod):
+            deleted = await kube.delete_pod(self.namespace, action.name, action.uid, action.grace_seconds)
+            if action.grace_seconds == 0 or not deleted:
+                self.gone.add(action.uid)  # grace 0 removes it at once; 404/409: it is already gone
+            else:
+                self.deleting[action.uid] = (action.grace_seconds, time.monotonic())
+            if action.force and deleted:
+                metrics.FORCE_DELETIONS.labels(action.role).inc()
+        elif isinstance(action, DeleteObject):
+            await kube.delete_object(self.namespace, action.kind, action.name)
+            self.static_inflight.pop(f"{action.kind}/{action.name}", None)
+        elif isinstance(action, DeleteStreams):
+            await self._delete_streams(job, action.keys)
+        elif isinstance(action, DeleteJob):
+            await kube.delete_job(self.namespace, self.name)
+        elif isinstance(action, PatchWorkloadStatus):
+            await kube.patch_workload_status(self.namespace, action.name, action.resource_version, action.status)
 
     async def _delete_streams(self, job: JobView, keys: tuple[str, ...]) -> None:
         target = await self._external_target(job)
