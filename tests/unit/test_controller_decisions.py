@@ -526,6 +526,14 @@ def test_deleting_a_running_job_runs_the_teardown_and_reports_released():
     assert [s.name for s in d.status.teardown.stages] == list(TEARDOWN_ORDER)
 
 
+def test_a_stage_counts_the_pods_it_deletes_as_stopped_so_their_deletion_event_changes_nothing():
+    d = run(job(running_status(), deleting=True), all_pods())
+    assert deletes(d) == [("j-actor-0", 10)] and d.status.components["actor"].ready == 0
+    # The next pass sees the actor's deletionTimestamp: nothing new to write (no status PATCH for it).
+    again = run(job(d.status, deleting=True), all_pods(actor=pod("actor", deleting=True, deletion_grace=10)))
+    assert again.status == d.status and deletes(again) == []
+
+
 def test_invalid_spec_fails_names_the_field_and_creates_nothing():
     d = run(job(**{"model.path": "builtin://tiny-gpt"}), static=())
     assert outcome_of(d) == ("Failed", "InvalidSpec")

@@ -38,9 +38,12 @@ table-driven unit test:
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
+
+import orjson
 
 from rlkube.api.spec import GracePeriods, TrainingJobSpec
 from rlkube.api.status import (
@@ -536,6 +539,17 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
     return step.done
 
 
+def _count_deleted_as_stopping(p: _Pass) -> None:
+    """Pods this pass deletes are not ready from now on: the components say so in this pass's status, so the
+    pass that then sees their deletionTimestamp finds nothing new to write (one status PATCH less per stage)."""
+    deleted = {a.uid for a in p.actions if isinstance(a, DeletePod)}
+    if not deleted:
+        return
+    pods = tuple(replace(pod, deleting=True) if pod.uid in deleted else pod for pod in p.obs.pods)
+    p.obs = replace(p.obs, pods=pods)
+    _update_components(p, stopping=True)
+
+
 def _static_names(p: _Pass) -> list[tuple[str, str]]:
     job = p.job.name
     out = [("ConfigMap", names.config_name(job))]
@@ -565,11 +579,20 @@ def _as_started(live: JobView) -> JobView:
     if started is None:
         return live
     raw = specdiff.with_live_fields(started, live.raw_spec)
-    try:
-        spec = parse_spec(raw)
-    except SpecError:
+    spec = _parse_started(orjson.dumps(raw, option=orjson.OPT_SORT_KEYS))
+    if spec is None:
         return live  # recorded by an operator whose schema differed: act on the current spec
     return replace(live, raw_spec=raw, spec=spec, spec_error=None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_started(raw_json: bytes) -> Any:
+    """The started spec, validated once per distinct spec rather than on every pass (a pure function of the
+    JSON, and nothing modifies a parsed spec); None when it does not validate."""
+    try:
+        return parse_spec(orjson.loads(raw_json))
+    except SpecError:
+        return None
 
 
 def _report_spec_changes(p: _Pass, live: JobView) -> None:
@@ -664,6 +687,7 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
     released = False
     if reason is not None:
         released = _run_teardown(p, reason)
+        _count_deleted_as_stopping(p)
         decided = outcome(st)
         if reason == Phase.SUSPENDED:
             if released:
