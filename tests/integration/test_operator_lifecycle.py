@@ -93,7 +93,7 @@ async def test_example_creates_exactly_its_children_and_nothing_more(env: Env, k
     before = {k: v["metadata"]["uid"] for k, v in kids.items()}
     static_before = identity(kids)
 
-    # The handler again: an annotation change fires the update handler and one more pass.
+    # The handler again: an annotation change wakes the job (job-event) for one more pass.
     passes = await env.operator.passes("tiny-cpu")
     await client.CustomObjectsApi(kapi).patch_namespaced_custom_object(
         "rlkube.io", "v1alpha1", env.namespace, "trainingjobs", "tiny-cpu",

@@ -54,6 +54,11 @@ def test_a_loop_is_woken_by_spec_and_label_changes_not_by_its_own_status_writes(
     assert not loop.trigger_changed({**body, "metadata": {**body["metadata"], "resourceVersion": "8"}})
     assert loop.trigger_changed({**body, "metadata": {**body["metadata"], "generation": 3}})
     assert loop.trigger_changed({**body, "metadata": {**body["metadata"], "labels": {"kueue.x-k8s.io/queue-name": "q"}}})
+    annotations = body["metadata"]["annotations"]
+    touched = {**body, "metadata": {**body["metadata"], "annotations": {**annotations, "test/touch": "1"}}}
+    assert loop.trigger_changed(touched)  # a user's annotation: as kopf's update handler saw it
+    kopfs = {**body, "metadata": {**body["metadata"], "annotations": {**annotations, "rlkube.io/job-delete": "{}"}}}
+    assert not loop.trigger_changed(kopfs)  # kopf's own progress annotations are not a change
 
 
 def test_registry_has_explicit_handler_ids():

@@ -243,10 +243,14 @@ class JobLoop:
 
     @staticmethod
     def _trigger(body: Any) -> tuple:
-        """The parts of the object whose change needs a pass: the spec (generation) and the labels (a Kueue
-        queue). The job's own status writes change neither, so they wake nothing."""
+        """The parts of the object whose change needs a pass, as kopf's update handler saw them: the spec
+        (generation), labels (a Kueue queue) and annotations, without kopf's own (rlkube.io/ prefix) and
+        kubectl's copy of the spec. The job's own status writes change none of them, so they wake nothing."""
         meta = body.get("metadata") or {}
-        return meta.get("generation"), tuple(sorted((meta.get("labels") or {}).items()))
+        annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                       if not k.startswith("rlkube.io/") and k != "kubectl.kubernetes.io/last-applied-configuration"}
+        return (meta.get("generation"), tuple(sorted((meta.get("labels") or {}).items())),
+                tuple(sorted(annotations.items())))
 
     def _parse(self, body: Any) -> tuple[Any, str | None]:
         """parsed_spec() of the body, validated once per generation (the API server bumps it on any spec change)
