@@ -76,6 +76,28 @@ class ModelSpec(Model):
             "it; a longer sample (from an engine with a larger limit) is dropped by the preprocessor and counted."
         ),
     )
+    claim_name: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "PersistentVolumeClaim holding the model, mounted read-only at mountPath in every pod that loads the "
+            "model (trainer, inference, actor); path must then be a directory below mountPath. A claim shared by "
+            "several pods (more than one trainer node, replicas, or roles on other nodes) must allow that: "
+            "ReadOnlyMany or ReadWriteMany."
+        ),
+    )
+    mount_path: str = Field("/models", pattern=r"^/", description="Where claimName is mounted.")
+    cache_claim_name: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "PersistentVolumeClaim for the model cache (hf:// snapshots, builtin:// models), mounted writable in "
+            "every pod that loads the model: the first pod's init container fetches or writes the model and the "
+            "others find it there, so a job fetches once (and a later job reusing the claim not at all). Needs "
+            "ReadWriteMany when those pods may run on several nodes. Unset: an emptyDir per pod, each pod fetching "
+            "its own copy."
+        ),
+    )
 
 
 ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
