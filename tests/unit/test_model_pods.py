@@ -119,6 +119,14 @@ def test_the_init_container_carries_what_the_template_adds_to_the_role():
     assert p["spec"]["securityContext"]["runAsUser"] == 4242  # pod-level: shared by the init container
 
 
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_a_templates_hf_hub_offline_is_the_fetchs_the_role_is_always_offline(value):
+    template = {"spec": {"containers": [{"name": "trainer", "env": [{"name": "HF_HUB_OFFLINE", "value": value}]}]}}
+    p = pod(ref(**{"model.path": "hf://org/tiny", "trainer.template": template}), "trainer")
+    assert env(p["spec"]["initContainers"][0])["HF_HUB_OFFLINE"]["value"] == value
+    assert [e["value"] for e in main_container(p)["env"] if e["name"] == "HF_HUB_OFFLINE"] == ["1"]
+
+
 def test_a_shared_cache_claim_replaces_the_emptydir_in_every_model_pod():
     job = ref(**{"model.path": "hf://org/tiny", "model.cacheClaimName": "model-cache"})
     for role in MODEL_ROLES:
@@ -185,8 +193,6 @@ def test_a_model_on_a_claim_may_be_the_claims_root_or_below_it():
      f"spec.trainer.template.spec.volumes[{names.VOLUME_MODEL_CACHE}]"),
     ("actor", {"volumes": [{"name": names.VOLUME_DATASET, "emptyDir": {}}]},
      f"spec.actor.template.spec.volumes[{names.VOLUME_DATASET}]"),
-    ("inference", {"containers": [{"name": "inference", "env": [{"name": "HF_HUB_OFFLINE", "value": "0"}]}]},
-     "spec.inference.template.spec.containers[inference].env[HF_HUB_OFFLINE]"),
     ("inference", {"containers": [{"name": "inference", "env": [{"name": runtime.ENV_MODEL_CACHE, "value": "/x"}]}]},
      f"spec.inference.template.spec.containers[inference].env[{runtime.ENV_MODEL_CACHE}]"),
     ("actor", {"volumes": [{"name": "x", "emptyDir": {}}],

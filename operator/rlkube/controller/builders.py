@@ -339,8 +339,6 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     mounts, data = _data_volumes(job, role)
     container["volumeMounts"] += mounts
     volumes += data
-    if role in MODEL_ROLES:
-        container["env"] += [{"name": runtime.ENV_HF_OFFLINE, "value": "1"}]
     if role == "inference":
         port = runtime.INFERENCE_PORT
         container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
@@ -369,6 +367,11 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     pod = _pod(job, role, index, container, volumes, annotations)
     if role in MODEL_ROLES:
         pod["spec"]["initContainers"] = [model_init_container(pod, role)]
+        # The role uses what the init container materialized, never the network (whatever a template said: its
+        # HF_HUB_OFFLINE is the fetch's, e.g. 1 for a pre-populated cache claim in an air-gapped cluster).
+        main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
+        main["env"] = [e for e in main.get("env", []) if e["name"] != runtime.ENV_HF_OFFLINE]
+        main["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
     return pod
 
 
@@ -402,14 +405,14 @@ def model_init_container(pod: dict, role: str) -> dict:
 
     Built from the role's container AFTER the pod template was merged, so what a user added there reaches the fetch
     too: HF_TOKEN, HF_ENDPOINT, proxy variables, a CA bundle volume, the security context. It has its own command
-    and modest resources, and it may use the network (HF_HUB_OFFLINE is the role's only). It fails like a role: a
-    model that cannot work is written to its termination log and it exits runtime.EXIT_CONFIG."""
+    and modest resources, and it may use the network (unless the template sets HF_HUB_OFFLINE). It fails like a
+    role: a model that cannot work is written to its termination log and it exits runtime.EXIT_CONFIG."""
     main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
     init = {
         "name": names.INIT_MODEL,
         "image": main["image"],
         "command": ["python", "-m", MODEL_INIT_MODULE],
-        "env": [e for e in main.get("env", []) if e["name"] != runtime.ENV_HF_OFFLINE],
+        "env": copy.deepcopy(main.get("env", [])),
         "resources": copy.deepcopy(MODEL_INIT_RESOURCES),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": copy.deepcopy(main.get("volumeMounts", [])),

@@ -130,8 +130,6 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
     at = Addresses(config_path="", redis_url="", bind_host="", inference_urls=("",) * n, inference_ports=(0,) * n,
                    weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="", model_cache_dir="")
     names = {name for name, _ in role_env(spec, role, 0, at)} | pod_only
-    if role in MODEL_ROLES:
-        names.add(runtime.ENV_HF_OFFLINE)  # the pods use what the model init container fetched, never the network
     if role == TRAINER:
         names |= set(RANK_ENV)
     return frozenset(names)
