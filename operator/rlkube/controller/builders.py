@@ -339,6 +339,8 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     mounts, data = _data_volumes(job, role)
     container["volumeMounts"] += mounts
     volumes += data
+    if role in MODEL_ROLES:
+        container["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
     if role == "inference":
         port = runtime.INFERENCE_PORT
         container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
@@ -366,12 +368,17 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         annotations[names.ANNOTATION_RESUME] = resume_checkpoint
     pod = _pod(job, role, index, container, volumes, annotations)
     if role in MODEL_ROLES:
-        pod["spec"]["initContainers"] = [model_init_container(pod, role)]
-        # The role uses what the init container materialized, never the network (whatever a template said: its
-        # HF_HUB_OFFLINE is the fetch's, e.g. 1 for a pre-populated cache claim in an air-gapped cluster).
+        tpl = job.spec.template_for(role)
+        offline_by_user = tpl is not None and any(
+            e.name == runtime.ENV_HF_OFFLINE for c in tpl.spec.containers for e in c.env)
+        pod["spec"]["initContainers"] = [model_init_container(pod, role, keep_offline=offline_by_user)]
+        # The role uses what the init container materialized, never the network, whatever a template said: a
+        # template's HF_HUB_OFFLINE is the fetch's (1 for a pre-filled cache claim in an air-gapped cluster).
         main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
-        main["env"] = [e for e in main.get("env", []) if e["name"] != runtime.ENV_HF_OFFLINE]
-        main["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
+        for e in main["env"]:
+            if e["name"] == runtime.ENV_HF_OFFLINE:
+                e.clear()
+                e.update(name=runtime.ENV_HF_OFFLINE, value="1")
     return pod
 
 
@@ -400,19 +407,21 @@ MODEL_INIT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits"
 MODEL_INIT_MODULE = "rlkube.core.hf.fetch"
 
 
-def model_init_container(pod: dict, role: str) -> dict:
+def model_init_container(pod: dict, role: str, keep_offline: bool = False) -> dict:
     """The init container that materializes spec.model.path into the model cache (rlkube.core.hf.fetch).
 
     Built from the role's container AFTER the pod template was merged, so what a user added there reaches the fetch
     too: HF_TOKEN, HF_ENDPOINT, proxy variables, a CA bundle volume, the security context. It has its own command
-    and modest resources, and it may use the network (unless the template sets HF_HUB_OFFLINE). It fails like a
+    and modest resources, and it may use the network (unless the template sets HF_HUB_OFFLINE: `keep_offline`, the
+    operator's own HF_HUB_OFFLINE=1 is the role's). It fails like a
     role: a model that cannot work is written to its termination log and it exits runtime.EXIT_CONFIG."""
     main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
     init = {
         "name": names.INIT_MODEL,
         "image": main["image"],
         "command": ["python", "-m", MODEL_INIT_MODULE],
-        "env": copy.deepcopy(main.get("env", [])),
+        "env": [copy.deepcopy(e) for e in main.get("env", [])
+                if keep_offline or e["name"] != runtime.ENV_HF_OFFLINE],
         "resources": copy.deepcopy(MODEL_INIT_RESOURCES),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": copy.deepcopy(main.get("volumeMounts", [])),
