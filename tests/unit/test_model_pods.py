@@ -92,6 +92,17 @@ def test_every_pod_that_loads_the_model_fetches_it_first_in_an_init_container(ro
     assert volumes(p)[names.VOLUME_MODEL_CACHE] == {"name": names.VOLUME_MODEL_CACHE, "emptyDir": {}}
 
 
+def test_a_fast_llm_trainer_still_fetches_with_the_job_config():
+    # Fast-LLM's container env is its own (no RLKUBE_CONFIG): the init container gets what the fetch reads.
+    job = ref(**{"trainer.backend": "fast-llm", "trainer.gpusPerNode": 1, "trainer.fastLlm": {"modelFormat": "llama"},
+                 "model.path": "/models/llama", "model.claimName": "models", "inference.engine": "vllm"})
+    p = pod(job, "trainer")
+    (init,) = p["spec"]["initContainers"]
+    assert env(init)[runtime.ENV_CONFIG]["value"] == f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}"
+    assert env(init)[runtime.ENV_MODEL_CACHE]["value"] == names.MODEL_CACHE_MOUNT
+    assert mounts(init)[names.VOLUME_MODEL]["readOnly"] is True
+
+
 def test_gpu_pods_fetch_without_gpus():
     p = pod(ref(**{"trainer.gpusPerNode": 1}), "trainer")
     assert main_container(p)["resources"]["limits"]["nvidia.com/gpu"] == 1

@@ -11,6 +11,10 @@ with seccomp RuntimeDefault, no privilege escalation and every capability droppe
 filesystem where the role allows it; what a role writes goes to volumes: /tmp (an emptyDir, also HOME), the
 checkpoints, and a memory-backed /dev/shm for the trainer and inference. vLLM inference and Fast-LLM trainer
 pods keep a writable root: they run third-party code whose JIT and kernel caches write where we do not control.
+The model is ready before a role starts: every pod that loads it (lifecycle.roles.MODEL_ROLES) has an init
+container that materializes spec.model.path into the model cache volume (emptyDir, or spec.model.cacheClaimName
+shared by the job's pods) with rlkube.core.hf.fetch; the role then runs with HF_HUB_OFFLINE=1. spec.model.claimName
+and spec.task.dataset.claimName are mounted read-only where they are read.
 GPU pods get `nvidia.com/gpu` limits (validation.gpu_count); a trainer with several ranks per pod runs the
 launcher (lifecycle.environment.role_module), and trainer pods spread one per node (podAntiAffinity: required
 with GPUs, preferred on CPU so that a one-node CPU cluster still runs a multi-node job).
@@ -412,16 +416,21 @@ def model_init_container(pod: dict, role: str, keep_offline: bool = False) -> di
 
     Built from the role's container AFTER the pod template was merged, so what a user added there reaches the fetch
     too: HF_TOKEN, HF_ENDPOINT, proxy variables, a CA bundle volume, the security context. It has its own command
-    and modest resources, and it may use the network (unless the template sets HF_HUB_OFFLINE: `keep_offline`, the
-    operator's own HF_HUB_OFFLINE=1 is the role's). It fails like a
-    role: a model that cannot work is written to its termination log and it exits runtime.EXIT_CONFIG."""
+    and modest resources, and it may use the network unless the template sets HF_HUB_OFFLINE (`keep_offline`; the
+    operator's own HF_HUB_OFFLINE=1 is the role's). It fails like a role: a model that cannot work is written to
+    its termination log and it exits runtime.EXIT_CONFIG."""
     main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
+    env = [copy.deepcopy(e) for e in main.get("env", []) if keep_offline or e["name"] != runtime.ENV_HF_OFFLINE]
+    # What the fetch reads, where the role's own env lacks it (a Fast-LLM trainer's env is Fast-LLM's).
+    needed = {runtime.ENV_CONFIG: f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}",
+              runtime.ENV_MODEL_CACHE: names.MODEL_CACHE_MOUNT}
+    present = {e["name"] for e in env}
+    env = [{"name": k, "value": v} for k, v in needed.items() if k not in present] + env
     init = {
         "name": names.INIT_MODEL,
         "image": main["image"],
         "command": ["python", "-m", MODEL_INIT_MODULE],
-        "env": [copy.deepcopy(e) for e in main.get("env", [])
-                if keep_offline or e["name"] != runtime.ENV_HF_OFFLINE],
+        "env": env,
         "resources": copy.deepcopy(MODEL_INIT_RESOURCES),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": copy.deepcopy(main.get("volumeMounts", [])),

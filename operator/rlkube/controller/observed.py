@@ -1,7 +1,10 @@
 """What the operator observes about one job, reduced to plain values the decisions can reason about.
 
 `PodView` is the summary of one pod that the kopf index keeps (phase, readiness, exit codes, restarts), so
-the decisions never touch raw Kubernetes objects and their tests build views directly. `EventSource` is the
+the decisions never touch raw Kubernetes objects and their tests build views directly. While the role's container
+has never run, a failed init container (the model fetch) stands for it: its exit code, termination message and
+restarts are the pod's, so runtime.EXIT_CONFIG and the restart budgets apply to it (no endless
+Init:CrashLoopBackOff). `EventSource` is the
 state of the Redis watcher. Pure parsing, no I/O.
 """
 
