@@ -294,7 +294,9 @@ class ClusterJob:
             state = self.agent.pod_state(self.namespace, pod_name)
             if not state:
                 return None
-            (container,) = state["containers"].values()
+            container = state["containers"].get(role)  # the role's container (its pods have init containers too)
+            if container is None:
+                return None
             return container["pid"] if container["state"] == "running" and container["pid"] else None
 
         try:
