@@ -300,7 +300,8 @@ class ClusterJob:
             return container["pid"] if container["state"] == "running" and container["pid"] else None
 
         try:
-            return wait_for(running, 60, f"{pod_name} running", interval=0.1)
+            # 120 s: the role starts after the model init container (rlkube.core.hf.fetch) has run.
+            return wait_for(running, 120, f"{pod_name} running", interval=0.1)
         except TimeoutError:
             raise AssertionError(
                 f"{pod_name} never ran: {self.agent.pod_state(self.namespace, pod_name)}\n{self.diagnostics()}"
