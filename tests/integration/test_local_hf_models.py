@@ -119,7 +119,7 @@ def test_qwen2_bpe_on_arithmetic_with_math_verify_from_an_offline_hub_cache(tmp_
     assert tok("What is 3+4?")["input_ids"] == AutoTokenizer.from_pretrained(str(qwen2_dir))("What is 3+4?")["input_ids"]
 
 
-# Measured for this job (seed 0, 60 steps of 4 prompts x 16): first-10 0.003-0.005, last-10 0.12-0.25. A right
+# Measured for this job (seed 0, 60 steps of 4 prompts x 16): first-10 0.005, last-10 0.250. A right
 # answer is one token of ~300, so a random policy scores ~0.003 and learning waits for the first few hits: groups
 # of 16 make them come twice as often as groups of 8 (with 4 x 8 a run stayed below 0.1 for 57 steps). Once the
 # policy answers with a digit it scores 0.25 (one of the four is right). The bar keeps headroom below that.
