@@ -43,8 +43,9 @@ from rlkube.local.processes import RoleProcess, python_module, stop_all
 from rlkube.local.redis_server import RedisNotInstalled, RedisServer
 
 NAMESPACE = "local"
-MODEL_FETCH = Failure("init", "model-fetch")
-"""Who reports a model that cannot be materialized (the step before any role; an init container in a cluster)."""
+MODEL_FETCH = ("init", "model-fetch")
+"""(role, name) that a model that cannot be materialized is reported under: the step before any role, as the model
+init container is in a cluster."""
 
 
 def _free_port() -> int:
@@ -431,7 +432,7 @@ def materialize(spec: TrainingJobSpec, cache: Path, console: Console) -> Outcome
     try:
         path = materialize_model(spec.model, cache)
     except ModelError as exc:
-        failure = Failure(MODEL_FETCH.role, MODEL_FETCH.name, runtime.EXIT_CONFIG, str(exc))
+        failure = Failure(*MODEL_FETCH, runtime.EXIT_CONFIG, str(exc))
         verdict = judge(Evidence(now=_now(), config_error=failure), spec).outcome
         assert verdict is not None
         return verdict
