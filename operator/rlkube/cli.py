@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="TrainingJob manifest (YAML)")
     p.add_argument("--output-dir", default=None, help="where checkpoints, logs and plots go")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last stdout line")
+    p.add_argument("--model-cache", default=None, help="where hf:// and builtin:// models are materialized once "
+                   "for every role (default $RLKUBE_MODEL_CACHE, else ~/.cache/rlkube/models)")
     p.set_defaults(func=_lazy("rlkube.local.runner:cli"))
 
     p = sub.add_parser("operator", help="run the kopf operator")
