@@ -426,11 +426,11 @@ def materialize(spec: TrainingJobSpec, cache: Path, console: Console) -> Outcome
     judged as the operator judges a pod that exits with runtime.EXIT_CONFIG (Failed, InvalidSpec, the message
     naming spec.model.path); Ctrl-C during a download is an interruption."""
     from rlkube.core.hf import ModelError
-    from rlkube.core.hf.source import materialize_model
+    from rlkube.core.hf.fetch import fetch
 
     console.print(f"model: {spec.model.path} (model cache {cache})", soft_wrap=True, markup=False)
     try:
-        path = materialize_model(spec.model, cache)
+        path = fetch(spec, cache)  # what the operator's model init container runs
     except ModelError as exc:
         failure = Failure(*MODEL_FETCH, runtime.EXIT_CONFIG, str(exc))
         verdict = judge(Evidence(now=_now(), config_error=failure), spec).outcome
