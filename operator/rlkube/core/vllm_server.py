@@ -42,6 +42,10 @@ import time
 import uuid
 from typing import Any
 
+# The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
+# build-time import check (images/vllm, MODULES) cover it.
+from rlkube.core.vllm_worker import EXTENSION
+
 ENV_VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"
 """Interpreter of an environment with vllm, used when the current one has none (local runs and tests)."""
 _REEXECUTED = "RLKUBE_VLLM_REEXECUTED"  # set on the re-executed process: never hop twice
@@ -63,8 +67,6 @@ def engine_cli_args(spec, model_dir: str, index: int = 0, gpus: bool = False) ->
 
     Pure: the defaults that work on CPU (memory fraction 0.1, eager), the worker extension that takes weight
     updates, log-probs of the sampled distribution; `spec.inference.vllm.extraEngineArgs` last (they win)."""
-    from rlkube.core.vllm_worker import EXTENSION
-
     v = spec.inference.vllm
     fraction = v.memory_fraction or (GPU_MEMORY_FRACTION if gpus else CPU_MEMORY_FRACTION)
     eager = v.enforce_eager if v.enforce_eager is not None else not gpus
