@@ -6,7 +6,7 @@ requests (n samples, per-token log-probs, token ids, the weights version) whose 
 1e-4 (float32), at temperature 1 and below; an update while requests run: none fails, and afterwards the log-probs
 of a fixed prompt (longer than a KV block, so a prefix-cache hit would show) are the NEW weights' to 1e-4, and the
 served checksum is the trainer's; a corrupted bucket is refused by the checksum (the old weights keep serving) and
-the next update gets through; SIGTERM ends the server and vLLM's processes within seconds.
+the next update gets through; training_finished leaves the group and serving goes on; SIGTERM ends the server and vLLM's processes within seconds.
 
 The vLLM engine lives in its own virtual environment (`make deps-vllm`, which `make test` runs): the server is
 started as every launcher starts it (`python -m rlkube.core.vllm_server`), and re-executes itself with
@@ -23,10 +23,21 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rlkube.core import protocol
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
-from serve_helpers import RoleProcesses, free_port, http_json, http_status, job_spec, log_text, publish, wait_until, \
-    write_config
+from serve_helpers import (
+    PREFIX,
+    RoleProcesses,
+    free_port,
+    http_json,
+    http_status,
+    job_spec,
+    log_text,
+    publish,
+    wait_until,
+    write_config,
+)
 from test_inference import expected_logprobs
 from weightsync_peer import model_weights
 
@@ -41,6 +52,7 @@ pytestmark = [
 ]
 
 MODEL = "builtin://tiny-llama"
+KEYS = protocol.StreamKeys(PREFIX)
 PROMPT = "1234567890" * 4 + ":"  # 41 tokens: longer than one KV block (32, below), shorter than two
 MAX_LEN = 64
 
@@ -67,10 +79,13 @@ def stack(tmp_path_factory, redis_server):
         print(f"vLLM server listening after {time.monotonic() - t0:.1f}s")
         yield roles, url, proc
     finally:
-        if proc.poll() is None:
-            print(log_text(proc)[-4000:])
-        roles.cleanup()
+        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        roles.cleanup()  # SIGKILLs the server: vLLM's processes then end themselves (rlkube.core.vllm_worker)
+        _, alive = psutil.wait_procs(children, timeout=15)
+        for child in alive:
+            child.kill()
         client.close()
+        assert not alive, f"vLLM processes outlived the SIGKILLed server: {alive}"
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +204,18 @@ def test_a_corrupted_bucket_is_refused_and_the_next_update_applies(stack, traine
     served = wait_version(url, 3, timeout=120)
     assert checksums_match(served["weights_checksum"], weights_checksum(model_weights(str(roles.config), 3).items()))
     assert max_difference(roles.config, model_weights(str(roles.config), 3), complete(url)) < 1e-4
+
+
+def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, redis_server):
+    roles, url, _ = stack
+    client = redis_server.client()
+    try:
+        client.xadd(KEYS.events, protocol.training_finished(step=3))
+    finally:
+        client.close()
+    body = wait_until(lambda: (h := health(url)[1])["training_finished"] and h, 30, "training_finished")
+    assert body["epoch"] is None and body["model_version"] == 3
+    assert complete(url)["model_version"] == 3  # still serving, until SIGTERM
 
 
 def test_sigterm_stops_the_server_and_vllms_processes(stack):

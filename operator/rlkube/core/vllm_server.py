@@ -40,11 +40,12 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 # The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
 # build-time import check (images/vllm, MODULES) cover it.
-from rlkube.core.vllm_worker import EXTENSION
+from rlkube.core.vllm_worker import ENV_SERVER_PID, EXTENSION
 
 ENV_VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"
 """Interpreter of an environment with vllm, used when the current one has none (local runs and tests)."""
@@ -208,6 +209,7 @@ class VllmWeightFollower:
         self.last_error: str | None = None
         self.served_checksum: float | None = None
         self.received_checksum: float | None = None
+        self.fatal: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -276,8 +278,10 @@ class VllmWeightFollower:
             log.error("weight update of %s refused: %s; keeping version %d", event.stream_id, got["error"],
                       self.engine.version)
             if got.get("fatal"):
-                # The model may be half loaded: serving it would sample from weights nobody trained.
+                # The model may be half loaded: serving it would sample from weights nobody trained. Exit 1 (the
+                # restart policy brings a fresh server, which loads the directory and rejoins).
                 log.critical("the served model is in an unknown state; exiting")
+                self.fatal = got["error"]
                 os.kill(os.getpid(), signal.SIGTERM)
             return
         self._call(self._reset_prefix_cache())
@@ -402,6 +406,19 @@ def build_engine_args(spec, model_dir: str, index: int):
     return AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
 
 
+def _reachable_cwd() -> None:
+    """vLLM starts its engine core with multiprocessing `spawn`, whose child enters the parent's working directory BY
+    PATH. A directory that a mount made after entering it hides (a volume over /tmp while the process started in a
+    directory under /tmp: the test node agent's pods) makes every start fail; move to one the path reaches."""
+    try:
+        if os.path.samefile(".", os.getcwd()):
+            return
+    except OSError:
+        pass
+    home = os.path.expanduser("~")
+    os.chdir(home if os.path.isdir(home) else "/")
+
+
 def _kill_children() -> None:
     """vLLM's engine-core (and worker) processes: SIGKILL whatever is left after the graceful stop."""
     import psutil
@@ -437,11 +454,13 @@ def main() -> int:
     tokenizer = load_tokenizer(model_dir, load_config(model_dir))
     max_len = spec.inference.vllm.max_model_length or spec.model.max_sequence_length
     served = ServedModel(spec.model.path, tokenizer, max_len)
-    engine_args = build_engine_args(spec, str(model_dir), ctx.index)
+    engine_args = build_engine_args(spec, str(Path(model_dir).resolve()), ctx.index)
+    _reachable_cwd()
+    os.environ[ENV_SERVER_PID] = str(os.getpid())  # vLLM's processes end themselves when we are gone (vllm_worker)
 
     port = ctx.port or runtime.INFERENCE_PORT
 
-    async def serve() -> None:
+    async def serve() -> str | None:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(engine_args)
@@ -469,16 +488,21 @@ def main() -> int:
         stopper = threading.Thread(target=llm.shutdown, daemon=True)
         stopper.start()
         await asyncio.to_thread(stopper.join, STOP_WAIT_S)
+        return follower.fatal
 
-    asyncio.run(serve())
+    fatal = asyncio.run(serve())
     _kill_children()
     log.info("stopped")
+    if fatal:
+        from rlkube.core.errors import write_termination_message
+
+        write_termination_message(f"a weight update could not be loaded into vLLM: {fatal}")
     # The follower may be blocked (in the worker's group, via collective_rpc): leave without the interpreter's
     # teardown, which would wait for it (see rlkube.core.inference).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if fatal else 0)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ through vLLM's engine core, whose handling of it differs between releases.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -33,6 +36,36 @@ log = logging.getLogger("rlkube.vllm_worker")
 
 EXTENSION = f"{__name__}.RlkubeWorkerExtension"
 """What `--worker-extension-cls` names."""
+ENV_SERVER_PID = "RLKUBE_VLLM_SERVER_PID"
+"""Set by rlkube.core.vllm_server for the processes vLLM starts: the server they serve."""
+WATCH_INTERVAL_S = 1.0
+
+
+def _follow_server(pid: int) -> None:
+    """vLLM's engine-core and worker processes outlive a server that was SIGKILLed (they were seen running half an
+    hour later). In a pod the container's end takes them along; elsewhere (`rlkube local`, tests) this thread in
+    the worker ends the worker and its parent, the engine core, once the server is gone."""
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        try:
+            os.kill(pid, 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's: not ours to judge
+        engine_core = os.getppid()
+        if engine_core not in (1, pid):
+            try:
+                os.kill(engine_core, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(1)
+
+
+if os.environ.get(ENV_SERVER_PID, "").isdigit() and os.getpid() != int(os.environ[ENV_SERVER_PID]):
+    threading.Thread(target=_follow_server, args=(int(os.environ[ENV_SERVER_PID]),), name="rlkube-server-watch",
+                     daemon=True).start()
 
 
 def _lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
