@@ -285,11 +285,13 @@ class VllmWeightFollower:
                 os.kill(os.getpid(), signal.SIGTERM)
             return
         self._call(self._reset_prefix_cache())
-        self._call(self.engine.set_version(got["version"]))
+        # What /health reports about the weights first, the version last: a reader that sees the new version must
+        # see its checksum too.
         self.received_checksum = got["checksum"]
         self.served_checksum = got["served_checksum"]
         self.updates += 1
         self.last_update_s = time.monotonic() - t0
+        self._call(self.engine.set_version(got["version"]))
         self.synced.set()
         log.info("weights version %d in effect (transfer %.3fs, load %.3fs, total %.3fs)", got["version"],
                  got["transfer_s"], got["load_s"], self.last_update_s)
