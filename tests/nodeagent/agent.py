@@ -147,10 +147,13 @@ class NodeAgent:
             self._spawn(self._watch, kind, fn)
         self._spawn(self._dispatch)
         self._spawn(self._heartbeat)
-        (self.state_dir / "agent.json").write_text(json.dumps({
+        # Written aside and renamed: the harness reads it as soon as the name exists (it read an empty file once).
+        ready = self.state_dir / "agent.json.tmp"
+        ready.write_text(json.dumps({
             "pid": os.getpid(), "node": self.node_name, "nodeIP": self.node_ip, "agentId": self.agent_id,
             "subnet": str(self.network.subnet),
         }))
+        ready.rename(self.state_dir / "agent.json")
         log.info("node %s ready: pod network %s via %s", self.node_name, self.network.subnet, self.node_ip)
         return self
 
