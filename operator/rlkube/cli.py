@@ -119,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None,
                    help="the cluster to use (default $KUBECONFIG; `make bench` starts a local control plane)")
     p.set_defaults(func=_lazy("rlkube.bench.operator:cli"))
-    p = bench.add_parser("serve", help="native inference throughput and weight-update latency on this machine")
+    p = bench.add_parser("serve", help="inference throughput and weight-update latency on this machine")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--engine", choices=("native", "vllm"), default="native",
+                   help="vllm: needs vllm here or RLKUBE_VLLM_PYTHON (`make deps-vllm`)")
     p.add_argument("--seconds", type=float, default=5.0, help="load duration per concurrency level")
     p.add_argument("--updates", type=int, default=20, help="weight updates per measurement")
     p.set_defaults(func=_lazy("rlkube.bench.serve:cli"))
