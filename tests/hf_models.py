@@ -1,10 +1,16 @@
 """Tiny randomly initialised Hugging Face models built on the spot for tests (nothing is downloaded): Llama, Qwen2
 and Qwen3 configs with grouped-query attention (and tied embeddings where those families use them), with either
 the built-in character tokenizer or a byte-level BPE tokenizer trained here on arithmetic text, with a Qwen-style
-chat template."""
+chat template. Also what tests feed them: a Hugging Face hub-cache layout (for hf:// offline) and JSONL prompt
+datasets (arithmetic for the math-verify reward, "repeat the digit" for exact match)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -89,3 +95,43 @@ def initial_model(spec: ModelSpec, weights: dict[str, torch.Tensor] | None = Non
     if weights is not None:
         hf_state.load_weights(model, weights)
     return model
+
+
+def hub_cache(cache: Path, repo: str, model_dir: Path, revision: str = "main") -> str:
+    """huggingface_hub's cache layout for `repo` at `revision` under `cache/hub` (where materialize_model looks):
+    blobs by hash, snapshots/<commit>/ of symlinks to them, refs/<revision> naming the commit (what
+    snapshot_download leaves behind). Returns the commit."""
+    commit = hashlib.sha1(repo.encode() + revision.encode()).hexdigest()
+    root = Path(cache) / "hub" / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / commit
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        blob = root / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / revision).write_text(commit)
+    return commit
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def arithmetic_rows(n: int = 64, seed: int = 0) -> list[dict]:
+    """{"question": "What is 3+4?", "answer": "7"}: prompts for the math-verify reward."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        rows.append({"question": f"What is {a}+{b}?", "answer": str(a + b)})
+    return rows
+
+
+def repeat_digit_rows(digits: str = "0123") -> list[dict]:
+    """{"prompt": "Repeat the digit 3.", "answer": "3"}: learnable from scratch under exact match (one token)."""
+    return [{"prompt": f"Repeat the digit {d}.", "answer": d} for d in digits]

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="TrainingJob manifest (YAML)")
     p.add_argument("--output-dir", default=None, help="where checkpoints, logs and plots go")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last stdout line")
+    p.add_argument("--model-cache", default=None, help="where hf:// and builtin:// models are materialized once "
+                   "for every role (default $RLKUBE_MODEL_CACHE, else ~/.cache/rlkube/models)")
     p.set_defaults(func=_lazy("rlkube.local.runner:cli"))
 
     p = sub.add_parser("operator", help="run the kopf operator")
@@ -121,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "$KUBE_CONTROLLER_MANAGER_BIN, PATH, then where `make control-plane` builds it)")
     p.add_argument("--no-baseline", action="store_true", help="skip the Job controller baseline")
     p.set_defaults(func=_lazy("rlkube.bench.operator:cli"))
-    p = bench.add_parser("serve", help="native inference throughput and weight-update latency on this machine")
+    p = bench.add_parser("serve", help="inference throughput and weight-update latency on this machine")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--engine", choices=("native", "vllm"), default="native",
+                   help="vllm: needs vllm here or RLKUBE_VLLM_PYTHON (`make deps-vllm`)")
     p.add_argument("--seconds", type=float, default=5.0, help="load duration per concurrency level")
     p.add_argument("--updates", type=int, default=20, help="weight updates per measurement")
     p.set_defaults(func=_lazy("rlkube.bench.serve:cli"))

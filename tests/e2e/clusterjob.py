@@ -294,11 +294,14 @@ class ClusterJob:
             state = self.agent.pod_state(self.namespace, pod_name)
             if not state:
                 return None
-            (container,) = state["containers"].values()
+            container = state["containers"].get(role)  # the role's container (its pods have init containers too)
+            if container is None:
+                return None
             return container["pid"] if container["state"] == "running" and container["pid"] else None
 
         try:
-            return wait_for(running, 60, f"{pod_name} running", interval=0.1)
+            # 120 s: the role starts after the model init container (rlkube.core.hf.fetch) has run.
+            return wait_for(running, 120, f"{pod_name} running", interval=0.1)
         except TimeoutError:
             raise AssertionError(
                 f"{pod_name} never ran: {self.agent.pod_state(self.namespace, pod_name)}\n{self.diagnostics()}"

@@ -217,8 +217,17 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             spec, "algorithm.maxSteps"):
         _set(spec, "algorithm.warmupSteps", 0)  # a decaying schedule needs steps after the warm-up
     path = _eff(spec, "trainer.checkpoint.path")
-    if not path.startswith("/") or path.rstrip("/") == "/etc/rlkube":  # absolute, not the config mount
-        _set(spec, "trainer.checkpoint.path", "/" + path.strip("/").replace("etc/rlkube", "etc/ckpt"))
+    taken = ("/etc/rlkube", "/tmp", "/dev/shm", "/var/cache/rlkube/models")  # config, tmp, shm, model cache mounts
+    if not path.startswith("/") or path.rstrip("/") in taken:  # absolute, not a mount the pods already have
+        _set(spec, "trainer.checkpoint.path", "/ckpt" + path.rstrip("/"))
+    if _get(spec, "model.claimName"):
+        # A claim holds a model directory below its mountPath, which takes no path the pods already use.
+        mount = _eff(spec, "model.mountPath").rstrip("/")
+        if mount in ("", *taken, _eff(spec, "trainer.checkpoint.path").rstrip("/")):
+            _set(spec, "model.mountPath", mount := "/models")
+        where = parse_model_path(_eff(spec, "model.path"))
+        if where.kind != "dir" or not where.location.startswith(mount + "/"):
+            _set(spec, "model.path", f"{mount}/model")
     if _eff(spec, "inference.engine") == "native":
         _set(spec, "inference.tensorParallel", 1)
     for role in ROLES:

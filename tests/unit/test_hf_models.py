@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import bpe_tokenizer, write_tiny_model
+from hf_models import bpe_tokenizer, hub_cache, write_tiny_model
 from rlkube.api.spec import ModelSpec
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf import ModelError
@@ -55,23 +55,6 @@ def test_a_directory_is_checked_and_returned_as_it_is(tmp_path):
     d = write_tiny_model(tmp_path / "m", "qwen3", "bpe")
     assert materialize_model(spec(str(d)), tmp_path / "cache") == d
     assert not (tmp_path / "cache").exists()  # nothing copied
-
-
-def hub_cache(cache: Path, repo: str, model_dir: Path, revision: str = "main") -> str:
-    """huggingface_hub's cache layout for `repo` at `revision`: blobs by hash, snapshots/<commit>/ of symlinks to
-    them, refs/<revision> naming the commit (what snapshot_download leaves behind)."""
-    commit = hashlib.sha1(repo.encode() + revision.encode()).hexdigest()
-    root = cache / "hub" / ("models--" + repo.replace("/", "--"))
-    snapshot = root / "snapshots" / commit
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        blob = root / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-        shutil.copyfile(f, blob)
-        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / revision).write_text(commit)
-    return commit
 
 
 def test_hf_path_resolves_to_the_cached_snapshot_offline(tmp_path):

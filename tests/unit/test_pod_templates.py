@@ -223,7 +223,10 @@ def test_operator_env_is_what_role_env_returns():
     assert operator_env_names(spec, "redis") == {"REDIS_PASSWORD", "POD_IP"}
     for role in ("trainer", "inference", "actor", "preprocessor"):
         pod_env = {e["name"] for e in container(builders.pod(job_of(raw_with()), role, 0))["env"]}
-        assert pod_env - operator_env_names(spec, role) == {"HOME"}  # the one default a template may change
+        # The defaults a template may change: HOME, and where the model is fetched, HF_HUB_OFFLINE (the fetch's;
+        # the role always runs offline).
+        settable = {"HOME", "HF_HUB_OFFLINE"} if role != "preprocessor" else {"HOME"}
+        assert pod_env - operator_env_names(spec, role) == settable
 
 
 @pytest.mark.parametrize(("field", "value"), [

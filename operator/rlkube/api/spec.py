@@ -76,6 +76,28 @@ class ModelSpec(Model):
             "it; a longer sample (from an engine with a larger limit) is dropped by the preprocessor and counted."
         ),
     )
+    claim_name: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "PersistentVolumeClaim holding the model, mounted read-only at mountPath in every pod that loads the "
+            "model (trainer, inference, actor); path must then be a directory below mountPath. A claim shared by "
+            "several pods (more than one trainer node, replicas, or roles on other nodes) must allow that: "
+            "ReadOnlyMany or ReadWriteMany."
+        ),
+    )
+    mount_path: str = Field("/models", pattern=r"^/", description="Where claimName is mounted.")
+    cache_claim_name: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "PersistentVolumeClaim for the model cache (hf:// snapshots, builtin:// models), mounted writable in "
+            "every pod that loads the model: the first pod's init container fetches or writes the model and the "
+            "others find it there, so a job fetches once (and a later job reusing the claim not at all). Needs "
+            "ReadWriteMany when those pods may run on several nodes. Unset: an emptyDir per pod, each pod fetching "
+            "its own copy."
+        ),
+    )
 
 
 ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
@@ -550,10 +572,39 @@ class TrainerSpec(Model):
     fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
 
 
+class VllmSpec(Model):
+    """Engine arguments of `engine: vllm` (rlkube.core.vllm_server); the defaults serve a tiny model on CPU."""
+
+    max_model_length: int | None = Field(
+        None, ge=8, description="vLLM's max_model_len (default: spec.model.maxSequenceLength)."
+    )
+    memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description=(
+            "vLLM's gpu_memory_utilization: the share of the accelerator's memory vLLM may take (weights, "
+            "activations, KV cache); on CPU the share of the machine's memory. Default 0.9 with GPUs, 0.1 on CPU "
+            "(vLLM's own 0.92 would claim most of a shared machine)."
+        ),
+    )
+    enforce_eager: bool | None = Field(
+        None, description="No CUDA graphs (default: true on CPU, where vLLM has none, false with GPUs)."
+    )
+    extra_engine_args: list[str] = Field(
+        default_factory=list,
+        description=(
+            "More vLLM engine arguments in command-line form, e.g. [\"--max-num-seqs=64\", \"--seed=3\"]; they "
+            "come last, so they override the ones rlkube sets."
+        ),
+    )
+
+
 class InferenceSpec(Model):
     engine: Literal["vllm", "native"] = Field(
         "vllm", description="`vllm`, or `native` (a small torch server for CPU tiny models)."
     )
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="vLLM engine arguments (engine `vllm` only).")
     replicas: int = Field(1, ge=1, description="Inference servers; each joins the weight-update group.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of each server.")
     image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")

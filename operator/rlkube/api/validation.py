@@ -139,12 +139,47 @@ def pod_field_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
     path = spec.trainer.checkpoint.path
     taken = {names.CONFIG_MOUNT: "the job's config", names.TMP_MOUNT: "the pod's /tmp",
-             names.SHM_MOUNT: "shared memory"}
+             names.SHM_MOUNT: "shared memory", names.MODEL_CACHE_MOUNT: "the model cache"}
     if not path.startswith("/"):
         errs.append(FieldError("spec.trainer.checkpoint.path", f"{path!r} must be an absolute path"))
     elif path.rstrip("/") in taken:
         errs.append(FieldError("spec.trainer.checkpoint.path", f"{path.rstrip('/')} holds {taken[path.rstrip('/')]}"))
+    else:
+        taken[path.rstrip("/")] = "spec.trainer.checkpoint.path"
+    # The read-only data mounts: none may take a path the pods already use (or the other's).
+    mounts = []
+    if spec.model.claim_name:
+        mounts.append(("spec.model.mountPath", spec.model.mount_path))
+    if spec.task.dataset is not None and spec.task.dataset.claim_name:
+        mounts.append(("spec.task.dataset.mountPath", spec.task.dataset.mount_path))
+    for where, mount in mounts:
+        mount = mount.rstrip("/") or "/"
+        if mount == "/":
+            errs.append(FieldError(where, "must not be / (the pod's root filesystem)"))
+        elif mount in taken:
+            errs.append(FieldError(where, f"{mount} holds {taken[mount]}"))
+        taken[mount] = where
     return errs
+
+
+def model_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """`spec.model.path` against `claimName`: a model on a claim is a directory below the claim's mountPath."""
+    model = spec.model
+    try:
+        where = parse_model_path(model.path)
+    except ValueError as exc:
+        return [FieldError("spec.model.path", str(exc).removeprefix("spec.model.path: "))]
+    if not model.claim_name:
+        return []
+    if where.kind != "dir":
+        return [FieldError("spec.model.claimName", f"set, but spec.model.path {model.path!r} is not a directory: "
+                                                   "a claim holds a model directory (hf:// and builtin:// models go "
+                                                   "to the model cache, see spec.model.cacheClaimName)")]
+    path, mount = PurePosixPath(where.location), PurePosixPath(model.mount_path)
+    if not path.is_absolute() or not path.is_relative_to(mount):
+        return [FieldError("spec.model.path", f"{model.path!r} must lie below mountPath {model.mount_path} where "
+                                              f"claimName {model.claim_name!r} is mounted")]
+    return []
 
 
 TEMPLATE_ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
@@ -204,8 +239,8 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
                     errs.append(FieldError(f"{at}.metadata.{kind}[{key}]", "set by the operator (its own keys: "
                                            f"{names.OWNED_PREFIX}*, {names.LABEL_MANAGED_BY}, {names.LABEL_NAME})"))
         pod = tpl.spec
-        owned_volumes = names.owned_volumes(role)
-        volumes = {v.name for v in pod.volumes} | set(names.role_volumes(role))
+        owned_volumes = names.owned_volumes(role, spec)
+        volumes = {v.name for v in pod.volumes} | set(names.role_volumes(role, spec))
         seen: set[str] = set()
         for v in pod.volumes:
             where = f"{at}.spec.volumes[{v.name}]"
@@ -225,7 +260,7 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
         if len(containers) != len(set(containers)):
             errs.append(FieldError(f"{at}.spec.containers[{role}]", "listed twice"))
         owned_env = operator_env_names(spec, role)
-        owned_mounts = names.owned_mounts(role, spec.trainer.checkpoint.path)
+        owned_mounts = names.owned_mounts(role, spec)
         for c in pod.containers:
             if c.name != role:
                 continue
@@ -340,11 +375,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
 
     errs: list[FieldError] = resource_errors(spec) + pod_field_errors(spec) + rank_errors(spec) + template_errors(spec)
-    errs += task_errors(spec.task)
-    try:
-        parse_model_path(spec.model.path)
-    except ValueError as exc:
-        errs.append(FieldError("spec.model.path", str(exc).removeprefix("spec.model.path: ")))
+    errs += task_errors(spec.task) + model_errors(spec)
     if spec.redis.mode == "external" and not spec.redis.url:
         errs.append(FieldError("spec.redis.url", "required when spec.redis.mode is external"))
     if spec.redis.mode == "managed" and spec.redis.url:

@@ -1,6 +1,8 @@
-"""`rlkube bench serve [--json]`: the serving side (native inference + weight updates); prints numbers only.
+"""`rlkube bench serve [--engine native|vllm] [--json]`: the serving side (inference + weight updates); prints
+numbers only.
 
-Starts a private Redis and a real native inference server process for the tiny model, joins it from this
+Starts a private Redis and a real inference server process (engine `native`, or `vllm`: then RLKUBE_VLLM_PYTHON or
+an interpreter with vllm, see rlkube.core.vllm_server) for the tiny model, joins it from this
 process as the trainer (WeightPublisher), then measures
 - HTTP completions/s (n=8, max_tokens=4) at several client concurrencies, with latency percentiles;
 - weight updates: the trainer's blocking time per publish (announce + transfer) and the time until the server
@@ -81,9 +83,20 @@ def _health(url: str) -> dict:
         return {}
 
 
-def run(seconds: float, updates: int) -> dict:
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def run(seconds: float, updates: int, engine: str = "native") -> dict:
+    spec = {**SPEC, "inference": {**SPEC["inference"], "engine": engine}}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as redis_server:
-        config = runtime.write_job_config(Path(tmp) / "job.json", "bench", "serve", SPEC)
+        config = runtime.write_job_config(Path(tmp) / "job.json", "bench", "serve", spec)
         port, sync_port = _free_port(), _free_port()
         env = {**os.environ, runtime.ENV_CONFIG: str(config), runtime.ENV_REDIS_URL: redis_server.url,
                runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{sync_port}", runtime.ENV_PORT: str(port)}
@@ -91,8 +104,16 @@ def run(seconds: float, updates: int) -> dict:
             server = subprocess.Popen([sys.executable, "-m", "rlkube.core.inference"], env=env, stdout=log,
                                       stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
         try:
-            model = load_model(materialize_model(parse_spec(SPEC).model))
+            model = load_model(materialize_model(parse_spec(spec).model))
+            # vLLM takes ~30-170 s to listen on 2 cores: longer than the group's rendezvous timeout, so the trainer
+            # side starts once the server answers HTTP (its /health stays 503 until it joined and warmed up).
+            while not _answers(url + "/v1/models"):
+                if server.poll() is not None:
+                    raise RuntimeError(f"inference exited: {(Path(tmp) / 'inference.log').read_text()}")
+                time.sleep(0.1)
+            listening_s = time.monotonic() - started
             pub = WeightPublisher(redis_server.client(), StreamKeys.for_job("bench", "serve"),
                                   f"127.0.0.1:{sync_port}", 2, timeout_s=60)
             t0 = time.monotonic()
@@ -122,6 +143,8 @@ def run(seconds: float, updates: int) -> dict:
             server.terminate()
             server.wait(timeout=30)
     return {
+        "engine": engine,
+        "listening_s": listening_s,
         "model_parameters": params,
         "startup_join_s": first_join_s,
         "serving": serving,
@@ -149,11 +172,12 @@ def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> d
 
 
 def cli(args: argparse.Namespace) -> int:
-    result = run(args.seconds, args.updates)
+    result = run(args.seconds, args.updates, args.engine)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"tiny model: {result['model_parameters']} parameters; first join + transfer {result['startup_join_s']:.2f}s")
+    print(f"engine {result['engine']}, tiny model: {result['model_parameters']} parameters; listening after "
+          f"{result['listening_s']:.1f}s; first join + transfer (+ warm-up) {result['startup_join_s']:.2f}s")
     for s in result["serving"]:
         print(f"  concurrency {s['concurrency']:>2}: {s['requests_per_s']:7.1f} completions/s (n=8, max_tokens=4), "
               f"{s['samples_per_s']:7.1f} samples/s, p50 {s['p50_ms']:.1f} ms, p95 {s['p95_ms']:.1f} ms")

@@ -11,6 +11,10 @@ with seccomp RuntimeDefault, no privilege escalation and every capability droppe
 filesystem where the role allows it; what a role writes goes to volumes: /tmp (an emptyDir, also HOME), the
 checkpoints, and a memory-backed /dev/shm for the trainer and inference. vLLM inference and Fast-LLM trainer
 pods keep a writable root: they run third-party code whose JIT and kernel caches write where we do not control.
+The model is ready before a role starts: every pod that loads it (lifecycle.roles.MODEL_ROLES) has an init
+container that materializes spec.model.path into the model cache volume (emptyDir, or spec.model.cacheClaimName
+shared by the job's pods) with rlkube.core.hf.fetch; the role then runs with HF_HUB_OFFLINE=1. spec.model.claimName
+and spec.task.dataset.claimName are mounted read-only where they are read.
 GPU pods get `nvidia.com/gpu` limits (validation.gpu_count); a trainer with several ranks per pod runs the
 launcher (lifecycle.environment.role_module), and trainer pods spread one per node (podAntiAffinity: required
 with GPUs, preferred on CPU so that a one-node CPU cluster still runs a multi-node job).
@@ -21,6 +25,7 @@ resolves `{pod}.{service}` to pod IPs directly, exactly as cluster DNS does for 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +36,7 @@ from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
 from rlkube.core import runtime
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module
-from rlkube.lifecycle.roles import CORE_ROLES, START_ORDER, replicas
+from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
@@ -296,6 +301,7 @@ def addresses(job: JobRef) -> Addresses:
         weight_sync_port=runtime.WEIGHT_SYNC_PORT,
         master_port=MASTER_PORT,
         checkpoint_dir=spec.trainer.checkpoint.path,
+        model_cache_dir=names.MODEL_CACHE_MOUNT,
     )
 
 
@@ -334,6 +340,11 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         # NCCL, torch and vLLM use shared memory; a container runtime's default /dev/shm is 64 MiB.
         container["volumeMounts"].append({"name": names.VOLUME_SHM, "mountPath": names.SHM_MOUNT})
         volumes.append({"name": names.VOLUME_SHM, "emptyDir": {"medium": "Memory"}})
+    mounts, data = _data_volumes(job, role)
+    container["volumeMounts"] += mounts
+    volumes += data
+    if role in MODEL_ROLES:
+        container["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
     if role == "inference":
         port = runtime.INFERENCE_PORT
         container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
@@ -359,7 +370,74 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
     if role == "trainer" and resume_checkpoint:
         annotations[names.ANNOTATION_RESUME] = resume_checkpoint
-    return _pod(job, role, index, container, volumes, annotations)
+    pod = _pod(job, role, index, container, volumes, annotations)
+    if role in MODEL_ROLES:
+        tpl = job.spec.template_for(role)
+        offline_by_user = tpl is not None and any(
+            e.name == runtime.ENV_HF_OFFLINE for c in tpl.spec.containers for e in c.env)
+        pod["spec"]["initContainers"] = [model_init_container(pod, role, keep_offline=offline_by_user)]
+        # The role uses what the init container materialized, never the network, whatever a template said: a
+        # template's HF_HUB_OFFLINE is the fetch's (1 for a pre-filled cache claim in an air-gapped cluster).
+        main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
+        for e in main["env"]:
+            if e["name"] == runtime.ENV_HF_OFFLINE:
+                e.clear()
+                e.update(name=runtime.ENV_HF_OFFLINE, value="1")
+    return pod
+
+
+def _data_volumes(job: JobRef, role: str) -> tuple[list[dict], list[dict]]:
+    """(mounts, volumes) of the model cache, the model claim and the dataset claim, where `role` reads them."""
+    spec, mounts, volumes = job.spec, [], []
+    if role in MODEL_ROLES:
+        cache = spec.model.cache_claim_name
+        mounts.append({"name": names.VOLUME_MODEL_CACHE, "mountPath": names.MODEL_CACHE_MOUNT})
+        volumes.append({"name": names.VOLUME_MODEL_CACHE, "persistentVolumeClaim": {"claimName": cache}}
+                       if cache else {"name": names.VOLUME_MODEL_CACHE, "emptyDir": {}})
+        if spec.model.claim_name:
+            mounts.append({"name": names.VOLUME_MODEL, "mountPath": spec.model.mount_path, "readOnly": True})
+            volumes.append({"name": names.VOLUME_MODEL, "persistentVolumeClaim": {
+                "claimName": spec.model.claim_name, "readOnly": True}})
+    ds = spec.task.dataset
+    if role in DATASET_ROLES and ds is not None and ds.claim_name:
+        mounts.append({"name": names.VOLUME_DATASET, "mountPath": ds.mount_path, "readOnly": True})
+        volumes.append({"name": names.VOLUME_DATASET, "persistentVolumeClaim": {
+            "claimName": ds.claim_name, "readOnly": True}})
+    return mounts, volumes
+
+
+MODEL_INIT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+"""The model init container downloads (streamed to disk) and parses a config and a tokenizer: no GPU, little memory."""
+MODEL_INIT_MODULE = "rlkube.core.hf.fetch"
+
+
+def model_init_container(pod: dict, role: str, keep_offline: bool = False) -> dict:
+    """The init container that materializes spec.model.path into the model cache (rlkube.core.hf.fetch).
+
+    Built from the role's container AFTER the pod template was merged, so what a user added there reaches the fetch
+    too: HF_TOKEN, HF_ENDPOINT, proxy variables, a CA bundle volume, the security context. It has its own command
+    and modest resources, and it may use the network unless the template sets HF_HUB_OFFLINE (`keep_offline`; the
+    operator's own HF_HUB_OFFLINE=1 is the role's). It fails like a role: a model that cannot work is written to
+    its termination log and it exits runtime.EXIT_CONFIG."""
+    main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
+    env = [copy.deepcopy(e) for e in main.get("env", []) if keep_offline or e["name"] != runtime.ENV_HF_OFFLINE]
+    # What the fetch reads, where the role's own env lacks it (a Fast-LLM trainer's env is Fast-LLM's).
+    needed = {runtime.ENV_CONFIG: f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}",
+              runtime.ENV_MODEL_CACHE: names.MODEL_CACHE_MOUNT}
+    present = {e["name"] for e in env}
+    env = [{"name": k, "value": v} for k, v in needed.items() if k not in present] + env
+    init = {
+        "name": names.INIT_MODEL,
+        "image": main["image"],
+        "command": ["python", "-m", MODEL_INIT_MODULE],
+        "env": env,
+        "resources": copy.deepcopy(MODEL_INIT_RESOURCES),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": copy.deepcopy(main.get("volumeMounts", [])),
+    }
+    if "securityContext" in main:
+        init["securityContext"] = copy.deepcopy(main["securityContext"])
+    return init
 
 
 def pod(

@@ -1,7 +1,10 @@
 """What the operator observes about one job, reduced to plain values the decisions can reason about.
 
 `PodView` is the summary of one pod that the kopf index keeps (phase, readiness, exit codes, restarts), so
-the decisions never touch raw Kubernetes objects and their tests build views directly. `EventSource` is the
+the decisions never touch raw Kubernetes objects and their tests build views directly. While the role's container
+has never run, a failed init container (the model fetch) stands for it: its exit code, termination message and
+restarts are the pod's, so runtime.EXIT_CONFIG and the restart budgets apply to it (no endless
+Init:CrashLoopBackOff). `EventSource` is the
 state of the Redis watcher. Pure parsing, no I/O.
 """
 
@@ -57,6 +60,24 @@ def _get(d: Any, *path: str) -> Any:
     return d
 
 
+def _ran(container: dict) -> bool:
+    """The container has started at least once (it runs, ran, or waits to be restarted)."""
+    return bool(_get(container, "state", "running") or _get(container, "state", "terminated")
+                or _get(container, "lastState", "terminated") or container.get("restartCount"))
+
+
+def _failed_init(status: dict, main: dict) -> dict | None:
+    """The status of an init container that failed (now, or before a restart in place) while the main container
+    never ran; None otherwise (no init container failed, or the role has started since)."""
+    if _ran(main):
+        return None
+    for c in status.get("initContainerStatuses") or []:
+        code = _get(c, "state", "terminated", "exitCode")
+        if (code is not None and code != 0) or _get(c, "lastState", "terminated") or c.get("restartCount"):
+            return c
+    return None
+
+
 def pod_view(pod: dict) -> PodView | None:
     """Summarise a pod dict (as the API returns it); None for pods without our role/index labels."""
     meta = pod.get("metadata") or {}
@@ -74,6 +95,14 @@ def pod_view(pod: dict) -> PodView | None:
     # The main container is the one named after the role; fall back to the first one.
     statuses = status.get("containerStatuses") or []
     main = next((c for c in statuses if c.get("name") == role), statuses[0] if statuses else {})
+    init = _failed_init(status, main)
+    restarts = int(main.get("restartCount") or 0)
+    waiting_prefix = ""
+    if init is not None:
+        # The role never ran because an init container (the model fetch) failed: its exit, message and restarts
+        # are the pod's, so restart budgets and runtime.EXIT_CONFIG apply to it as to the role itself.
+        restarts += int(init.get("restartCount") or 0)
+        main, waiting_prefix = init, "Init:"
     terminated = _get(main, "state", "terminated")
     last = _get(main, "lastState", "terminated")
     running = _get(main, "state", "running")
@@ -91,13 +120,13 @@ def pod_view(pod: dict) -> PodView | None:
         index=index,
         phase=status.get("phase") or "Pending",
         ready=ready,
-        restart_count=int(main.get("restartCount") or 0),
+        restart_count=restarts,
         exit_code=terminated.get("exitCode") if terminated else None,
         last_exit_code=last.get("exitCode") if last else None,
         termination_message=((terminated or {}).get("message") or (last or {}).get("message") or "").strip() or None,
         finished_at=parse_time(terminated.get("finishedAt")) if terminated else None,
         started_at=parse_time(started),
-        waiting_reason=(waiting or {}).get("reason"),
+        waiting_reason=waiting_prefix + reason if (reason := (waiting or {}).get("reason")) else None,
         pod_ip=status.get("podIP") or None,
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_grace=int(grace) if grace is not None else None,

@@ -208,8 +208,9 @@ class Actor:
             "logprobs": 0,
             "seed": self.rng.getrandbits(62),
         }
-        if min_version is not None and self.spec.inference.engine == "native":
-            body["min_model_version"] = min_version  # our server's extension; vLLM does not know it
+        if min_version is not None:
+            # An extension of our servers (both engines: rlkube.core.inference and rlkube.core.vllm_server).
+            body["min_model_version"] = min_version
         try:
             async with session.post(url + "/v1/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:

@@ -22,14 +22,14 @@ leaves with os._exit(0). Requests get the same care: on
 shutdown the engine refuses those not yet sampled (503; one may wait MIN_VERSION_WAIT_S for a version) instead
 of holding the server's graceful shutdown.
 
-`engine: vllm` is launched differently (the vLLM image); asked of this module, it fails fast with a clear message.
+`engine: vllm` is served by rlkube.core.vllm_server (vLLM in-process behind the same HTTP routes); pods run this
+module for both engines, and it hands over to that one (which fails fast, with the reason, without vllm).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.util
 import logging
 import os
 import sys
@@ -236,19 +236,8 @@ class InferenceServer:
 
 
 def _check_engine(engine: str) -> None:
-    if engine == "native":
-        return
-    if engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise SystemExit(
-                "spec.inference.engine is `vllm` but vllm is not installed in this image: use the vLLM image "
-                "(images/vllm) or install `rlkube[vllm]`, or set spec.inference.engine: native for a CPU tiny model"
-            )
-        raise SystemExit(
-            "spec.inference.engine `vllm` is served by the vLLM image's own entry point, not by "
-            "`python -m rlkube.core.inference` (which implements engine `native`)"
-        )
-    raise SystemExit(f"spec.inference.engine: unknown engine {engine!r} (known: native, vllm)")
+    if engine not in ("native", "vllm"):
+        raise SystemExit(f"spec.inference.engine: unknown engine {engine!r} (known: native, vllm)")
 
 
 def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollower]:
@@ -273,6 +262,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s inference %(levelname)s %(message)s")
     ctx = runtime.RoleContext.from_env()
     _check_engine(ctx.spec.inference.engine)
+    if ctx.spec.inference.engine == "vllm":
+        from rlkube.core import vllm_server
+
+        return vllm_server.main()
     # Three threads share the GIL (HTTP loop, sampling, weight follower). With the default 5 ms switch interval
     # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
     # the broadcast, waits with it.

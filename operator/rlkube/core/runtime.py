@@ -34,6 +34,7 @@ ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
 # Where spec.model.path is materialized (hf:// snapshots, builtin:// models); every role of a job should see the
 # same directory (a shared volume) or each writes/fetches its own copy. Default ~/.cache/rlkube/models.
 ENV_MODEL_CACHE = "RLKUBE_MODEL_CACHE"
+ENV_HF_OFFLINE = "HF_HUB_OFFLINE"  # huggingface_hub's switch: 1 = use the model cache only, never the network
 # Trainer with spec.trainer.nodes > 1 (data parallelism), besides torchrun's RANK, WORLD_SIZE, NODE_RANK, NNODES,
 # LOCAL_RANK, MASTER_ADDR, MASTER_PORT: seconds after which a rank that stopped answering (died or hung) makes the
 # other ranks exit 1 without training_finished (default 120; rlkube.core.backends.torch_distributed).

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import runtime
-from rlkube.lifecycle.roles import INFERENCE, REDIS, TRAINER
+from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, TRAINER
 
 POD_IP = "POD_IP"
 """The pod's IP from the downward API (pods only): servers bind to it (`bind_host` is `$(POD_IP)`)."""
@@ -79,6 +79,8 @@ class Addresses:
     checkpoint_dir: str
     output_dir: str | None = None
     """Where a role may write logs/metrics (local runs)."""
+    model_cache_dir: str | None = None
+    """Where spec.model.path is materialized (runtime.ENV_MODEL_CACHE); None: the roles' default."""
 
 
 def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses) -> list[tuple[str, str]]:
@@ -113,6 +115,8 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses) -> lis
             env += rank_env(spec, index, 0)
     if at.output_dir is not None:
         env.append((runtime.ENV_OUTPUT_DIR, at.output_dir))
+    if at.model_cache_dir is not None and role in MODEL_ROLES:
+        env.append((runtime.ENV_MODEL_CACHE, at.model_cache_dir))
     return env
 
 
@@ -124,7 +128,7 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
         return frozenset(pod_only)
     n = spec.inference.replicas
     at = Addresses(config_path="", redis_url="", bind_host="", inference_urls=("",) * n, inference_ports=(0,) * n,
-                   weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="")
+                   weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="", model_cache_dir="")
     names = {name for name, _ in role_env(spec, role, 0, at)} | pod_only
     if role == TRAINER:
         names |= set(RANK_ENV)

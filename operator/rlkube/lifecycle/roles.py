@@ -21,6 +21,11 @@ TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
 """Stop order: producers first, inference after the trainer's finished event, Redis last (design.md s4)."""
 CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
 """Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
+MODEL_ROLES = (TRAINER, INFERENCE, ACTOR)
+"""Roles that load the model (weights, or the tokenizer for the actor): the operator materializes spec.model.path
+into their model cache before they start. The preprocessor works on token ids only."""
+DATASET_ROLES = (ACTOR,)
+"""Roles that read spec.task.dataset (the prompts)."""
 
 
 def replicas(spec: TrainingJobSpec, role: str) -> int:

@@ -4,6 +4,11 @@ The same roles as in a cluster (`python -m rlkube.core.<role>` with the env of r
 the design's order (Redis; trainer and inference together; preprocessor; actors once inference is healthy),
 followed through the trainer's events in Redis, and torn down in the operator's order: actors, preprocessor,
 inference, trainer, Redis. Any ending (success, a crashed role, Ctrl-C) goes through that teardown.
+
+Before anything starts, spec.model.path is materialized once into the model cache (what the operator's init
+container does in a cluster): an hf:// model is downloaded there, builtin:// written there, a directory checked.
+Every role gets RLKUBE_MODEL_CACHE pointing at it and HF_HUB_OFFLINE=1, so the roles reuse that copy instead of
+each fetching its own. A model that cannot work fails the job there, judged like a role's config error.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from rlkube.local.processes import RoleProcess, python_module, stop_all
 from rlkube.local.redis_server import RedisNotInstalled, RedisServer
 
 NAMESPACE = "local"
+MODEL_FETCH = ("init", "model-fetch")
+"""(role, name) that a model that cannot be materialized is reported under: the step before any role, as the model
+init container is in a cluster."""
 
 
 def _free_port() -> int:
@@ -91,8 +99,10 @@ class RunResult:
 
 
 class LocalJob:
-    def __init__(self, name: str, spec: TrainingJobSpec, raw_spec: dict, output_dir: Path, console: Console):
+    def __init__(self, name: str, spec: TrainingJobSpec, raw_spec: dict, output_dir: Path, console: Console,
+                 model_cache: Path | None = None):
         self.name = name
+        self.model_cache = model_cache
         self.spec = spec
         self.raw_spec = raw_spec
         self.out = output_dir
@@ -124,6 +134,9 @@ class LocalJob:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(role_env(self.spec, role, index, self.addresses))
         env[runtime.ENV_TERMINATION_LOG] = str(self._termination_log(role, index))
+        if self.model_cache is not None:  # materialized before launch: every role reuses that copy, offline
+            env[runtime.ENV_MODEL_CACHE] = str(self.model_cache)
+            env["HF_HUB_OFFLINE"] = "1"
         return env
 
     def _termination_log(self, role: str, index: int) -> Path:
@@ -408,9 +421,33 @@ def _plot(metrics: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     return path
 
 
-def run_local(manifest: dict, output_dir: Path | None = None, console: Console | None = None) -> RunResult:
+def materialize(spec: TrainingJobSpec, cache: Path, console: Console) -> Outcome | None:
+    """Materialize spec.model.path into `cache` (None when it is ready), else the job's outcome: a ModelError is
+    judged as the operator judges a pod that exits with runtime.EXIT_CONFIG (Failed, InvalidSpec, the message
+    naming spec.model.path); Ctrl-C during a download is an interruption."""
+    from rlkube.core.hf import ModelError
+    from rlkube.core.hf.fetch import fetch
+
+    console.print(f"model: {spec.model.path} (model cache {cache})", soft_wrap=True, markup=False)
+    try:
+        path = fetch(spec, cache)  # what the operator's model init container runs
+    except ModelError as exc:
+        failure = Failure(*MODEL_FETCH, runtime.EXIT_CONFIG, str(exc))
+        verdict = judge(Evidence(now=_now(), config_error=failure), spec).outcome
+        assert verdict is not None
+        return verdict
+    except KeyboardInterrupt:
+        return Outcome.failed(Reason.INTERRUPTED, "stopped by the user (SIGINT) while materializing the model")
+    console.print(f"model: ready at {path}", soft_wrap=True, markup=False)
+    return None
+
+
+def run_local(manifest: dict, output_dir: Path | None = None, console: Console | None = None,
+              model_cache: Path | None = None) -> RunResult:
     """Run a TrainingJob manifest to the end. A manifest that fails validation ends as Failed/InvalidSpec (the
-    operator's verdict for it) before anything is started; `invalid` then holds each field's error."""
+    operator's verdict for it) before anything is started; `invalid` then holds each field's error. So does a
+    model that cannot be materialized into `model_cache` (default: $RLKUBE_MODEL_CACHE, else
+    ~/.cache/rlkube/models), with the message naming spec.model.path."""
     name = (manifest.get("metadata") or {}).get("name") or "job"
     try:
         meta, spec = parse_manifest(manifest)
@@ -422,8 +459,15 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
     name = meta["name"]
     console = console or Console(stderr=True)
     out = Path(output_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    job = LocalJob(name, spec, manifest["spec"], out, console)
     t0 = time.monotonic()
+    from rlkube.core.hf.source import default_cache_dir
+
+    cache = Path(model_cache).expanduser().resolve() if model_cache is not None else default_cache_dir().resolve()
+    failed = materialize(spec, cache, console)
+    if failed is not None:  # nothing was started: no role, no Redis, no output directory
+        return RunResult(name, failed.phase, failed.reason, failed.message, 0, spec.algorithm.max_steps, [], [], [],
+                         time.monotonic() - t0, out)
+    job = LocalJob(name, spec, manifest["spec"], out, console, model_cache=cache)
     previous = {sig: signal.signal(sig, job.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -473,7 +517,8 @@ def cli(args) -> int:
     try:
         with open(args.file) as fh:
             manifest = yaml.safe_load(fh)
-        result = run_local(manifest, Path(args.output_dir) if args.output_dir else None, console)
+        result = run_local(manifest, Path(args.output_dir) if args.output_dir else None, console,
+                           Path(args.model_cache) if args.model_cache else None)
     except (RedisNotInstalled, FileNotFoundError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARSET = "0123456789+-*=:;,.?!()[]<>/ abcdefghijklmnopqrstuvwxyz"
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -59,6 +57,7 @@ def tiny_llama_config(vocab_size: int):
 
 def write_tiny_llama(directory: Path, seed: int) -> None:
     """Write the model, its config, generation config and tokenizer into `directory` (which must exist)."""
+    import torch  # here, not at the top: finding the written directory (FORMAT_VERSION) must not import torch
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 

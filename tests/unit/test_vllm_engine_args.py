@@ -1,0 +1,88 @@
+"""engine: vllm without vLLM: the engine arguments rlkube derives from spec.inference.vllm, the spec block itself,
+and what the role says when no interpreter with vllm is at hand. (Serving is tests/integration/test_vllm_server.py.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+from rlkube.api.validation import parse_spec
+from rlkube.core.vllm_server import ENV_VLLM_PYTHON, engine_cli_args
+from rlkube.core.vllm_worker import EXTENSION
+
+pytestmark = pytest.mark.unit
+
+
+def spec(**vllm):
+    return parse_spec({
+        "model": {"path": "builtin://tiny-llama", "seed": 2, "maxSequenceLength": 48, "dtype": "float32"},
+        "task": {"name": "reverse-digits"},
+        "algorithm": {"maxSteps": 2},
+        "inference": {"engine": "vllm", **({"vllm": vllm} if vllm else {})},
+    })
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_cpu_defaults_fit_a_shared_machine():
+    args = engine_cli_args(spec(), "/models/m", index=1)
+    assert option(args, "--model") == "/models/m"
+    assert option(args, "--served-model-name") == "builtin://tiny-llama"  # what the actor's requests name
+    assert option(args, "--max-model-len") == "48"
+    assert option(args, "--gpu-memory-utilization") == "0.1"
+    assert option(args, "--dtype") == "float32"
+    assert option(args, "--seed") == "2001"  # per replica, as the native engine seeds
+    assert option(args, "--worker-extension-cls") == EXTENSION
+    assert option(args, "--logprobs-mode") == "processed_logprobs"
+    assert "--enforce-eager" in args
+
+
+def test_gpu_defaults_and_spec_knobs():
+    args = engine_cli_args(spec(), "/m", gpus=True)
+    assert option(args, "--gpu-memory-utilization") == "0.9" and "--no-enforce-eager" in args
+    args = engine_cli_args(spec(maxModelLength=4096, memoryFraction=0.5, enforceEager=True,
+                                extraEngineArgs=["--max-num-seqs=8", "--seed", "9"]), "/m", gpus=True)
+    assert option(args, "--max-model-len") == "4096"
+    assert option(args, "--gpu-memory-utilization") == "0.5" and "--enforce-eager" in args
+    assert args[-3:] == ["--max-num-seqs=8", "--seed", "9"]  # last, so they override ours (argparse: last wins)
+
+
+@pytest.mark.parametrize("bad", [{"memoryFraction": 0}, {"memoryFraction": 1.5}, {"maxModelLength": 4},
+                                 {"extraEngineArgs": "--x"}, {"gpuMemoryUtilization": 0.5}])
+def test_bad_vllm_block_is_refused_with_its_path(bad):
+    with pytest.raises((ValidationError, ValueError)) as err:
+        spec(**bad)
+    assert "vllm" in str(err.value)
+
+
+def test_the_worker_extension_is_importable_by_name():
+    module, _, cls = EXTENSION.rpartition(".")
+    out = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.{cls}.__name__)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == cls, out.stderr
+
+
+def test_without_vllm_the_role_exits_with_the_reason(tmp_path, monkeypatch):
+    """The main venv has no vllm: with no RLKUBE_VLLM_PYTHON the role says how to get one, and a
+    RLKUBE_VLLM_PYTHON without vllm (here: this same interpreter) is not re-executed twice."""
+    pytest.importorskip("torch")
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    from rlkube.core import vllm_server
+
+    with pytest.raises(SystemExit) as err:
+        vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: ""})
+    assert "vllm is not installed" in str(err.value) and ENV_VLLM_PYTHON in str(err.value)
+    with pytest.raises(SystemExit) as err:
+        vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: sys.executable, "RLKUBE_VLLM_REEXECUTED": "1"})
+    assert "has no vllm either" in str(err.value)
+    with pytest.raises(SystemExit) as err:
+        vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: str(tmp_path / "missing-python")})
+    assert "is not executable" in str(err.value)
