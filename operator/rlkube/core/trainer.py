@@ -146,6 +146,11 @@ class Trainer:
         self._pending_normalizer = 0.0
 
     @property
+    def sharded(self) -> bool:
+        """The backend shards the model over the ranks (FSDP): whole-model operations are collectives."""
+        return bool(getattr(self.backend, "shards_gradients", False))
+
+    @property
     def version(self) -> int:
         return self.step
 
@@ -174,6 +179,10 @@ class Trainer:
         stats = LossStats()
         for m in micro:
             stats = stats.merge(self.backend.forward_backward(m, norm))
+        if self.sharded and self.dp is not None:
+            # FSDP's gathers and reduce-scatters are collectives: every rank runs as many passes as the busiest.
+            for _ in range(int(self.dp.max(len(micro))) - len(micro)):
+                self.backend.forward_backward_nothing()
         self._pending = self._pending.merge(stats)
         self._pending_normalizer = norm
         return stats.metrics(norm)
@@ -183,8 +192,10 @@ class Trainer:
         statistics of everything accumulated since the previous step (summed over the data-parallel ranks)."""
         if self.dp is not None:
             names = [f.name for f in dataclass_fields(LossStats)]
-            summed = self.dp.sum_gradients(self.backend.gradient_parameters(),
-                                           [getattr(self._pending, n) for n in names])
+            pending = [getattr(self._pending, n) for n in names]
+            # A sharded backend reduce-scattered its gradients already (summed, torch_fsdp): only the statistics.
+            summed = (self.dp.sum(pending) if self.sharded
+                      else self.dp.sum_gradients(self.backend.gradient_parameters(), pending))
             self._pending = LossStats(**dict(zip(names, summed, strict=True)))
         lr = self.backend.learning_rate
         grad_norm = self.backend.optim_step()
@@ -207,7 +218,8 @@ class Trainer:
     def sync_from_leader(self) -> None:
         """Data parallelism: every rank takes rank 0's weights, optimizer state and counters (after rank 0 resumed
         from its checkpoint, or fresh), so all ranks start identical however they were initialised."""
-        if self.dp is None:
+        if self.dp is None or self.sharded:
+            # Sharded: every rank loaded the same initial weights and resumes from the distributed checkpoint.
             return
         # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
         # rendezvous, not in the broadcast below, which fails after the collective timeout.
@@ -227,6 +239,8 @@ class Trainer:
         if self.checkpoint_dir is None:
             raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         step = self.step if step is None else step
+        if self.sharded:
+            return self._save_sharded_checkpoint(step)
         model_state, optim_state = self.backend.state()
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})
@@ -235,6 +249,37 @@ class Trainer:
         self.last_checkpoint = (step, path)
         return path
 
+    def _save_sharded_checkpoint(self, step: int) -> Path:
+        """COLLECTIVE (every rank, one checkpoint directory they all see): each rank writes its shards of weights
+        and Adam state (torch.distributed.checkpoint) to `shards-{step}`, then rank 0 writes `step-{step}` as for
+        the replicated backends (a Hugging Face directory of the gathered weights; optimizer.pt holds the LR
+        schedule and marks the optimizer state as distributed), whose atomic rename completes both."""
+        root = self.checkpoint_dir
+        shards = root / ckpt.shards_name(step)
+        self.backend.save_distributed(shards)
+        model_state, optim_state = self.backend.full_state()
+        path = root / ckpt.checkpoint_name(step)
+        if self.dp is None or self.dp.is_leader:
+            meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
+                                       extra={"backend": self.spec.trainer.backend, "sharding": "fsdp"})
+            path = ckpt.save_checkpoint(root, meta, model_state, optim_state, model_dir=self.model_dir,
+                                        dtype=self.spec.model.dtype)
+        del model_state
+        self.last_checkpoint = (step, path)
+        return path
+
+    def _resume_sharded(self, path: Path) -> None:
+        meta = ckpt.read_meta(path)
+        shards = path.parent / ckpt.shards_name(meta.step)
+        if meta.extra.get("sharding") == "fsdp" and shards.is_dir():
+            self.backend.load_distributed(shards)  # at any world size
+        else:
+            raise RuntimeError(f"{path}: no distributed checkpoint {shards.name} next to it (resuming a sharded "
+                               "trainer from a replicated checkpoint is not implemented)")
+        self.step, self.documents_seen = meta.step, meta.documents_seen
+        self.last_checkpoint = (meta.step, path)
+        log.info("resumed from %s (step %d, %d documents seen; sharded)", path, meta.step, meta.documents_seen)
+
     def resume(self) -> Path | None:
         """Load the newest complete checkpoint, if any; returns its path."""
         if self.checkpoint_dir is None:
@@ -242,6 +287,9 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
+        if self.sharded:
+            self._resume_sharded(path)
+            return path
         # Weights are HF-named whatever the backend; optimizer state is the writing backend's own layout.
         written_by = (ckpt.read_meta(path) or ckpt.CheckpointMeta(0)).extra.get("backend")
         same_backend = written_by in (None, self.spec.trainer.backend)

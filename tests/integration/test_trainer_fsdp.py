@@ -1,0 +1,109 @@
+"""FSDP2 sharding of the torch backend (spec.trainer.sharding: fsdp) over gloo: real trainer ranks (separate
+processes, the trainer's own DataParallel group) train on their shares of each step's documents; the weights equal
+single-process training on the union of the documents, a restart from the distributed checkpoint at another world
+size still does, and each rank holds a 1/world share of parameters and Adam state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from core_roles import free_port, make_documents, tiny_spec
+from rlkube.api.validation import parse_spec
+from rlkube.core import checkpoint as ckpt
+from rlkube.core.trainer import Trainer
+
+HERE = Path(__file__).parent
+TIMEOUT = 300  # several ranks importing torch and transformers at once on a loaded 2-core machine
+TOLERANCE = 1e-5  # float32: only the summation order of the gradients differs (reduce-scatter vs one process)
+
+
+def fsdp_spec(steps: int, per_step: int) -> dict:
+    spec = tiny_spec(maxSteps=steps, samplesPerStep=per_step)
+    spec["trainer"]["sharding"] = "fsdp"
+    return spec
+
+
+def run_ranks(tmp: Path, spec: dict, world: int, steps: int, per_step: int, first_step: int = 0) -> list[dict]:
+    """`world` trainer ranks (one process each, RANK/WORLD_SIZE/MASTER_* as the operator sets them)."""
+    spec_file = tmp / f"spec-{world}-{first_step}.json"
+    spec_file.write_text(json.dumps(spec))
+    port = free_port()
+    procs, reports = [], []
+    for rank in range(world):
+        report = tmp / f"report-{world}-{first_step}-{rank}.json"
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               # the worker imports the tests' helpers (core_roles and what it imports)
+               "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+        log = open(tmp / f"rank-{world}-{first_step}-{rank}.log", "wb")
+        procs.append((subprocess.Popen(
+            [sys.executable, str(HERE / "fsdp_worker.py"), "--spec", str(spec_file), "--checkpoints",
+             str(tmp / "ckpt"), "--first-step", str(first_step), "--steps", str(steps), "--per-step",
+             str(per_step), "--report", str(report)], env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        reports.append(report)
+    try:
+        for proc, log in procs:
+            code = proc.wait(TIMEOUT)
+            assert code == 0, Path(log.name).read_text()[-4000:]
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return [json.loads(r.read_text()) for r in reports]
+
+
+def reference_weights(spec: dict, steps: int, per_step: int):
+    one = dict(spec, trainer={**spec["trainer"], "sharding": "none"})
+    trainer = Trainer(parse_spec(one))
+    docs = make_documents(steps * per_step, seed=5)
+    metrics = [trainer.train_step(docs[k * per_step:(k + 1) * per_step]) for k in range(steps)]
+    return trainer.model.state_dict(), metrics, Trainer(parse_spec(one)).model.state_dict()
+
+
+def difference(path: Path, want) -> float:
+    got = ckpt.load_weights(Path(path))
+    assert got.keys() == want.keys()
+    return max(float((got[n] - want[n]).abs().max()) for n in want)
+
+
+def test_fsdp_ranks_equal_single_process_training_and_resume_at_another_world_size(tmp_path):
+    """World 2 for 2 steps with 7 documents a step (uneven shares 4 + 3), checkpoint; then world 3 resumes from
+    the distributed checkpoint for a third step (shares 3 + 2 + 2); both equal single-process training."""
+    per_step = 7
+    spec = fsdp_spec(steps=3, per_step=per_step)
+    first = run_ranks(tmp_path, spec, world=2, steps=2, per_step=per_step)
+    want, ref_metrics, initial = reference_weights(spec, steps=2, per_step=per_step)
+    moved = max(float((want[n] - initial[n]).abs().max()) for n in want)
+    assert moved > 1e-3, "training did not change the weights: the comparison would prove nothing"
+    worst = difference(first[0]["checkpoint"], want)
+    print(f"world 2, 2 steps: largest difference to single-process training {worst:.2e} (moved {moved:.2e})")
+    assert worst < TOLERANCE
+    for got, ref in zip(first[0]["metrics"], ref_metrics, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert (tmp_path / "ckpt" / ckpt.shards_name(2)).is_dir()
+
+    second = run_ranks(tmp_path, spec, world=3, steps=1, per_step=per_step, first_step=2)
+    want3, _, _ = reference_weights(spec, steps=3, per_step=per_step)
+    worst3 = difference(second[0]["checkpoint"], want3)
+    print(f"resumed at world 3, step 3: largest difference to single-process training {worst3:.2e}")
+    assert worst3 < TOLERANCE
+
+    # Memory: each rank holds about 1/world of the parameters and of Adam's state.
+
+    total = sum(t.numel() * t.element_size() for t in want.values())
+    for world, reports in ((2, first), (3, second)):
+        per_rank = [r["bytes"] for r in reports]
+        print(f"world {world}: parameter+Adam bytes per rank {[b['parameters'] + b['optimizer'] for b in per_rank]}"
+              f" (unsharded: {3 * total})")
+        assert sum(b["parameters"] for b in per_rank) == total
+        assert max(b["parameters"] for b in per_rank) <= total / world * 1.2
+        assert sum(b["optimizer"] for b in per_rank) == 2 * total  # Adam's exp_avg and exp_avg_sq
+
