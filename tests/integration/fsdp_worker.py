@@ -14,6 +14,7 @@ from core_roles import make_documents
 from rlkube.api.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.core.trainer import Trainer
+from safetensors.torch import save_file
 
 
 def share(docs: list, rank: int, world: int) -> list:
@@ -45,8 +46,17 @@ def main() -> int:
         step_docs = docs[k * args.per_step:(k + 1) * args.per_step]
         metrics.append(trainer.train_step(share(step_docs, dp.rank, dp.world_size)))
     path = trainer.save_checkpoint()
+    # Weight publishing's source: every rank iterates (one parameter gathered at a time), rank 0 keeps them.
+    published, largest = {}, 0
+    for name, tensor in trainer.backend.weights():
+        largest = max(largest, tensor.numel())
+        if dp.is_leader:
+            published[name] = tensor.clone()
+    if dp.is_leader:
+        save_file(published, str(Path(args.report).with_suffix(".safetensors")))
     Path(args.report).write_text(json.dumps({"bytes": trainer.backend.local_bytes(), "metrics": metrics,
-                                             "checkpoint": str(path), "rank": dp.rank}))
+                                             "checkpoint": str(path), "rank": dp.rank,
+                                             "largest_gathered": largest}))
     dp.finish()
     return 0
 

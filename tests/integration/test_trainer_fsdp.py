@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from core_roles import free_port, make_documents, tiny_spec
 from rlkube.api.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core.trainer import Trainer
+from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
 TIMEOUT = 300  # several ranks importing torch and transformers at once on a loaded 2-core machine
@@ -60,11 +62,16 @@ def run_ranks(tmp: Path, spec: dict, world: int, steps: int, per_step: int, firs
 
 
 def reference_weights(spec: dict, steps: int, per_step: int):
+    """Single-process (unsharded) training on the union: (weights, metrics, initial weights, parameter + Adam
+    bytes held by the one process)."""
     one = dict(spec, trainer={**spec["trainer"], "sharding": "none"})
     trainer = Trainer(parse_spec(one))
     docs = make_documents(steps * per_step, seed=5)
     metrics = [trainer.train_step(docs[k * per_step:(k + 1) * per_step]) for k in range(steps)]
-    return trainer.model.state_dict(), metrics, Trainer(parse_spec(one)).model.state_dict()
+    held = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    held += sum(v.numel() * v.element_size() for s in trainer.backend.optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return trainer.model.state_dict(), metrics, Trainer(parse_spec(one)).model.state_dict(), held
 
 
 def difference(path: Path, want) -> float:
@@ -79,7 +86,7 @@ def test_fsdp_ranks_equal_single_process_training_and_resume_at_another_world_si
     per_step = 7
     spec = fsdp_spec(steps=3, per_step=per_step)
     first = run_ranks(tmp_path, spec, world=2, steps=2, per_step=per_step)
-    want, ref_metrics, initial = reference_weights(spec, steps=2, per_step=per_step)
+    want, ref_metrics, initial, held = reference_weights(spec, steps=2, per_step=per_step)
     moved = max(float((want[n] - initial[n]).abs().max()) for n in want)
     assert moved > 1e-3, "training did not change the weights: the comparison would prove nothing"
     worst = difference(first[0]["checkpoint"], want)
@@ -89,9 +96,14 @@ def test_fsdp_ranks_equal_single_process_training_and_resume_at_another_world_si
         assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     assert (tmp_path / "ckpt" / ckpt.shards_name(2)).is_dir()
+    # What rank 0 would publish: every weight, full, equal to the checkpoint's; gathered one tensor at a time.
+    published = load_file(str(tmp_path / "report-2-0-0.safetensors"))
+    assert published.keys() == want.keys()
+    assert max(float((published[n] - want[n]).abs().max()) for n in want) < TOLERANCE
+    assert first[0]["largest_gathered"] == max(t.numel() for t in want.values())
 
     second = run_ranks(tmp_path, spec, world=3, steps=1, per_step=per_step, first_step=2)
-    want3, _, _ = reference_weights(spec, steps=3, per_step=per_step)
+    want3, *_ = reference_weights(spec, steps=3, per_step=per_step)
     worst3 = difference(second[0]["checkpoint"], want3)
     print(f"resumed at world 3, step 3: largest difference to single-process training {worst3:.2e}")
     assert worst3 < TOLERANCE
@@ -99,10 +111,12 @@ def test_fsdp_ranks_equal_single_process_training_and_resume_at_another_world_si
     # Memory: each rank holds about 1/world of the parameters and of Adam's state.
 
     total = sum(t.numel() * t.element_size() for t in want.values())
+    assert held == 3 * total  # world 1 (unsharded): float32 parameters + Adam's two moments
     for world, reports in ((2, first), (3, second)):
         per_rank = [r["bytes"] for r in reports]
         print(f"world {world}: parameter+Adam bytes per rank {[b['parameters'] + b['optimizer'] for b in per_rank]}"
-              f" (unsharded: {3 * total})")
+              f" (world 1: {held})")
+        assert max(b["parameters"] + b["optimizer"] for b in per_rank) < held / world * 1.2
         assert sum(b["parameters"] for b in per_rank) == total
         assert max(b["parameters"] for b in per_rank) <= total / world * 1.2
         assert sum(b["optimizer"] for b in per_rank) == 2 * total  # Adam's exp_avg and exp_avg_sq

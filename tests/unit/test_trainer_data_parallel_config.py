@@ -76,3 +76,17 @@ def test_processes_per_node_multiply_the_ranks():
 def test_world_size_must_match_the_spec():
     with pytest.raises(ValueError, match=r"WORLD_SIZE=3 but the spec has 2 trainer ranks"):
         build_role(_ctx(spec_with(nodes=2, samples=4)), client=None, env={**ENV, "WORLD_SIZE": "3"})
+
+
+def test_fsdp_sharding_is_for_the_torch_backend_and_not_yet_in_the_role(tmp_path):
+    spec = spec_with(nodes=2, samples=4)
+    spec["trainer"]["sharding"] = "fsdp"
+    assert parse_spec(spec).trainer.sharding == "fsdp"
+    assert parse_spec(spec_with(nodes=2, samples=4)).trainer.sharding == "none"  # default: today's replicas
+    megatron = copy.deepcopy(spec)
+    megatron["trainer"]["backend"] = "megatron"
+    with pytest.raises(SpecError) as err:
+        parse_spec(megatron)
+    assert [e.field for e in err.value.errors] == ["spec.trainer.sharding"]
+    with pytest.raises(ValueError, match="sharding 'fsdp' is not available in the trainer role yet"):
+        build_role(_ctx(spec), client=None, env=ENV)

@@ -621,6 +621,11 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
         raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
                          f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
+    if spec.trainer.sharding == "fsdp":
+        # Trainer and backend support it (tests/integration/test_trainer_fsdp.py); the role does not yet: its weight
+        # transfer and checkpoints run on rank 0 alone, where with FSDP every rank must take part (collectives).
+        raise ValueError("spec.trainer.sharding 'fsdp' is not available in the trainer role yet (weight publishing "
+                         "and checkpoints are rank-0-only there); use sharding 'none'")
     cfg = DistConfig.from_env(env) if world > 1 else None
     if cfg is not None and cfg.world_size != world:
         raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "
