@@ -13,9 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_roles import free_port, make_documents, tiny_spec
+from core_roles import (
+    add_documents,
+    free_port,
+    keys_for,
+    make_documents,
+    read_events,
+    roles_fixture,  # noqa: F401  (fixture roles)
+    start_trainer,
+    tiny_spec,
+)
 from rlkube.api.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
+from rlkube.core import protocol
 from rlkube.core.trainer import Trainer
 from safetensors.torch import load_file
 
@@ -140,3 +150,32 @@ def test_fsdp_bfloat16_compute_stays_close_to_single_process_autocast(tmp_path):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-2, abs=1e-3)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)
         assert got["loss_tokens"] == ref["loss_tokens"]
+
+
+def test_fsdp_trainer_role_over_two_ranks_equals_single_process_training(redis_client, redis_server, tmp_path,
+                                                                         roles):
+    """The trainer role itself (python -m rlkube.core.trainer, one process per rank, Redis documents) with
+    sharding fsdp: both ranks gather the published weights and write the checkpoints (one shared directory);
+    rank 0 sends and reports. 7 documents a step: shares of 4 and 3."""
+    steps, per_step = 3, 7
+    spec = fsdp_spec(steps=steps, per_step=per_step)
+    spec["trainer"]["nodes"] = 2
+    keys = keys_for("fsdp", spec)
+    docs = make_documents(steps * per_step, seed=5)
+    add_documents(redis_client, keys, docs)
+    port = free_port()
+    ranks = [start_trainer(roles, tmp_path, "fsdp", spec, redis_server.url, ckpt_dir=tmp_path / "ckpt",
+                           RANK=str(rank), WORLD_SIZE="2", NODE_RANK=str(rank), NNODES="2", LOCAL_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in range(2)]
+    for rank in ranks:
+        assert rank.wait(TIMEOUT) == 0, rank.log()
+    kinds = [e.type for e in read_events(redis_client, keys)]
+    assert kinds.count(protocol.WEIGHTS_READY) == steps + 1, kinds
+    assert kinds.count(protocol.METRICS) == steps, kinds
+    (finished,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert finished.payload["step"] == steps and finished.payload["interrupted"] is False
+    want, *_ = reference_weights(spec, steps=steps, per_step=per_step)
+    worst = difference(finished.payload["checkpoint"], want)
+    print(f"trainer role, 2 FSDP ranks, {steps} steps: largest difference to single-process training {worst:.2e}")
+    assert worst < TOLERANCE
+    assert (tmp_path / "ckpt" / ckpt.shards_name(steps)).is_dir()

@@ -78,7 +78,7 @@ def test_world_size_must_match_the_spec():
         build_role(_ctx(spec_with(nodes=2, samples=4)), client=None, env={**ENV, "WORLD_SIZE": "3"})
 
 
-def test_fsdp_sharding_is_for_the_torch_backend_and_not_yet_in_the_role(tmp_path):
+def test_fsdp_sharding_is_for_the_torch_backend_over_several_ranks():
     spec = spec_with(nodes=2, samples=4)
     spec["trainer"]["sharding"] = "fsdp"
     assert parse_spec(spec).trainer.sharding == "fsdp"
@@ -88,5 +88,7 @@ def test_fsdp_sharding_is_for_the_torch_backend_and_not_yet_in_the_role(tmp_path
     with pytest.raises(SpecError) as err:
         parse_spec(megatron)
     assert [e.field for e in err.value.errors] == ["spec.trainer.sharding"]
-    with pytest.raises(ValueError, match="sharding 'fsdp' is not available in the trainer role yet"):
-        build_role(_ctx(spec), client=None, env=ENV)
+    alone = spec_with(nodes=1, samples=4)
+    alone["trainer"]["sharding"] = "fsdp"
+    with pytest.raises(ValueError, match="it needs nodes x processesPerNode > 1"):
+        build_role(_ctx(alone), client=None, env={})

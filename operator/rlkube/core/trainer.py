@@ -306,16 +306,27 @@ class Trainer:
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
+        weights = iter(self.backend.weights())
         if self.publisher is not None:
-            self.publisher.start(self.backend.weights(), version=self.version, step=self.step,
-                                 documents_seen=self.documents_seen)
+            self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
+        if self.sharded:
+            self._drain(weights)
 
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
+        weights = iter(self.backend.weights())
         if self.publisher is not None:
             version = self.version if version is None else version
-            self.publisher.publish(self.backend.weights(), version=version, step=self.step,
-                                   documents_seen=self.documents_seen)
+            self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
+        if self.sharded:
+            self._drain(weights)
+
+    @staticmethod
+    def _drain(weights) -> None:
+        """Sharded: every weight is gathered by every rank (collectives), whether or not this rank's publisher
+        read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
+        for _ in weights:
+            pass
 
     def close_weights(self) -> None:
         if self.publisher is not None:
@@ -501,22 +512,26 @@ class TrainerRole:
                 step_metrics = t.train_step(docs)
                 doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
                 t2 = time.monotonic()
-                if self.leader:
+                if self.leader or t.sharded:  # sharded: every rank gathers, rank 0 sends
                     published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
                 t3 = time.monotonic()
                 self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
-                if self.leader and t.step % interval == 0:
+                if (self.leader or t.sharded) and t.step % interval == 0:
                     self._checkpoint()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
             # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
             # are gone from the group; a step's weights change only after its collectives succeeded, so they are
             # consistent), but publish no training_finished: this is a failure, and the operator must not read it
             # as completion.
-            if self.leader and t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+            # (Sharded: saving is a collective with a peer that may be gone; the last interval's checkpoint stays.)
+            if (self.leader and not t.sharded and t.step
+                    and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
                 self._checkpoint()
             raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
+        elif t.sharded and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+            t.save_checkpoint()  # its part of rank 0's final checkpoint (a collective)
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
         return 0
@@ -553,7 +568,8 @@ class TrainerRole:
 
     def _checkpoint(self) -> None:
         path = self.trainer.save_checkpoint()
-        self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
+        if self.leader:
+            self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
 
     def _document_stats(self, docs: Sequence[protocol.Document], version: int) -> dict[str, float]:
         """The step's document statistics; with data parallelism, over every rank's share (two tiny collectives,
@@ -621,11 +637,10 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
         raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
                          f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
-    if spec.trainer.sharding == "fsdp":
-        # Trainer and backend support it (tests/integration/test_trainer_fsdp.py); the role does not yet: its weight
-        # transfer and checkpoints run on rank 0 alone, where with FSDP every rank must take part (collectives).
-        raise ValueError("spec.trainer.sharding 'fsdp' is not available in the trainer role yet (weight publishing "
-                         "and checkpoints are rank-0-only there); use sharding 'none'")
+    sharded = spec.trainer.sharding == "fsdp"
+    if sharded and world < 2:
+        raise ValueError("spec.trainer.sharding 'fsdp' shards over the trainer's ranks: it needs nodes x "
+                         "processesPerNode > 1")
     cfg = DistConfig.from_env(env) if world > 1 else None
     if cfg is not None and cfg.world_size != world:
         raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "
@@ -645,7 +660,15 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if ctx.checkpoint_dir is None:
         log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
         trainer.checkpoint_dir = Path("checkpoints")
-    if leader:
+    if sharded:
+        # Every rank writes and reads its own shards: the checkpoint directory must be one volume all ranks see
+        # (an RWX claim, or one machine). Ranks that disagree on where to resume fail here, not in a collective.
+        trainer.resume()
+        steps = dp.sum([trainer.step, 1])
+        if steps[0] != trainer.step * steps[1]:
+            raise RuntimeError(f"trainer rank {dp.rank} resumes at step {trainer.step}, not every rank does: "
+                               "spec.trainer.sharding 'fsdp' needs a checkpoint volume shared by all trainer ranks")
+    elif leader:
         # Rank 0 alone resumes: in a cluster each trainer pod has its own checkpoint volume (unless an RWX claim
         # is shared), and only rank 0 writes checkpoints; the others get the state by broadcast.
         trainer.resume()
