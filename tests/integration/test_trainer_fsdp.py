@@ -44,7 +44,8 @@ def fsdp_spec(steps: int, per_step: int, dtype: str = "float32") -> dict:
 def run_ranks(tmp: Path, spec: dict, world: int, steps: int, per_step: int, first_step: int = 0) -> list[dict]:
     """`world` trainer ranks (one process each, RANK/WORLD_SIZE/MASTER_* as the operator sets them)."""
     spec_file = tmp / f"spec-{world}-{first_step}.json"
-    spec_file.write_text(json.dumps(spec))
+    # one pod's `world` ranks (they share its checkpoint volume, as the sharded checkpoints need)
+    spec_file.write_text(json.dumps(dict(spec, trainer={**spec["trainer"], "processesPerNode": world})))
     port = free_port()
     procs, reports = [], []
     for rank in range(world):
@@ -160,6 +161,7 @@ def test_fsdp_trainer_role_over_two_ranks_equals_single_process_training(redis_c
     steps, per_step = 3, 7
     spec = fsdp_spec(steps=steps, per_step=per_step)
     spec["trainer"]["nodes"] = 2
+    spec["trainer"].setdefault("checkpoint", {})["claimName"] = "shared"  # one directory here (ckpt_dir)
     keys = keys_for("fsdp", spec)
     docs = make_documents(steps * per_step, seed=5)
     add_documents(redis_client, keys, docs)

@@ -637,10 +637,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
         raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
                          f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
-    sharded = spec.trainer.sharding == "fsdp"
-    if sharded and world < 2:
-        raise ValueError("spec.trainer.sharding 'fsdp' shards over the trainer's ranks: it needs nodes x "
-                         "processesPerNode > 1")
+    sharded = spec.trainer.sharding == "fsdp"  # over world > 1 ranks (rlkube.api.validation)
     cfg = DistConfig.from_env(env) if world > 1 else None
     if cfg is not None and cfg.world_size != world:
         raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "
