@@ -6,6 +6,7 @@ size still does, and each rank holds a 1/world share of parameters and Adam stat
 from __future__ import annotations
 
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from core_roles import (
     roles_fixture,  # noqa: F401  (fixture roles)
     start_trainer,
     tiny_spec,
+    wait_for_event,
 )
 from rlkube.api.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
@@ -153,22 +155,49 @@ def test_fsdp_bfloat16_compute_stays_close_to_single_process_autocast(tmp_path):
         assert got["loss_tokens"] == ref["loss_tokens"]
 
 
+def role_spec(steps: int, per_step: int) -> dict:
+    spec = fsdp_spec(steps=steps, per_step=per_step)
+    spec["trainer"]["nodes"] = 2
+    spec["trainer"].setdefault("checkpoint", {})["claimName"] = "shared"  # one directory here (ckpt_dir)
+    return spec
+
+
+def start_role_ranks(roles, tmp: Path, job: str, spec: dict, redis_url: str) -> list:
+    port = free_port()
+    return [start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=tmp / "ckpt", RANK=str(rank), WORLD_SIZE="2",
+                          NODE_RANK=str(rank), NNODES="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port)) for rank in range(2)]
+
+
+def test_fsdp_trainer_role_stops_both_ranks_on_sigterm_with_a_complete_sharded_checkpoint(
+        redis_client, redis_server, tmp_path, roles):
+    """SIGTERM to both ranks after step 1 while they wait for documents: both save their shards of the final
+    checkpoint (a collective) and exit 0; rank 0 reports training_finished(interrupted) naming it."""
+    spec = role_spec(steps=50, per_step=8)
+    keys = keys_for("fsdpterm", spec)
+    ranks = start_role_ranks(roles, tmp_path, "fsdpterm", spec, redis_server.url)
+    add_documents(redis_client, keys, make_documents(8))
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, ranks[0])
+    for rank in ranks:
+        rank.proc.send_signal(signal.SIGTERM)
+    assert [rank.wait(60) for rank in ranks] == [0, 0], [r.log() for r in ranks]
+    (finished,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert finished.payload["interrupted"] is True and finished.payload["step"] == 1
+    assert Path(finished.payload["checkpoint"]).name == ckpt.checkpoint_name(1)
+    assert (tmp_path / "ckpt" / ckpt.shards_name(1) / ".metadata").is_file()
+
+
 def test_fsdp_trainer_role_over_two_ranks_equals_single_process_training(redis_client, redis_server, tmp_path,
                                                                          roles):
     """The trainer role itself (python -m rlkube.core.trainer, one process per rank, Redis documents) with
     sharding fsdp: both ranks gather the published weights and write the checkpoints (one shared directory);
     rank 0 sends and reports. 7 documents a step: shares of 4 and 3."""
     steps, per_step = 3, 7
-    spec = fsdp_spec(steps=steps, per_step=per_step)
-    spec["trainer"]["nodes"] = 2
-    spec["trainer"].setdefault("checkpoint", {})["claimName"] = "shared"  # one directory here (ckpt_dir)
+    spec = role_spec(steps=steps, per_step=per_step)
     keys = keys_for("fsdp", spec)
     docs = make_documents(steps * per_step, seed=5)
     add_documents(redis_client, keys, docs)
-    port = free_port()
-    ranks = [start_trainer(roles, tmp_path, "fsdp", spec, redis_server.url, ckpt_dir=tmp_path / "ckpt",
-                           RANK=str(rank), WORLD_SIZE="2", NODE_RANK=str(rank), NNODES="2", LOCAL_RANK="0",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in range(2)]
+    ranks = start_role_ranks(roles, tmp_path, "fsdp", spec, redis_server.url)
     for rank in ranks:
         assert rank.wait(TIMEOUT) == 0, rank.log()
     kinds = [e.type for e in read_events(redis_client, keys)]

@@ -306,7 +306,7 @@ class Trainer:
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
-        weights = iter(self.backend.weights())
+        weights = self._published_weights(f"weights-start/{self.version}")
         if self.publisher is not None:
             self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
         if self.sharded:
@@ -314,12 +314,26 @@ class Trainer:
 
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
-        weights = iter(self.backend.weights())
+        version = self.version if version is None else version
+        weights = self._published_weights(f"weights/{version}")
         if self.publisher is not None:
-            version = self.version if version is None else version
             self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
         if self.sharded:
             self._drain(weights)
+
+    def _published_weights(self, tag: str):
+        """The weights to publish. Sharded: an iterator that first meets the other ranks in the alive-checked
+        rendezvous `tag`, because rank 0's publisher reads the first weight only after it opened the weight-update
+        group, which waits for the inference servers (minutes at start-up): the other ranks must not wait for it
+        inside the all-gather, which fails after the collective timeout."""
+        if not self.sharded or self.dp is None:
+            return iter(self.backend.weights())
+
+        def gathered():
+            self.dp.gather(tag)
+            yield from self.backend.weights()
+
+        return gathered()
 
     @staticmethod
     def _drain(weights) -> None:
