@@ -17,14 +17,16 @@ parallel ranks, DDP's convention). Our loss is already divided by the step's GLO
 rank (the trainer sums the counts first), so the single-process gradient of the union of the documents is the
 SUM over ranks: `set_gradient_divide_factor(1.0)` on every FSDP unit (the setter is not recursive in torch 2.13)
 with `set_force_sum_reduction_for_comms(True)` makes the reduce-scatter a plain ReduceOp.SUM with no division
-(without the latter FSDP2 sends ReduceOp.PREMUL_SUM(1.0), which gloo does not implement). Every micro-batch reduce-scatters into the sharded gradient (gradients stay
-sharded; no unsharded accumulation buffers), so every rank must run the same number of forward/backward passes:
-the trainer pads a rank with fewer micro-batches with `forward_backward_nothing` (a pass with zero gradient).
+(without the latter FSDP2 sends ReduceOp.PREMUL_SUM(1.0), which gloo does not implement). Every micro-batch
+reduce-scatters into the sharded gradient (gradients stay sharded; no unsharded accumulation buffers), so every
+rank must run the same number of forward/backward passes: the trainer pads a rank with fewer micro-batches with
+`forward_backward_nothing` (a pass with zero gradient).
 
 Every method that touches whole tensors is a COLLECTIVE (all ranks call it, in the same order): `weights()` yields
-on every rank (one parameter all-gathered at a time: the consumer's bucket is the largest thing ever held in
-full), `full_state()` gathers a CPU copy on rank 0 only, `save_distributed` / `load_distributed` write and read
-each rank's shard with torch.distributed.checkpoint (resumable on a different world size).
+on every rank, one parameter all-gathered at a time (the backend never holds more than one full tensor; note that
+rank 0's WeightPublisher still packs its whole transfer-dtype snapshot before sending), `full_state()` gathers a
+CPU copy on rank 0 only (the Hugging Face export), `save_distributed` / `load_distributed` write and read each
+rank's shards with torch.distributed.checkpoint (resumable at a different world size).
 """
 
 from __future__ import annotations
