@@ -214,6 +214,11 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             _set(spec, "trainer.processesPerNode", min(_get(spec, "trainer.processesPerNode"), 2))
     ranks = _eff(spec, "trainer.nodes") * (_get(spec, "trainer.processesPerNode") or _eff(spec, "trainer.gpusPerNode")
                                            or 1)
+    if _get(spec, "trainer.sharding") == "fsdp":  # the torch backend over several ranks sharing a checkpoint claim
+        if backend != "torch" or ranks < 2:
+            _drop(spec, "trainer.sharding")
+        elif _eff(spec, "trainer.nodes") > 1 and not _get(spec, "trainer.checkpoint.claimName"):
+            _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
     if _eff(spec, "algorithm.samplesPerStep") < ranks:
         _set(spec, "algorithm.samplesPerStep", ranks)
     if _eff(spec, "algorithm.clipEpsilonLow") >= 1:
