@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jobs at once (repeatable; default 50 and 200)")
     p.add_argument("--kubeconfig", default=None,
                    help="the cluster to use (default $KUBECONFIG; `make bench` starts a local control plane)")
+    p.add_argument("--kube-controller-manager", default=None, metavar="PATH",
+                   help="kube-controller-manager binary for the Job controller baseline (default "
+                        "$KUBE_CONTROLLER_MANAGER_BIN, PATH, then where `make control-plane` builds it)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the Job controller baseline")
     p.set_defaults(func=_lazy("rlkube.bench.operator:cli"))
     p = bench.add_parser("serve", help="inference throughput and weight-update latency on this machine")
     p.add_argument("--json", action="store_true")

@@ -191,7 +191,9 @@ def run(workdir: Path, command: list[str]) -> int:
     with ControlPlane(workdir) as cp:
         argv = [a.replace("{kubeconfig}", str(cp.kubeconfig)) for a in command]
         # The servers are in their own sessions: a Ctrl-C reaches the command (and us), and `with` stops them.
-        return subprocess.run(argv, env={**os.environ, "KUBECONFIG": str(cp.kubeconfig)}).returncode
+        # KUBE_CONTROLLER_MANAGER_BIN: the bench's Job controller baseline runs this build's controller manager.
+        env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "KUBE_CONTROLLER_MANAGER_BIN": binaries(build=False)["kcm"]}
+        return subprocess.run(argv, env=env).returncode
 
 
 def main() -> None:

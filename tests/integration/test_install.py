@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cluster.control_plane import binaries
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_KEYS = {"n", "create_to_children_p50", "create_to_children_p99", "finished_to_released_p50",
-              "finished_to_released_p99", "operator_rss_mb"}
+              "finished_to_released_p99", "operator_rss_mb", "job_controller_create_p50", "job_controller_create_p99",
+              "create_ratio_p50", "create_ratio_p99", "teardown_ratio_p99", "load_1m"}
 
 
 def _clean_env() -> dict[str, str]:
@@ -116,7 +118,7 @@ def test_bench_operator_runs_from_the_wheel(base_venv, away, cluster, crd):
     # The bench starts `python -m rlkube.cli operator` with the venv's interpreter: the operator under test is
     # the base install's too.
     out = base_venv.run([base_venv.bin("rlkube"), "bench", "operator", "--kubeconfig", str(cluster), "--jobs", "2",
-                         "--json"], away, timeout=600)
+                         "--json", "--kube-controller-manager", binaries(build=False)["kcm"]], away, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (result,) = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == BENCH_KEYS and result["n"] == 2

@@ -24,11 +24,3 @@ def test_bench_operator_jobs_are_valid_external_redis_jobs():
     meta, spec = parse_manifest(bench_operator.job_manifest("job-0001", "redis://127.0.0.1:6379/0"))
     assert meta["name"] == "job-0001"
     assert spec.redis.mode == "external" and spec.algorithm.max_steps == bench_operator.MAX_STEPS
-
-
-def test_bench_operator_table_aligns_columns():
-    rows = [{"n": 2, "operator_rss_mb": 81.5}, {"n": 200, "operator_rss_mb": 312.25}]
-    lines = bench_operator.table(rows).splitlines()
-    assert lines[1].split() == ["n", "operator_rss_mb"]
-    assert [line.split() for line in lines[2:]] == [["2", "81.5"], ["200", "312.25"]]
-    assert len({len(line) for line in lines[1:]}) == 1

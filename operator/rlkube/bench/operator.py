@@ -10,8 +10,12 @@ CRD is applied first. Measured per job:
 - training_finished -> ResourcesReleased: from the XADD of the event (with the trainer's exit 0 right
   after) to ResourcesReleased=True in the job's status, i.e. the whole ordered teardown;
 - the operator's peak RSS (the kernel's high-water mark, VmHWM, read just before it is stopped).
+Before that, for the same N on the same API server, the baseline (rlkube.bench.jobcontroller): Kubernetes' Job
+controller creating N Jobs of as many pods, timed with the same clock (POST -> all pods in a watch).
 `--json` prints one JSON list with one object per N: n, create_to_children_p50/p99,
-finished_to_released_p50/p99 (seconds) and operator_rss_mb.
+finished_to_released_p50/p99 (seconds), operator_rss_mb, job_controller_create_p50/p99, the ratios ours / the
+Job controller's create_ratio_p50/p99 and teardown_ratio_p99 (our teardown p99 / its create p99), and the 1-minute
+load average at the end (the machine may be shared). rlkube.bench.report says how they are computed.
 Needs only the base install (no torch, numpy, aiohttp or psutil), so it runs where the operator does.
 """
 
@@ -22,17 +26,13 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 import uuid
 from pathlib import Path
+from subprocess import Popen
 
 import redis.asyncio as aioredis
 from kubernetes_asyncio import client, config
@@ -40,6 +40,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.api.crd import crd
 from rlkube.api.spec import GROUP, PLURAL, VERSION
+from rlkube.bench import jobcontroller, processes, report
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
 from rlkube.local.redis_server import RedisServer
@@ -51,14 +52,6 @@ RUNNING = ("Running", "Draining", "Succeeded")  # a job seen in any of these has
 
 def log(msg: str) -> None:
     print(f"[bench operator {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def job_manifest(name: str, redis_url: str) -> dict:
@@ -102,12 +95,6 @@ async def apply_crd(api: client.ApiClient) -> None:
             await asyncio.sleep(0.2)  # waiting for the API server to serve the new CRD (no watch for that)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -116,7 +103,7 @@ def _answers(url: str) -> bool:
         return False
 
 
-async def wait_live(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+async def wait_live(port: int, proc: Popen, timeout: float = 60) -> None:
     """Until kopf's liveness endpoint answers (the operator has started and authenticated)."""
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(_answers, f"http://127.0.0.1:{port}/healthz"):
@@ -127,26 +114,10 @@ async def wait_live(port: int, proc: subprocess.Popen, timeout: float = 60) -> N
         await asyncio.sleep(0.1)  # an HTTP endpoint to poll: there is nothing to watch
 
 
-def proc_usage(pid: int) -> tuple[float, float]:
-    """(peak RSS in MiB, CPU seconds) of a live process, from /proc (Linux, where the operator runs)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    peak_kib = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1))
-    # Fields after the parenthesised command name: utime and stime are the 12th and 13th (clock ticks).
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return peak_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: int, workdir: Path) -> dict:
+async def run_one(
+    api: client.ApiClient, kubeconfig: Path, redis_url: str, n: int, workdir: Path
+) -> tuple[list[float], list[float], float]:
+    """(create -> all children, training_finished -> ResourcesReleased) per job, and the operator's peak RSS."""
     namespace = f"bench-{n}-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(api)
     # Undone in reverse order whatever fails: the operator stops first, the namespace goes last.
@@ -166,16 +137,14 @@ async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: in
         await jobs.start()
         redis_client = aioredis.Redis.from_url(redis_url)
         stack.push_async_callback(redis_client.aclose)
-        logf = open(workdir / f"operator-{n}.log", "wb")  # noqa: SIM115, ASYNC230 (handed to the subprocess)
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "OMP_NUM_THREADS": "1"}
-        port = free_port()
-        proc = subprocess.Popen(  # noqa: ASYNC220 (started once; its lifetime is the whole run)
+        port = processes.free_port()
+        proc = processes.spawn(
             [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", namespace, "--standalone",
              "--metrics-port", "0", "--liveness", f"http://127.0.0.1:{port}/healthz"],
-            stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            workdir / f"operator-{n}.log", env,
         )
-        logf.close()
-        stack.callback(_stop, proc)
+        stack.callback(processes.stop, proc)
         await wait_live(port, proc)  # time the jobs, not the operator's start-up
 
         names = [f"job-{i:04d}" for i in range(n)]
@@ -217,21 +186,14 @@ async def run_one(api: client.ApiClient, kubeconfig: Path, redis_url: str, n: in
         await asyncio.gather(*(finish(name) for name in names))
         await jobs.wait(lambda: all(released(name) for name in names), 120 + 2 * n, "all ResourcesReleased")
         finished_to_released = [released(name) - finished_at[name] for name in names]
-        peak_mib, operator_cpu = proc_usage(proc.pid)
+        peak_mib, operator_cpu = processes.usage(proc.pid)
         me = os.times()
         log(f"N={n}: done; CPU seconds: operator {operator_cpu:.1f}, "
             f"bench (kubelet, trainer, watches) {me.user + me.system:.1f}; load {os.getloadavg()[0]:.1f}")
-        return {
-            "n": n,
-            "create_to_children_p50": round(percentile(create_to_children, 50), 3),
-            "create_to_children_p99": round(percentile(create_to_children, 99), 3),
-            "finished_to_released_p50": round(percentile(finished_to_released, 50), 3),
-            "finished_to_released_p99": round(percentile(finished_to_released, 99), 3),
-            "operator_rss_mb": round(peak_mib, 1),
-        }
+        return create_to_children, finished_to_released, peak_mib
 
 
-async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path) -> list[dict]:
+async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path, controller_manager: str | None) -> list[dict]:
     api = await config.new_client_from_config(config_file=str(kubeconfig))
     api.configuration.connection_pool_maxsize = 64
     redis_server = RedisServer(workdir / "shared-redis").start()
@@ -239,7 +201,13 @@ async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path) -> list[dic
         await apply_crd(api)
         results = []
         for n in sizes:
-            results.append(await run_one(api, kubeconfig, redis_server.url, n, workdir))
+            # The Job controller first: its namespace is gone (waited for) before the operator starts, whereas
+            # ours cannot be (its TrainingJobs keep the operator's finalizer once the operator has stopped).
+            baseline = None
+            if controller_manager is not None:
+                baseline = await jobcontroller.measure(api, kubeconfig, controller_manager, n, PODS_PER_JOB, workdir)
+            create, teardown, rss = await run_one(api, kubeconfig, redis_server.url, n, workdir)
+            results.append(report.summary(n, create, teardown, rss, baseline, load_1m=os.getloadavg()[0]))
             log(json.dumps(results[-1]))
         return results
     finally:
@@ -247,23 +215,22 @@ async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path) -> list[dic
         await api.close()
 
 
-def table(results: list[dict]) -> str:
-    cols = list(results[0])
-    rows = [[str(r[c]) for c in cols] for r in results]
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines = [" ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += [" ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-    return "rlkube operator: N TrainingJobs at once (seconds; RSS in MiB)\n" + "\n".join(lines)
-
-
 def cli(args: argparse.Namespace) -> int:
     kubeconfig = args.kubeconfig or os.environ.get("KUBECONFIG")
     if not kubeconfig:
         raise SystemExit("rlkube bench operator: no cluster: pass --kubeconfig or set KUBECONFIG "
                          "(`make bench` starts a local control plane and passes its kubeconfig)")
+    controller_manager = None
+    if not args.no_baseline:
+        controller_manager = jobcontroller.find_controller_manager(args.kube_controller_manager)
+        if controller_manager is None:
+            raise SystemExit("rlkube bench operator: no kube-controller-manager for the Job controller baseline: "
+                             "pass --kube-controller-manager or set KUBE_CONTROLLER_MANAGER_BIN "
+                             "(`make control-plane` builds one), or --no-baseline")
+        jobcontroller.check_binary(controller_manager)
     sizes = args.n or [50, 200]
     workdir = Path(tempfile.mkdtemp(prefix="rlkube-bench-operator-"))
-    results = asyncio.run(run_all(sizes, Path(kubeconfig), workdir))
-    print(json.dumps(results) if args.json else table(results))
+    results = asyncio.run(run_all(sizes, Path(kubeconfig), workdir, controller_manager))
+    print(json.dumps(results) if args.json else report.table(results))
     print(f"logs: {workdir}", file=sys.stderr)
     return 0

@@ -1,0 +1,52 @@
+"""The servers `rlkube bench operator` runs as subprocesses (the operator, kube-controller-manager): started in
+a session of their own with their output in a log file, measured from /proc, and stopped with nothing left.
+
+The same way tests/cluster/control_plane.py runs etcd and kube-apiserver: a process group per server, so a
+Ctrl-C reaches the bench (which decides the order things stop in), and SIGTERM, then SIGKILL, for the group.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log_path, "wb") as logf:  # the child keeps its own descriptor
+        return subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def log_tail(log_path: Path, chars: int = 2000) -> str:
+    try:
+        return log_path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def usage(pid: int) -> tuple[float, float]:
+    """(peak RSS in MiB, CPU seconds) of a live process, from /proc (Linux, where the operator runs)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    peak_kib = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1))
+    # Fields after the parenthesised command name: utime and stime are the 12th and 13th (clock ticks).
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return peak_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
