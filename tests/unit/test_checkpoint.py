@@ -60,6 +60,17 @@ def test_keeps_the_last_two(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
 
 
+def test_pruning_removes_a_sharded_trainers_distributed_checkpoint_with_its_step(tmp_path):
+    """An FSDP trainer writes shards-N (torch.distributed.checkpoint) before step-N; they go together."""
+    for step in (1, 2, 3):
+        (tmp_path / ckpt.shards_name(step)).mkdir()
+        (tmp_path / ckpt.shards_name(step) / "__0_0.distcp").write_bytes(b"x")
+        _save(tmp_path, step)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-000003"  # a shards directory is never a checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards-000002", "shards-000003", "step-000002",
+                                                          "step-000003"]
+
+
 def test_resaving_a_step_replaces_it(tmp_path):
     _save(tmp_path, 3, _model(1))
     path = _save(tmp_path, 3, _model(2))

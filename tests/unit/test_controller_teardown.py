@@ -76,6 +76,24 @@ def test_pods_still_there_after_the_grace_period_are_force_deleted_once():
     assert again.actions == [] and again.status.stages[0].forced == 2
 
 
+def test_a_delete_that_reached_the_api_server_late_still_gets_its_whole_grace():
+    # The stage began at T0 but its deletes landed 4 s later (a loaded API server): the pods' deletionTimestamp is
+    # T0 + 4 + 10 s, in whole seconds. Forcing them at T0 + 10 would cut their grace to 6 s.
+    s = step(TeardownStatus(reason="Succeeded"), everything())
+    late = T0 + timedelta(seconds=14)
+    stuck = [PodView(**{**p.__dict__, "deleting": True, "deletion_grace": 10, "deletion_at": late})
+             if p.role == "actor" else p for p in everything()]
+    early = step(s.status, stuck, now=T0 + timedelta(seconds=10))
+    assert not [a for a in early.actions if isinstance(a, DeletePod)]
+    assert early.deadline == late + teardown.DELETION_TIMESTAMP_SLACK
+    forced = step(early.status, stuck, now=late + teardown.DELETION_TIMESTAMP_SLACK)
+    assert [a.name for a in forced.actions if isinstance(a, DeletePod) and a.force] == ["j-actor-0", "j-actor-1"]
+    # Someone else's delete with a much longer grace does not hold the stage beyond one more period.
+    held = [PodView(**{**p.__dict__, "deletion_at": T0 + timedelta(hours=1)}) for p in stuck]
+    capped = step(early.status, held, now=T0 + timedelta(seconds=21))
+    assert [a.name for a in capped.actions if isinstance(a, DeletePod) and a.force] == ["j-actor-0", "j-actor-1"]
+
+
 def test_resuming_after_a_restart_keeps_the_recorded_stages():
     td = TeardownStatus(reason="Succeeded", stage="inference")
     s0 = step(TeardownStatus(reason="Succeeded"), [])

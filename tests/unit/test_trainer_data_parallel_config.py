@@ -76,3 +76,25 @@ def test_processes_per_node_multiply_the_ranks():
 def test_world_size_must_match_the_spec():
     with pytest.raises(ValueError, match=r"WORLD_SIZE=3 but the spec has 2 trainer ranks"):
         build_role(_ctx(spec_with(nodes=2, samples=4)), client=None, env={**ENV, "WORLD_SIZE": "3"})
+
+
+def test_fsdp_sharding_is_for_the_torch_backend_over_several_ranks_sharing_a_checkpoint_claim():
+    spec = spec_with(nodes=2, samples=4)
+    spec["trainer"]["sharding"] = "fsdp"
+    spec["trainer"]["checkpoint"] = {"claimName": "shared"}
+    assert parse_spec(spec).trainer.sharding == "fsdp"
+    assert parse_spec(spec_with(nodes=2, samples=4)).trainer.sharding == "none"  # default: today's replicas
+
+    def fields(change) -> list[str]:
+        bad = copy.deepcopy(spec)
+        change(bad["trainer"])
+        with pytest.raises(SpecError) as err:
+            parse_spec(bad)
+        return [e.field for e in err.value.errors]
+
+    assert fields(lambda t: t.update(backend="megatron")) == ["spec.trainer.sharding"]
+    assert fields(lambda t: t.update(nodes=1)) == ["spec.trainer.sharding"]  # one rank: nothing to shard over
+    assert fields(lambda t: t.pop("checkpoint")) == ["spec.trainer.checkpoint.claimName"]
+    one_pod = copy.deepcopy(spec)  # ranks of one pod share its checkpoint volume
+    one_pod["trainer"].update(nodes=1, processesPerNode=2, checkpoint={})
+    assert parse_spec(one_pod).trainer.sharding == "fsdp"

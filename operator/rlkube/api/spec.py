@@ -562,6 +562,11 @@ class TrainerSpec(Model):
         description="Token budget of one forward/backward pass (rows x padded length); a step accumulates as many "
         "micro-batches as its documents need (a longer document gets a micro-batch of its own).",
     )
+    sharding: Literal["none", "fsdp"] = Field(
+        "none",
+        description="Backend torch with several ranks: 'none' replicates the model on every rank (gradients "
+        "all-reduced); 'fsdp' shards parameters, gradients and optimizer state over all ranks (FSDP2).",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (less memory, about a third more compute)."
     )

@@ -207,6 +207,20 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
         elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
+    if trainer.sharding != "none" and trainer.backend != "torch":
+        errs.append(FieldError("spec.trainer.sharding", f"'{trainer.sharding}' shards the torch backend; backend "
+                                                        f"{trainer.backend!r} has its own parallelism"))
+    elif trainer.sharding == "fsdp":
+        from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
+
+        if trainer_world_size(spec) < 2:
+            errs.append(FieldError("spec.trainer.sharding", "'fsdp' shards over the trainer's ranks: it needs "
+                                                            "nodes x processes per node > 1"))
+        if trainer.nodes > 1 and not trainer.checkpoint.claim_name:
+            # Every rank writes its shards of each checkpoint and reads them back on resume (any world size).
+            errs.append(FieldError("spec.trainer.checkpoint.claimName", "sharding 'fsdp' on several nodes writes "
+                                                                        "each checkpoint from every node: a shared "
+                                                                        "(ReadWriteMany) claim is required"))
     return errs
 
 

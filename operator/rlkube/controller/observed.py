@@ -41,6 +41,7 @@ class PodView:
     pod_ip: str | None = None
     deleting: bool = False  # deletionTimestamp is set
     deletion_grace: int | None = None  # metadata.deletionGracePeriodSeconds (0: force-deleted)
+    deletion_at: datetime | None = None  # metadata.deletionTimestamp: when the pod's grace period runs out
     attempt: int = 0  # rlkube.io/attempt annotation
 
     @property
@@ -130,6 +131,7 @@ def pod_view(pod: dict) -> PodView | None:
         pod_ip=status.get("podIP") or None,
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_grace=int(grace) if grace is not None else None,
+        deletion_at=parse_time(meta.get("deletionTimestamp")),
         attempt=attempt,
     )
 

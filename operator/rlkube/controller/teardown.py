@@ -21,6 +21,7 @@ from rlkube.controller.observed import PodView
 from rlkube.controller.times import fmt_time, parse_time
 
 DONE = "Done"
+DELETION_TIMESTAMP_SLACK = timedelta(seconds=1)  # deletionTimestamp has whole seconds
 
 
 @dataclass
@@ -84,7 +85,13 @@ def advance(
                 step.actions.append(DeletePod(p.name, p.uid, period, role))
         if targets:
             started = parse_time(stage.started_at) or now
-            deadline = started + timedelta(seconds=period)
+            # A pod's grace runs from when its delete reached the API server (deletionTimestamp = then + grace,
+            # in whole seconds, so up to 1 s early), which under load is well after the stage began: forcing it
+            # at stage start + period would cut its grace short.
+            # (At most one more period: a pod someone else deleted with a longer grace does not hold the stage.)
+            grace = timedelta(seconds=period)
+            deadline = max([started + grace, *(min(p.deletion_at, started + 2 * grace) + DELETION_TIMESTAMP_SLACK
+                                               for p in targets if p.deletion_at)])
             if now >= deadline:
                 stuck = [p for p in targets if p.deletion_grace != 0]
                 for p in stuck:

@@ -69,6 +69,11 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def shards_name(step: int) -> str:
+    """The directory of a sharded (FSDP) trainer's distributed checkpoint of `step`, next to `step-{N}`."""
+    return f"shards-{step:06d}"
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -233,9 +238,12 @@ def prune(root: Path, keep: int = DEFAULT_KEEP) -> list[Path]:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
     removed = []
-    for _, path in list_checkpoints(root)[:-keep]:
+    for meta, path in list_checkpoints(root)[:-keep]:
         _remove_out_of_sight(root, path)
         removed.append(path)
+        shards = root / shards_name(meta.step)
+        if shards.is_dir():  # a sharded trainer's distributed checkpoint goes with its step
+            _remove_out_of_sight(root, shards)
     for child in root.iterdir():
         if child.name.startswith((".tmp-", ".trash-")) and child.is_dir():
             # A crashed writer's temp dir; ours are already renamed or removed by now.

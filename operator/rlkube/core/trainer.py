@@ -146,6 +146,11 @@ class Trainer:
         self._pending_normalizer = 0.0
 
     @property
+    def sharded(self) -> bool:
+        """The backend shards the model over the ranks (FSDP): whole-model operations are collectives."""
+        return bool(getattr(self.backend, "shards_gradients", False))
+
+    @property
     def version(self) -> int:
         return self.step
 
@@ -174,6 +179,10 @@ class Trainer:
         stats = LossStats()
         for m in micro:
             stats = stats.merge(self.backend.forward_backward(m, norm))
+        if self.sharded and self.dp is not None:
+            # FSDP's gathers and reduce-scatters are collectives: every rank runs as many passes as the busiest.
+            for _ in range(int(self.dp.max(len(micro))) - len(micro)):
+                self.backend.forward_backward_nothing()
         self._pending = self._pending.merge(stats)
         self._pending_normalizer = norm
         return stats.metrics(norm)
@@ -183,8 +192,10 @@ class Trainer:
         statistics of everything accumulated since the previous step (summed over the data-parallel ranks)."""
         if self.dp is not None:
             names = [f.name for f in dataclass_fields(LossStats)]
-            summed = self.dp.sum_gradients(self.backend.gradient_parameters(),
-                                           [getattr(self._pending, n) for n in names])
+            pending = [getattr(self._pending, n) for n in names]
+            # A sharded backend reduce-scattered its gradients already (summed, torch_fsdp): only the statistics.
+            summed = (self.dp.sum(pending) if self.sharded
+                      else self.dp.sum_gradients(self.backend.gradient_parameters(), pending))
             self._pending = LossStats(**dict(zip(names, summed, strict=True)))
         lr = self.backend.learning_rate
         grad_norm = self.backend.optim_step()
@@ -207,7 +218,8 @@ class Trainer:
     def sync_from_leader(self) -> None:
         """Data parallelism: every rank takes rank 0's weights, optimizer state and counters (after rank 0 resumed
         from its checkpoint, or fresh), so all ranks start identical however they were initialised."""
-        if self.dp is None:
+        if self.dp is None or self.sharded:
+            # Sharded: every rank loaded the same initial weights and resumes from the distributed checkpoint.
             return
         # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
         # rendezvous, not in the broadcast below, which fails after the collective timeout.
@@ -227,6 +239,8 @@ class Trainer:
         if self.checkpoint_dir is None:
             raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         step = self.step if step is None else step
+        if self.sharded:
+            return self._save_sharded_checkpoint(step)
         model_state, optim_state = self.backend.state()
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})
@@ -235,6 +249,37 @@ class Trainer:
         self.last_checkpoint = (step, path)
         return path
 
+    def _save_sharded_checkpoint(self, step: int) -> Path:
+        """COLLECTIVE (every rank, one checkpoint directory they all see): each rank writes its shards of weights
+        and Adam state (torch.distributed.checkpoint) to `shards-{step}`, then rank 0 writes `step-{step}` as for
+        the replicated backends (a Hugging Face directory of the gathered weights; optimizer.pt holds the LR
+        schedule and marks the optimizer state as distributed), whose atomic rename completes both."""
+        root = self.checkpoint_dir
+        shards = root / ckpt.shards_name(step)
+        self.backend.save_distributed(shards)
+        model_state, optim_state = self.backend.full_state()
+        path = root / ckpt.checkpoint_name(step)
+        if self.dp is None or self.dp.is_leader:
+            meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
+                                       extra={"backend": self.spec.trainer.backend, "sharding": "fsdp"})
+            path = ckpt.save_checkpoint(root, meta, model_state, optim_state, model_dir=self.model_dir,
+                                        dtype=self.spec.model.dtype)
+        del model_state
+        self.last_checkpoint = (step, path)
+        return path
+
+    def _resume_sharded(self, path: Path) -> None:
+        meta = ckpt.read_meta(path)
+        shards = path.parent / ckpt.shards_name(meta.step)
+        if meta.extra.get("sharding") == "fsdp" and shards.is_dir():
+            self.backend.load_distributed(shards)  # at any world size
+        else:
+            raise RuntimeError(f"{path}: no distributed checkpoint {shards.name} next to it (resuming a sharded "
+                               "trainer from a replicated checkpoint is not implemented)")
+        self.step, self.documents_seen = meta.step, meta.documents_seen
+        self.last_checkpoint = (meta.step, path)
+        log.info("resumed from %s (step %d, %d documents seen; sharded)", path, meta.step, meta.documents_seen)
+
     def resume(self) -> Path | None:
         """Load the newest complete checkpoint, if any; returns its path."""
         if self.checkpoint_dir is None:
@@ -242,6 +287,9 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
+        if self.sharded:
+            self._resume_sharded(path)
+            return path
         # Weights are HF-named whatever the backend; optimizer state is the writing backend's own layout.
         written_by = (ckpt.read_meta(path) or ckpt.CheckpointMeta(0)).extra.get("backend")
         same_backend = written_by in (None, self.spec.trainer.backend)
@@ -258,16 +306,41 @@ class Trainer:
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
+        weights = self._published_weights(f"weights-start/{self.version}")
         if self.publisher is not None:
-            self.publisher.start(self.backend.weights(), version=self.version, step=self.step,
-                                 documents_seen=self.documents_seen)
+            self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
+        if self.sharded:
+            self._drain(weights)
 
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
+        version = self.version if version is None else version
+        weights = self._published_weights(f"weights/{version}")
         if self.publisher is not None:
-            version = self.version if version is None else version
-            self.publisher.publish(self.backend.weights(), version=version, step=self.step,
-                                   documents_seen=self.documents_seen)
+            self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
+        if self.sharded:
+            self._drain(weights)
+
+    def _published_weights(self, tag: str):
+        """The weights to publish. Sharded: an iterator that first meets the other ranks in the alive-checked
+        rendezvous `tag`, because rank 0's publisher reads the first weight only after it opened the weight-update
+        group, which waits for the inference servers (minutes at start-up): the other ranks must not wait for it
+        inside the all-gather, which fails after the collective timeout."""
+        if not self.sharded or self.dp is None:
+            return iter(self.backend.weights())
+
+        def gathered():
+            self.dp.gather(tag)
+            yield from self.backend.weights()
+
+        return gathered()
+
+    @staticmethod
+    def _drain(weights) -> None:
+        """Sharded: every weight is gathered by every rank (collectives), whether or not this rank's publisher
+        read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
+        for _ in weights:
+            pass
 
     def close_weights(self) -> None:
         if self.publisher is not None:
@@ -453,22 +526,26 @@ class TrainerRole:
                 step_metrics = t.train_step(docs)
                 doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
                 t2 = time.monotonic()
-                if self.leader:
+                if self.leader or t.sharded:  # sharded: every rank gathers, rank 0 sends
                     published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
                 t3 = time.monotonic()
                 self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
-                if self.leader and t.step % interval == 0:
+                if (self.leader or t.sharded) and t.step % interval == 0:
                     self._checkpoint()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
             # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
             # are gone from the group; a step's weights change only after its collectives succeeded, so they are
             # consistent), but publish no training_finished: this is a failure, and the operator must not read it
             # as completion.
-            if self.leader and t.step and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+            # (Sharded: saving is a collective with a peer that may be gone; the last interval's checkpoint stays.)
+            if (self.leader and not t.sharded and t.step
+                    and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
                 self._checkpoint()
             raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
+        elif t.sharded and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+            t.save_checkpoint()  # its part of rank 0's final checkpoint (a collective)
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
         return 0
@@ -505,7 +582,8 @@ class TrainerRole:
 
     def _checkpoint(self) -> None:
         path = self.trainer.save_checkpoint()
-        self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
+        if self.leader:
+            self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
 
     def _document_stats(self, docs: Sequence[protocol.Document], version: int) -> dict[str, float]:
         """The step's document statistics; with data parallelism, over every rank's share (two tiny collectives,
@@ -573,6 +651,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
         raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
                          f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
+    sharded = spec.trainer.sharding == "fsdp"  # over world > 1 ranks (rlkube.api.validation)
     cfg = DistConfig.from_env(env) if world > 1 else None
     if cfg is not None and cfg.world_size != world:
         raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "
@@ -592,7 +671,15 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if ctx.checkpoint_dir is None:
         log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
         trainer.checkpoint_dir = Path("checkpoints")
-    if leader:
+    if sharded:
+        # Every rank writes and reads its own shards: the checkpoint directory must be one volume all ranks see
+        # (an RWX claim, or one machine). Ranks that disagree on where to resume fail here, not in a collective.
+        trainer.resume()
+        steps = dp.sum([trainer.step, 1])
+        if steps[0] != trainer.step * steps[1]:
+            raise RuntimeError(f"trainer rank {dp.rank} resumes at step {trainer.step}, not every rank does: "
+                               "spec.trainer.sharding 'fsdp' needs a checkpoint volume shared by all trainer ranks")
+    elif leader:
         # Rank 0 alone resumes: in a cluster each trainer pod has its own checkpoint volume (unless an RWX claim
         # is shared), and only rank 0 writes checkpoints; the others get the state by broadcast.
         trainer.resume()

@@ -40,6 +40,10 @@ def build_backend(spec: TrainingJobSpec, model_dir: Path, device: str = "cpu") -
     target = _BACKENDS.get(name)
     if target is None:
         raise BackendUnavailable(f"spec.trainer.backend {name!r} is unknown (known: torch, megatron, fast-llm)")
+    if spec.trainer.sharding == "fsdp":
+        if name != "torch":
+            raise BackendUnavailable(f"spec.trainer.sharding 'fsdp' is for backend torch, not {name!r}")
+        target = "rlkube.core.backends.torch_fsdp:FSDPTorchBackend"
     module_name, cls_name = target.split(":")
     try:
         module = importlib.import_module(module_name)

@@ -1,0 +1,175 @@
+"""The `torch` backend with `spec.trainer.sharding: fsdp`: parameters, gradients and Adam state sharded over all
+trainer ranks with FSDP2 (`torch.distributed.fsdp.fully_shard`), so that a model whose fp32 masters and Adam state
+do not fit one device fits the ranks together. Runs over gloo on CPU and NCCL on GPUs.
+
+Layout: every decoder layer is its own FSDP unit (all-gathered just before its forward, freed after); the root unit
+holds the rest (embeddings, final norm, LM head; a tied embedding is one parameter in one unit). The logits are
+computed by a method registered as an FSDP forward method, so the root unit is gathered for it exactly as for
+`model.forward`, while the decoder runs in the compute dtype and the LM head in float32 as in `TorchBackend`.
+
+Precision: with `spec.model.dtype: bfloat16` the layer units all-gather their float32 shards cast to bfloat16 and
+reduce-scatter gradients in float32 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); the root unit
+stays float32 (the LM head and log-softmax in float32, as the single-process backend does). Adam updates the
+float32 sharded masters.
+
+Gradient division: FSDP2 divides the reduce-scattered gradient by the world size by default (the mean over data-
+parallel ranks, DDP's convention). Our loss is already divided by the step's GLOBAL loss-token count on every
+rank (the trainer sums the counts first), so the single-process gradient of the union of the documents is the
+SUM over ranks: `set_gradient_divide_factor(1.0)` on every FSDP unit (the setter is not recursive in torch 2.13)
+with `set_force_sum_reduction_for_comms(True)` makes the reduce-scatter a plain ReduceOp.SUM with no division
+(without the latter FSDP2 sends ReduceOp.PREMUL_SUM(1.0), which gloo does not implement). Every micro-batch
+reduce-scatters into the sharded gradient (gradients stay sharded; no unsharded accumulation buffers), so every
+rank must run the same number of forward/backward passes: the trainer pads a rank with fewer micro-batches with
+`forward_backward_nothing` (a pass with zero gradient).
+
+Every method that touches whole tensors is a COLLECTIVE (all ranks call it, in the same order): `weights()` yields
+on every rank, one parameter all-gathered at a time (the backend never holds more than one full tensor; note that
+rank 0's WeightPublisher still packs its whole transfer-dtype snapshot before sending), `full_state()` gathers a
+CPU copy on rank 0 only (the Hugging Face export), `save_distributed` / `load_distributed` write and read each
+rank's shards with torch.distributed.checkpoint (resumable at a different world size).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.core.backends.base import lr_scheduler
+from rlkube.core.backends.torch_backend import TorchBackend
+from rlkube.core.losses import LossStats
+
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def _logits(model, tokens: torch.Tensor, autocast) -> torch.Tensor:
+    with autocast():
+        hidden = model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+    return model.get_output_embeddings()(hidden.float())
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers decoder (LlamaModel.layers and the like)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder `layers` to shard with FSDP")
+    return list(layers)
+
+
+class FSDPTorchBackend(TorchBackend):
+    shards_gradients = True  # the trainer must not all-reduce gradients itself
+
+    def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
+        if not dist.is_initialized():
+            raise RuntimeError("spec.trainer.sharding 'fsdp' needs the trainer's process group (torch.distributed)")
+        # Every rank loads the same full model from the job's directory, then keeps only its shards.
+        super().__init__(spec, model_dir, device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.compute_dtype == torch.float32:
+            layer_policy = MixedPrecisionPolicy()
+        else:
+            layer_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        for layer in decoder_layers(self.model):
+            fully_shard(layer, mp_policy=layer_policy)
+        fully_shard(self.model, mp_policy=MixedPrecisionPolicy())
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # a SUM over ranks (module docstring)
+                # and a plain ReduceOp.SUM on the wire: with a factor set FSDP2 would otherwise use
+                # ReduceOp.PREMUL_SUM(1/factor), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo").
+                module.set_force_sum_reduction_for_comms(True)
+        autocast = self._autocast
+        self.model.rlkube_logits = types.MethodType(lambda m, tokens: _logits(m, tokens, autocast), self.model)
+        register_fsdp_forward_method(self.model, "rlkube_logits")
+        # Adam over the sharded (DTensor) parameters: its state is sharded like them.
+        algo = spec.algorithm
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
+        self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.rlkube_logits(tokens)
+
+    def forward_backward_nothing(self) -> LossStats:
+        """A forward/backward pass that adds nothing to the gradients, for a rank with fewer micro-batches than
+        its peers (FSDP's all-gathers and reduce-scatters are collectives: every rank runs as many passes)."""
+        tokens = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        (self.logits(tokens).sum() * 0.0).backward()
+        return LossStats()
+
+    def optim_step(self) -> float:
+        # clip_grad_norm_ on DTensor gradients computes the global norm (an all-reduce) and clips every shard.
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # --- whole tensors (collectives) ---
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """COLLECTIVE, on every rank: (HF name, full float32 tensor), one parameter gathered at a time; ranks
+        other than 0 just drain it (`for _ in backend.weights(): pass`)."""
+        for name, tensor in self.model.state_dict().items():
+            if name in self._aliases:
+                continue
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, full.detach()
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """COLLECTIVE: (full model state on CPU under HF names on rank 0, {} elsewhere; LR schedule state). The
+        optimizer state is not gathered: it lives in the distributed checkpoint."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # clone: a gathered tensor can be a view into a larger buffer, which safetensors refuses to save
+        state = {k: v.clone() for k, v in state.items() if k not in self._aliases}
+        return state, {"scheduler": self.scheduler.state_dict(), "distributed": True}
+
+    def state(self):
+        raise NotImplementedError("sharded backend: use full_state() (collective) and save_distributed()")
+
+    def load_state(self, model_state, optimizer_state) -> None:
+        raise NotImplementedError("sharded backend: use load_distributed()")
+
+    def save_distributed(self, directory: Path) -> None:
+        """COLLECTIVE: each rank writes its shards of the weights and of Adam's state (torch.distributed.checkpoint
+        into `directory`, which every rank must see: a shared volume); rank 0 also the LR schedule."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+        if self.rank == 0:
+            torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER_FILE)
+        dist.barrier()
+
+    def load_distributed(self, directory: Path) -> None:
+        """COLLECTIVE: the inverse of `save_distributed`, at any world size (DCP reshards on load)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))
+
+    def local_bytes(self) -> dict[str, int]:
+        """This rank's parameter and Adam-state bytes (its shards), for memory accounting."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        params = sum(local(p).numel() * local(p).element_size() for p in self.model.parameters())
+        optim = sum(local(v).numel() * local(v).element_size() for s in self.optimizer.state.values()
+                    for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"parameters": params, "optimizer": optim}
+
