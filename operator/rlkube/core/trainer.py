@@ -144,6 +144,8 @@ class Trainer:
         self.last_checkpoint: tuple[int, Path] | None = None
         self._pending = LossStats()  # statistics of the gradients accumulated since the last optim_step
         self._pending_normalizer = 0.0
+        self._publications = 0  # sharded: weight publications so far (unique rendezvous tags)
+        self.last_stream = None  # sharded: the last publication's StreamedWeights (its peak_bytes)
 
     @property
     def sharded(self) -> bool:
@@ -306,41 +308,44 @@ class Trainer:
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
-        weights = self._published_weights(f"weights-start/{self.version}")
+        if self.sharded and self.dp is not None:
+            return self._publish_stream(f"weights-start/{self.version}", start=True, version=self.version)
         if self.publisher is not None:
-            self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
-        if self.sharded:
-            self._drain(weights)
+            self.publisher.start(self.backend.weights(), version=self.version, step=self.step,
+                                 documents_seen=self.documents_seen)
 
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
         version = self.version if version is None else version
-        weights = self._published_weights(f"weights/{version}")
+        if self.sharded and self.dp is not None:
+            return self._publish_stream(f"weights/{version}", start=False, version=version)
         if self.publisher is not None:
-            self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
-        if self.sharded:
-            self._drain(weights)
+            self.publisher.publish(self.backend.weights(), version=version, step=self.step,
+                                   documents_seen=self.documents_seen)
 
-    def _published_weights(self, tag: str):
-        """The weights to publish. Sharded: an iterator that first meets the other ranks in the alive-checked
-        rendezvous `tag`, because rank 0's publisher reads the first weight only after it opened the weight-update
-        group, which waits for the inference servers (minutes at start-up): the other ranks must not wait for it
-        inside the all-gather, which fails after the collective timeout."""
-        if not self.sharded or self.dp is None:
-            return iter(self.backend.weights())
+    def _publish_stream(self, tag: str, start: bool, version: int) -> None:
+        """Sharded (COLLECTIVE, every rank): the weights streamed bucket by bucket (rlkube.core.weightsync.
+        StreamedWeights): rank 0's publisher sends each bucket as the ranks gather it; the other ranks (and rank 0
+        when it transfers nothing) take part in the gathers. First the ranks meet in the alive-checked rendezvous:
+        building the stream is a collective, and a rank may still be loading its model at start-up."""
+        from rlkube.core.weightsync import transfer_dtype
 
-        def gathered():
-            self.dp.gather(tag)
-            yield from self.backend.weights()
-
-        return gathered()
-
-    @staticmethod
-    def _drain(weights) -> None:
-        """Sharded: every weight is gathered by every rank (collectives), whether or not this rank's publisher
-        read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
-        for _ in weights:
-            pass
+        self._publications += 1
+        tag = f"{tag}/{self._publications}"
+        self.dp.gather(tag)
+        transfer = self.spec.trainer.weight_transfer
+        stream = self.backend.weight_stream(transfer_dtype(transfer.dtype, self.backend.device),
+                                            transfer.bucket_megabytes * 2**20,
+                                            rendezvous=lambda n: self.dp.gather(f"{tag}/pass-{n}"))
+        self.last_stream = stream
+        publisher = self.publisher
+        kwargs = {"version": version, "step": self.step, "documents_seen": self.documents_seen}
+        if publisher is not None and getattr(publisher, "streams", False):
+            (publisher.start if start else publisher.publish)(stream, **kwargs)
+            return
+        if publisher is not None:  # announce-only: nothing is gathered
+            (publisher.start if start else publisher.publish)(stream, **kwargs)
+        stream.drain()
 
     def close_weights(self) -> None:
         if self.publisher is not None:
