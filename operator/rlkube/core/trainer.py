@@ -340,12 +340,14 @@ class Trainer:
         self.last_stream = stream
         publisher = self.publisher
         kwargs = {"version": version, "step": self.step, "documents_seen": self.documents_seen}
-        if publisher is not None and getattr(publisher, "streams", False):
+        if publisher is not None:
             (publisher.start if start else publisher.publish)(stream, **kwargs)
-            return
-        if publisher is not None:  # announce-only: nothing is gathered
-            (publisher.start if start else publisher.publish)(stream, **kwargs)
-        stream.drain()
+        if publisher is None or not getattr(publisher, "streams", False):
+            stream.drain()  # another rank's publisher sends (or rank 0's announces only: no pass runs)
+        if self._publications == 1:
+            log.info("weights published bucket by bucket: %d tensors in %d buckets, at most %d bytes gathered and "
+                     "buffered at once on this rank", len(stream.meta["tensors"]), len(stream.meta["buckets"]),
+                     stream.peak_bytes)
 
     def close_weights(self) -> None:
         if self.publisher is not None:
