@@ -16,9 +16,18 @@ import time
 from pathlib import Path
 
 import torch
-from core_roles import free_port, tiny_spec
-from rlkube.core import protocol
-from rlkube.core.weightsync import WeightReceiver, checksums_match
+import pytest
+from core_roles import (
+    add_documents,
+    free_port,
+    keys_for,
+    make_documents,
+    roles_fixture,  # noqa: F401  (fixture roles)
+    start_trainer,
+    tiny_spec,
+)
+from rlkube.core import protocol, runtime
+from rlkube.core.weightsync import StaleEpoch, WeightReceiver, checksums_match
 
 HERE = Path(__file__).parent
 TIMEOUT = 300
@@ -41,10 +50,10 @@ def write_model(directory: Path) -> None:
     tokenizer.save_pretrained(str(directory))
 
 
-def next_announcement(client, last_id: str, timeout: float = TIMEOUT) -> tuple[str, dict]:
+def next_announcement(client, last_id: str, timeout: float = TIMEOUT, keys=KEYS) -> tuple[str, dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for _, entries in client.xread({KEYS.events: last_id}, block=200) or []:
+        for _, entries in client.xread({keys.events: last_id}, block=200) or []:
             for sid, fields in entries:
                 last_id = sid.decode()
                 event = protocol.decode_event(sid, fields)
@@ -123,3 +132,48 @@ def test_sharded_trainer_streams_the_same_update_as_the_unsharded_path_one_bucke
     assert 0 < peak <= bucket + largest
     assert peak < report["model_bytes"] / 4
     assert other["peak_bytes"] <= largest
+
+
+def test_a_restarted_inference_server_gets_the_streamed_weights_again_while_the_trainer_waits(
+        redis_client, redis_server, tmp_path, roles):
+    """The trainer role on 2 FSDP ranks with a weight-update group: the inference server (a WeightReceiver here)
+    takes version 0, dies and comes back while the trainer waits for documents (which would only come from it).
+    Rank 0 has no snapshot to send from its watchdog; all ranks gather the weights again in a new epoch, the new
+    server gets version 0 exactly as the old one did, and training goes on to the end."""
+    steps, per_step = 2, 4
+    spec = tiny_spec(maxSteps=steps, samplesPerStep=per_step)
+    spec["trainer"].update(sharding="fsdp", nodes=2, checkpoint={"intervalSteps": 10, "claimName": "shared"})
+    keys = keys_for("fsdprejoin", spec)
+    addr, master = f"127.0.0.1:{free_port()}", free_port()
+    ranks = [start_trainer(roles, tmp_path, "fsdprejoin", spec, redis_server.url, ckpt_dir=tmp_path / "ckpt",
+                           RANK=str(rank), WORLD_SIZE="2", NODE_RANK=str(rank), NNODES="2", LOCAL_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), **{runtime.ENV_WEIGHT_SYNC: addr})
+             for rank in range(2)]
+    first = WeightReceiver(addr, rank=1, world_size=2, timeout_s=60, local_host="127.0.0.1")
+    second = WeightReceiver(addr, rank=1, world_size=2, timeout_s=60, local_host="127.0.0.1")
+    try:
+        last, ann = next_announcement(redis_client, "0-0", keys=keys)
+        first.join(ann["epoch"])
+        version, before = first.receive()
+        assert version == 0
+        before = {k: v.clone() for k, v in before.items()}
+        first.close()  # the server died; its successor finds the epoch formed and asks to rejoin
+        with pytest.raises(StaleEpoch):
+            second.join(ann["epoch"])
+        last, again = next_announcement(redis_client, last, keys=keys)
+        assert again["version"] == 0 and again["epoch"] != ann["epoch"]
+        second.join(again["epoch"])
+        version, state = second.receive()
+        assert version == 0 and state.keys() == before.keys()
+        assert all(torch.equal(state[k], before[k]) for k in before)
+        assert second.last_checksum == first.last_checksum
+        add_documents(redis_client, keys, make_documents(steps * per_step, seed=5))
+        for step in range(1, steps + 1):
+            last, ann = next_announcement(redis_client, last, keys=keys)
+            assert ann["version"] == step and ann["epoch"] == again["epoch"]
+            assert second.receive()[0] == step
+        assert [rank.wait(TIMEOUT) for rank in ranks] == [0, 0], [r.log()[-3000:] for r in ranks]
+    finally:
+        first.close()
+        second.close()
+    assert "sending version 0 again (every rank gathers)" in ranks[1].log()

@@ -381,6 +381,7 @@ class TrainerRole:
         self.consumer = protocol.consumer_name(self.dp.rank if self.dp is not None else ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
+        self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
 
@@ -473,9 +474,11 @@ class TrainerRole:
         if n > limit:
             raise ValueError(f"{n} tokens exceed the model's maxSequenceLength {limit}")
 
-    def _collect_step(self, want: int) -> list[protocol.Document] | None:
-        """Exactly `want` documents, or None when asked to stop before they arrived."""
-        docs: list[protocol.Document] = []
+    def _collect_step(self, want: int, docs: list[protocol.Document] | None = None
+                      ) -> list[protocol.Document] | None:
+        """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded:
+        returns `docs` short when the weights must be sent again first (`_republish_due`)."""
+        docs = [] if docs is None else docs
         # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
         last_document = time.monotonic()
         while len(docs) < want:
@@ -483,6 +486,8 @@ class TrainerRole:
                 if docs:
                     log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
                 return None
+            if self._republish_due():
+                return docs
             if self.dp is not None:
                 self.dp.check_peers()  # a dead peer must not go unnoticed while no documents come
             got = self.read_documents(want - len(docs))
@@ -514,18 +519,26 @@ class TrainerRole:
         try:
             while t.step < algo.max_steps:
                 t0 = time.monotonic()
-                docs = None
-                if published and not self._stopping():
-                    docs = self._collect_step(per_rank)
-                if self.dp is not None:
+                docs: list[protocol.Document] | None = []
+                while True:
+                    if not published or self._stopping():
+                        docs = None
+                    else:
+                        docs = self._collect_step(per_rank, docs)
+                    if self.dp is None:
+                        break
                     # Meet outside any collective (a peer may still wait for documents or a weight transfer), then
                     # agree: one rank stopping stops all of them after the same step.
-                    self.dp.gather(f"step/{t.step + 1}")
+                    self.dp.gather(f"step/{t.step + 1}/{self.republished}", while_waiting=self._republish_due)
                     if self.dp.any(docs is None):
                         if docs is not None:
                             log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
                                      len(docs), t.step + 1)
                         docs = None
+                        break
+                    if not (t.sharded and self.dp.any(self._republish_due())):
+                        break
+                    published = self._republish()  # then go on collecting this step's documents
                 if docs is None:
                     break
                 t1 = time.monotonic()
@@ -556,6 +569,26 @@ class TrainerRole:
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
         return 0
+
+    def _republish_due(self) -> bool:
+        """Sharded: an inference server restarted and asked to rejoin, and rank 0 has no snapshot to send it from
+        its watchdog (the weights are streamed from the shards): all ranks must gather them again. Rank 0 raises
+        the flag in the trainer's store; every rank sees it while waiting for documents or for its peers, and all
+        agree (`run`) before the collective transfer. Without it a server that restarts while the trainer waits
+        for documents (which only come once the server serves again) would wait for the document timeout."""
+        if not self.trainer.sharded or self.dp is None:
+            return False
+        key = f"republish/{self.republished}"
+        if self.leader and getattr(self.trainer.publisher, "rejoin_pending", False):
+            self.dp.store.set(key, "1")
+            return True
+        return self.dp.store.check([key])
+
+    def _republish(self) -> bool:
+        log.warning("an inference server asked to rejoin: sending version %d again (every rank gathers)",
+                    self.trainer.version)
+        self.republished += 1
+        return self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
 
     def _finish(self, interrupted: bool) -> None:
         t = self.trainer

@@ -554,6 +554,9 @@ class WeightPublisher:
         self.redis = redis_client
         self.keys = keys
         self.streams = True  # takes a StreamedWeights (the sharded trainer passes one instead of named tensors)
+        # Streamed updates: an inference server asked to rejoin and the trainer must publish again (its ranks
+        # gather the weights anew); set by the watchdog, cleared by the next publish, which opens a new epoch.
+        self.rejoin_pending = False
         self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device,
                                    local_host=local_host, transfer_dtype=transfer_dtype, bucket_bytes=bucket_bytes)
         self.retries = retries
@@ -613,8 +616,9 @@ class WeightPublisher:
             with self._lock:
                 if self.epoch is None:
                     raise RuntimeError("WeightPublisher.publish() before start()")
-                if self.sender.epoch is not None and self.sender.rejoin_requested():
-                    self.epoch = self.sender.open()
+                if self.rejoin_pending or (self.sender.epoch is not None and self.sender.rejoin_requested()):
+                    self.epoch = self.sender.open()  # a new epoch the rejoining server can join
+                self.rejoin_pending = False
                 self._last = None
                 for attempt in range(self.retries + 1):
                     if self.sender.epoch is None:
@@ -684,7 +688,13 @@ class WeightPublisher:
                 self._reannounce_if_lost()  # a transfer is running; it will notice a dead peer itself
                 continue
             try:
-                if self._last is None or self.epoch is None or not self.sender.rejoin_requested():
+                if self.epoch is None or not self.sender.rejoin_requested():
+                    continue
+                if self._last is None:  # streamed (or nothing published yet): no snapshot to send from here
+                    if not self.rejoin_pending:
+                        log.warning("an inference server asked to rejoin epoch %s; the trainer must send the "
+                                    "weights again (streamed: no snapshot here)", self.epoch)
+                    self.rejoin_pending = True
                     continue
                 log.warning("an inference server asked to rejoin epoch %s; re-announcing version %d in a new one",
                             self.epoch, self._last[1])
