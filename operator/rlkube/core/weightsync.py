@@ -31,6 +31,11 @@ The weight contract (design.md s5), whatever the trainer backend:
   (`weights_checksum` of its weights cast to the transfer dtype: equal to the trainer's whenever the served dtype
   holds the transfer dtype exactly, e.g. float32 or bfloat16 served from a bfloat16 transfer).
 
+A trainer that shards its weights (FSDP) cannot pack a snapshot without holding the whole model on rank 0: it
+publishes a `StreamedWeights` instead, which every trainer rank builds from its shards (names, shapes, dtypes and
+the checksum need no gather) and whose buckets the ranks gather one at a time while rank 0 sends each; the bytes
+on the wire are the same as for the packed update (`plan_buckets` decides both layouts).
+
 Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
 `{"version", "checksum", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel], ...]}`,
 then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel as a
