@@ -210,3 +210,24 @@ def test_fsdp_trainer_role_over_two_ranks_equals_single_process_training(redis_c
     print(f"trainer role, 2 FSDP ranks, {steps} steps: largest difference to single-process training {worst:.2e}")
     assert worst < TOLERANCE
     assert (tmp_path / "ckpt" / ckpt.shards_name(steps)).is_dir()
+
+
+def test_fsdp_ranks_announce_again_together_after_redis_lost_its_streams(redis_client, redis_server, tmp_path,
+                                                                         roles):
+    """A managed Redis restarted empty while both FSDP ranks wait for step 2's documents: each recreates the group;
+    publishing is a collective, so rank 0 asks all ranks (through their store) to publish version 1 again, and
+    training goes on."""
+    spec = role_spec(steps=2, per_step=4)
+    keys = keys_for("fsdpempty", spec)
+    ranks = start_role_ranks(roles, tmp_path, "fsdpempty", spec, redis_server.url)
+    add_documents(redis_client, keys, make_documents(4, seed=1))
+    wait_for_event(redis_client, keys, protocol.METRICS, TIMEOUT, ranks[0], where=lambda e: e.step == 1)
+    redis_client.flushall()
+    again = wait_for_event(redis_client, keys, protocol.WEIGHTS_READY, TIMEOUT, ranks[0])
+    assert again.payload["version"] == 1 and again.payload["documents_seen"] == 4
+    add_documents(redis_client, keys, make_documents(4, seed=2))
+    assert [rank.wait(TIMEOUT) for rank in ranks] == [0, 0], [r.log()[-3000:] for r in ranks]
+    for rank in ranks:
+        assert "sending version 1 again (every rank gathers)" in rank.log(), rank.log()[-3000:]
+    (finished,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert finished.payload["step"] == 2 and finished.payload["documents_seen"] == 8

@@ -382,6 +382,7 @@ class TrainerRole:
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
         self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
+        self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
 
@@ -451,7 +452,12 @@ class TrainerRole:
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
             streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
-            self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
+            if self.trainer.sharded and self.dp is not None:
+                # A collective of every rank, which the other ranks may not be ready for now: rank 0 asks for it
+                # through the same agreement as a rejoining inference server (_republish_due).
+                self.announce_again = self.announce_again or self.leader
+            else:
+                self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
             return []
         docs = []
         for _, entries in got or []:
@@ -572,22 +578,24 @@ class TrainerRole:
 
     def _republish_due(self) -> bool:
         """Sharded: an inference server restarted and asked to rejoin, and rank 0 has no snapshot to send it from
-        its watchdog (the weights are streamed from the shards): all ranks must gather them again. Rank 0 raises
+        its watchdog (the weights are streamed from the shards), or Redis lost the events (read_documents): all
+        ranks must gather the weights again. Rank 0 raises
         the flag in the trainer's store; every rank sees it while waiting for documents or for its peers, and all
         agree (`run`) before the collective transfer. Without it a server that restarts while the trainer waits
         for documents (which only come once the server serves again) would wait for the document timeout."""
         if not self.trainer.sharded or self.dp is None:
             return False
         key = f"republish/{self.republished}"
-        if self.leader and getattr(self.trainer.publisher, "rejoin_pending", False):
+        if self.leader and (self.announce_again or getattr(self.trainer.publisher, "rejoin_pending", False)):
             self.dp.store.set(key, "1")
             return True
         return self.dp.store.check([key])
 
     def _republish(self) -> bool:
-        log.warning("an inference server asked to rejoin: sending version %d again (every rank gathers)",
-                    self.trainer.version)
+        log.warning("sending version %d again (every rank gathers): an inference server asked to rejoin, or the "
+                    "events were lost", self.trainer.version)
         self.republished += 1
+        self.announce_again = False
         return self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
 
     def _finish(self, interrupted: bool) -> None:
