@@ -177,7 +177,12 @@ class StreamedWeights:
     buffer in the transfer dtype, sent, dropped), and `more(False)` once done (after a failed pass `more(True)`
     again, for the retry in a new epoch). Every other rank, and rank 0 when it transfers nothing, calls `drain()`,
     which runs as many passes as rank 0 announces. `peak_bytes` counts the most bytes of gathered tensors and
-    bucket buffers this rank held at once (one bucket plus one full tensor)."""
+    bucket buffers this rank held at once (one bucket plus one full tensor).
+
+    The price of streaming: the other ranks wait for rank 0's broadcast of a bucket inside their next gather, so
+    a broadcast that blocks (an inference server that neither receives nor dies) fails them after the trainer's
+    collective timeout (RLKUBE_COLLECTIVE_TIMEOUT_S, 120 s) rather than the weight-sync timeout; a dead server
+    breaks the broadcast at once, and the retry runs in a new epoch as for the packed update."""
 
     def __init__(self, specs: list[list[Any]], checksum: float, gather, agree, bucket_bytes: int,
                  device: str | torch.device | None = None, rendezvous=None):
