@@ -207,6 +207,8 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
         elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
+    if trainer.cpu_offload and trainer.sharding != "fsdp":
+        errs.append(FieldError("spec.trainer.cpuOffload", "offloads FSDP2's shards: it needs sharding 'fsdp'"))
     if trainer.sharding != "none" and trainer.backend != "torch":
         errs.append(FieldError("spec.trainer.sharding", f"'{trainer.sharding}' shards the torch backend; backend "
                                                         f"{trainer.backend!r} has its own parallelism"))

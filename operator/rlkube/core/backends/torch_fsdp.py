@@ -47,7 +47,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from rlkube.api.spec import TrainingJobSpec
@@ -86,9 +93,13 @@ class FSDPTorchBackend(TorchBackend):
             layer_policy = MixedPrecisionPolicy()
         else:
             layer_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        # cpuOffload: shards, gradients and Adam state in host memory, the optimizer step on the CPU; pinned
+        # memory (faster copies) needs CUDA. On a CPU-only trainer nothing moves, the same code path runs.
+        offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.trainer.cpu_offload
+                   else OffloadPolicy())
         for layer in decoder_layers(self.model):
-            fully_shard(layer, mp_policy=layer_policy)
-        fully_shard(self.model, mp_policy=MixedPrecisionPolicy())
+            fully_shard(layer, mp_policy=layer_policy, offload_policy=offload)
+        fully_shard(self.model, mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # a SUM over ranks (module docstring)
