@@ -6,7 +6,11 @@ requests (n samples, per-token log-probs, token ids, the weights version) whose 
 1e-4 (float32), at temperature 1 and below; an update while requests run: none fails, and afterwards the log-probs
 of a fixed prompt (longer than a KV block, so a prefix-cache hit would show) are the NEW weights' to 1e-4, and the
 served checksum is the trainer's; a corrupted bucket is refused by the checksum (the old weights keep serving) and
-the next update gets through; training_finished leaves the group and serving goes on; SIGTERM ends the server and vLLM's processes within seconds.
+the next update gets through; a streamed request (server-sent events) running across an update completes, and
+every chunk's version is the one whose weights sampled its tokens (their log-probs are that version's to 1e-4);
+an update sent in bfloat16 by a float32 trainer serves the bf16-rounded weights (log-probs to 1e-4 of
+transformers with those weights); training_finished leaves the group and serving goes on; SIGTERM ends the server
+and vLLM's processes within seconds.
 
 The vLLM engine lives in its own virtual environment (`make deps-vllm`, which `make test` runs): the server is
 started as every launcher starts it (`python -m rlkube.core.vllm_server`), and re-executes itself with
@@ -15,14 +19,17 @@ RLKUBE_VLLM_PYTHON.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import urllib.request
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from rlkube.core import protocol
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
@@ -55,6 +62,7 @@ MODEL = "builtin://tiny-llama"
 KEYS = protocol.StreamKeys(PREFIX)
 PROMPT = "1234567890" * 4 + ":"  # 41 tokens: longer than one KV block (32, below), shorter than two
 MAX_LEN = 64
+BF16_VERSION = 10  # the trainer stand-in sends this version in bfloat16 (its others in float32)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +100,7 @@ def stack(tmp_path_factory, redis_server):
 def trainer(stack):
     roles, url, _ = stack
     t0 = time.monotonic()
-    peer = roles.start_trainer(0, PEER_CORRUPT_VERSIONS="2")
+    peer = roles.start_trainer(0, PEER_CORRUPT_VERSIONS="2", PEER_BF16_VERSIONS=str(BF16_VERSION))
     wait_version(url, 0, timeout=180)
     print(f"vLLM server healthy {time.monotonic() - t0:.1f}s after the trainer started")
     return peer
@@ -114,6 +122,38 @@ def complete(url: str, prompt: str = PROMPT, **body) -> dict:
     }, timeout=120)
     assert status == 200, reply
     return reply
+
+
+def stream(url: str, **body) -> list[dict]:
+    """A streamed completion's chunks (server-sent events up to `data: [DONE]`)."""
+    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": MODEL, "stream": True, **body}).encode())
+    chunks = []
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for line in resp:
+            if not line.strip():
+                continue
+            assert line.startswith(b"data: "), line
+            if line.strip() == b"data: [DONE]":
+                return chunks
+            chunks.append(json.loads(line[len(b"data: "):]))
+    raise AssertionError(f"the stream ended without [DONE] after {len(chunks)} chunks")
+
+
+def streamed_choices(chunks: list[dict]) -> dict[int, dict]:
+    """Per choice index: its token ids, log-probs, the version of every token, and its finish reason."""
+    choices: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            got = choices.setdefault(c["index"], {"prompt_token_ids": c["prompt_token_ids"], "token_ids": [],
+                                                  "logprobs": [], "versions": [], "finish": None})
+            assert got["finish"] is None, "a chunk after the choice's last"
+            got["token_ids"] += c["token_ids"]
+            got["logprobs"] += c["logprobs"]["token_logprobs"]
+            got["versions"] += [chunk["model_version"]] * len(c["token_ids"])
+            got["finish"] = c["finish_reason"]
+    return choices
 
 
 def max_difference(config, state, reply, temperature: float = 1.0) -> float:
@@ -206,6 +246,81 @@ def test_a_corrupted_bucket_is_refused_and_the_next_update_applies(stack, traine
     assert max_difference(roles.config, model_weights(str(roles.config), 3), complete(url)) < 1e-4
 
 
+def test_a_stream_across_an_update_completes_and_each_chunk_names_the_weights_that_sampled_it(stack, trainer):
+    roles, url, _ = stack
+    version = health(url)[1]["model_version"]
+    prompt = PROMPT[:20]
+    body = {"prompt": prompt, "n": 4, "max_tokens": MAX_LEN - 21, "logprobs": 0, "seed": 5}
+    streams, failures, stop = [], [], threading.Event()
+
+    def keep_streaming() -> None:
+        while not stop.is_set():
+            try:
+                streams.append(stream(url, **body))
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                failures.append(exc)
+
+    def crossing() -> list | None:
+        return next((s for s in streams if len({c["model_version"] for c in s if c["choices"]}) > 1), None)
+
+    threads = [threading.Thread(target=keep_streaming) for _ in range(2)]
+    for t in threads:
+        t.start()
+    crossed = None
+    try:
+        wait_until(lambda: streams or failures, 60, "streams running")
+        # An update lands in a running stream when one is sampling at that moment: nearly always, but to be
+        # certain, update until one did (at most 3 times).
+        for attempt in range(3):
+            version += 1
+            publish(trainer, version)
+            wait_version(url, version)
+            done = len(streams)
+            wait_until(lambda n=done: len(streams) >= n + 2 or failures, 120, "the streams running at the update")
+            if crossed := crossing():
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures[:2]
+    assert crossed, f"no stream ran across any of {attempt + 1} updates"
+    choices = streamed_choices(crossed)
+    assert sorted(choices) == [0, 1, 2, 3]
+    versions_seen = set()
+    states = {}
+    for got in choices.values():
+        assert got["finish"] in ("length", "stop") and len(got["token_ids"]) >= 1
+        assert got["versions"] == sorted(got["versions"]), "versions go back in time"
+        versions_seen |= set(got["versions"])
+        assert len(got["prompt_token_ids"]) == len(prompt) + 1
+        for v in set(got["versions"]):
+            states.setdefault(v, model_weights(str(roles.config), v))
+        want = {v: expected_logprobs(roles.config, states[v], got) for v in set(got["versions"])}
+        for position, (lp, v) in enumerate(zip(got["logprobs"], got["versions"], strict=True)):
+            assert abs(lp - want[v][position]) < 1e-4, (position, v, lp, want[v][position])
+    assert len(versions_seen) == 2 and max(versions_seen) == version, versions_seen
+
+
+def test_an_update_in_bf16_from_an_fp32_trainer_serves_the_rounded_weights(stack, trainer):
+    roles, url, _ = stack
+    publish(trainer, BF16_VERSION)
+    served = wait_version(url, BF16_VERSION)
+    exact = model_weights(str(roles.config), BF16_VERSION)
+    assert all(t.dtype == torch.float32 for t in exact.values())
+    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in exact.items()}
+    assert checksums_match(served["weights_checksum"], weights_checksum(exact.items(), dtype=torch.bfloat16))
+    reply = complete(url)
+    assert reply["model_version"] == BF16_VERSION
+    # The served model is float32 holding the bf16 values exactly: as close to transformers with those values as
+    # a float32 update is to its weights.
+    to_rounded, to_exact = max_difference(roles.config, rounded, reply), max_difference(roles.config, exact, reply)
+    print(f"bf16 transfer: max |log-prob difference| {to_rounded:.2e} to the rounded weights, "
+          f"{to_exact:.2e} to the float32 ones")
+    assert to_rounded < 1e-4
+    assert to_exact > to_rounded  # the rounding is visible: the server did get bf16 values
+
+
 def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, redis_server):
     roles, url, _ = stack
     client = redis_server.client()
@@ -214,8 +329,8 @@ def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, 
     finally:
         client.close()
     body = wait_until(lambda: (h := health(url)[1])["training_finished"] and h, 30, "training_finished")
-    assert body["epoch"] is None and body["model_version"] == 3
-    assert complete(url)["model_version"] == 3  # still serving, until SIGTERM
+    assert body["epoch"] is None and body["model_version"] == BF16_VERSION
+    assert complete(url)["model_version"] == BF16_VERSION  # still serving, until SIGTERM
 
 
 def test_sigterm_stops_the_server_and_vllms_processes(stack):

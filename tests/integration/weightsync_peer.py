@@ -6,7 +6,9 @@ nudged per version, else small test tensors), then publishes one version per lin
 `published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile. PEER_OVERLAP=1 overlaps transfers;
 PEER_TRANSFER_DTYPE (e.g. bfloat16) and PEER_BUCKET_BYTES set the publisher's transfer dtype and bucket size.
 PEER_CORRUPT_VERSIONS (comma-separated) sends those versions with one value of their first bucket changed after the
-checksum was taken, as a transfer that corrupts data would (the receivers must refuse them).
+checksum was taken, as a transfer that corrupts data would (the receivers must refuse them). PEER_BF16_VERSIONS
+(comma-separated) sends those versions in bfloat16 whatever PEER_TRANSFER_DTYPE says (an fp32 trainer with a bf16
+transfer dtype).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.protocol import StreamKeys
-from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher
+from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher, pack_weights
 
 
 def make_weights(version: int) -> dict[str, torch.Tensor]:
@@ -59,6 +61,15 @@ def main() -> None:
                           overlap=os.environ.get("PEER_OVERLAP") == "1",
                           transfer_dtype=getattr(torch, dtype) if dtype else None,
                           bucket_bytes=int(os.environ.get("PEER_BUCKET_BYTES", str(DEFAULT_BUCKET_BYTES))))
+    bf16 = {int(v) for v in os.environ.get("PEER_BF16_VERSIONS", "").split(",") if v}
+    if bf16:
+        sender = pub.sender
+
+        def pack_some_in_bf16(named_tensors):
+            dtype = torch.bfloat16 if current[0] in bf16 else sender.transfer_dtype
+            return pack_weights(named_tensors, dtype, sender.bucket_bytes, sender.device)
+
+        sender.pack = pack_some_in_bf16
     corrupt = {int(v) for v in os.environ.get("PEER_CORRUPT_VERSIONS", "").split(",") if v}
     if corrupt:
         pack = pub.sender.pack
