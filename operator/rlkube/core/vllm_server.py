@@ -124,7 +124,7 @@ class _Versions:
     """Which weights sampled which tokens of one running request: per choice, [[first token, version], ...]."""
 
     spans: list[list[list[int]]]
-    settled: list[bool]  # the choice finished (or was seen running) before an update: no later update is its
+    settled: list[bool]  # the choice finished before an update: no later update touches its tokens
 
     def version_at(self, index: int, position: int) -> int:
         return [v for first, v in self.spans[index] if first <= position][-1]
@@ -188,9 +188,6 @@ class VllmEngine:
                     spans[:] = [s for s in spans if s[0] < count] + [[count, version]]
                 else:  # not scheduled yet
                     spans[:] = [[0, version]]
-
-    async def set_version(self, version: int) -> None:
-        await self.end_update(version)
 
     async def _wait_version(self, min_version: int | None) -> None:
         if min_version is None or self.version >= min_version:
