@@ -19,10 +19,8 @@ RLKUBE_VLLM_PYTHON.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import urllib.request
 import threading
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ from serve_helpers import (
     RoleProcesses,
     free_port,
     http_json,
+    http_stream,
     http_status,
     job_spec,
     log_text,
@@ -124,23 +123,6 @@ def complete(url: str, prompt: str = PROMPT, **body) -> dict:
     }, timeout=120)
     assert status == 200, reply
     return reply
-
-
-def stream(url: str, **body) -> list[dict]:
-    """A streamed completion's chunks (server-sent events up to `data: [DONE]`)."""
-    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"model": MODEL, "stream": True, **body}).encode())
-    chunks = []
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
-        for line in resp:
-            if not line.strip():
-                continue
-            assert line.startswith(b"data: "), line
-            if line.strip() == b"data: [DONE]":
-                return chunks
-            chunks.append(json.loads(line[len(b"data: "):]))
-    raise AssertionError(f"the stream ended without [DONE] after {len(chunks)} chunks")
 
 
 def streamed_choices(chunks: list[dict]) -> dict[int, dict]:
@@ -271,7 +253,7 @@ def test_a_stream_across_an_update_completes_and_each_chunk_names_the_weights_th
     def keep_streaming() -> None:
         while not stop.is_set():
             try:
-                streams.append(stream(url, **body))
+                streams.append(http_stream(url + "/v1/completions", {"model": MODEL, **body}))
             except Exception as exc:  # noqa: BLE001 - reported by the test
                 failures.append(exc)
 
