@@ -124,3 +124,18 @@ def test_the_worker_remembers_the_requests_the_model_runner_finished():
     assert requests.pop("x", None) == 1 and requests.pop("absent", None) is None
     assert requests.take_finished() == ["x"] and requests.take_finished() == []
     assert dict(requests) == {"y": 2}
+
+
+def test_tensor_parallel_workers_on_cpu_are_not_bound_to_numa_nodes_unless_asked():
+    from rlkube.core.vllm_server import ENV_CPU_BIND, cpu_threads_binding
+
+    tp2 = parse_spec({**spec().model_dump(by_alias=True, exclude_none=True),
+                      "inference": {"engine": "vllm", "tensorParallel": 2}})
+    assert option(engine_cli_args(tp2, "/m"), "--tensor-parallel-size") == "2"
+    env: dict[str, str] = {}
+    assert cpu_threads_binding(tp2, env, gpus=False) == "nobind" and env == {ENV_CPU_BIND: "nobind"}
+    chosen = {ENV_CPU_BIND: "0|1"}
+    assert cpu_threads_binding(tp2, chosen, gpus=False) is None and chosen == {ENV_CPU_BIND: "0|1"}
+    for s, gpus in ((spec(), False), (tp2, True)):  # one worker; or GPUs, where no thread binding applies
+        untouched: dict[str, str] = {}
+        assert cpu_threads_binding(s, untouched, gpus=gpus) is None and untouched == {}

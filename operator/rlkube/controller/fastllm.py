@@ -119,8 +119,8 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
                 "broadcast": {
                     "host": BROADCAST_STORE_HOST,
                     "port": runtime.WEIGHT_SYNC_PORT,
-                    # One rank per inference server, as in our own weight-update group (RoleContext).
-                    "external_world_size": spec.inference.replicas,
+                    # Every inference rank of our own weight-update group (all but the trainer's).
+                    "external_world_size": runtime.weight_sync_world_size(spec) - 1,
                     "backend": "nccl",
                 },
                 "export": {"format": fmt, "model_weights": True, "optimizer_state": False},

@@ -264,7 +264,7 @@ def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollo
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
-    receiver = WeightReceiver(ctx.weight_sync_addr, rank=1 + ctx.index, world_size=ctx.weight_sync_world_size,
+    receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=ctx.weight_sync_world_size,
                               timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host)
     client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
     follower = WeightFollower(client, ctx.keys, receiver, engine, copy.deepcopy(model))
@@ -288,7 +288,7 @@ def main() -> int:
     follower.start()
     port = ctx.port or runtime.INFERENCE_PORT
     log.info("native inference for %s on %s:%d (rank %d of %d in the weight-update group)", server.served.name,
-             ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
+             ctx.bind_host, port, ctx.weight_sync_rank(), ctx.weight_sync_world_size)
     # run_app turns SIGTERM/SIGINT into a graceful shutdown (InferenceServer.on_shutdown first) and returns.
     web.run_app(server.app(), host=ctx.bind_host, port=port, print=None, shutdown_timeout=HTTP_SHUTDOWN_S,
                 access_log=None)

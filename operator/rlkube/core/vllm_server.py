@@ -91,6 +91,26 @@ def engine_cli_args(spec, model_dir: str, index: int = 0, gpus: bool = False) ->
     return args + list(v.extra_engine_args)
 
 
+ENV_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_binding(spec, env, gpus: bool | None = None) -> str | None:
+    """vLLM's CPU backend binds each tensor-parallel worker's threads to a NUMA node of its own by default ("auto"),
+    and refuses to start when there are fewer NUMA nodes than workers ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers": any one-socket machine). With tensorParallel > 1 on CPU and no binding chosen
+    (a pod template may set one, e.g. "0-7|8-15"), the workers are left to the OS scheduler ("nobind")."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.is_available()
+    if gpus or spec.inference.tensor_parallel == 1 or env.get(ENV_CPU_BIND):
+        return None
+    env[ENV_CPU_BIND] = "nobind"
+    log.info("tensorParallel %d on CPU: %s=nobind (set it to bind each worker's threads)",
+             spec.inference.tensor_parallel, ENV_CPU_BIND)
+    return "nobind"
+
+
 def reexec_with_vllm_python(env: dict[str, str] | None = None) -> None:
     """When this interpreter has no vllm: exec RLKUBE_VLLM_PYTHON on this module, or exit with the reason."""
     if importlib.util.find_spec("vllm") is not None:
@@ -110,6 +130,35 @@ def reexec_with_vllm_python(env: dict[str, str] | None = None) -> None:
         + (f" ({ENV_VLLM_PYTHON}={python!r} has no vllm either)" if hopped else
            f" ({ENV_VLLM_PYTHON}={python!r} is not executable)" if python else "")
     )
+
+
+def combine_joins(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from every tensor-parallel worker's `rlkube_join`: joined only if all did (the group forms only
+    with all its ranks); stale if any was told its epoch is stale."""
+    failed = [r for r in results if not r["ok"]]
+    if not failed:
+        return {"ok": True, "epoch": results[0]["epoch"], "ranks": [r.get("rank") for r in results]}
+    return {"ok": False, "stale": any(r.get("stale") for r in failed),
+            "error": "; ".join(dict.fromkeys(r["error"] for r in failed))}
+
+
+def combine_receipts(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from every tensor-parallel worker's `rlkube_receive`. Each worker received the same full broadcast
+    and verified its checksum; the update is in effect only when every worker loaded it (the same version), and
+    fatal when any worker may hold half-loaded weights. Times are the slowest worker's; the per-request progress is
+    the first worker's (the scheduler drives every worker through the same steps)."""
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        return {"ok": False, "fatal": any(r.get("fatal") for r in failed),
+                "error": "; ".join(dict.fromkeys(r["error"] for r in failed))}
+    versions = {r["version"] for r in results}
+    if len(versions) != 1:
+        # Cannot happen with one sender; if it did, the shards would belong to different weights.
+        return {"ok": False, "fatal": True, "error": f"tensor-parallel workers loaded different versions {versions}"}
+    first = results[0]
+    served = [r["served_checksum"] for r in results]
+    return {**first, "served_checksum": served[0] if len(results) == 1 else None,
+            "transfer_s": max(r["transfer_s"] for r in results), "load_s": max(r["load_s"] for r in results)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,9 +374,9 @@ class VllmWeightFollower:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result(timeout)
 
-    def _rpc(self, method: str, *args) -> Any:
-        (result, *_) = self._call(self.engine.llm.collective_rpc(method, args=args))  # one worker (TP 1)
-        return result
+    def _rpc(self, method: str, *args) -> list[Any]:
+        """`method` on every worker (one per tensor-parallel rank), their results in rank order."""
+        return self._call(self.engine.llm.collective_rpc(method, args=args))
 
     def _run(self) -> None:
         from rlkube.core import protocol, streams
@@ -364,9 +413,10 @@ class VllmWeightFollower:
         t0 = time.monotonic()
         if epoch != self.epoch:
             log.info("joining weight-update epoch %s (was %s)", epoch, self.epoch)
-            joined = self._rpc("rlkube_join", self.addr, self.rank, self.world_size, epoch, RECEIVE_TIMEOUT_S,
-                               self.bind_host)
+            joined = combine_joins(self._rpc("rlkube_join", self.addr, self.rank, self.world_size, epoch,
+                                             RECEIVE_TIMEOUT_S, self.bind_host))
             if not joined["ok"]:
+                self._rpc("rlkube_leave")  # a worker that did join holds a group its siblings are not in
                 (log.info if joined.get("stale") else log.warning)("joining epoch %s: %s", epoch, joined["error"])
                 self.epoch = None
                 return
@@ -408,12 +458,12 @@ class VllmWeightFollower:
         attended to by tokens of the new ones. Both are sent before the first returns, so the engine core finds
         the reset queued when the load ends and applies it before its next step (it drains its input queue
         between steps): no step runs on new weights with old KV (each preempted request recomputes its KV)."""
-        (got, *_), reset = await asyncio.gather(self.engine.llm.collective_rpc("rlkube_receive"),
+        got, reset = await asyncio.gather(self.engine.llm.collective_rpc("rlkube_receive"),
                                                 self.engine.llm.reset_prefix_cache(reset_running_requests=True),
                                                 return_exceptions=False)
         if not reset:
             log.warning("the prefix cache could not be reset")
-        return got
+        return combine_receipts(got)
 
 
 class VllmServer:
@@ -563,9 +613,6 @@ def main() -> int:
     spec = ctx.spec
     if spec.inference.engine != "vllm":
         raise SystemExit(f"rlkube.core.vllm_server serves engine `vllm`, the spec asks for {spec.inference.engine!r}")
-    if spec.inference.tensor_parallel != 1:
-        raise SystemExit("spec.inference.tensorParallel > 1 with engine vllm: the weight-update group has one rank "
-                         "per inference server, so only tensorParallel 1 is supported for now")
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
@@ -573,6 +620,7 @@ def main() -> int:
     tokenizer = load_tokenizer(model_dir, load_config(model_dir))
     max_len = spec.inference.vllm.max_model_length or spec.model.max_sequence_length
     served = ServedModel(spec.model.path, tokenizer, max_len)
+    cpu_threads_binding(spec, os.environ)
     engine_args = build_engine_args(spec, str(Path(model_dir).resolve()), ctx.index)
     _reachable_cwd()
     os.environ[ENV_SERVER_PID] = str(os.getpid())  # vLLM's processes end themselves when we are gone (vllm_worker)
@@ -585,16 +633,25 @@ def main() -> int:
         llm = AsyncLLM.from_engine_args(engine_args)
         log.info("vLLM engine up in %.1fs", time.monotonic() - t0)
         await llm.collective_rpc("rlkube_track")  # before any request (rlkube.core.vllm_worker)
+        tp_ranks = await llm.collective_rpc("rlkube_tp_rank")
+        if sorted(tp_ranks) != list(range(spec.inference.tensor_parallel)):
+            # Each worker joins as base + its rank: ranks other than 0..tensorParallel-1 (pipeline parallelism in
+            # extraEngineArgs, say) would collide with the next server's or fall outside the group.
+            raise SystemExit(f"vLLM runs workers of ranks {tp_ranks}; the weight-update group expects one per "
+                             f"spec.inference.tensorParallel ({spec.inference.tensor_parallel}) rank, 0 to "
+                             f"{spec.inference.tensor_parallel - 1}")
         engine = VllmEngine(llm, served, loop)
         client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
-        follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr, rank=1 + ctx.index,
+        follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr,
+                                      rank=ctx.weight_sync_rank(),
                                       world_size=ctx.weight_sync_world_size, bind_host=ctx.bind_host)
         server = VllmServer(engine, follower)
         runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         await web.TCPSite(runner, ctx.bind_host, port).start()
-        log.info("vLLM inference for %s on %s:%d (rank %d of %d in the weight-update group)", served.name,
-                 ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
+        log.info("vLLM inference for %s on %s:%d (ranks %d-%d of %d in the weight-update group)", served.name,
+                 ctx.bind_host, port, ctx.weight_sync_rank(), ctx.weight_sync_rank(spec.inference.tensor_parallel - 1),
+                 ctx.weight_sync_world_size)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

@@ -125,9 +125,18 @@ class RlkubeWorkerExtension:
         return {"running": {rid: len(state.output_token_ids) for rid, state in requests.items()},
                 "finished": requests.take_finished() if isinstance(requests, _FinishTracking) else None}
 
-    def rlkube_join(self, addr: str, rank: int, world_size: int, epoch: str, timeout_s: float,
+    def rlkube_tp_rank(self) -> int:
+        """This worker's rank among its server's workers (its tensor-parallel rank)."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group
+
+    def rlkube_join(self, addr: str, base_rank: int, world_size: int, epoch: str, timeout_s: float,
                     local_host: str | None) -> dict[str, Any]:
-        """Join `epoch`'s weight-update group (blocks until the trainer forms it with its first send)."""
+        """Join `epoch`'s weight-update group as rank `base_rank` + this worker's tensor-parallel rank (blocks until
+        the trainer forms it with its first send). Every worker is a rank of its own: each receives the full
+        broadcast and its weight loaders keep its shard of every tensor (rlkube.core.runtime.weight_sync_rank)."""
+        rank = base_rank + self.rlkube_tp_rank()
         if self._rlkube_receiver is None or self._rlkube_receiver.rank != rank:
             self._rlkube_receiver = WeightReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s,
                                                    local_host=local_host)
@@ -137,7 +146,7 @@ class RlkubeWorkerExtension:
             return {"ok": False, "stale": True, "error": str(exc)}
         except WeightSyncError as exc:
             return {"ok": False, "stale": False, "error": str(exc)}
-        return {"ok": True, "epoch": epoch}
+        return {"ok": True, "epoch": epoch, "rank": rank}
 
     def rlkube_receive(self) -> dict[str, Any]:
         """Receive one update and load it; the checksums are of what arrived (verified against the trainer's by
