@@ -264,7 +264,8 @@ def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollo
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
-    receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=ctx.weight_sync_world_size,
+    receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                              world_size=ctx.weight_sync_world_size,
                               timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host)
     client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
     follower = WeightFollower(client, ctx.keys, receiver, engine, copy.deepcopy(model))

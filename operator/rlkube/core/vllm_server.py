@@ -351,6 +351,7 @@ class VllmWeightFollower:
         self.world_size = world_size
         self.bind_host = bind_host
         self.epoch: str | None = None
+        self.ranks: list[int] = []  # the group ranks this server's workers joined as (one per tensor-parallel rank)
         self.synced = threading.Event()
         self.finished = threading.Event()
         self.updates = 0
@@ -421,6 +422,7 @@ class VllmWeightFollower:
                 self.epoch = None
                 return
             self.epoch = epoch
+            self.ranks = joined["ranks"]
         self._call(self.engine.begin_update())  # nothing is handed out until we know which weights sampled it
         try:
             got = self._call(self._receive_and_reset())
@@ -509,6 +511,7 @@ class VllmServer:
             "engine": "vllm",
             "model_version": self.engine.version,
             "epoch": f.epoch if f else None,
+            "weight_sync_ranks": f.ranks if f else [],
             "updates": f.updates if f else 0,
             "rejected_updates": f.rejected if f else 0,
             "last_error": f.last_error if f else None,
