@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.api.validation import SpecError, parse_spec, tensor_parallel_heads_error
 from rlkube.controller import fastllm
 from rlkube.core import runtime
 from rlkube.core.vllm_server import combine_joins, combine_receipts
@@ -16,9 +16,9 @@ from rlkube.core.vllm_server import combine_joins, combine_receipts
 pytestmark = pytest.mark.unit
 
 
-def spec(replicas: int = 1, tp: int = 1, engine: str = "vllm", **trainer):
+def spec(replicas: int = 1, tp: int = 1, engine: str = "vllm", model: str = "hf://org/m", **trainer):
     return parse_spec({
-        "model": {"path": "builtin://tiny-llama", "seed": 2},
+        "model": {"path": model, "seed": 2},
         "task": {"name": "reverse-digits"},
         "algorithm": {"maxSteps": 2},
         "inference": {"engine": engine, "replicas": replicas, "tensorParallel": tp},
@@ -94,3 +94,31 @@ def test_an_update_is_in_effect_only_when_every_worker_loaded_it():
     assert half["fatal"] and not half["ok"]
     apart = combine_receipts([receipt(), receipt(version=4)])
     assert apart["fatal"] and "different versions" in apart["error"]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp", "fits"), [
+    (2, 2, 2, True), (2, 2, 4, False), (8, 2, 4, True), (8, 2, 3, False), (12, 4, 8, False), (8, 1, 8, True),
+    (6, 4, 2, True), (6, 6, 4, False),
+])
+def test_tensor_parallel_must_split_the_attention_heads_as_vllm_does(heads, kv_heads, tp, fits):
+    assert (tensor_parallel_heads_error(heads, kv_heads, tp) is None) == fits
+
+
+def test_a_built_in_model_that_tensor_parallelism_cannot_split_is_refused_before_any_pod():
+    assert runtime.weight_sync_world_size(spec(1, 2, model="builtin://tiny-llama")) == 3  # 2 heads split in 2
+    with pytest.raises(SpecError, match=r"spec\.inference\.tensorParallel: builtin://tiny-llama: its 2 attention"):
+        spec(1, 4, model="builtin://tiny-llama")
+    assert runtime.weight_sync_world_size(spec(1, 4)) == 5  # a Hub model's heads are checked by the server
+
+
+def test_the_vllm_server_refuses_a_model_it_cannot_split_naming_the_field():
+    from types import SimpleNamespace
+
+    from rlkube.core.errors import ConfigError
+    from rlkube.core.vllm_server import tensor_parallel_check
+
+    s = spec(1, 2)
+    tensor_parallel_check(s, SimpleNamespace(num_attention_heads=8, num_key_value_heads=2))
+    with pytest.raises(ConfigError) as err:
+        tensor_parallel_check(s, SimpleNamespace(num_attention_heads=7, num_key_value_heads=7))
+    assert err.value.field == "spec.inference.tensorParallel" and "hf://org/m" in str(err.value)

@@ -7,6 +7,7 @@ and creates nothing, and `rlkube local` prints them and exits.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -15,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rlkube.api.model_path import parse_model_path
+from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
 
 
@@ -410,10 +411,26 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.algorithm.clipEpsilonLow", "must be below 1 (the ratio is clipped at 1-eps)"))
     if spec.inference.engine == "native" and spec.inference.tensor_parallel != 1:
         errs.append(FieldError("spec.inference.tensorParallel", "the native engine has no tensor parallelism"))
+    elif spec.inference.tensor_parallel != 1:
+        with contextlib.suppress(ValueError):  # a malformed path is reported on its own field
+            path = parse_model_path(spec.model.path)
+            if path.kind == "builtin" and (problem := tensor_parallel_heads_error(
+                    *BUILTIN_ATTENTION_HEADS[path.location], spec.inference.tensor_parallel)):
+                errs.append(FieldError("spec.inference.tensorParallel", f"{spec.model.path}: {problem}"))
     if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
     return errs
+
+
+def tensor_parallel_heads_error(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why `tp` workers cannot split a model's attention, as vLLM decides it (each worker takes heads/tp query heads
+    and kv_heads/tp key/value heads, or one replicated key/value head when there are fewer than tp), or None."""
+    if heads % tp:
+        return f"its {heads} attention heads do not divide among {tp} tensor-parallel workers"
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
+        return f"its {kv_heads} key/value heads do not divide among (or evenly repeat over) {tp} workers"
+    return None
 
 
 def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> TrainingJobSpec:

@@ -110,7 +110,8 @@ def serving(spec: dict, publisher: dict | None = None):
         started = time.monotonic()
         pub = None
         try:
-            model = load_model(materialize_model(parse_spec(spec).model))
+            parsed = parse_spec(spec)
+            model = load_model(materialize_model(parsed.model))
             # vLLM takes ~30-170 s to listen on 2 cores: longer than the group's rendezvous timeout, so the trainer
             # side starts once the server answers HTTP (its /health stays 503 until it joined and warmed up).
             while not _answers(url + "/v1/models"):
@@ -119,7 +120,8 @@ def serving(spec: dict, publisher: dict | None = None):
                 time.sleep(0.1)
             listening_s = time.monotonic() - started
             pub = WeightPublisher(redis_server.client(), StreamKeys.for_job("bench", "serve"),
-                                  f"127.0.0.1:{sync_port}", 2, timeout_s=60, **(publisher or {}))
+                                  f"127.0.0.1:{sync_port}", runtime.weight_sync_world_size(parsed), timeout_s=60,
+                                  **(publisher or {}))
             t0 = time.monotonic()
             starter = threading.Thread(target=pub.start, args=(list(hf_state.named_weights(model).items()),),
                                        daemon=True)

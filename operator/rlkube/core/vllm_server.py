@@ -12,7 +12,10 @@ it over HTTP. In-process, one event loop owns all three and a dev-mode endpoint 
 Weight updates: a follower thread reads the trainer's events (as the native engine's `WeightFollower` does) and,
 on `weights_ready`, has vLLM's worker join the announced epoch's group and receive the update through
 `collective_rpc` into `RlkubeWorkerExtension` (rlkube.core.vllm_worker: same wire protocol, checksum verified,
-reload_weights, tied lm_head re-packed). Then the prefix cache is reset (cached KV of the old weights) and the new
+reload_weights, tied lm_head re-packed). With `tensorParallel` N, vLLM runs N workers and each is a rank of the
+group (the server passes its first rank, each worker adds its tensor-parallel rank: runtime.weight_sync_rank);
+every worker receives the full broadcast, its weight loaders keep its shard, and the server folds the N answers
+into one (an update is in effect only when all loaded it: combine_receipts). Then the prefix cache is reset (cached KV of the old weights) and the new
 version is stamped on every completion that starts from then on. A request running across an update finishes (it
 stalls for the update's length, no pause); the worker reports how many tokens each running request had when the
 new weights were loaded, so each choice says which weights sampled which tokens (`model_versions` spans; the
@@ -89,6 +92,21 @@ def engine_cli_args(spec, model_dir: str, index: int = 0, gpus: bool = False) ->
         "--enforce-eager" if eager else "--no-enforce-eager",
     ]
     return args + list(v.extra_engine_args)
+
+
+def tensor_parallel_check(spec, config) -> None:
+    """ConfigError naming spec.inference.tensorParallel when the model's attention cannot be split that many ways
+    (vLLM would refuse it deep in its engine start; the job should fail at once, not restart)."""
+    from rlkube.api.validation import tensor_parallel_heads_error
+    from rlkube.core.errors import ConfigError
+
+    tp = spec.inference.tensor_parallel
+    heads = getattr(config, "num_attention_heads", None)
+    if tp == 1 or not isinstance(heads, int):
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if problem := tensor_parallel_heads_error(heads, kv_heads, tp):
+        raise ConfigError("spec.inference.tensorParallel", f"{spec.model.path}: {problem}")
 
 
 ENV_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -620,7 +638,9 @@ def main() -> int:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
     model_dir = materialize_model(spec.model, ctx.model_cache_dir)
-    tokenizer = load_tokenizer(model_dir, load_config(model_dir))
+    config = load_config(model_dir)
+    tensor_parallel_check(spec, config)
+    tokenizer = load_tokenizer(model_dir, config)
     max_len = spec.inference.vllm.max_model_length or spec.model.max_sequence_length
     served = ServedModel(spec.model.path, tokenizer, max_len)
     cpu_threads_binding(spec, os.environ)
