@@ -7,9 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.validation import SpecError, parse_spec, tensor_parallel_heads_error
-from rlkube.controller import fastllm
 from rlkube.core import runtime
 from rlkube.core.vllm_server import combine_joins, combine_receipts
 
@@ -47,18 +45,11 @@ def test_ranks_outside_the_job_are_refused():
         runtime.weight_sync_rank(s, 0, 2)
 
 
-def test_the_role_context_and_fast_llms_broadcast_use_the_same_formula():
+def test_the_role_context_uses_the_same_formula():
     s = spec(2, 4)
     ctx = runtime.RoleContext(namespace="ns", job="j", spec=s, redis_url="redis://r", index=1)
     assert ctx.weight_sync_world_size == 9
     assert (ctx.weight_sync_rank(), ctx.weight_sync_rank(3)) == (5, 8)
-    # Fast-LLM's trainer broadcasts to every inference rank: all but its own
-    f = TrainingJobSpec.model_validate({
-        "model": {"path": "hf://org/m"}, "task": {"name": "reverse-digits"}, "algorithm": {"maxSteps": 2},
-        "inference": {"engine": "vllm", "replicas": 2, "tensorParallel": 4},
-        "trainer": {"backend": "fast-llm", "gpusPerNode": 1, "fastLlm": {"modelFormat": "llama"}}})
-    config = fastllm.training_config(f, "ns", "j")
-    assert config["callbacks"]["streaming"]["broadcast"]["external_world_size"] == 8
 
 
 def test_the_native_engine_still_refuses_tensor_parallelism():

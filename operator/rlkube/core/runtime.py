@@ -57,7 +57,7 @@ REDIS_PORT = 6379
 def weight_sync_world_size(spec: TrainingJobSpec) -> int:
     """Ranks of the weight-update group: the trainer's rank 0, and every tensor-parallel worker of every inference
     server (each worker holds a shard of the model and loads its part from the full broadcast). The one formula:
-    the trainer's publisher, both engines, Fast-LLM's broadcast config and the launchers all use it."""
+    the trainer's publisher, both engines and `rlkube bench` use it (the launchers pass the spec, not the size)."""
     return 1 + spec.inference.replicas * spec.inference.tensor_parallel
 
 
