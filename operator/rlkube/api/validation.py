@@ -207,6 +207,18 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
         elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
+    tp = trainer.megatron.tensor_parallel
+    if tp > 1:
+        from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
+
+        ranks = trainer_world_size(spec)
+        if trainer.backend != "megatron":
+            errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} is for backend megatron, not "
+                                                                           f"{trainer.backend!r}"))
+        elif ranks % tp:
+            errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} does not divide the trainer's "
+                                   f"{ranks} ranks (nodes x processes per node): data parallel = ranks / "
+                                   "tensorParallel"))
     if trainer.sharding != "none" and trainer.backend != "torch":
         errs.append(FieldError("spec.trainer.sharding", f"'{trainer.sharding}' shards the torch backend; backend "
                                                         f"{trainer.backend!r} has its own parallelism"))

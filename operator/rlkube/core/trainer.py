@@ -139,6 +139,10 @@ class Trainer:
         # The step's gradient is the same for any budget (up to float rounding); it bounds activation memory.
         self.micro_batch_tokens = micro_batch_tokens or spec.trainer.micro_batch_tokens
         self.dp = dp  # None: one process; else gradients and counts are summed over the data-parallel ranks
+        layout = getattr(self.backend, "parallel_layout", None)
+        if dp is not None and layout is not None:
+            dp.use_layout(layout)  # model parallelism: sums over the data-parallel replicas only
+        self._resumed_state: tuple[dict, dict | None] | None = None  # collective backends: what rank 0 resumed
         self.step = 0  # optimizer steps taken; weights after step N are policy version N
         self.documents_seen = 0
         self.last_checkpoint: tuple[int, Path] | None = None
@@ -149,6 +153,12 @@ class Trainer:
     def sharded(self) -> bool:
         """The backend shards the model over the ranks (FSDP): whole-model operations are collectives."""
         return bool(getattr(self.backend, "shards_gradients", False))
+
+    @property
+    def collective(self) -> bool:
+        """Whole-model operations (weights, state, checkpoints) are collectives of every rank: a sharded backend,
+        or one with tensor parallelism (megatron), whose ranks each hold a part of every weight."""
+        return self.sharded or bool(getattr(self.backend, "collective_weights", False))
 
     @property
     def version(self) -> int:
@@ -224,6 +234,16 @@ class Trainer:
         # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
         # rendezvous, not in the broadcast below, which fails after the collective timeout.
         self.dp.gather("model-loaded")
+        if self.collective:
+            # Tensor parallel: rank 0 holds only its shards; every rank loaded the job's directory, and takes its
+            # own shards of what rank 0 resumed from (the checkpoint's full tensors), if it resumed.
+            resumed, step, documents_seen = self.dp.broadcast_state(
+                (self._resumed_state, self.step, self.documents_seen) if self.dp.is_leader else None)
+            if resumed is not None:
+                self.backend.load_state(*resumed)
+            self._resumed_state = None
+            self.step, self.documents_seen = step, documents_seen
+            return
         state = None
         if self.dp.is_leader:
             model_state, optim_state = self.backend.state()
@@ -235,13 +255,18 @@ class Trainer:
 
     # --- checkpoints ---
 
-    def save_checkpoint(self, step: int | None = None) -> Path:
-        if self.checkpoint_dir is None:
+    def save_checkpoint(self, step: int | None = None) -> Path | None:
+        """Rank 0 writes the checkpoint (returns its path); with a collective backend every rank must call this,
+        and the others return None."""
+        if self.checkpoint_dir is None and not (self.collective and self.dp is not None and not self.dp.is_leader):
             raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         step = self.step if step is None else step
         if self.sharded:
             return self._save_sharded_checkpoint(step)
-        model_state, optim_state = self.backend.state()
+        model_state, optim_state = self.backend.state()  # a collective with tensor parallelism
+        if self.collective and not (self.dp is None or self.dp.is_leader):
+            self.last_checkpoint = (step, None)  # this rank's part of rank 0's checkpoint
+            return None
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})
         path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state, model_dir=self.model_dir,
@@ -296,7 +321,13 @@ class Trainer:
         if not same_backend:
             log.warning("checkpoint %s was written by the %s backend: loading its weights, not its optimizer state",
                         path, written_by)
-        meta = ckpt.load_checkpoint_state(path, self.backend.load_state, with_optimizer=same_backend)
+        load = self.backend.load_state
+        if self.collective and self.dp is not None:
+            # tensor parallel: sync_from_leader hands the full tensors to every rank, which load their shards
+            def load(model_state, optim_state):
+                self._resumed_state = ({k: v.clone() for k, v in model_state.items()}, optim_state)
+                self.backend.load_state(model_state, optim_state)
+        meta = ckpt.load_checkpoint_state(path, load, with_optimizer=same_backend)
         self.step, self.documents_seen = meta.step, meta.documents_seen
         self.last_checkpoint = (meta.step, path)
         log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
@@ -309,7 +340,7 @@ class Trainer:
         weights = self._published_weights(f"weights-start/{self.version}")
         if self.publisher is not None:
             self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
-        if self.sharded:
+        if self.collective:
             self._drain(weights)
 
     def publish_weights(self, version: int | None = None) -> None:
@@ -318,7 +349,7 @@ class Trainer:
         weights = self._published_weights(f"weights/{version}")
         if self.publisher is not None:
             self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
-        if self.sharded:
+        if self.collective:
             self._drain(weights)
 
     def _published_weights(self, tag: str):
@@ -326,7 +357,7 @@ class Trainer:
         rendezvous `tag`, because rank 0's publisher reads the first weight only after it opened the weight-update
         group, which waits for the inference servers (minutes at start-up): the other ranks must not wait for it
         inside the all-gather, which fails after the collective timeout."""
-        if not self.sharded or self.dp is None:
+        if not self.collective or self.dp is None:
             return iter(self.backend.weights())
 
         def gathered():
@@ -370,8 +401,9 @@ class TrainerRole:
         self.stop = stop or threading.Event()
         self.dp = trainer.dp
         self.leader = self.dp is None or self.dp.is_leader  # publishes events, checkpoints, transfers weights
-        # design.md s5: one consumer per trainer rank (RLKUBE_INDEX is the node rank)
-        self.consumer = protocol.consumer_name(self.dp.rank if self.dp is not None else ctx.index)
+        # design.md s5: one consumer per data-parallel trainer rank (RLKUBE_INDEX is the node rank); with tensor
+        # parallelism tensor-parallel rank 0 of each replica reads for it.
+        self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
@@ -411,8 +443,8 @@ class TrainerRole:
         remainder). Uneven shares are exact too: every rank normalises by the step's global loss-token count."""
         if self.dp is None:
             return samples_per_step
-        base, extra = divmod(samples_per_step, self.dp.world_size)
-        return base + (1 if self.dp.rank < extra else 0)
+        base, extra = divmod(samples_per_step, self.dp.data_size)
+        return base + (1 if self.dp.data_rank < extra else 0)
 
     def _stopping(self) -> bool:
         """SIGTERM here, or (data-parallel) on another rank: stop after the current step."""
@@ -467,7 +499,10 @@ class TrainerRole:
             raise ValueError(f"{n} tokens exceed the model's maxSequenceLength {limit}")
 
     def _collect_step(self, want: int) -> list[protocol.Document] | None:
-        """Exactly `want` documents, or None when asked to stop before they arrived."""
+        """Exactly `want` documents, or None when asked to stop before they arrived. A tensor-parallel peer that
+        does not read returns [] at once (it gets its reader's documents in `run`)."""
+        if self.dp is not None and not self.dp.reads_documents:
+            return None if self._stopping() else []
         docs: list[protocol.Document] = []
         # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
         last_document = time.monotonic()
@@ -519,6 +554,8 @@ class TrainerRole:
                             log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
                                      len(docs), t.step + 1)
                         docs = None
+                    if docs is not None:
+                        docs = self.dp.share_with_tensor_peers(docs)
                 if docs is None:
                     break
                 t1 = time.monotonic()
@@ -526,11 +563,11 @@ class TrainerRole:
                 step_metrics = t.train_step(docs)
                 doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
                 t2 = time.monotonic()
-                if self.leader or t.sharded:  # sharded: every rank gathers, rank 0 sends
+                if self.leader or t.collective:  # sharded or tensor parallel: every rank gathers, rank 0 sends
                     published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
                 t3 = time.monotonic()
                 self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
-                if (self.leader or t.sharded) and t.step % interval == 0:
+                if (self.leader or t.collective) and t.step % interval == 0:
                     self._checkpoint()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
             # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
@@ -538,13 +575,13 @@ class TrainerRole:
             # consistent), but publish no training_finished: this is a failure, and the operator must not read it
             # as completion.
             # (Sharded: saving is a collective with a peer that may be gone; the last interval's checkpoint stays.)
-            if (self.leader and not t.sharded and t.step
+            if (self.leader and not t.collective and t.step
                     and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
                 self._checkpoint()
             raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
-        elif t.sharded and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+        elif t.collective and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
             t.save_checkpoint()  # its part of rank 0's final checkpoint (a collective)
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
