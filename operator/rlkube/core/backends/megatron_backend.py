@@ -33,6 +33,7 @@ Not used: megatron's DistributedDataParallel and distributed optimizer (their gr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
+
+log = logging.getLogger("rlkube.trainer.megatron")
 
 TP_FIELD = "spec.trainer.megatron.tensorParallel"
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")  # per-parameter tensors of the parameter's shape
@@ -114,7 +117,9 @@ class MegatronBackend:
             raise ModelError(FIELD, f"the megatron backend cannot train {model_dir}: {exc}") from None
         self.tensor_parallel = tp
         self.collective_weights = tp > 1  # weights() and state() gather over the tensor-parallel group
-        self.parallel_layout = parallel_layout()
+        self.parallel_layout = layout = parallel_layout()
+        log.info("megatron-core: tensor parallel %d x data parallel %d; this rank is tensor rank %d of data rank %d",
+                 layout.tensor_parallel, layout.data_parallel, layout.tensor_rank, layout.data_rank)
         self.model = self.gpt.model
         self.model.train()
         params = dict(self.model.named_parameters())
