@@ -5,9 +5,11 @@ It builds the Trainer as the trainer role does (rlkube.core.backends.torch_distr
 megatron backend with `spec.trainer.megatron.tensorParallel`), exports the weights after loading, trains two steps
 on its data-parallel share of a fixed set of documents (data rank r takes documents r, r+DP, ...; tensor-parallel
 peers take the same), exports again after each, and rank 0 saves everything (metrics, weights, Adam state) to
-`out` for the test to compare with tensor parallel 1 on one process.
+`out` for the test to compare with tensor parallel 1 on one process. With CHECKPOINT_DIR every rank takes part in
+writing a checkpoint after step 1 (rank 0 writes it); with `resume` as well, rank 0 resumes from the checkpoint
+there instead and hands it to the other ranks (as the trainer role does), and the worker trains step 2 only.
 
-    python megatron_parallel_worker.py MODEL_DIR TENSOR_PARALLEL OUT [DTYPE]
+    python megatron_parallel_worker.py MODEL_DIR TENSOR_PARALLEL OUT [CHECKPOINT_DIR [resume]]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,7 +53,8 @@ def spec_of(model_dir: str, tensor_parallel: int, world: int, dtype: str = "floa
     })
 
 
-def main(model_dir: str, tensor_parallel: int, out: str, dtype: str = "float32") -> None:
+def main(model_dir: str, tensor_parallel: int, out: str, checkpoint_dir: str | None = None,
+         resume: bool = False, dtype: str = "float32") -> None:
     from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
     from rlkube.core.trainer import Trainer
 
@@ -59,6 +63,13 @@ def main(model_dir: str, tensor_parallel: int, out: str, dtype: str = "float32")
     t0 = time.monotonic()
     trainer = Trainer(spec_of(model_dir, tensor_parallel, world, dtype), dp=dp, model_dir=model_dir)
     load_s = time.monotonic() - t0
+    leader = dp is None or dp.is_leader
+    if checkpoint_dir is not None and leader:
+        trainer.checkpoint_dir = Path(checkpoint_dir)
+    if resume:
+        if leader:
+            trainer.resume()
+        trainer.sync_from_leader()
     data_rank, data_size = (dp.data_rank, dp.data_size) if dp else (0, 1)
     docs = documents()[data_rank::data_size]
     def export():  # a collective with tensor parallelism; copies (some tensors are the masters' own storage)
@@ -66,13 +77,15 @@ def main(model_dir: str, tensor_parallel: int, out: str, dtype: str = "float32")
 
     weights = [export()]
     metrics, step_s = [], []
-    for _ in range(STEPS):
+    while trainer.step < STEPS:
         t0 = time.monotonic()
         metrics.append(trainer.train_step(docs))
         step_s.append(time.monotonic() - t0)
         weights.append(export())
+        if checkpoint_dir is not None and not resume and trainer.step == 1:
+            trainer.save_checkpoint()  # a collective with tensor parallelism
     _, optimizer = trainer.backend.state()
-    if dp is None or dp.is_leader:
+    if leader:
         torch.save({"metrics": metrics, "weights": weights, "optimizer": optimizer["optimizer"],
                     "layout": [data_size, tensor_parallel], "load_s": load_s, "step_s": step_s}, out)
     if dp is not None:
@@ -80,4 +93,5 @@ def main(model_dir: str, tensor_parallel: int, out: str, dtype: str = "float32")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])
+    args = sys.argv[1:]
+    main(args[0], int(args[1]), args[2], args[3] if len(args) > 3 else None, resume=args[4:] == ["resume"])

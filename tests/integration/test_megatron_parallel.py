@@ -23,6 +23,7 @@ The reference (TP 1, one process) runs in the test's process; the layouts as sub
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import pytest
 import torch
 from hf_models import write_tiny_model
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
+from rlkube.core import checkpoint as ckpt
 
 pytestmark = [
     pytest.mark.megatron,
@@ -57,13 +59,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(model_dir: Path, out: Path, world: int, tp: int) -> dict:
-    """Run `world` ranks with tensor parallel `tp`; rank 0's results."""
+def run_layout(model_dir: Path, out: Path, world: int, tp: int, *extra: str) -> dict:
+    """Run `world` ranks with tensor parallel `tp` (`extra`: the worker's CHECKPOINT_DIR [resume]); rank 0's
+    results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world)}
     if world == 1:
         env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model_dir), str(tp), str(out)],
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model_dir), str(tp), str(out), *extra],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]
     try:
@@ -82,8 +85,9 @@ def reference(model_dir, tmp_path_factory):
     import megatron_parallel_worker
 
     out = tmp_path_factory.mktemp("tp1") / "out.pt"
-    megatron_parallel_worker.main(str(model_dir), 1, str(out))
-    return torch.load(out, weights_only=False)
+    checkpoints = out.parent / "checkpoints"
+    megatron_parallel_worker.main(str(model_dir), 1, str(out), str(checkpoints))
+    return {**torch.load(out, weights_only=False), "checkpoints": checkpoints}
 
 
 def relative(a: float, b: float) -> float:
@@ -94,7 +98,7 @@ def relative(a: float, b: float) -> float:
 def test_a_parallel_step_equals_tensor_parallel_1_on_one_process(model_dir, reference, tmp_path, world, tp):
     if world != tp and "qwen2" in str(model_dir):
         pytest.skip("data parallelism does not depend on the architecture: Qwen2 runs TP=2 only (a 2-core machine)")
-    got = run_layout(model_dir, tmp_path / "out.pt", world, tp)
+    got = run_layout(model_dir, tmp_path / "out.pt", world, tp, str(tmp_path / "checkpoints"))
     assert got["layout"] == [world // tp, tp]
     print(f"{model_dir.name} world {world} TP {tp}: load {got['load_s']:.1f}s, steps "
           f"{[round(s, 3) for s in got['step_s']]} s (one process: {[round(s, 3) for s in reference['step_s']]})")
@@ -116,3 +120,24 @@ def test_a_parallel_step_equals_tensor_parallel_1_on_one_process(model_dir, refe
     worst = max((got_adam[i][k] - ref_adam[i][k]).abs().max().item() for i in ref_adam for k in ("exp_avg",
                                                                                                   "exp_avg_sq"))
     assert worst <= ADAM_ATOL
+    # the checkpoint after step 1, written by rank 0 from every rank's shards, is the reference's
+    ref_ckpt, got_ckpt = (ckpt.load_weights(ckpt.latest_checkpoint(d)) for d in (reference["checkpoints"],
+                                                                                  tmp_path / "checkpoints"))
+    assert ref_ckpt.keys() == got_ckpt.keys()
+    assert max((got_ckpt[n] - t).abs().max().item() for n, t in ref_ckpt.items()) <= WEIGHTS_ATOL
+
+
+def test_tensor_parallel_2_resumes_a_tensor_parallel_1_checkpoint(model_dir, reference, tmp_path):
+    """Rank 0 resumes the reference's checkpoint of step 1 (weights and Adam state in the TP=1 layout) and hands it
+    to its tensor-parallel peer, which takes its shards: step 2 is the reference's step 2."""
+    if "qwen2" in str(model_dir):
+        pytest.skip("resuming does not depend on the architecture (a 2-core machine)")
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(reference["checkpoints"], checkpoints)
+    got = run_layout(model_dir, tmp_path / "out.pt", 2, 2, str(checkpoints), "resume")
+    (got_m,), ref_m = got["metrics"], reference["metrics"][1]
+    for key in ("loss", "grad_norm", "kl", "ratio_mean"):
+        assert relative(ref_m[key], got_m[key]) <= RTOL, (key, ref_m[key], got_m[key])
+    # got["weights"]: after resuming (= the reference after step 1 up to the checkpoint's float32 round trip), step 2
+    for got_w, ref_w in zip(got["weights"], reference["weights"][1:], strict=True):
+        assert max((got_w[n] - t).abs().max().item() for n, t in ref_w.items()) <= WEIGHTS_ATOL
