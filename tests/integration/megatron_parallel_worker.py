@@ -82,8 +82,8 @@ def main(model_dir: str, tensor_parallel: int, out: str, checkpoint_dir: str | N
         metrics.append(trainer.train_step(docs))
         step_s.append(time.monotonic() - t0)
         weights.append(export())
-        if checkpoint_dir is not None and not resume and trainer.step == 1:
-            trainer.save_checkpoint()  # a collective with tensor parallelism
+        if checkpoint_dir is not None and not resume and trainer.step == 1 and (leader or trainer.collective):
+            trainer.save_checkpoint()  # as the trainer role: rank 0, or every rank with tensor parallelism
     _, optimizer = trainer.backend.state()
     if leader:
         torch.save({"metrics": metrics, "weights": weights, "optimizer": optimizer["optimizer"],

@@ -75,8 +75,8 @@ def run_layout(model_dir: Path, out: Path, world: int, tp: int, *extra: str) -> 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} of world {world}, TP {tp}:\n{log[-3000:]}"
+    failed = {rank: log[-3000:] for rank, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode}
+    assert not failed, f"world {world}, TP {tp}: ranks {sorted(failed)} failed:\n" + "\n".join(failed.values())
     return torch.load(out, weights_only=False)
 
 
