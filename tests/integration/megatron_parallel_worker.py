@@ -9,13 +9,12 @@ peers take the same), exports again after each, and rank 0 saves everything (met
 writing a checkpoint after step 1 (rank 0 writes it); with `resume` as well, rank 0 resumes from the checkpoint
 there instead and hands it to the other ranks (as the trainer role does), and the worker trains step 2 only.
 
-    python megatron_parallel_worker.py MODEL_DIR TENSOR_PARALLEL OUT [CHECKPOINT_DIR [resume]]
+    python megatron_parallel_worker.py MODEL_DIR TENSOR_PARALLEL OUT [--checkpoints DIR [--resume]] [--dtype D]
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -93,5 +92,14 @@ def main(model_dir: str, tensor_parallel: int, out: str, checkpoint_dir: str | N
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(args[0], int(args[1]), args[2], args[3] if len(args) > 3 else None, resume=args[4:] == ["resume"])
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("tensor_parallel", type=int)
+    parser.add_argument("out")
+    parser.add_argument("--checkpoints")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--dtype", default="float32")
+    a = parser.parse_args()
+    main(a.model_dir, a.tensor_parallel, a.out, a.checkpoints, a.resume, a.dtype)

@@ -179,4 +179,5 @@ def test_tensor_parallel_shards_reassemble_every_parameter(tp):
     for r in range(tp):
         local = Architecture(**{**arch.__dict__, "heads": 8 // tp, "kv_heads": 4 // tp})
         q_r, k_r, v_r = (t for _, t in to_hf(local, qkv, shard(qkv, full, r, tp)))
-        assert torch.equal(q_r, q.chunk(tp)[r]) and torch.equal(k_r, k.chunk(tp)[r]) and torch.equal(v_r, v.chunk(tp)[r])
+        for got, whole in ((q_r, q), (k_r, k), (v_r, v)):
+            assert torch.equal(got, whole.chunk(tp)[r])

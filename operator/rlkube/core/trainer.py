@@ -29,6 +29,12 @@ Rank 0 alone loads checkpoints (then broadcasts weights, optimizer state and cou
 transfers weights to inference, and publishes events; the other ranks exit 0 once rank 0 has finished. SIGTERM
 (to any rank) stops all ranks after the same step; a rank that dies makes the others exit 1 within
 RLKUBE_COLLECTIVE_TIMEOUT_S, without training_finished.
+
+With megatron's tensor parallelism (spec.trainer.megatron.tensorParallel = TP) the ranks form ranks / TP data-
+parallel replicas of TP ranks each (`DataParallel.use_layout`): tensor-parallel rank 0 of replica r reads its share
+as `fast_llm_consumer_{r}` and hands the documents to its peers; counts, statistics and gradients are summed over
+the replicas only. Every rank holds a part of every weight, so weights, checkpoints and the start-up sync are
+collectives (`Trainer.collective`, as for FSDP): every rank gathers, rank 0 alone sends and writes.
 """
 
 from __future__ import annotations
@@ -239,7 +245,7 @@ class Trainer:
             # own shards of what rank 0 resumed from (the checkpoint's full tensors), if it resumed.
             resumed, step, documents_seen = self.dp.broadcast_state(
                 (self._resumed_state, self.step, self.documents_seen) if self.dp.is_leader else None)
-            if resumed is not None:
+            if resumed is not None and not self.dp.is_leader:  # rank 0 loaded it when it resumed
                 self.backend.load_state(*resumed)
             self._resumed_state = None
             self.step, self.documents_seen = step, documents_seen
@@ -258,14 +264,15 @@ class Trainer:
     def save_checkpoint(self, step: int | None = None) -> Path | None:
         """Rank 0 writes the checkpoint (returns its path); with a collective backend every rank must call this,
         and the others return None."""
-        if self.checkpoint_dir is None and not (self.collective and self.dp is not None and not self.dp.is_leader):
-            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         step = self.step if step is None else step
+        tensor_parallel_peer = self.collective and not self.sharded and self.dp is not None and not self.dp.is_leader
+        if self.checkpoint_dir is None and not tensor_parallel_peer:
+            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         if self.sharded:
             return self._save_sharded_checkpoint(step)
         model_state, optim_state = self.backend.state()  # a collective with tensor parallelism
-        if self.collective and not (self.dp is None or self.dp.is_leader):
-            self.last_checkpoint = (step, None)  # this rank's part of rank 0's checkpoint
+        if tensor_parallel_peer:
+            self.last_checkpoint = (step, None)  # it took part in rank 0's checkpoint
             return None
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})

@@ -34,6 +34,7 @@ Not used: megatron's DistributedDataParallel and distributed optimizer (their gr
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("rlkube.trainer.megatron")
 
@@ -84,6 +86,13 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
                          ", ".join(f"{what} ({n})" for what, n in bad.items()))
 
 
+def collective_timeout_s() -> float:
+    """The trainer's collective timeout (RLKUBE_COLLECTIVE_TIMEOUT_S, checked by DistConfig), for megatron's groups."""
+    from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    return float(os.environ.get(ENV_COLLECTIVE_TIMEOUT) or DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
 def parallel_layout() -> ParallelLayout:
     from megatron.core import parallel_state as ps
 
@@ -112,7 +121,8 @@ class MegatronBackend:
         try:
             check_tensor_parallel(config, tp)
             self.gpt = MegatronGPT(config, self.compute_dtype, self.device, seed=spec.model.seed,
-                                   recompute=spec.trainer.gradient_checkpointing, tensor_parallel=tp)
+                                   recompute=spec.trainer.gradient_checkpointing, tensor_parallel=tp,
+                                   timeout_s=collective_timeout_s())
         except UnsupportedArchitecture as exc:
             raise ModelError(FIELD, f"the megatron backend cannot train {model_dir}: {exc}") from None
         self.tensor_parallel = tp

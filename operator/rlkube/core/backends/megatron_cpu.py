@@ -1,7 +1,7 @@
 """megatron-core on CPU: the small compatibility shim of design.md section 6, and megatron's process state.
 
-megatron-core (0.16.1, the last release for Python 3.11) assumes CUDA in three places that a CPU forward and
-backward of a GPTModel reach:
+megatron-core (0.16.1, the last release for Python 3.11) assumes CUDA in these places that a CPU forward and
+backward of a GPTModel (with tensor parallelism too) reach:
 1. the model-parallel RNG tracker (`tensor_parallel.random.CudaRNGStatesTracker`), forked around dropout, keeps
    CUDA generator states (`torch.cuda.get_rng_state`). `CpuRNGStatesTracker` keeps CPU generator states instead
    and forks the CPU default generator the same way;
@@ -21,12 +21,14 @@ backward of a GPTModel reach:
    makes those two functions save nothing and restore nothing (the CPU generator and the tracker's states are
    still saved and restored by megatron).
 Everything else (model construction with `use_cpu_initialization`, the tensor-parallel layers, the transformer
-block, megatron's process groups over gloo) runs unchanged. On a GPU none of this is installed: megatron's own CUDA tracker is seeded.
+block, megatron's process groups over gloo) runs unchanged. On a GPU none of this is installed: megatron's own
+CUDA tracker is seeded.
 
 megatron-core also needs torch.distributed and its model-parallel groups even for one rank: `initialize` starts
 a one-rank group on an in-process HashStore (no port; gloo on CPU, NCCL on CUDA) unless the process already has
 one (the trainer's ranks, rlkube.core.backends.torch_distributed), and builds megatron's tensor- and data-parallel
-groups over it with `parallel_state.initialize_model_parallel`. The weight-update group (rlkube.core.weightsync) is built by hand and does not touch the default group.
+groups over it with `parallel_state.initialize_model_parallel`. The weight-update group (rlkube.core.weightsync)
+is built by hand and does not touch the default group.
 """
 
 from __future__ import annotations
@@ -141,19 +143,22 @@ def _set_no_cuda_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
         raise RuntimeError("a CUDA RNG state reached megatron's CPU shim")
 
 
-def initialize(seed: int, device: torch.device, tensor_parallel: int = 1) -> None:
+def initialize(seed: int, device: torch.device, tensor_parallel: int = 1, timeout_s: float = 1800.0) -> None:
     """megatron's model-parallel state over this process's torch.distributed group (a one-rank group if it has
     none): tensor parallel `tensor_parallel`, data parallel over the remaining ranks, pipeline parallel 1; and the
     RNG tracker seeded like megatron's `model_parallel_cuda_manual_seed`. Safe to call again with the same sizes
-    (a new seed); other sizes raise."""
+    (a new seed); other sizes raise. `timeout_s`: the collective timeout of megatron's groups (whole minutes;
+    megatron's default is 30), so that a dead tensor-parallel peer fails a step as fast as the trainer's group."""
     if not dist.is_initialized():
         if tensor_parallel > 1:
             raise RuntimeError(f"tensor parallel {tensor_parallel} needs the trainer's ranks (torch.distributed)")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=1,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+            create_gloo_process_groups=False)  # only for megatron's distributed optimizer, which is not used
     elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
         raise RuntimeError(f"megatron's model-parallel state has tensor parallel "
                            f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tensor_parallel}")

@@ -98,9 +98,9 @@ class MegatronGPT:
     """A GPTModel with a Hugging Face model's architecture and weights (see the module docstring)."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0, recompute: bool = False, tensor_parallel: int = 1):
+                 seed: int = 0, recompute: bool = False, tensor_parallel: int = 1, timeout_s: float = 1800.0):
         self.device = torch.device(device)
-        megatron_cpu.initialize(seed, self.device, tensor_parallel)
+        megatron_cpu.initialize(seed, self.device, tensor_parallel, timeout_s)
         self.tp_size = tensor_parallel
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
