@@ -83,10 +83,16 @@ def main(model_dir: str, tensor_parallel: int, out: str, checkpoint_dir: str | N
         weights.append(export())
         if checkpoint_dir is not None and not resume and trainer.step == 1 and (leader or trainer.collective):
             trainer.save_checkpoint()  # as the trainer role: rank 0, or every rank with tensor parallelism
-    _, optimizer = trainer.backend.state()
+    backend = trainer.backend
+    # this rank's float32 masters and Adam moments (its shards with tensor parallelism)
+    local_bytes = (sum(m.numel() * m.element_size() for m in backend.masters.values())
+                   + sum(v.numel() * v.element_size() for s in backend.optimizer.state.values()
+                         for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
+    _, optimizer = backend.state()
     if leader:
         torch.save({"metrics": metrics, "weights": weights, "optimizer": optimizer["optimizer"],
-                    "layout": [data_size, tensor_parallel], "load_s": load_s, "step_s": step_s}, out)
+                    "layout": [data_size, tensor_parallel], "load_s": load_s, "step_s": step_s,
+                    "local_bytes": local_bytes}, out)
     if dp is not None:
         dp.finish()
 

@@ -101,7 +101,12 @@ def test_a_parallel_step_equals_tensor_parallel_1_on_one_process(model_dir, refe
     got = run_layout(model_dir, tmp_path / "out.pt", world, tp, "--checkpoints", str(tmp_path / "checkpoints"))
     assert got["layout"] == [world // tp, tp]
     print(f"{model_dir.name} world {world} TP {tp}: load {got['load_s']:.1f}s, steps "
-          f"{[round(s, 3) for s in got['step_s']]} s (one process: {[round(s, 3) for s in reference['step_s']]})")
+          f"{[round(s, 3) for s in got['step_s']]} s (one process: {[round(s, 3) for s in reference['step_s']]}); "
+          f"masters + Adam on rank 0: {got['local_bytes']} bytes (one process: {reference['local_bytes']})")
+    if tp > 1:  # each rank holds its shards: only the norms are replicated
+        assert got["local_bytes"] < 0.6 * reference["local_bytes"]
+    else:
+        assert got["local_bytes"] == reference["local_bytes"]
     ref_w, got_w = reference["weights"], got["weights"]
     assert list(got_w[0]) == list(ref_w[0])  # the same Hugging Face names, in the same order
     for name, tensor in ref_w[0].items():
