@@ -36,7 +36,7 @@ demo-cluster: deps control-plane
 	$(PYTHON) tests/e2e/demo_cluster.py
 
 test: deps deps-vllm control-plane
-	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra
+	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
 # kubeconfig in place of {kubeconfig}, and stops it.

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
-from clusterjob import FULL_ORDER, example, stage_names
+from clusterjob import FULL_ORDER, ClusterJob, example, stage_names
 from hf_models import bpe_tokenizer, write_tiny_model
 
 from rlkube.controller import names
@@ -71,8 +71,8 @@ def tokenizer_mismatch(d: Path) -> None:
 
 
 MODEL_ROWS = {
-    # row: (what goes on the claim at /models/m, the message's field, words in the message)
-    "missing": (None, "spec.model.path", "/models/m does not exist"),
+    # row: (what goes on the claim at /models/<row>, the message's field, words in the message)
+    "missing": (None, "spec.model.path", "/models/missing does not exist"),
     "config-not-json": (bad_json, "spec.model.path", "config.json is not valid JSON"),
     "garbage-weights": (garbage_weights, "spec.model.path", "is not a readable safetensors file"),
     "unsupported-architecture": (unsupported, "spec.model.path", "architecture 'GPT2LMHeadModel'"),
@@ -80,14 +80,35 @@ MODEL_ROWS = {
 }
 
 DATASET_ROWS = {
-    "dataset-missing": (None, "spec.task.dataset.path", "/data/prompts.jsonl does not exist"),
+    "dataset-missing": (None, "spec.task.dataset.path", "/data/dataset-missing.jsonl does not exist"),
     "dataset-lacks-field": ([{"question": "1+1", "answer": "2"}] * 4, "spec.task.dataset.promptField",
                             "no column 'prompt'"),
 }
 
 
+@pytest.fixture
+def jobs(job, api_client, node_agent, namespace):
+    """`jobs(n)`: the `job` fixture's handle and n-1 more in the same namespace. The rows of one table run as
+    concurrent jobs (each fails within seconds of its pods starting: run one after another they spent most of
+    the tier's time waiting for pods); the extra ones are deleted at the end as the fixture deletes its own."""
+    extra: list[ClusterJob] = []
+
+    def make(n: int) -> list[ClusterJob]:
+        extra.extend(ClusterJob(api_client, node_agent, namespace) for _ in range(n - 1))
+        return [job, *extra]
+
+    yield make
+    for j in extra:
+        j.recorder.stop()
+        if j.name and j.get() is not None:
+            j.delete()
+    for j in extra:
+        if j.name:
+            j.wait(lambda tj: tj is None, 120, f"TrainingJob {j.name} deleted after the test")
+
+
 def assert_failed_naming(job, field: str, words: str) -> dict:
-    tj = job.wait_phase(("Succeeded", "Failed"), 240)
+    tj = job.wait_phase(("Succeeded", "Failed"), 300)
     st = tj["status"]
     assert st["phase"] == "Failed" and st["reason"] == "InvalidSpec", job.diagnostics()
     message = next(c for c in st["conditions"] if c["type"] == "Failed")["message"]
@@ -96,43 +117,48 @@ def assert_failed_naming(job, field: str, words: str) -> dict:
     assert all(n <= MAX_RESTARTS for n in restarts.values()), restarts
     assert stage_names(st) == FULL_ORDER
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
-    assert job.leftover_processes() == []
     return st
 
 
-def _model_roles_pods(job) -> set[str]:
-    return {name for name in job.uids_per_pod() if not name.endswith(("-redis", "-preprocessor-0"))}
-
-
-@pytest.mark.parametrize("row", MODEL_ROWS)
-def test_a_model_that_cannot_work_fails_the_job_from_the_init_container(row, job, core_api, node_agent, namespace):
-    write, field, words = MODEL_ROWS[row]
+def test_models_that_cannot_work_fail_their_jobs_from_the_init_container(jobs, core_api, node_agent, namespace):
     models = claim_dir(core_api, node_agent, namespace, "models")
-    if write is not None:
-        write(models / "m")
-    job.apply(example(**{"spec.model.path": "/models/m", "spec.model.claimName": "models"}))
-    assert_failed_naming(job, field, words)
-    # The roles never ran: the init container `model` of the trainer and inference pods failed first, and the
-    # actors (which wait for inference) were never created.
-    assert f"{job.name}-actor-0" not in job.uids_per_pod()
-    for role in ("trainer", "inference"):
-        pod = names.pod_name(job.name, role)
-        assert words in node_agent.container_log(namespace, pod, names.INIT_MODEL), pod
-        assert not node_agent.container_log(namespace, pod, role), f"{pod}: the role ran"
+    handles = dict(zip(MODEL_ROWS, jobs(len(MODEL_ROWS))))
+    for row, job in handles.items():
+        write = MODEL_ROWS[row][0]
+        if write is not None:
+            write(models / row)
+        job.apply(example(**{"metadata.name": f"bad-{row}", "spec.model.path": f"/models/{row}",
+                             "spec.model.claimName": "models"}))
+    for row, job in handles.items():
+        _, field, words = MODEL_ROWS[row]
+        assert_failed_naming(job, field, words)
+        # The roles never ran: the init container `model` of the trainer and inference pods failed first, and
+        # the actors (which wait for inference) were never created.
+        assert f"{job.name}-actor-0" not in job.uids_per_pod(), row
+        for role in ("trainer", "inference"):
+            pod = names.pod_name(job.name, role)
+            assert words in node_agent.container_log(namespace, pod, names.INIT_MODEL), pod
+            assert not node_agent.container_log(namespace, pod, role), f"{pod}: the role ran"
+    assert job.leftover_processes() == []
 
 
-@pytest.mark.parametrize("row", DATASET_ROWS)
-def test_a_dataset_that_cannot_work_fails_the_job_from_the_actor(row, job, core_api, node_agent, namespace):
-    rows, field, words = DATASET_ROWS[row]
+def test_datasets_that_cannot_work_fail_their_jobs_from_the_actor(jobs, core_api, node_agent, namespace):
     data = claim_dir(core_api, node_agent, namespace, "prompts")
-    if rows is not None:
-        (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    job.apply(example(**{"spec.task": {"name": "arithmetic",
-                                       "dataset": {"path": "/data/prompts.jsonl", "claimName": "prompts"},
-                                       "reward": {"type": "exact"}}}))
-    st = assert_failed_naming(job, field, words)
-    failed = next(c for c in st["conditions"] if c["type"] == "Failed")["message"]
-    assert failed.startswith(f"actor {job.name}-actor-0 cannot run: "), failed
+    handles = dict(zip(DATASET_ROWS, jobs(len(DATASET_ROWS))))
+    for row, job in handles.items():
+        rows = DATASET_ROWS[row][0]
+        if rows is not None:
+            (data / f"{row}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        job.apply(example(**{"metadata.name": f"bad-{row}",
+                             "spec.task": {"name": "arithmetic",
+                                           "dataset": {"path": f"/data/{row}.jsonl", "claimName": "prompts"},
+                                           "reward": {"type": "exact"}}}))
+    for row, job in handles.items():
+        _, field, words = DATASET_ROWS[row]
+        st = assert_failed_naming(job, field, words)
+        failed = next(c for c in st["conditions"] if c["type"] == "Failed")["message"]
+        assert failed.startswith(f"actor {job.name}-actor-0 cannot run: "), failed
+    assert job.leftover_processes() == []
 
 
 def _hub_snapshot(cache: Path, repo: str) -> Path:
@@ -175,3 +201,4 @@ def test_a_missing_hf_model_offline_fails_naming_the_model_path(job, core_api, n
         manifest["spec"][role]["template"] = template
     job.apply(manifest)
     assert_failed_naming(job, "spec.model.path", "hf://org/missing: HF_HUB_OFFLINE is set and no complete snapshot")
+    assert job.leftover_processes() == []

@@ -73,3 +73,31 @@ async def test_reports_unreachable_with_the_reason_then_reconnects(tmp_path):
         await wrong.stop()
         await watcher.stop()
         server.stop()
+
+
+async def test_a_watcher_retired_by_a_pass_stops_in_the_background_and_stop_watcher_waits_for_it(tmp_path):
+    from rlkube.controller.loop import JobLoop, Shared
+
+    with RedisServer(tmp_path / "r", password="pw") as server:
+        keys = protocol.StreamKeys.for_job("ns", "job")
+        loop = JobLoop(Shared(kube=None), "ns", "job")
+        old = EventWatcher(Target(f"redis://{server.host}:{server.port}/0", "pw", keys.events), None,
+                           lambda: None).start()
+        loop.watcher = old
+        release = asyncio.Event()
+        real_stop = old.stop
+
+        async def held_stop():  # a stop that hangs as a cancelled XREAD can (up to watcher.STOP_TIMEOUT)
+            await release.wait()
+            await real_stop()
+
+        old.stop = held_stop
+        loop._retire_watcher()  # what a pass does when the target changes: it must not wait for the stop
+        assert loop.watcher is None
+        assert old._task is not None and not old._task.done()
+        stopping = asyncio.create_task(loop.stop_watcher())
+        await asyncio.wait({stopping}, timeout=0.2)
+        assert not stopping.done(), "stop_watcher returned while a retired watcher was still running"
+        release.set()
+        await asyncio.wait_for(stopping, 10)
+        assert old._task is None and not loop._retiring

@@ -187,6 +187,7 @@ class JobLoop:
         self.inflight: dict[str, tuple[PodView, float]] = {}
         self.gone: set[str] = set()
         self.watcher: EventWatcher | None = None
+        self._retiring: set[asyncio.Task] = set()  # watchers detached by _retire_watcher, still stopping
         self.errors = 0
         self.flavors: dict[str, tuple[str, kueue.Placement]] = {}  # ResourceFlavor name -> (workload rv, placement)
 
@@ -436,15 +437,26 @@ class JobLoop:
     async def _sync_watcher(self, job: JobView, decision: Decision) -> None:
         target = await self._target(job) if decision.watch_events else None
         if self.watcher is not None and (target is None or self.watcher.target != target):
-            await self.stop_watcher()
+            self._retire_watcher()
         if target is not None and self.watcher is None:
             start = decision.status.trainer.last_event_id
             self.watcher = EventWatcher(target, start, self.notify).start()
 
+    def _retire_watcher(self) -> None:
+        """Detach the watcher and stop it in the background: its stop can wait up to watcher.STOP_TIMEOUT for a
+        cancelled XREAD, and a pass (a teardown stage, at scale many of them) must not wait for that; nothing of
+        a detached watcher is read again."""
+        old, self.watcher = self.watcher, None
+        if old is not None:
+            task = asyncio.create_task(old.stop(), name=f"stop events {old.target.stream}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
     async def stop_watcher(self) -> None:
-        if self.watcher is not None:
-            await self.watcher.stop()
-            self.watcher = None
+        """Stop the watcher and wait for it and any retired one (the job is forgotten or the operator stops)."""
+        self._retire_watcher()
+        if self._retiring:
+            await asyncio.wait(set(self._retiring))
 
     async def _target(self, job: JobView) -> Target | None:
         spec = job.spec
