@@ -120,3 +120,11 @@ def test_megatron_tensor_parallel_divides_the_ranks_and_is_for_megatron():
     assert fields(tp_spec(8)) == ["spec.trainer.megatron.tensorParallel"]
     assert fields(tp_spec(2, backend="torch")) == ["spec.trainer.megatron.tensorParallel"]
     assert fields(tp_spec(0)) == ["spec.trainer.megatron.tensorParallel"]  # ge=1
+    # samplesPerStep is shared by the data-parallel replicas: 4 ranks at TP 4 are one replica
+    one_replica = tp_spec(4)
+    one_replica["algorithm"]["samplesPerStep"] = 1
+    assert parse_spec(one_replica).algorithm.samples_per_step == 1
+    two_replicas = tp_spec(2)
+    two_replicas["algorithm"]["samplesPerStep"] = 1
+    with pytest.raises(SpecError, match=r"data-parallel ranks \(2 = nodes x processes per node / tensorParallel\)"):
+        parse_spec(two_replicas)

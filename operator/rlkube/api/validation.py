@@ -412,7 +412,14 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
     ranks = trainer_world_size(spec)
-    if algo.samples_per_step < ranks:
+    tp = spec.trainer.megatron.tensor_parallel
+    if spec.trainer.backend == "megatron" and tp > 1 and ranks % tp == 0:
+        # Each data-parallel replica (tensorParallel ranks) trains its share of every step.
+        if algo.samples_per_step < ranks // tp:
+            errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's data-parallel "
+                                   f"ranks ({ranks // tp} = nodes x processes per node / tensorParallel): every "
+                                   "replica trains a share of each step"))
+    elif algo.samples_per_step < ranks:
         # Each trainer rank trains its share of every step (samplesPerStep split as evenly as possible).
         errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's ranks "
                                f"({ranks} = nodes x processes per node): every rank trains a share of each step"))
