@@ -219,6 +219,8 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             _drop(spec, "trainer.sharding")
         elif _eff(spec, "trainer.nodes") > 1 and not _get(spec, "trainer.checkpoint.claimName"):
             _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
+    if _get(spec, "trainer.cpuOffload") and _get(spec, "trainer.sharding") != "fsdp":
+        _drop(spec, "trainer.cpuOffload")  # it offloads FSDP2's shards
     if _eff(spec, "algorithm.samplesPerStep") < ranks:
         _set(spec, "algorithm.samplesPerStep", ranks)
     if _eff(spec, "algorithm.clipEpsilonLow") >= 1:

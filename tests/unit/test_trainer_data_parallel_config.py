@@ -95,6 +95,8 @@ def test_fsdp_sharding_is_for_the_torch_backend_over_several_ranks_sharing_a_che
     assert fields(lambda t: t.update(backend="megatron")) == ["spec.trainer.sharding"]
     assert fields(lambda t: t.update(nodes=1)) == ["spec.trainer.sharding"]  # one rank: nothing to shard over
     assert fields(lambda t: t.pop("checkpoint")) == ["spec.trainer.checkpoint.claimName"]
+    assert parse_spec({**spec, "trainer": {**spec["trainer"], "cpuOffload": True}}).trainer.cpu_offload
+    assert fields(lambda t: t.update(sharding="none", cpuOffload=True)) == ["spec.trainer.cpuOffload"]
     one_pod = copy.deepcopy(spec)  # ranks of one pod share its checkpoint volume
     one_pod["trainer"].update(nodes=1, processesPerNode=2, checkpoint={})
     assert parse_spec(one_pod).trainer.sharding == "fsdp"

@@ -579,6 +579,12 @@ class TrainerSpec(Model):
         description="Backend torch with several ranks: 'none' replicates the model on every rank (gradients "
         "all-reduced); 'fsdp' shards parameters, gradients and optimizer state over all ranks (FSDP2).",
     )
+    cpu_offload: bool = Field(
+        False,
+        description="With sharding 'fsdp': keep the parameter shards, their gradients and Adam's state in host "
+        "memory between uses and run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy): less GPU memory, "
+        "slower steps.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (less memory, about a third more compute)."
     )

@@ -219,6 +219,8 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} does not divide the trainer's "
                                    f"{ranks} ranks (nodes x processes per node): data parallel = ranks / "
                                    "tensorParallel"))
+    if trainer.cpu_offload and trainer.sharding != "fsdp":
+        errs.append(FieldError("spec.trainer.cpuOffload", "offloads FSDP2's shards: it needs sharding 'fsdp'"))
     if trainer.sharding != "none" and trainer.backend != "torch":
         errs.append(FieldError("spec.trainer.sharding", f"'{trainer.sharding}' shards the torch backend; backend "
                                                         f"{trainer.backend!r} has its own parallelism"))

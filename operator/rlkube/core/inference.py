@@ -47,11 +47,15 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.openai_api import (
+    SSE_DONE,
+    SSE_HEADERS,
     RequestError,
     ServedModel,
+    StreamChunks,
     completion_response,
     models_response,
     parse_completion_request,
+    sse,
 )
 from rlkube.core.sampling import EngineStopped, SamplingEngine
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
@@ -232,6 +236,15 @@ class InferenceServer:
         except EngineStopped as exc:
             error = RequestError(str(exc), status=503, type_="server_shutting_down")
             return web.json_response(error.body(), status=503, dumps=_dumps)
+        if req.stream:
+            # One batch samples the whole request: its chunks all come at the end (see rlkube.core.openai_api).
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(request)
+            for chunk in StreamChunks(req, self.served).of_result(result):
+                await response.write(sse(chunk))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+            return response
         return web.json_response(completion_response(req, result, self.served), dumps=_dumps)
 
 

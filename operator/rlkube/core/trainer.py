@@ -154,6 +154,8 @@ class Trainer:
         self.last_checkpoint: tuple[int, Path] | None = None
         self._pending = LossStats()  # statistics of the gradients accumulated since the last optim_step
         self._pending_normalizer = 0.0
+        self._publications = 0  # sharded: weight publications so far (unique rendezvous tags)
+        self.last_stream = None  # sharded: the last publication's StreamedWeights (its peak_bytes)
 
     @property
     def sharded(self) -> bool:
@@ -344,6 +346,8 @@ class Trainer:
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
+        if self.sharded and self.dp is not None:
+            return self._publish_stream(f"weights-start/{self.version}", start=True, version=self.version)
         weights = self._published_weights(f"weights-start/{self.version}")
         if self.publisher is not None:
             self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
@@ -353,6 +357,8 @@ class Trainer:
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
         version = self.version if version is None else version
+        if self.sharded and self.dp is not None:
+            return self._publish_stream(f"weights/{version}", start=False, version=version)
         weights = self._published_weights(f"weights/{version}")
         if self.publisher is not None:
             self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
@@ -360,12 +366,15 @@ class Trainer:
             self._drain(weights)
 
     def _published_weights(self, tag: str):
-        """The weights to publish. Sharded: an iterator that first meets the other ranks in the alive-checked
-        rendezvous `tag`, because rank 0's publisher reads the first weight only after it opened the weight-update
-        group, which waits for the inference servers (minutes at start-up): the other ranks must not wait for it
-        inside the all-gather, which fails after the collective timeout."""
+        """The weights to publish. Tensor parallel (collective, not streamed): an iterator that first meets the
+        other ranks in the alive-checked rendezvous `tag`, because rank 0's publisher reads the first weight only
+        after it opened the weight-update group, which waits for the inference servers (minutes at start-up): the
+        other ranks must not wait for it inside the all-gather, which fails after the collective timeout. Rank 0's
+        publisher packs its snapshot from the gathered tensors (and re-sends it to a rejoining server itself)."""
         if not self.collective or self.dp is None:
-            return iter(self.backend.weights())
+            return self.backend.weights()
+        self._publications += 1
+        tag = f"{tag}/{self._publications}"
 
         def gathered():
             self.dp.gather(tag)
@@ -375,10 +384,36 @@ class Trainer:
 
     @staticmethod
     def _drain(weights) -> None:
-        """Sharded: every weight is gathered by every rank (collectives), whether or not this rank's publisher
-        read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
+        """Tensor parallel: every weight is gathered by every rank (collectives), whether or not this rank's
+        publisher read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
         for _ in weights:
             pass
+
+    def _publish_stream(self, tag: str, start: bool, version: int) -> None:
+        """Sharded (COLLECTIVE, every rank): the weights streamed bucket by bucket (rlkube.core.weightsync.
+        StreamedWeights): rank 0's publisher sends each bucket as the ranks gather it; the other ranks (and rank 0
+        when it transfers nothing) take part in the gathers. First the ranks meet in the alive-checked rendezvous:
+        building the stream is a collective, and a rank may still be loading its model at start-up."""
+        from rlkube.core.weightsync import transfer_dtype
+
+        self._publications += 1
+        tag = f"{tag}/{self._publications}"
+        self.dp.gather(tag)
+        transfer = self.spec.trainer.weight_transfer
+        stream = self.backend.weight_stream(transfer_dtype(transfer.dtype, self.backend.device),
+                                            transfer.bucket_megabytes * 2**20,
+                                            rendezvous=lambda n: self.dp.gather(f"{tag}/pass-{n}"))
+        self.last_stream = stream
+        publisher = self.publisher
+        kwargs = {"version": version, "step": self.step, "documents_seen": self.documents_seen}
+        if publisher is not None:
+            (publisher.start if start else publisher.publish)(stream, **kwargs)
+        if publisher is None or not getattr(publisher, "streams", False):
+            stream.drain()  # another rank's publisher sends (or rank 0's announces only: no pass runs)
+        if self._publications == 1:
+            log.info("weights published bucket by bucket: %d tensors in %d buckets, at most %d bytes gathered and "
+                     "buffered at once on this rank", len(stream.meta["tensors"]), len(stream.meta["buckets"]),
+                     stream.peak_bytes)
 
     def close_weights(self) -> None:
         if self.publisher is not None:
@@ -413,6 +448,8 @@ class TrainerRole:
         self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
+        self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
+        self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
 
@@ -482,7 +519,12 @@ class TrainerRole:
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
             streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
-            self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
+            if self.trainer.collective and self.dp is not None:
+                # A collective of every rank, which the other ranks may not be ready for now: rank 0 asks for it
+                # through the same agreement as a rejoining inference server (_republish_due).
+                self.announce_again = self.announce_again or self.leader
+            else:
+                self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
             return []
         docs = []
         for _, entries in got or []:
@@ -505,12 +547,14 @@ class TrainerRole:
         if n > limit:
             raise ValueError(f"{n} tokens exceed the model's maxSequenceLength {limit}")
 
-    def _collect_step(self, want: int) -> list[protocol.Document] | None:
-        """Exactly `want` documents, or None when asked to stop before they arrived. A tensor-parallel peer that
-        does not read returns [] at once (it gets its reader's documents in `run`)."""
+    def _collect_step(self, want: int, docs: list[protocol.Document] | None = None
+                      ) -> list[protocol.Document] | None:
+        """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded or
+        tensor parallel: returns `docs` short when the weights must be sent again first (`_republish_due`). A
+        tensor-parallel peer that does not read returns at once (it gets its reader's documents in `run`)."""
+        docs = [] if docs is None else docs
         if self.dp is not None and not self.dp.reads_documents:
-            return None if self._stopping() else []
-        docs: list[protocol.Document] = []
+            return None if self._stopping() else docs
         # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
         last_document = time.monotonic()
         while len(docs) < want:
@@ -518,6 +562,8 @@ class TrainerRole:
                 if docs:
                     log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
                 return None
+            if self._republish_due():
+                return docs
             if self.dp is not None:
                 self.dp.check_peers()  # a dead peer must not go unnoticed while no documents come
             got = self.read_documents(want - len(docs))
@@ -549,20 +595,28 @@ class TrainerRole:
         try:
             while t.step < algo.max_steps:
                 t0 = time.monotonic()
-                docs = None
-                if published and not self._stopping():
-                    docs = self._collect_step(per_rank)
-                if self.dp is not None:
+                docs: list[protocol.Document] | None = []
+                while True:
+                    if not published or self._stopping():
+                        docs = None
+                    else:
+                        docs = self._collect_step(per_rank, docs)
+                    if self.dp is None:
+                        break
                     # Meet outside any collective (a peer may still wait for documents or a weight transfer), then
                     # agree: one rank stopping stops all of them after the same step.
-                    self.dp.gather(f"step/{t.step + 1}")
+                    self.dp.gather(f"step/{t.step + 1}/{self.republished}", while_waiting=self._republish_due)
                     if self.dp.any(docs is None):
                         if docs is not None:
                             log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
                                      len(docs), t.step + 1)
                         docs = None
-                    if docs is not None:
-                        docs = self.dp.share_with_tensor_peers(docs)
+                        break
+                    if not (t.collective and self.dp.any(self._republish_due())):
+                        break
+                    published = self._republish()  # then go on collecting this step's documents
+                if docs is not None and self.dp is not None:
+                    docs = self.dp.share_with_tensor_peers(docs)  # tensor parallel: the reader's documents
                 if docs is None:
                     break
                 t1 = time.monotonic()
@@ -593,6 +647,29 @@ class TrainerRole:
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
         return 0
+
+    def _republish_due(self) -> bool:
+        """Sharded (or tensor parallel, collective weights): an inference server restarted and asked to rejoin, and
+        rank 0 has no snapshot to send it from
+        its watchdog (the weights are streamed from the shards), or Redis lost the events (read_documents): all
+        ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
+        while waiting for documents or for its peers, and all agree (`run`) before the collective transfer.
+        Without it a server that restarts while the trainer waits for documents (which only come once the server
+        serves again) would keep it waiting until the document timeout."""
+        if not self.trainer.collective or self.dp is None:
+            return False
+        key = f"republish/{self.republished}"
+        if self.leader and (self.announce_again or getattr(self.trainer.publisher, "rejoin_pending", False)):
+            self.dp.store.set(key, "1")
+            return True
+        return self.dp.store.check([key])
+
+    def _republish(self) -> bool:
+        log.warning("sending version %d again (every rank gathers): an inference server asked to rejoin, or the "
+                    "events were lost", self.trainer.version)
+        self.republished += 1
+        self.announce_again = False
+        return self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
 
     def _finish(self, interrupted: bool) -> None:
         t = self.trainer

@@ -192,8 +192,9 @@ class DataParallel:
                 raise PeerLost(f"trainer rank {r} has shown no sign of life for {limit:g}s "
                                f"({ENV_COLLECTIVE_TIMEOUT}); rank {self.rank} gives up")
 
-    def gather(self, tag: str) -> None:
-        """Wait until every rank reached `tag`, for as long as the missing ranks are alive (check_peers)."""
+    def gather(self, tag: str, while_waiting=None) -> None:
+        """Wait until every rank reached `tag`, for as long as the missing ranks are alive (check_peers);
+        `while_waiting()` is called as often as the peers are checked."""
         self.store.add(f"hb/{self.rank}", 1)
         self.store.set(f"at/{tag}/{self.rank}", "1")
         keys = [f"at/{tag}/{r}" for r in range(self.world_size)]
@@ -201,6 +202,8 @@ class DataParallel:
         while not self.store.check(keys):
             if time.monotonic() - checked > PEER_CHECK_S:
                 self.check_peers()
+                if while_waiting is not None:
+                    while_waiting()
                 checked = time.monotonic()
             time.sleep(POLL_S)
 
