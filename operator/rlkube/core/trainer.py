@@ -650,9 +650,8 @@ class TrainerRole:
 
     def _republish_due(self) -> bool:
         """Sharded (or tensor parallel, collective weights): an inference server restarted and asked to rejoin, and
-        rank 0 has no snapshot to send it from
-        its watchdog (the weights are streamed from the shards), or Redis lost the events (read_documents): all
-        ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
+        rank 0 has no snapshot to send it from its watchdog (the weights are streamed from the shards), or Redis
+        lost the events (read_documents): all ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
         while waiting for documents or for its peers, and all agree (`run`) before the collective transfer.
         Without it a server that restarts while the trainer waits for documents (which only come once the server
         serves again) would keep it waiting until the document timeout."""
