@@ -41,24 +41,9 @@ def served_versions(log: str) -> list[int]:
     return [int(v) for v in re.findall(r"weights version (\d+) in effect", log)]
 
 
-def test_vllm_job_succeeds_through_the_operator(job):
-    job.apply(vllm_example())
-    follower = job.follow()
-    tj = job.wait_phase(("Succeeded", "Failed"), 900)
-    st = tj["status"]
-    assert st["phase"] == "Succeeded", job.diagnostics()
-    assert st["completion"]["finalStep"] == STEPS
-    follower.stop()
-    assert follower.finished is not None and follower.finished.step == STEPS, follower.describe()
-    log = job.agent.container_log(job.namespace, f"{job.name}-inference-0")
-    assert "vLLM engine up" in log and f"weights version {STEPS} in effect" in log, log[-3000:]
-    assert stage_names(st) == FULL_ORDER and job.order("deletion") == FULL_ORDER
-    assert not job.agent_signals("SIGKILL"), "a pod needed SIGKILL in a clean run"
-    job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
-    assert job.leftover_processes() == []
-
-
-def test_vllm_pod_killed_mid_run_restarts_rejoins_and_gets_the_current_weights(job):
+def test_vllm_job_succeeds_through_the_operator_across_a_kill_9_of_its_vllm_pod(job):
+    """One vLLM job (each costs minutes here) shows both: the job through the operator with vLLM pods, and kill -9
+    of the vLLM pod's process mid-run."""
     job.apply(vllm_example())
     follower = job.follow()
     pod = f"{job.name}-inference-0"
@@ -87,6 +72,10 @@ def test_vllm_pod_killed_mid_run_restarts_rejoins_and_gets_the_current_weights(j
     print(f"\nvLLM killed at trainer step {at_kill}; after its restart it served versions {again}")
     # It rejoined the group and loaded the trainer's weights of that moment (not its initial ones), then followed.
     assert again and again[0] >= at_kill and again[-1] == STEPS, (at_kill, again, restarted[-3000:])
+    assert "vLLM engine up" in first and "vLLM engine up" in restarted
     follower.stop()
+    assert follower.finished is not None and follower.finished.step == STEPS, follower.describe()
+    assert stage_names(st) == FULL_ORDER and job.order("deletion") == FULL_ORDER
+    assert not job.agent_signals("SIGKILL"), "a pod needed SIGKILL at teardown"
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
     assert job.leftover_processes() == []
