@@ -540,6 +540,18 @@ class FastLLMSpec(Model):
     )
 
 
+class MegatronSpec(Model):
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Backend megatron: tensor-parallel size, the ranks that split each layer (attention heads, MLP and "
+            "vocabulary shards); data parallel is the trainer's ranks (nodes x processes per node) / tensorParallel. "
+            "Must divide the ranks and the model's attention heads, key/value heads, intermediate size and vocabulary."
+        ),
+    )
+
+
 class TrainerSpec(Model):
     backend: Literal["torch", "megatron", "fast-llm"] = Field("torch", description="Training backend.")
     nodes: int = Field(1, ge=1, description="Trainer pods (one per node); ranks get a headless Service.")
@@ -581,6 +593,7 @@ class TrainerSpec(Model):
     )
     template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
     fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
+    megatron: MegatronSpec = Field(default_factory=MegatronSpec, description="Settings of backend megatron.")
 
 
 class VllmSpec(Model):

@@ -208,6 +208,18 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
         elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
+    tp = trainer.megatron.tensor_parallel
+    if tp > 1:
+        from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
+
+        ranks = trainer_world_size(spec)
+        if trainer.backend != "megatron":
+            errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} is for backend megatron, not "
+                                                                           f"{trainer.backend!r}"))
+        elif ranks % tp:
+            errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} does not divide the trainer's "
+                                   f"{ranks} ranks (nodes x processes per node): data parallel = ranks / "
+                                   "tensorParallel"))
     if trainer.cpu_offload and trainer.sharding != "fsdp":
         errs.append(FieldError("spec.trainer.cpuOffload", "offloads FSDP2's shards: it needs sharding 'fsdp'"))
     if trainer.sharding != "none" and trainer.backend != "torch":
@@ -403,7 +415,14 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
     ranks = trainer_world_size(spec)
-    if algo.samples_per_step < ranks:
+    tp = spec.trainer.megatron.tensor_parallel
+    if spec.trainer.backend == "megatron" and tp > 1 and ranks % tp == 0:
+        # Each data-parallel replica (tensorParallel ranks) trains its share of every step.
+        if algo.samples_per_step < ranks // tp:
+            errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's data-parallel "
+                                   f"ranks ({ranks // tp} = nodes x processes per node / tensorParallel): every "
+                                   "replica trains a share of each step"))
+    elif algo.samples_per_step < ranks:
         # Each trainer rank trains its share of every step (samplesPerStep split as evenly as possible).
         errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's ranks "
                                f"({ranks} = nodes x processes per node): every rank trains a share of each step"))

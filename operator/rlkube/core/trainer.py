@@ -29,6 +29,12 @@ Rank 0 alone loads checkpoints (then broadcasts weights, optimizer state and cou
 transfers weights to inference, and publishes events; the other ranks exit 0 once rank 0 has finished. SIGTERM
 (to any rank) stops all ranks after the same step; a rank that dies makes the others exit 1 within
 RLKUBE_COLLECTIVE_TIMEOUT_S, without training_finished.
+
+With megatron's tensor parallelism (spec.trainer.megatron.tensorParallel = TP) the ranks form ranks / TP data-
+parallel replicas of TP ranks each (`DataParallel.use_layout`): tensor-parallel rank 0 of replica r reads its share
+as `fast_llm_consumer_{r}` and hands the documents to its peers; counts, statistics and gradients are summed over
+the replicas only. Every rank holds a part of every weight, so weights, checkpoints and the start-up sync are
+collectives (`Trainer.collective`, as for FSDP): every rank gathers, rank 0 alone sends and writes.
 """
 
 from __future__ import annotations
@@ -139,6 +145,10 @@ class Trainer:
         # The step's gradient is the same for any budget (up to float rounding); it bounds activation memory.
         self.micro_batch_tokens = micro_batch_tokens or spec.trainer.micro_batch_tokens
         self.dp = dp  # None: one process; else gradients and counts are summed over the data-parallel ranks
+        layout = getattr(self.backend, "parallel_layout", None)
+        if dp is not None and layout is not None:
+            dp.use_layout(layout)  # model parallelism: sums over the data-parallel replicas only
+        self._resumed_state: tuple[dict, dict | None] | None = None  # collective backends: what rank 0 resumed
         self.step = 0  # optimizer steps taken; weights after step N are policy version N
         self.documents_seen = 0
         self.last_checkpoint: tuple[int, Path] | None = None
@@ -151,6 +161,12 @@ class Trainer:
     def sharded(self) -> bool:
         """The backend shards the model over the ranks (FSDP): whole-model operations are collectives."""
         return bool(getattr(self.backend, "shards_gradients", False))
+
+    @property
+    def collective(self) -> bool:
+        """Whole-model operations (weights, state, checkpoints) are collectives of every rank: a sharded backend,
+        or one with tensor parallelism (megatron), whose ranks each hold a part of every weight."""
+        return self.sharded or bool(getattr(self.backend, "collective_weights", False))
 
     @property
     def version(self) -> int:
@@ -226,6 +242,16 @@ class Trainer:
         # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
         # rendezvous, not in the broadcast below, which fails after the collective timeout.
         self.dp.gather("model-loaded")
+        if self.collective:
+            # Tensor parallel: rank 0 holds only its shards; every rank loaded the job's directory, and takes its
+            # own shards of what rank 0 resumed from (the checkpoint's full tensors), if it resumed.
+            resumed, step, documents_seen = self.dp.broadcast_state(
+                (self._resumed_state, self.step, self.documents_seen) if self.dp.is_leader else None)
+            if resumed is not None and not self.dp.is_leader:  # rank 0 loaded it when it resumed
+                self.backend.load_state(*resumed)
+            self._resumed_state = None
+            self.step, self.documents_seen = step, documents_seen
+            return
         state = None
         if self.dp.is_leader:
             model_state, optim_state = self.backend.state()
@@ -237,13 +263,19 @@ class Trainer:
 
     # --- checkpoints ---
 
-    def save_checkpoint(self, step: int | None = None) -> Path:
-        if self.checkpoint_dir is None:
-            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
+    def save_checkpoint(self, step: int | None = None) -> Path | None:
+        """Rank 0 writes the checkpoint (returns its path); with a collective backend every rank must call this,
+        and the others return None."""
         step = self.step if step is None else step
+        tensor_parallel_peer = self.collective and not self.sharded and self.dp is not None and not self.dp.is_leader
+        if self.checkpoint_dir is None and not tensor_parallel_peer:
+            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         if self.sharded:
             return self._save_sharded_checkpoint(step)
-        model_state, optim_state = self.backend.state()
+        model_state, optim_state = self.backend.state()  # a collective with tensor parallelism
+        if tensor_parallel_peer:
+            self.last_checkpoint = (step, None)  # it took part in rank 0's checkpoint
+            return None
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})
         path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state, model_dir=self.model_dir,
@@ -298,7 +330,13 @@ class Trainer:
         if not same_backend:
             log.warning("checkpoint %s was written by the %s backend: loading its weights, not its optimizer state",
                         path, written_by)
-        meta = ckpt.load_checkpoint_state(path, self.backend.load_state, with_optimizer=same_backend)
+        load = self.backend.load_state
+        if self.collective and self.dp is not None:
+            # tensor parallel: sync_from_leader hands the full tensors to every rank, which load their shards
+            def load(model_state, optim_state):
+                self._resumed_state = ({k: v.clone() for k, v in model_state.items()}, optim_state)
+                self.backend.load_state(model_state, optim_state)
+        meta = ckpt.load_checkpoint_state(path, load, with_optimizer=same_backend)
         self.step, self.documents_seen = meta.step, meta.documents_seen
         self.last_checkpoint = (meta.step, path)
         log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
@@ -310,18 +348,46 @@ class Trainer:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
         if self.sharded and self.dp is not None:
             return self._publish_stream(f"weights-start/{self.version}", start=True, version=self.version)
+        weights = self._published_weights(f"weights-start/{self.version}")
         if self.publisher is not None:
-            self.publisher.start(self.backend.weights(), version=self.version, step=self.step,
-                                 documents_seen=self.documents_seen)
+            self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
+        if self.collective:
+            self._drain(weights)
 
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
         version = self.version if version is None else version
         if self.sharded and self.dp is not None:
             return self._publish_stream(f"weights/{version}", start=False, version=version)
+        weights = self._published_weights(f"weights/{version}")
         if self.publisher is not None:
-            self.publisher.publish(self.backend.weights(), version=version, step=self.step,
-                                   documents_seen=self.documents_seen)
+            self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
+        if self.collective:
+            self._drain(weights)
+
+    def _published_weights(self, tag: str):
+        """The weights to publish. Tensor parallel (collective, not streamed): an iterator that first meets the
+        other ranks in the alive-checked rendezvous `tag`, because rank 0's publisher reads the first weight only
+        after it opened the weight-update group, which waits for the inference servers (minutes at start-up): the
+        other ranks must not wait for it inside the all-gather, which fails after the collective timeout. Rank 0's
+        publisher packs its snapshot from the gathered tensors (and re-sends it to a rejoining server itself)."""
+        if not self.collective or self.dp is None:
+            return self.backend.weights()
+        self._publications += 1
+        tag = f"{tag}/{self._publications}"
+
+        def gathered():
+            self.dp.gather(tag)
+            yield from self.backend.weights()
+
+        return gathered()
+
+    @staticmethod
+    def _drain(weights) -> None:
+        """Tensor parallel: every weight is gathered by every rank (collectives), whether or not this rank's
+        publisher read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
+        for _ in weights:
+            pass
 
     def _publish_stream(self, tag: str, start: bool, version: int) -> None:
         """Sharded (COLLECTIVE, every rank): the weights streamed bucket by bucket (rlkube.core.weightsync.
@@ -377,8 +443,9 @@ class TrainerRole:
         self.stop = stop or threading.Event()
         self.dp = trainer.dp
         self.leader = self.dp is None or self.dp.is_leader  # publishes events, checkpoints, transfers weights
-        # design.md s5: one consumer per trainer rank (RLKUBE_INDEX is the node rank)
-        self.consumer = protocol.consumer_name(self.dp.rank if self.dp is not None else ctx.index)
+        # design.md s5: one consumer per data-parallel trainer rank (RLKUBE_INDEX is the node rank); with tensor
+        # parallelism tensor-parallel rank 0 of each replica reads for it.
+        self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
         self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
@@ -420,8 +487,8 @@ class TrainerRole:
         remainder). Uneven shares are exact too: every rank normalises by the step's global loss-token count."""
         if self.dp is None:
             return samples_per_step
-        base, extra = divmod(samples_per_step, self.dp.world_size)
-        return base + (1 if self.dp.rank < extra else 0)
+        base, extra = divmod(samples_per_step, self.dp.data_size)
+        return base + (1 if self.dp.data_rank < extra else 0)
 
     def _stopping(self) -> bool:
         """SIGTERM here, or (data-parallel) on another rank: stop after the current step."""
@@ -452,7 +519,7 @@ class TrainerRole:
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
             streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
-            if self.trainer.sharded and self.dp is not None:
+            if self.trainer.collective and self.dp is not None:
                 # A collective of every rank, which the other ranks may not be ready for now: rank 0 asks for it
                 # through the same agreement as a rejoining inference server (_republish_due).
                 self.announce_again = self.announce_again or self.leader
@@ -482,9 +549,12 @@ class TrainerRole:
 
     def _collect_step(self, want: int, docs: list[protocol.Document] | None = None
                       ) -> list[protocol.Document] | None:
-        """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded:
-        returns `docs` short when the weights must be sent again first (`_republish_due`)."""
+        """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded or
+        tensor parallel: returns `docs` short when the weights must be sent again first (`_republish_due`). A
+        tensor-parallel peer that does not read returns at once (it gets its reader's documents in `run`)."""
         docs = [] if docs is None else docs
+        if self.dp is not None and not self.dp.reads_documents:
+            return None if self._stopping() else docs
         # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
         last_document = time.monotonic()
         while len(docs) < want:
@@ -542,9 +612,11 @@ class TrainerRole:
                                      len(docs), t.step + 1)
                         docs = None
                         break
-                    if not (t.sharded and self.dp.any(self._republish_due())):
+                    if not (t.collective and self.dp.any(self._republish_due())):
                         break
                     published = self._republish()  # then go on collecting this step's documents
+                if docs is not None and self.dp is not None:
+                    docs = self.dp.share_with_tensor_peers(docs)  # tensor parallel: the reader's documents
                 if docs is None:
                     break
                 t1 = time.monotonic()
@@ -552,11 +624,11 @@ class TrainerRole:
                 step_metrics = t.train_step(docs)
                 doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
                 t2 = time.monotonic()
-                if self.leader or t.sharded:  # sharded: every rank gathers, rank 0 sends
+                if self.leader or t.collective:  # sharded or tensor parallel: every rank gathers, rank 0 sends
                     published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
                 t3 = time.monotonic()
                 self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
-                if (self.leader or t.sharded) and t.step % interval == 0:
+                if (self.leader or t.collective) and t.step % interval == 0:
                     self._checkpoint()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
             # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
@@ -564,26 +636,26 @@ class TrainerRole:
             # consistent), but publish no training_finished: this is a failure, and the operator must not read it
             # as completion.
             # (Sharded: saving is a collective with a peer that may be gone; the last interval's checkpoint stays.)
-            if (self.leader and not t.sharded and t.step
+            if (self.leader and not t.collective and t.step
                     and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
                 self._checkpoint()
             raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
-        elif t.sharded and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+        elif t.collective and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
             t.save_checkpoint()  # its part of rank 0's final checkpoint (a collective)
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
         return 0
 
     def _republish_due(self) -> bool:
-        """Sharded: an inference server restarted and asked to rejoin, and rank 0 has no snapshot to send it from
-        its watchdog (the weights are streamed from the shards), or Redis lost the events (read_documents): all
-        ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
+        """Sharded (or tensor parallel, collective weights): an inference server restarted and asked to rejoin, and
+        rank 0 has no snapshot to send it from its watchdog (the weights are streamed from the shards), or Redis
+        lost the events (read_documents): all ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
         while waiting for documents or for its peers, and all agree (`run`) before the collective transfer.
         Without it a server that restarts while the trainer waits for documents (which only come once the server
         serves again) would keep it waiting until the document timeout."""
-        if not self.trainer.sharded or self.dp is None:
+        if not self.trainer.collective or self.dp is None:
             return False
         key = f"republish/{self.republished}"
         if self.leader and (self.announce_again or getattr(self.trainer.publisher, "rejoin_pending", False)):

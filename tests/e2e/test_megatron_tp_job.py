@@ -1,0 +1,44 @@
+"""examples/tiny-cpu.yaml with `trainer.backend: megatron`, trainer.nodes 2 and tensor parallel 2 through the operator
+on the test node agent (issue 10, must-show 3, the megatron half): two trainer pods split every layer of the model
+(data parallel 1) over gloo, find each other by the operator's headless Service, the tensor-parallel peer trains
+the documents rank 0 reads, rank 0 gathers the weights for inference and writes the checkpoints, and the job learns
+the task and Succeeds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from clusterjob import FULL_ORDER, example
+from test_trainingjob import MIN_MARGIN
+
+pytestmark = pytest.mark.megatron
+
+STEPS = 40
+
+
+def test_megatron_tensor_parallel_2_on_two_trainer_nodes_learns_and_succeeds(job):
+    doc = example(**{"spec.trainer.backend": "megatron", "spec.trainer.nodes": 2,
+                     "spec.trainer.megatron": {"tensorParallel": 2},
+                     "spec.trainer.resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                     "spec.algorithm.maxSteps": STEPS})
+    t0 = time.monotonic()
+    job.apply(doc)
+    follower = job.follow()
+    tj = job.wait_phase(("Succeeded", "Failed"), 600)
+    st = tj["status"]
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["completion"]["finalStep"] == STEPS and st["trainer"]["step"] == STEPS
+    follower.stop()
+    margin, rewards = follower.reward_margin(), follower.rewards()
+    print(f"\ne2e megatron TP 2 on 2 trainer nodes: {time.monotonic() - t0:.1f}s, reward first-10 "
+          f"{sum(rewards[:10]) / 10:.3f} last-10 {sum(rewards[-10:]) / 10:.3f} (margin {margin:.3f})")
+    assert margin is not None and margin >= MIN_MARGIN, rewards
+    for rank in (0, 1):
+        log = job.agent.container_log(job.namespace, f"{job.name}-trainer-{rank}")
+        assert f"tensor parallel 2 x data parallel 1; this rank is tensor rank {rank} of data rank 0" in log, \
+            log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
+    assert job.leftover_processes() == []
