@@ -5,10 +5,8 @@ weights to inference bucket by bucket, and the job learns the task and Succeeds.
 
 from __future__ import annotations
 
-import time
-
 import yaml
-from clusterjob import FULL_ORDER, ROOT
+from clusterjob import FULL_ORDER, ROOT, run_to_success_and_learn
 from test_bad_inputs import claim_dir
 from test_trainingjob import MIN_MARGIN
 
@@ -22,18 +20,7 @@ def test_fsdp_on_two_trainer_nodes_learns_and_succeeds(job, core_api, node_agent
     trainer.pop("processesPerNode")
     trainer.update(nodes=2, resources={"requests": {"cpu": "1", "memory": "1Gi"}})
     trainer["checkpoint"]["claimName"] = "checkpoints"
-    t0 = time.monotonic()
-    job.apply(doc)
-    follower = job.follow()
-    tj = job.wait_phase(("Succeeded", "Failed"), 600)
-    st = tj["status"]
-    assert st["phase"] == "Succeeded", job.diagnostics()
-    assert st["completion"]["finalStep"] == STEPS and st["trainer"]["step"] == STEPS
-    follower.stop()
-    margin, rewards = follower.reward_margin(), follower.rewards()
-    print(f"\ne2e FSDP on 2 trainer nodes: {time.monotonic() - t0:.1f}s, reward first-10 {sum(rewards[:10]) / 10:.3f}"
-          f" last-10 {sum(rewards[-10:]) / 10:.3f} (margin {margin:.3f})")
-    assert margin is not None and margin >= MIN_MARGIN, rewards
+    run_to_success_and_learn(job, doc, STEPS, "e2e FSDP on 2 trainer nodes", MIN_MARGIN)
     for rank in (0, 1):
         log = job.agent.container_log(job.namespace, f"{job.name}-trainer-{rank}")
         assert f"rank {rank}/2 joined the data-parallel group" in log, log[-3000:]

@@ -6,10 +6,8 @@ the task and Succeeds."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from clusterjob import FULL_ORDER, example
+from clusterjob import FULL_ORDER, example, run_to_success_and_learn
 from test_trainingjob import MIN_MARGIN
 
 pytestmark = pytest.mark.megatron
@@ -22,18 +20,7 @@ def test_megatron_tensor_parallel_2_on_two_trainer_nodes_learns_and_succeeds(job
                      "spec.trainer.megatron": {"tensorParallel": 2},
                      "spec.trainer.resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
                      "spec.algorithm.maxSteps": STEPS})
-    t0 = time.monotonic()
-    job.apply(doc)
-    follower = job.follow()
-    tj = job.wait_phase(("Succeeded", "Failed"), 600)
-    st = tj["status"]
-    assert st["phase"] == "Succeeded", job.diagnostics()
-    assert st["completion"]["finalStep"] == STEPS and st["trainer"]["step"] == STEPS
-    follower.stop()
-    margin, rewards = follower.reward_margin(), follower.rewards()
-    print(f"\ne2e megatron TP 2 on 2 trainer nodes: {time.monotonic() - t0:.1f}s, reward first-10 "
-          f"{sum(rewards[:10]) / 10:.3f} last-10 {sum(rewards[-10:]) / 10:.3f} (margin {margin:.3f})")
-    assert margin is not None and margin >= MIN_MARGIN, rewards
+    run_to_success_and_learn(job, doc, STEPS, "e2e megatron TP 2 on 2 trainer nodes", MIN_MARGIN)
     for rank in (0, 1):
         log = job.agent.container_log(job.namespace, f"{job.name}-trainer-{rank}")
         assert f"tensor parallel 2 x data parallel 1; this rank is tensor rank {rank} of data rank 0" in log, \
