@@ -362,6 +362,7 @@ def operator_mutation(draw, spec: dict, redis_url: str) -> tuple[str, str]:
         return "spec.algorithm.groupSize", "groups of one"
     if kind == "samples":
         _set(spec, "trainer.nodes", 2)
+        _drop(spec, "trainer.megatron.tensorParallel")  # megatron TP 2 on 2 ranks needs one sample (one replica)
         _set(spec, "algorithm.samplesPerStep", 1)
         return "spec.algorithm.samplesPerStep", "fewer samples per step than trainer nodes"
     if kind == "clip":
