@@ -51,7 +51,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -630,24 +630,12 @@ class WeightPublisher:
                     self.epoch = self.sender.open()  # a new epoch the rejoining server can join
                 self.rejoin_pending = False
                 self._last = None
-                for attempt in range(self.retries + 1):
-                    if self.sender.epoch is None:
-                        self.epoch = self.sender.open()
-                    fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=int(version),
-                                                    checksum=weights.meta["checksum"], **extra)
-                    self._announced = (protocol.text(self.redis.xadd(self.keys.events, fields)), fields)
-                    weights.more(True)
-                    t0 = time.monotonic()
-                    try:
-                        self.sender.send(weights, version)
-                        self.last_transfer_s = time.monotonic() - t0
-                        return
-                    except WeightSyncError as exc:
-                        if attempt == self.retries:
-                            raise
-                        log.warning("weight transfer of version %d failed (%s); opening a new epoch", version, exc)
-                    finally:
-                        self._announced = None
+
+                def announce() -> None:
+                    self._announce_fields(step, documents_seen, version, weights.meta["checksum"], extra)
+                    weights.more(True)  # one more pass: the other trainer ranks gather for it
+
+                self._send_with_retries(weights, version, announce)
         finally:
             weights.more(False)  # no further pass: the other trainer ranks leave drain()
 
@@ -667,22 +655,31 @@ class WeightPublisher:
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's next publish()/close()
             self._inflight_error = exc
 
-    def _announce(self) -> None:
+    def _announce_fields(self, step: int, documents_seen: int, version: int, checksum: float,
+                         extra: dict[str, Any]) -> None:
         if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
             self.epoch = self.sender.open()
-        packed, version, step, documents_seen, extra = self._last
-        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version,
-                                        checksum=packed.meta["checksum"], **extra)
+        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=int(version),
+                                        checksum=checksum, **extra)
         self._announced = (protocol.text(self.redis.xadd(self.keys.events, fields)), fields)
+
+    def _announce(self) -> None:
+        packed, version, step, documents_seen, extra = self._last
+        self._announce_fields(step, documents_seen, version, packed.meta["checksum"], extra)
 
     def _send_locked(self, announced: bool = False) -> None:
         tensors, version, *_ = self._last
+        self._send_with_retries(tensors, version, self._announce, announced)
+
+    def _send_with_retries(self, weights: PackedWeights | StreamedWeights, version: int,
+                           announce: Callable[[], None], announced: bool = False) -> None:
+        """Send `weights`, announcing first (unless `announced`) and again in a new epoch before each retry."""
         for attempt in range(self.retries + 1):
             if not announced or attempt > 0:
-                self._announce()
+                announce()
             t0 = time.monotonic()
             try:
-                self.sender.send(tensors, version)
+                self.sender.send(weights, version)
                 self.last_transfer_s = time.monotonic() - t0
                 return
             except WeightSyncError as exc:
