@@ -29,7 +29,7 @@ import aiohttp
 import torch
 import torch.distributed as dist
 
-from rlkube.bench.serve import SPEC, _free_port, _health, serving
+from rlkube.bench.serve import SPEC, _free_port, serving, timed_updates
 from rlkube.core.hf import state as hf_state
 from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, pack_weights
 
@@ -62,14 +62,7 @@ async def _tokens(url: str, body: dict, concurrency: int, seconds: float) -> dic
 
 
 def _update_cost(pub, model, url: str, updates: int, megabytes: float) -> dict:
-    publish_s, effective_s = [], []
-    for v in range(1, updates + 1):
-        t0 = time.monotonic()
-        pub.publish(hf_state.named_weights(model).items(), version=v, step=v)
-        publish_s.append(time.monotonic() - t0)
-        while _health(url).get("model_version") != v:
-            time.sleep(0.001)
-        effective_s.append(time.monotonic() - t0)
+    publish_s, effective_s = timed_updates(pub, model, url, 1, updates)
     return {"updates": updates,
             "publish_s_median": statistics.median(publish_s),
             "in_effect_s_median": statistics.median(effective_s),

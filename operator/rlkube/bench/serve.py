@@ -163,7 +163,9 @@ def run(seconds: float, updates: int, engine: str = "native") -> dict:
     }
 
 
-def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> dict:
+def timed_updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> tuple[list[float], list[float]]:
+    """Publish versions first..first+count-1 of `model`'s weights: (seconds the publisher blocked, seconds until
+    the server's /health reported each version in effect)."""
     publish_s, effective_s = [], []
     for v in range(first, first + count):
         t0 = time.monotonic()
@@ -172,6 +174,11 @@ def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> d
         while _health(url).get("model_version") != v:
             time.sleep(0.001)
         effective_s.append(time.monotonic() - t0)
+    return publish_s, effective_s
+
+
+def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> dict:
+    publish_s, effective_s = timed_updates(pub, model, url, first, count)
     return {
         "updates": count,
         "publish_ms_median": 1000 * statistics.median(publish_s),
