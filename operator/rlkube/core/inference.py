@@ -164,10 +164,12 @@ class WeightFollower:
             log.error("weights of version %d do not fit the model: %s; keeping version %d", version, exc,
                       self.engine.policy.version)
             return
-        self.engine.set_policy(model, version)
         # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost.
+        # /health reads the checksum and the version without a lock (another thread): the checksum is set first
+        # and the version last, so a reader that sees the new version sees its checksum too.
         served = hf_state.named_weights(model)
         self.served_checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items() if n in state)
+        self.engine.set_policy(model, version)
         self.updates += 1
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
