@@ -64,14 +64,17 @@ def tiny_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: int
 
 
 def write_tiny_model(directory: Path, arch: str, tokenizer: str = "char", seed: int = 0,
-                     pad_vocab_to: int = 16) -> Path:
+                     pad_vocab_to: int = 16, **overrides) -> Path:
     """A random `arch` model + tokenizer saved as a HF directory; the embedding has a few rows more than the
-    tokenizer has tokens (rounded up to `pad_vocab_to`), as real checkpoints often do."""
+    tokenizer has tokens (rounded up to `pad_vocab_to`), as real checkpoints often do. `overrides`: config fields
+    (e.g. num_key_value_heads=2)."""
     from transformers import AutoModelForCausalLM
 
     tok = char_tokenizer() if tokenizer == "char" else bpe_tokenizer()
     rows = -(-len(tok) // pad_vocab_to) * pad_vocab_to
     config = tiny_config(arch, rows, tok.eos_token_id, tok.pad_token_id)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     directory = Path(directory)

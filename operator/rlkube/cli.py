@@ -130,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=5.0, help="load duration per concurrency level")
     p.add_argument("--updates", type=int, default=20, help="weight updates per measurement")
     p.set_defaults(func=_lazy("rlkube.bench.serve:cli"))
+    p = bench.add_parser("inference", help="vLLM vs native tokens/s, and weight-update s/MB vs a raw gloo broadcast")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--engine", dest="engines", choices=("native", "vllm"), action="append", default=None,
+                   help="engines to run (repeatable; default both; vllm needs vllm here or RLKUBE_VLLM_PYTHON)")
+    p.add_argument("--model", default="builtin://tiny-llama", help="model path, as spec.model.path")
+    p.add_argument("--seconds", type=float, default=10.0, help="load duration per engine")
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    p.add_argument("-n", type=int, default=8, help="samples per request (the actor's group size)")
+    p.add_argument("--max-tokens", type=int, default=16, help="new tokens per sample")
+    p.add_argument("--updates", type=int, default=10, help="weight updates per engine")
+    p.add_argument("--repeats", type=int, default=20, help="rounds of the raw gloo broadcast")
+    p.set_defaults(func=_lazy("rlkube.bench.inference:cli"))
     return parser
 
 

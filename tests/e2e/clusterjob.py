@@ -401,3 +401,22 @@ def stage_names(status: dict) -> list[str]:
 
 
 FULL_ORDER = list(TEARDOWN_ORDER)
+
+
+def run_to_success_and_learn(job: ClusterJob, manifest: dict, steps: int, label: str, min_margin: float,
+                             timeout: float = 600) -> dict:
+    """Apply `manifest`, follow the trainer's events, wait for the end: Succeeded at `steps`, the reward margin
+    (last 10 vs first 10 steps) at least `min_margin`; prints `label`'s figures. Returns the final status."""
+    t0 = time.monotonic()
+    job.apply(manifest)
+    follower = job.follow()
+    st = job.wait_phase(TERMINAL, timeout)["status"]
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["completion"]["finalStep"] == steps and st["trainer"]["step"] == steps
+    follower.stop()
+    margin, rewards = follower.reward_margin(), follower.rewards()
+    assert margin is not None, f"too few metrics events for a margin: {rewards}"
+    print(f"\n{label}: {time.monotonic() - t0:.1f}s, reward first-10 {sum(rewards[:10]) / 10:.3f} last-10 "
+          f"{sum(rewards[-10:]) / 10:.3f} (margin {margin:.3f})")
+    assert margin >= min_margin, rewards
+    return st

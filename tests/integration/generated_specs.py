@@ -26,7 +26,8 @@ from typing import Any
 from hypothesis import strategies as st
 
 from rlkube.api.crd import crd
-from rlkube.api.model_path import parse_model_path
+from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
+from rlkube.api.validation import tensor_parallel_heads_error
 
 SPEC_SCHEMA: dict = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 ROLES = ("trainer", "inference", "actor", "preprocessor")
@@ -219,6 +220,11 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             _drop(spec, "trainer.sharding")
         elif _eff(spec, "trainer.nodes") > 1 and not _get(spec, "trainer.checkpoint.claimName"):
             _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
+    if _get(spec, "trainer.cpuOffload") and _get(spec, "trainer.sharding") != "fsdp":
+        _drop(spec, "trainer.cpuOffload")  # it offloads FSDP2's shards
+    tp = _get(spec, "trainer.megatron.tensorParallel")
+    if tp is not None and tp > 1 and (backend != "megatron" or ranks % tp):
+        _drop(spec, "trainer.megatron.tensorParallel")  # megatron's, and a divisor of the trainer's ranks
     if _eff(spec, "algorithm.samplesPerStep") < ranks:
         _set(spec, "algorithm.samplesPerStep", ranks)
     if _eff(spec, "algorithm.clipEpsilonLow") >= 1:
@@ -240,6 +246,11 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             _set(spec, "model.path", f"{mount}/model")
     if _eff(spec, "inference.engine") == "native":
         _set(spec, "inference.tensorParallel", 1)
+    elif _eff(spec, "inference.tensorParallel") != 1:
+        where = parse_model_path(_eff(spec, "model.path"))  # a built-in model's heads must split among the workers
+        if where.kind == "builtin" and tensor_parallel_heads_error(*BUILTIN_ATTENTION_HEADS[where.location],
+                                                                   _eff(spec, "inference.tensorParallel")):
+            _set(spec, "inference.tensorParallel", 1)
     for role in ROLES:
         requests = _get(spec, f"{role}.resources.requests") or {}
         limits = _get(spec, f"{role}.resources.limits") or {}
@@ -351,6 +362,7 @@ def operator_mutation(draw, spec: dict, redis_url: str) -> tuple[str, str]:
         return "spec.algorithm.groupSize", "groups of one"
     if kind == "samples":
         _set(spec, "trainer.nodes", 2)
+        _drop(spec, "trainer.megatron.tensorParallel")  # megatron TP 2 on 2 ranks needs one sample (one replica)
         _set(spec, "algorithm.samplesPerStep", 1)
         return "spec.algorithm.samplesPerStep", "fewer samples per step than trainer nodes"
     if kind == "clip":

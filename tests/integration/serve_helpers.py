@@ -68,6 +68,23 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30) -> tuple[
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def http_stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
+    """The chunks of a streamed completion (`stream: true`: server-sent events up to `data: [DONE]`)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream"), resp.headers
+        for line in resp:
+            if not line.strip():
+                continue
+            assert line.startswith(b"data: "), line
+            if line.strip() == b"data: [DONE]":
+                return chunks
+            chunks.append(json.loads(line[len(b"data: "):]))
+    raise AssertionError(f"the stream ended without [DONE] after {len(chunks)} chunks")
+
+
 def http_status(url: str) -> int | None:
     try:
         return http_json(url, timeout=2)[0]

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from helm_chart import CHART, FRAMEWORK_NEEDS, NAMESPACE_OBSERVATION, NOT_NEEDED
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
+from rlkube.bench import processes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -324,12 +324,7 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
         assert "probe handled tiny-cpu" in text and "probe released tiny-cpu" in text
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            processes.stop(proc)
         helm_config.uninstall(release, wait="watcher", timeout=60)
 
 
@@ -425,10 +420,5 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
             sa_api.close()
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            processes.stop(proc, timeout=30)
         helm_config.uninstall(release, wait="watcher", timeout=60)

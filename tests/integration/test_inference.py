@@ -28,6 +28,7 @@ from serve_helpers import (
     free_port,
     http_json,
     http_status,
+    http_stream,
     job_spec,
     log_text,
     publish,
@@ -197,6 +198,23 @@ def test_restarted_inference_server_rejoins(roles):
     wait_version(url, 1, timeout=60)
     publish(trainer, 2)  # and the trainer's next regular update reaches it too
     wait_version(url, 2)
+
+
+def test_a_streamed_request_gets_the_batchs_tokens_as_server_sent_events(roles):
+    url, _ = start_server(roles)
+    body = {"model": "builtin://tiny-llama", "prompt": PROMPT, "n": 3, "max_tokens": 4, "logprobs": 0, "seed": 4}
+    whole = complete(url, **body)
+    chunks = http_stream(url + "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    *pieces, usage = chunks
+    # One batch samples the whole request: a chunk per choice, the same tokens as without streaming.
+    assert [c["choices"][0]["index"] for c in pieces] == [0, 1, 2]
+    for chunk, choice in zip(pieces, whole["choices"], strict=True):
+        got = chunk["choices"][0]
+        assert chunk["object"] == "text_completion" and chunk["model_version"] == whole["model_version"] == 0
+        assert got["token_ids"] == choice["token_ids"] and got["finish_reason"] == choice["finish_reason"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-6)
+        assert got["prompt_token_ids"] == choice["prompt_token_ids"] and got["text"] == choice["text"]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
 
 
 def test_bad_request_names_the_field(roles):

@@ -109,6 +109,19 @@ async def scenario_trainer_restarts_in_place_with_retries_left(env: Env, kapi):
     return out
 
 
+async def _running(core, namespace: str, name: str, timeout: float):
+    """The pod once the kubelet has reported its container running (polled: the fake kubelet has no hook)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        pod = await core.read_namespaced_pod(name, namespace)
+        statuses = pod.status.container_statuses or []
+        if statuses and statuses[0].state and statuses[0].state.running:
+            return pod
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"pod {name} not running after {timeout}s: {pod.status}")
+        await asyncio.sleep(0.1)
+
+
 @scenario
 async def scenario_trainer_recreated_with_retries_left(env: Env, kapi):
     trainer = await start(env, kapi, "retry-never", **{"runPolicy.restartPolicy.trainer": "Never"})
@@ -123,7 +136,9 @@ async def scenario_trainer_recreated_with_retries_left(env: Env, kapi):
         30, "a new trainer pod",
     )
     core = client.CoreV1Api(kapi)
-    replacement = await core.read_namespaced_pod("retry-never-trainer-0", env.namespace)
+    # The job stays Running through the restart, so wait for the replacement's container to run: a
+    # training_finished written before its startedAt is (rightly) judged to come from the failed incarnation.
+    replacement = await _running(core, env.namespace, "retry-never-trainer-0", 30)
     await env.recorder.wait(lambda: env.recorder.status("retry-never")["phase"] == "Running", 30, "Running")
     await trainer.finished(step=40, checkpoint="/checkpoints/step-40")
     await env.kubelet.exit("retry-never-trainer-0", 0)

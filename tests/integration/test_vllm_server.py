@@ -6,7 +6,11 @@ requests (n samples, per-token log-probs, token ids, the weights version) whose 
 1e-4 (float32), at temperature 1 and below; an update while requests run: none fails, and afterwards the log-probs
 of a fixed prompt (longer than a KV block, so a prefix-cache hit would show) are the NEW weights' to 1e-4, and the
 served checksum is the trainer's; a corrupted bucket is refused by the checksum (the old weights keep serving) and
-the next update gets through; training_finished leaves the group and serving goes on; SIGTERM ends the server and vLLM's processes within seconds.
+the next update gets through; a streamed request (server-sent events) running across an update completes, and
+every chunk's version is the one whose weights sampled its tokens (their log-probs are that version's to 1e-4);
+an update sent in bfloat16 by a float32 trainer serves the bf16-rounded weights (log-probs to 1e-4 of
+transformers with those weights); training_finished leaves the group and serving goes on; SIGTERM ends the server
+and vLLM's processes within seconds.
 
 The vLLM engine lives in its own virtual environment (`make deps-vllm`, which `make test` runs): the server is
 started as every launcher starts it (`python -m rlkube.core.vllm_server`), and re-executes itself with
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from rlkube.core import protocol
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
@@ -31,6 +36,7 @@ from serve_helpers import (
     RoleProcesses,
     free_port,
     http_json,
+    http_stream,
     http_status,
     job_spec,
     log_text,
@@ -39,7 +45,7 @@ from serve_helpers import (
     write_config,
 )
 from test_inference import expected_logprobs
-from weightsync_peer import model_weights
+from weightsync_peer import BF16_SCALE, model_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")
@@ -55,6 +61,9 @@ MODEL = "builtin://tiny-llama"
 KEYS = protocol.StreamKeys(PREFIX)
 PROMPT = "1234567890" * 4 + ":"  # 41 tokens: longer than one KV block (32, below), shorter than two
 MAX_LEN = 64
+STREAM_TOLERANCE = 2e-3
+BF16_TOLERANCE = 1e-4
+BF16_VERSION = 10  # the trainer stand-in sends this version in bfloat16 (its others in float32)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +101,7 @@ def stack(tmp_path_factory, redis_server):
 def trainer(stack):
     roles, url, _ = stack
     t0 = time.monotonic()
-    peer = roles.start_trainer(0, PEER_CORRUPT_VERSIONS="2")
+    peer = roles.start_trainer(0, PEER_CORRUPT_VERSIONS="2", PEER_BF16_VERSIONS=str(BF16_VERSION))
     wait_version(url, 0, timeout=180)
     print(f"vLLM server healthy {time.monotonic() - t0:.1f}s after the trainer started")
     return peer
@@ -114,6 +123,23 @@ def complete(url: str, prompt: str = PROMPT, **body) -> dict:
     }, timeout=120)
     assert status == 200, reply
     return reply
+
+
+def streamed_choices(chunks: list[dict]) -> dict[int, dict]:
+    """Per choice index: its token ids, log-probs, the version of every token, and its finish reason."""
+    choices: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            if c["index"] not in choices:  # its first chunk carries the prompt
+                choices[c["index"]] = {"prompt_token_ids": c["prompt_token_ids"], "token_ids": [], "logprobs": [],
+                                       "versions": [], "finish": None}
+            got = choices[c["index"]]
+            assert got["finish"] is None, "a chunk after the choice's last"
+            got["token_ids"] += c["token_ids"]
+            got["logprobs"] += c["logprobs"]["token_logprobs"]
+            got["versions"] += [chunk["model_version"]] * len(c["token_ids"])
+            got["finish"] = c["finish_reason"]
+    return choices
 
 
 def max_difference(config, state, reply, temperature: float = 1.0) -> float:
@@ -182,6 +208,17 @@ def test_update_in_flight_then_logprobs_are_the_new_weights(stack, trainer):
             t.join(timeout=120)
     assert not failures, failures[:2]
     assert {r["model_version"] for r in replies} == {0, 1}
+    # Each choice says which weights sampled which of its tokens (spans), truthfully: every token's log-prob is
+    # that version's (the response's model_version is the oldest).
+    states = {0: old, 1: new}
+    for reply in replies:
+        for choice in reply["choices"]:
+            spans = choice["model_versions"]
+            assert spans[0][0] == 0 and reply["model_version"] == min(v for _, v in spans), reply
+            versions = [[v for first, v in spans if first <= i][-1] for i in range(len(choice["token_ids"]))]
+            want = {v: expected_logprobs(roles.config, states[v], choice) for v in set(versions)}
+            got = choice["logprobs"]["token_logprobs"]
+            assert all(abs(got[i] - want[v][i]) < 1e-4 for i, v in enumerate(versions)), (spans, got, want)
 
     after = complete(url)
     assert after["model_version"] == 1
@@ -206,6 +243,87 @@ def test_a_corrupted_bucket_is_refused_and_the_next_update_applies(stack, traine
     assert max_difference(roles.config, model_weights(str(roles.config), 3), complete(url)) < 1e-4
 
 
+def test_a_stream_across_an_update_completes_and_each_chunk_names_the_weights_that_sampled_it(stack, trainer):
+    roles, url, _ = stack
+    version = health(url)[1]["model_version"]
+    prompt = PROMPT[:20]
+    body = {"prompt": prompt, "n": 4, "max_tokens": MAX_LEN - 21, "logprobs": 0, "seed": 5}
+    streams, failures, stop = [], [], threading.Event()
+
+    def keep_streaming() -> None:
+        while not stop.is_set():
+            try:
+                streams.append(http_stream(url + "/v1/completions", {"model": MODEL, **body}))
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                failures.append(exc)
+
+    def crossing() -> list | None:
+        return next((s for s in streams if len({c["model_version"] for c in s if c["choices"]}) > 1), None)
+
+    threads = [threading.Thread(target=keep_streaming) for _ in range(2)]
+    for t in threads:
+        t.start()
+    crossed = None
+    try:
+        wait_until(lambda: streams or failures, 60, "streams running")
+        # An update lands in a running stream when one is sampling at that moment: nearly always, but to be
+        # certain, update until one did (at most 3 times).
+        for attempt in range(3):
+            version += 1
+            publish(trainer, version)
+            wait_version(url, version)
+            done = len(streams)
+            wait_until(lambda n=done: len(streams) >= n + 2 or failures, 120, "the streams running at the update")
+            if crossed := crossing():
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures[:2]
+    assert crossed, f"no stream ran across any of {attempt + 1} updates"
+    choices = streamed_choices(crossed)
+    assert sorted(choices) == [0, 1, 2, 3]
+    versions_seen = set()
+    states = {v: model_weights(str(roles.config), v) for v in (version - 1, version)}
+    worst, nearest_other = [0.0], [float("inf")]
+    for got in choices.values():
+        assert got["finish"] in ("length", "stop") and len(got["token_ids"]) >= 1
+        assert got["versions"] == sorted(got["versions"]), "versions go back in time"
+        versions_seen |= set(got["versions"])
+        assert len(got["prompt_token_ids"]) == len(prompt) + 1
+        want = {v: expected_logprobs(roles.config, states[v], got) for v in (version - 1, version)}
+        for position, (lp, v) in enumerate(zip(got["logprobs"], got["versions"], strict=True)):
+            other = version if v == version - 1 else version - 1
+            claimed, alternative = abs(lp - want[v][position]), abs(lp - want[other][position])
+            worst[0], nearest_other[0] = max(worst[0], claimed), min(nearest_other[0], alternative)
+            # Versions this far from the first have large weights (the stand-in adds 0.5 x version x noise), and the
+            # float32 rounding of vLLM's CPU kernels grows with them over a long sequence: up to ~6e-4 seen here.
+            assert claimed < STREAM_TOLERANCE, (position, v, lp, want[v][position], got["versions"])
+    print(f"stream across the update {version - 1} -> {version}: per-token log-probs within {worst[0]:.1e} of the "
+          f"version each chunk names; the other version is at least {nearest_other[0]:.1e} away")
+    assert len(versions_seen) == 2 and max(versions_seen) == version, versions_seen
+
+
+def test_an_update_in_bf16_from_an_fp32_trainer_serves_the_rounded_weights(stack, trainer):
+    roles, url, _ = stack
+    publish(trainer, BF16_VERSION)
+    served = wait_version(url, BF16_VERSION)
+    exact = model_weights(str(roles.config), BF16_VERSION, BF16_SCALE)
+    assert all(t.dtype == torch.float32 for t in exact.values())
+    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in exact.items()}
+    assert checksums_match(served["weights_checksum"], weights_checksum(exact.items(), dtype=torch.bfloat16))
+    reply = complete(url)
+    assert reply["model_version"] == BF16_VERSION
+    # The served model is float32 holding the bf16 values exactly: as close to transformers with those values as
+    # a float32 update is to its weights.
+    to_rounded, to_exact = max_difference(roles.config, rounded, reply), max_difference(roles.config, exact, reply)
+    print(f"bf16 transfer: max |log-prob difference| {to_rounded:.2e} to the rounded weights, "
+          f"{to_exact:.2e} to the float32 ones")
+    assert to_rounded < BF16_TOLERANCE
+    assert to_exact > 10 * to_rounded  # the rounding is visible: the server did get bf16 values
+
+
 def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, redis_server):
     roles, url, _ = stack
     client = redis_server.client()
@@ -214,8 +332,8 @@ def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, 
     finally:
         client.close()
     body = wait_until(lambda: (h := health(url)[1])["training_finished"] and h, 30, "training_finished")
-    assert body["epoch"] is None and body["model_version"] == 3
-    assert complete(url)["model_version"] == 3  # still serving, until SIGTERM
+    assert body["epoch"] is None and body["model_version"] == BF16_VERSION
+    assert complete(url)["model_version"] == BF16_VERSION  # still serving, until SIGTERM
 
 
 def test_sigterm_stops_the_server_and_vllms_processes(stack):

@@ -6,7 +6,10 @@ nudged per version, else small test tensors), then publishes one version per lin
 `published <version>` after each; EOF closes the publisher. The watchdog answers rejoin requests meanwhile. PEER_OVERLAP=1 overlaps transfers;
 PEER_TRANSFER_DTYPE (e.g. bfloat16) and PEER_BUCKET_BYTES set the publisher's transfer dtype and bucket size.
 PEER_CORRUPT_VERSIONS (comma-separated) sends those versions with one value of their first bucket changed after the
-checksum was taken, as a transfer that corrupts data would (the receivers must refuse them).
+checksum was taken, as a transfer that corrupts data would (the receivers must refuse them). PEER_BF16_VERSIONS
+(comma-separated) sends those versions in bfloat16 whatever PEER_TRANSFER_DTYPE says (an fp32 trainer with a bf16
+transfer dtype), with a nudge of BF16_SCALE whatever the version (weights of a trainer's usual scale: larger
+versions' nudges saturate the tiny model, whose sampled tokens then have log-probs of exactly 0).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.protocol import StreamKeys
-from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher
+from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher, pack_weights
+
+
+BF16_SCALE = 0.5
 
 
 def make_weights(version: int) -> dict[str, torch.Tensor]:
@@ -37,21 +43,26 @@ def make_weights(version: int) -> dict[str, torch.Tensor]:
     }
 
 
-def model_weights(config_path: str, version: int) -> dict[str, torch.Tensor]:
+def model_weights(config_path: str, version: int, scale: float | None = None) -> dict[str, torch.Tensor]:
     """The job's tiny model (HF names, each tied weight once) as a trainer would have it after `version` steps:
-    its initial weights plus a seeded nudge."""
+    its initial weights plus a seeded nudge of `scale` (default 0.5 x version) x standard normal noise."""
     spec = parse_spec(json.loads(Path(config_path).read_text())["spec"])
     state = hf_state.named_weights(load_model(materialize_model(spec.model)))
     g = torch.Generator().manual_seed(version)
-    return {k: v + 0.5 * version * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in state.items()}
+    scale = 0.5 * version if scale is None else scale
+    return {k: v + scale * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in state.items()}
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="peer %(levelname)s %(message)s")
     addr, world, url, prefix, first, *config = sys.argv[1:]
 
+    bf16 = {int(v) for v in os.environ.get("PEER_BF16_VERSIONS", "").split(",") if v}
+
     def weights(version: int) -> dict[str, torch.Tensor]:
-        return model_weights(config[0], version) if config else make_weights(version)
+        if not config:
+            return make_weights(version)
+        return model_weights(config[0], version, BF16_SCALE if version in bf16 else None)
 
     client = redis.Redis.from_url(url)
     dtype = os.environ.get("PEER_TRANSFER_DTYPE")
@@ -59,6 +70,14 @@ def main() -> None:
                           overlap=os.environ.get("PEER_OVERLAP") == "1",
                           transfer_dtype=getattr(torch, dtype) if dtype else None,
                           bucket_bytes=int(os.environ.get("PEER_BUCKET_BYTES", str(DEFAULT_BUCKET_BYTES))))
+    if bf16:
+        sender = pub.sender
+
+        def pack_some_in_bf16(named_tensors):
+            dtype = torch.bfloat16 if current[0] in bf16 else sender.transfer_dtype
+            return pack_weights(named_tensors, dtype, sender.bucket_bytes, sender.device)
+
+        sender.pack = pack_some_in_bf16
     corrupt = {int(v) for v in os.environ.get("PEER_CORRUPT_VERSIONS", "").split(",") if v}
     if corrupt:
         pack = pub.sender.pack

@@ -128,3 +128,56 @@ def test_unsupported_configs_raise_naming_the_field(overrides, match):
     with pytest.raises(UnsupportedArchitecture, match=match):
         Architecture.of(config(**overrides))
 
+
+
+def test_tensor_parallel_shards_by_hand():
+    from rlkube.core.backends.megatron_hf import shard, tp_dim
+
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    full = torch.arange(8.0)[:, None]  # gate rows 0-3, up rows 4-7
+    # megatron splits the gated unit on every rank: rank r holds [gate_r; up_r]
+    assert shard(fc1, full, 0, 2).flatten().tolist() == [0, 1, 4, 5]
+    assert shard(fc1, full, 1, 2).flatten().tolist() == [2, 3, 6, 7]
+    proj = "decoder.layers.1.self_attention.linear_proj.weight"
+    assert tp_dim(proj) == 1 and tp_dim("decoder.layers.0.mlp.linear_fc2.weight") == 1
+    assert shard(proj, torch.arange(8.0).view(2, 4), 1, 2).tolist() == [[2, 3], [6, 7]]
+    assert tp_dim("decoder.layers.0.input_layernorm.weight") is None  # replicated
+    assert tp_dim("decoder.layers.0.self_attention.q_layernorm.weight") is None
+    norm = torch.ones(4)
+    assert shard("decoder.final_layernorm.weight", norm, 1, 2) is norm
+    with pytest.raises(ValueError, match="does not split into 3 ranks"):
+        shard(fc1, full, 0, 3)
+    with pytest.raises(KeyError):
+        tp_dim("decoder.layers.0.mlp.router.weight")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensor_parallel_shards_reassemble_every_parameter(tp):
+    from rlkube.core.backends.megatron_hf import shard, unshard
+
+    arch = Architecture.of(config(model_type="qwen2", num_attention_heads=8, num_key_value_heads=4, hidden_size=16,
+                                  intermediate_size=8, vocab_size=12, tie_word_embeddings=True))
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+    names += [f"decoder.layers.0.{s}" for s in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
+                                                 "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
+                                                 "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+                                                 "mlp.linear_fc2.weight")]
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"embedding.word_embeddings.weight": (12, 16), "decoder.final_layernorm.weight": (16,),
+              "input_layernorm.weight": (16,), "linear_qkv.weight": (32, 16), "linear_qkv.bias": (32,),
+              "linear_proj.weight": (16, 16), "pre_mlp_layernorm.weight": (16,), "linear_fc1.weight": (16, 16),
+              "linear_fc2.weight": (16, 8)}
+    for name in names:
+        shape = next(v for k, v in shapes.items() if name.endswith(k))
+        full = torch.randn(shape, generator=gen)
+        parts = [shard(name, full, r, tp) for r in range(tp)]
+        assert torch.equal(unshard(name, parts), full), name
+        # each rank's QKV rows are whole key/value groups: its heads' q, k, v as the HF layout splits them
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    q, k, v = (torch.randn(n * 2, 16, generator=gen) for n in (8, 4, 4))
+    full = to_megatron(arch, qkv, [q, k, v])
+    for r in range(tp):
+        local = Architecture(**{**arch.__dict__, "heads": 8 // tp, "kv_heads": 4 // tp})
+        q_r, k_r, v_r = (t for _, t in to_hf(local, qkv, shard(qkv, full, r, tp)))
+        for got, whole in ((q_r, q), (k_r, k), (v_r, v)):
+            assert torch.equal(got, whole.chunk(tp)[r])

@@ -8,6 +8,7 @@ from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.openai_api import (
     RequestError,
     ServedModel,
+    StreamChunks,
     completion_response,
     parse_completion_request,
 )
@@ -47,7 +48,9 @@ def test_defaults_and_both_prompt_forms():
         ({"prompt": "1:", "seed": "x"}, "seed", 400),
         ({"prompt": "1:", "stop": [1]}, "stop", 400),
         ({"prompt": "1:", "top_p": 0.5}, "top_p", 400),
-        ({"prompt": "1:", "stream": True}, "stream", 400),
+        ({"prompt": "1:", "stream": "yes"}, "stream", 400),
+        ({"prompt": "1:", "stream_options": {"include_usage": True}}, "stream_options", 400),  # without stream
+        ({"prompt": "1:", "stream": True, "stream_options": {"other": 1}}, "stream_options", 400),
         ({"prompt": "1:", "min_model_version": -1}, "min_model_version", 400),
     ],
 )
@@ -80,3 +83,37 @@ def test_response_carries_tokens_logprobs_and_the_version():
     assert second["finish_reason"] == "length"
     no_lp = completion_response(parse_completion_request({"prompt": "1:"}, SERVED), result, SERVED)
     assert no_lp["choices"][0]["logprobs"] is None
+
+
+def test_a_response_across_an_update_reports_every_span_and_the_oldest_version():
+    req = parse_completion_request({"prompt": "1:", "n": 2, "max_tokens": 3}, SERVED)
+    result = GenerationResult(4, [
+        Completion(token_ids=[4, 5, 6], logprobs=[], text="123", versions=[[0, 4], [2, 5]]),
+        Completion(token_ids=[6], logprobs=[], text="3"),
+    ])
+    body = completion_response(req, result, SERVED)
+    assert body["model_version"] == 4
+    assert [c["model_versions"] for c in body["choices"]] == [[[0, 4], [2, 5]], [[0, 4]]]
+    later = GenerationResult(5, [Completion(token_ids=[4], logprobs=[], versions=[[0, 6]])])
+    assert completion_response(req, later, SERVED)["model_version"] == 6
+
+
+def test_a_finished_result_streams_as_one_chunk_per_choice_and_version():
+    req = parse_completion_request({"prompt": "1:", "n": 2, "max_tokens": 3, "logprobs": 0, "stream": True,
+                                    "stream_options": {"include_usage": True}}, SERVED)
+    assert req.stream and req.include_usage
+    result = GenerationResult(4, [
+        Completion(token_ids=[4, 5, 6], logprobs=[-0.1, -0.2, -0.3], text="123", finish_reason="stop",
+                   versions=[[0, 4], [2, 5]]),
+        Completion(token_ids=[6], logprobs=[-1.0], text="3"),
+    ])
+    chunks = StreamChunks(req, SERVED).of_result(result)
+    pieces = [(c["choices"][0]["index"], c["choices"][0]["token_ids"], c["model_version"],
+               c["choices"][0]["finish_reason"], c["choices"][0]["text"]) for c in chunks[:-1]]
+    assert pieces == [(0, [4, 5], 4, None, ""), (0, [6], 5, "stop", "123"), (1, [6], 4, "length", "3")]
+    # offsets continue across the chunks of one choice
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [2]
+    assert chunks[1]["choices"][0]["logprobs"]["token_logprobs"] == [-0.3]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert len({c["id"] for c in chunks}) == 1
+    assert [("prompt_token_ids" in c["choices"][0]) for c in chunks[:-1]] == [True, False, True]

@@ -368,8 +368,10 @@ def test_the_network_policy_admits_exactly_the_jobs_pods_to_its_redis():
 
 
 def test_gpu_limits_shm_and_the_launcher():
+    # a model directory: the built-in model's 2 attention heads do not split 4 ways (validation refuses it)
     job = job_of(raw_with(**{"trainer.nodes": 2, "trainer.gpusPerNode": 8, "algorithm.samplesPerStep": 64,
-                             "inference.engine": "vllm", "inference.tensorParallel": 4}))
+                             "inference.engine": "vllm", "inference.tensorParallel": 4,
+                             "model.path": "/models/policy"}))
     trainer, inference, actor = (builders.pod(job, r, 1 if r == "trainer" else 0)
                                  for r in ("trainer", "inference", "actor"))
     assert container(trainer)["resources"]["limits"]["nvidia.com/gpu"] == 8

@@ -95,6 +95,38 @@ def test_fsdp_sharding_is_for_the_torch_backend_over_several_ranks_sharing_a_che
     assert fields(lambda t: t.update(backend="megatron")) == ["spec.trainer.sharding"]
     assert fields(lambda t: t.update(nodes=1)) == ["spec.trainer.sharding"]  # one rank: nothing to shard over
     assert fields(lambda t: t.pop("checkpoint")) == ["spec.trainer.checkpoint.claimName"]
+    assert parse_spec({**spec, "trainer": {**spec["trainer"], "cpuOffload": True}}).trainer.cpu_offload
+    assert fields(lambda t: t.update(sharding="none", cpuOffload=True)) == ["spec.trainer.cpuOffload"]
     one_pod = copy.deepcopy(spec)  # ranks of one pod share its checkpoint volume
     one_pod["trainer"].update(nodes=1, processesPerNode=2, checkpoint={})
     assert parse_spec(one_pod).trainer.sharding == "fsdp"
+
+
+def test_megatron_tensor_parallel_divides_the_ranks_and_is_for_megatron():
+    def tp_spec(tp: int, nodes: int = 2, processes: int = 2, backend: str = "megatron") -> dict:
+        spec = spec_with(nodes=nodes, samples=4, backend=backend)
+        spec["trainer"].update(processesPerNode=processes, megatron={"tensorParallel": tp})
+        return spec
+
+    def fields(spec) -> list[str]:
+        with pytest.raises(SpecError) as err:
+            parse_spec(spec)
+        return [e.field for e in err.value.errors]
+
+    assert parse_spec(tp_spec(2)).trainer.megatron.tensor_parallel == 2  # 4 ranks: TP 2 x DP 2
+    assert parse_spec(tp_spec(4)).trainer.megatron.tensor_parallel == 4  # TP 4 x DP 1
+    assert parse_spec(spec_with(nodes=1, samples=4)).trainer.megatron.tensor_parallel == 1  # the default
+    assert fields(tp_spec(3)) == ["spec.trainer.megatron.tensorParallel"]
+    with pytest.raises(SpecError, match=r"3 does not divide the trainer's 4 ranks"):
+        parse_spec(tp_spec(3))
+    assert fields(tp_spec(8)) == ["spec.trainer.megatron.tensorParallel"]
+    assert fields(tp_spec(2, backend="torch")) == ["spec.trainer.megatron.tensorParallel"]
+    assert fields(tp_spec(0)) == ["spec.trainer.megatron.tensorParallel"]  # ge=1
+    # samplesPerStep is shared by the data-parallel replicas: 4 ranks at TP 4 are one replica
+    one_replica = tp_spec(4)
+    one_replica["algorithm"]["samplesPerStep"] = 1
+    assert parse_spec(one_replica).algorithm.samples_per_step == 1
+    two_replicas = tp_spec(2)
+    two_replicas["algorithm"]["samplesPerStep"] = 1
+    with pytest.raises(SpecError, match=r"data-parallel ranks \(2 = nodes x processes per node / tensorParallel\)"):
+        parse_spec(two_replicas)

@@ -86,3 +86,56 @@ def test_without_vllm_the_role_exits_with_the_reason(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as err:
         vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: str(tmp_path / "missing-python")})
     assert "is not executable" in str(err.value)
+
+
+def test_update_progress_attributes_each_choices_tokens_to_the_weights_that_sampled_them():
+    import asyncio
+
+    from rlkube.core.vllm_server import VllmEngine, _Versions
+
+    async def scenario():
+        engine = VllmEngine(llm=None, served=None, loop=asyncio.get_running_loop())
+        a, b, c = (f"cmpl-{x * 32}" for x in "abc")
+        engine._running = {a: _Versions([[[0, 0]], [[0, 0]]], [False, False]),  # n=2: running, finished
+                           b: _Versions([[[0, 0]]], [False]),  # not scheduled before the update
+                           c: _Versions([[[0, 0]]], [False])}  # running at the update, then more tokens
+        await engine.begin_update()
+        assert not engine._settled.is_set()
+        await engine.end_update(1, {"running": {f"0_{a}-1234abcd": 3, f"{c}-00000000": 0, "junk": 1},
+                                    "finished": [f"1_{a}-1234abcd"]})
+        assert engine._settled.is_set() and engine.version == 1
+        assert engine._running[a].spans == [[[0, 0], [3, 1]], [[0, 0]]]
+        assert engine._running[b].spans == [[[0, 1]]]
+        assert engine._running[c].spans == [[[0, 1]]]
+        await engine.end_update(2, {"running": {f"0_{a}-1234abcd": 5}, "finished": []})
+        assert engine._running[a].spans == [[[0, 0], [3, 1], [5, 2]], [[0, 0]]]  # the finished choice stays
+        assert engine._running[a].pieces(0, 2, 4) == [(0, 1, 0), (1, 3, 1), (3, 4, 2)]
+        assert engine._running[a].pieces(0, 3, 0) == [(0, 0, 1)]
+        await engine.end_update()  # a refused update changes nothing
+        assert engine.version == 2 and engine._running[b].spans == [[[0, 2]]]
+
+    asyncio.run(scenario())
+
+
+def test_the_worker_remembers_the_requests_the_model_runner_finished():
+    from rlkube.core.vllm_worker import _FinishTracking
+
+    requests = _FinishTracking({"x": 1, "y": 2})
+    assert requests.pop("x", None) == 1 and requests.pop("absent", None) is None
+    assert requests.take_finished() == ["x"] and requests.take_finished() == []
+    assert dict(requests) == {"y": 2}
+
+
+def test_tensor_parallel_workers_on_cpu_are_not_bound_to_numa_nodes_unless_asked():
+    from rlkube.core.vllm_server import ENV_CPU_BIND, cpu_threads_binding
+
+    tp2 = parse_spec({**spec().model_dump(by_alias=True, exclude_none=True),
+                      "inference": {"engine": "vllm", "tensorParallel": 2}})
+    assert option(engine_cli_args(tp2, "/m"), "--tensor-parallel-size") == "2"
+    env: dict[str, str] = {}
+    assert cpu_threads_binding(tp2, env, gpus=False) == "nobind" and env == {ENV_CPU_BIND: "nobind"}
+    chosen = {ENV_CPU_BIND: "0|1"}
+    assert cpu_threads_binding(tp2, chosen, gpus=False) is None and chosen == {ENV_CPU_BIND: "0|1"}
+    for s, gpus in ((spec(), False), (tp2, True)):  # one worker; or GPUs, where no thread binding applies
+        untouched: dict[str, str] = {}
+        assert cpu_threads_binding(s, untouched, gpus=gpus) is None and untouched == {}

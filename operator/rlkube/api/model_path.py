@@ -14,6 +14,9 @@ from typing import Literal
 BUILTIN_SCHEME = "builtin://"
 HF_SCHEME = "hf://"
 BUILTIN_MODELS = ("tiny-llama",)
+BUILTIN_ATTENTION_HEADS = {"tiny-llama": (2, 2)}
+"""(attention heads, key/value heads) of each built-in model (rlkube.core.hf.builtin writes them): what a
+tensor-parallel size must fit, checked before any pod starts."""
 # Hub repository ids: `org/name` of letters, digits, `-`, `_`, `.`; a revision is a branch, tag or commit.
 _HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
 

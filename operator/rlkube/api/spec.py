@@ -540,6 +540,18 @@ class FastLLMSpec(Model):
     )
 
 
+class MegatronSpec(Model):
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Backend megatron: tensor-parallel size, the ranks that split each layer (attention heads, MLP and "
+            "vocabulary shards); data parallel is the trainer's ranks (nodes x processes per node) / tensorParallel. "
+            "Must divide the ranks and the model's attention heads, key/value heads, intermediate size and vocabulary."
+        ),
+    )
+
+
 class TrainerSpec(Model):
     backend: Literal["torch", "megatron", "fast-llm"] = Field("torch", description="Training backend.")
     nodes: int = Field(1, ge=1, description="Trainer pods (one per node); ranks get a headless Service.")
@@ -567,6 +579,12 @@ class TrainerSpec(Model):
         description="Backend torch with several ranks: 'none' replicates the model on every rank (gradients "
         "all-reduced); 'fsdp' shards parameters, gradients and optimizer state over all ranks (FSDP2).",
     )
+    cpu_offload: bool = Field(
+        False,
+        description="With sharding 'fsdp': keep the parameter shards, their gradients and Adam's state in host "
+        "memory between uses and run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy): less GPU memory, "
+        "slower steps.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (less memory, about a third more compute)."
     )
@@ -575,6 +593,7 @@ class TrainerSpec(Model):
     )
     template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
     fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")
+    megatron: MegatronSpec = Field(default_factory=MegatronSpec, description="Settings of backend megatron.")
 
 
 class VllmSpec(Model):

@@ -7,6 +7,7 @@ and creates nothing, and `rlkube local` prints them and exits.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -15,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rlkube.api.model_path import parse_model_path
+from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
 
 
@@ -207,6 +208,20 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
         elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
+    tp = trainer.megatron.tensor_parallel
+    if tp > 1:
+        from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
+
+        ranks = trainer_world_size(spec)
+        if trainer.backend != "megatron":
+            errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} is for backend megatron, not "
+                                                                           f"{trainer.backend!r}"))
+        elif ranks % tp:
+            errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} does not divide the trainer's "
+                                   f"{ranks} ranks (nodes x processes per node): data parallel = ranks / "
+                                   "tensorParallel"))
+    if trainer.cpu_offload and trainer.sharding != "fsdp":
+        errs.append(FieldError("spec.trainer.cpuOffload", "offloads FSDP2's shards: it needs sharding 'fsdp'"))
     if trainer.sharding != "none" and trainer.backend != "torch":
         errs.append(FieldError("spec.trainer.sharding", f"'{trainer.sharding}' shards the torch backend; backend "
                                                         f"{trainer.backend!r} has its own parallelism"))
@@ -400,7 +415,14 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
     ranks = trainer_world_size(spec)
-    if algo.samples_per_step < ranks:
+    tp = spec.trainer.megatron.tensor_parallel
+    if spec.trainer.backend == "megatron" and tp > 1 and ranks % tp == 0:
+        # Each data-parallel replica (tensorParallel ranks) trains its share of every step.
+        if algo.samples_per_step < ranks // tp:
+            errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's data-parallel "
+                                   f"ranks ({ranks // tp} = nodes x processes per node / tensorParallel): every "
+                                   "replica trains a share of each step"))
+    elif algo.samples_per_step < ranks:
         # Each trainer rank trains its share of every step (samplesPerStep split as evenly as possible).
         errs.append(FieldError("spec.algorithm.samplesPerStep", f"must be at least the trainer's ranks "
                                f"({ranks} = nodes x processes per node): every rank trains a share of each step"))
@@ -408,10 +430,26 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.algorithm.clipEpsilonLow", "must be below 1 (the ratio is clipped at 1-eps)"))
     if spec.inference.engine == "native" and spec.inference.tensor_parallel != 1:
         errs.append(FieldError("spec.inference.tensorParallel", "the native engine has no tensor parallelism"))
+    elif spec.inference.tensor_parallel != 1:
+        with contextlib.suppress(ValueError):  # a malformed path is reported on its own field
+            path = parse_model_path(spec.model.path)
+            if path.kind == "builtin" and (problem := tensor_parallel_heads_error(
+                    *BUILTIN_ATTENTION_HEADS[path.location], spec.inference.tensor_parallel)):
+                errs.append(FieldError("spec.inference.tensorParallel", f"{spec.model.path}: {problem}"))
     if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
     return errs
+
+
+def tensor_parallel_heads_error(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why `tp` workers cannot split a model's attention, as vLLM decides it (each worker takes heads/tp query heads
+    and kv_heads/tp key/value heads, or one replicated key/value head when there are fewer than tp), or None."""
+    if heads % tp:
+        return f"its {heads} attention heads do not divide among {tp} tensor-parallel workers"
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
+        return f"its {kv_heads} key/value heads do not divide among (or evenly repeat over) {tp} workers"
+    return None
 
 
 def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> TrainingJobSpec:

@@ -33,11 +33,12 @@ def log_tail(log_path: Path, chars: int = 2000) -> str:
         return ""
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM to the process group of `proc` (started with start_new_session), SIGKILL after `timeout` s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -93,8 +94,10 @@ def _answers(url: str) -> bool:
         return False
 
 
-def run(seconds: float, updates: int, engine: str = "native") -> dict:
-    spec = {**SPEC, "inference": {**SPEC["inference"], "engine": engine}}
+@contextlib.contextmanager
+def serving(spec: dict, publisher: dict | None = None):
+    """A private Redis, an inference server process for `spec` and this process as its trainer (a WeightPublisher
+    that sent the model's initial weights): yields (url, publisher, model, timings); stops them all."""
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as redis_server:
         config = runtime.write_job_config(Path(tmp) / "job.json", "bench", "serve", spec)
         port, sync_port = _free_port(), _free_port()
@@ -105,8 +108,10 @@ def run(seconds: float, updates: int, engine: str = "native") -> dict:
                                       stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
+        pub = None
         try:
-            model = load_model(materialize_model(parse_spec(spec).model))
+            parsed = parse_spec(spec)
+            model = load_model(materialize_model(parsed.model))
             # vLLM takes ~30-170 s to listen on 2 cores: longer than the group's rendezvous timeout, so the trainer
             # side starts once the server answers HTTP (its /health stays 503 until it joined and warmed up).
             while not _answers(url + "/v1/models"):
@@ -115,7 +120,8 @@ def run(seconds: float, updates: int, engine: str = "native") -> dict:
                 time.sleep(0.1)
             listening_s = time.monotonic() - started
             pub = WeightPublisher(redis_server.client(), StreamKeys.for_job("bench", "serve"),
-                                  f"127.0.0.1:{sync_port}", 2, timeout_s=60)
+                                  f"127.0.0.1:{sync_port}", runtime.weight_sync_world_size(parsed), timeout_s=60,
+                                  **(publisher or {}))
             t0 = time.monotonic()
             starter = threading.Thread(target=pub.start, args=(list(hf_state.named_weights(model).items()),),
                                        daemon=True)
@@ -125,35 +131,41 @@ def run(seconds: float, updates: int, engine: str = "native") -> dict:
                     raise RuntimeError(f"inference exited: {(Path(tmp) / 'inference.log').read_text()}")
                 time.sleep(0.02)
             starter.join()
-            first_join_s = time.monotonic() - t0
-
-            serving = [asyncio.run(_load(url, c, seconds)) for c in (1, 4, 16)]
-
-            params = sum(p.numel() for p in model.parameters())
-            idle = _updates(pub, model, url, 1, updates)
-            # The same while the server generates flat out (4 concurrent clients), as in a pipelined run.
-            loader = threading.Thread(target=lambda: asyncio.run(_load(url, 4, 3600, stop)), daemon=True)
-            stop = threading.Event()
-            loader.start()
-            busy = _updates(pub, model, url, updates + 1, updates)
-            stop.set()
-            loader.join()
-            pub.close()
+            yield url, pub, model, {"listening_s": listening_s, "startup_join_s": time.monotonic() - t0}
         finally:
+            if pub is not None:
+                pub.close()
             server.terminate()
             server.wait(timeout=30)
+
+
+def run(seconds: float, updates: int, engine: str = "native") -> dict:
+    spec = {**SPEC, "inference": {**SPEC["inference"], "engine": engine}}
+    with serving(spec) as (url, pub, model, timings):
+        serving_ = [asyncio.run(_load(url, c, seconds)) for c in (1, 4, 16)]
+        params = sum(p.numel() for p in model.parameters())
+        idle = _updates(pub, model, url, 1, updates)
+        # The same while the server generates flat out (4 concurrent clients), as in a pipelined run.
+        stop = threading.Event()
+        loader = threading.Thread(target=lambda: asyncio.run(_load(url, 4, 3600, stop)), daemon=True)
+        loader.start()
+        busy = _updates(pub, model, url, updates + 1, updates)
+        stop.set()
+        loader.join()
     return {
         "engine": engine,
-        "listening_s": listening_s,
+        "listening_s": timings["listening_s"],
         "model_parameters": params,
-        "startup_join_s": first_join_s,
-        "serving": serving,
+        "startup_join_s": timings["startup_join_s"],
+        "serving": serving_,
         "weight_update_idle": idle,
         "weight_update_serving": busy,
     }
 
 
-def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> dict:
+def timed_updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> tuple[list[float], list[float]]:
+    """Publish versions first..first+count-1 of `model`'s weights: (seconds the publisher blocked, seconds until
+    the server's /health reported each version in effect)."""
     publish_s, effective_s = [], []
     for v in range(first, first + count):
         t0 = time.monotonic()
@@ -162,6 +174,11 @@ def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> d
         while _health(url).get("model_version") != v:
             time.sleep(0.001)
         effective_s.append(time.monotonic() - t0)
+    return publish_s, effective_s
+
+
+def _updates(pub: WeightPublisher, model, url: str, first: int, count: int) -> dict:
+    publish_s, effective_s = timed_updates(pub, model, url, first, count)
     return {
         "updates": count,
         "publish_ms_median": 1000 * statistics.median(publish_s),

@@ -119,7 +119,10 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
                 "broadcast": {
                     "host": BROADCAST_STORE_HOST,
                     "port": runtime.WEIGHT_SYNC_PORT,
-                    # One rank per inference server, as in our own weight-update group (RoleContext).
+                    # One rank per inference server. NOT runtime.weight_sync_world_size (1 + replicas x
+                    # tensorParallel): no rlkube engine receives Fast-LLM's broadcast yet (the vLLM server ignores
+                    # weights_ready without an epoch), and this value is part of the config Fast-LLM validated
+                    # (tests/fixtures/fast_llm_config_fields.json); change both together.
                     "external_world_size": spec.inference.replicas,
                     "backend": "nccl",
                 },

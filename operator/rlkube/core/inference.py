@@ -47,11 +47,15 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.openai_api import (
+    SSE_DONE,
+    SSE_HEADERS,
     RequestError,
     ServedModel,
+    StreamChunks,
     completion_response,
     models_response,
     parse_completion_request,
+    sse,
 )
 from rlkube.core.sampling import EngineStopped, SamplingEngine
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
@@ -160,10 +164,12 @@ class WeightFollower:
             log.error("weights of version %d do not fit the model: %s; keeping version %d", version, exc,
                       self.engine.policy.version)
             return
-        self.engine.set_policy(model, version)
         # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost.
+        # /health reads the checksum and the version without a lock (another thread): the checksum is set first
+        # and the version last, so a reader that sees the new version sees its checksum too.
         served = hf_state.named_weights(model)
         self.served_checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items() if n in state)
+        self.engine.set_policy(model, version)
         self.updates += 1
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
@@ -232,6 +238,15 @@ class InferenceServer:
         except EngineStopped as exc:
             error = RequestError(str(exc), status=503, type_="server_shutting_down")
             return web.json_response(error.body(), status=503, dumps=_dumps)
+        if req.stream:
+            # One batch samples the whole request: its chunks all come at the end (see rlkube.core.openai_api).
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(request)
+            for chunk in StreamChunks(req, self.served).of_result(result):
+                await response.write(sse(chunk))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+            return response
         return web.json_response(completion_response(req, result, self.served), dumps=_dumps)
 
 
@@ -251,7 +266,8 @@ def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollo
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
-    receiver = WeightReceiver(ctx.weight_sync_addr, rank=1 + ctx.index, world_size=ctx.weight_sync_world_size,
+    receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                              world_size=ctx.weight_sync_world_size,
                               timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host)
     client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
     follower = WeightFollower(client, ctx.keys, receiver, engine, copy.deepcopy(model))
@@ -275,7 +291,7 @@ def main() -> int:
     follower.start()
     port = ctx.port or runtime.INFERENCE_PORT
     log.info("native inference for %s on %s:%d (rank %d of %d in the weight-update group)", server.served.name,
-             ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
+             ctx.bind_host, port, ctx.weight_sync_rank(), ctx.weight_sync_world_size)
     # run_app turns SIGTERM/SIGINT into a graceful shutdown (InferenceServer.on_shutdown first) and returns.
     web.run_app(server.app(), host=ctx.bind_host, port=port, print=None, shutdown_timeout=HTTP_SHUTDOWN_S,
                 access_log=None)

@@ -3,9 +3,17 @@
 Pure functions (no I/O), so every bad-input message can be tested without a server. The response follows
 OpenAI's `text_completion` object with vLLM's extensions that an RL actor needs: per choice `token_ids` (the
 sampled completion tokens) and `prompt_token_ids`, and a top-level `model_version` (the weights version that
-produced every choice of the response). One request extension of ours: `min_model_version` makes the request
-wait (bounded) until the server has at least that weights version (the actor uses it right after an
-announcement, whose transfer follows it).
+produced every choice of the response: the OLDEST when an update landed mid-request, so lag accounting stays on
+the safe side) and per choice `model_versions`, the spans `[[first token index, version], ...]` saying which
+weights sampled which tokens. One request extension of ours: `min_model_version` makes the request wait (bounded)
+until the server has at least that weights version (the actor uses it right after an announcement, whose transfer
+follows it).
+
+`stream: true` answers as OpenAI does, server-sent events (`data: {chunk}` ... `data: [DONE]`), each chunk a
+`text_completion` object with one choice's next tokens; ours also carry `token_ids` and the `model_version` of
+exactly those tokens (a chunk never spans two versions: it is split where an update landed). The native engine
+samples a request as one batch, so its stream is one chunk per choice (and version) when the batch is done; vLLM
+streams as it samples (rlkube.core.vllm_server). `StreamChunks` builds the chunks for both.
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from rlkube.core.hf.tokenizer import Tokenizer
-from rlkube.core.sampling import GenerationRequest, GenerationResult
+from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
 
 MAX_N = 256
 DEFAULT_MAX_TOKENS = 16
@@ -25,7 +35,9 @@ MAX_STOP = 4
 # Sampling parameters we do not implement: accepted only at their neutral value, rejected otherwise, so a
 # client never silently gets a different distribution than it asked for.
 NEUTRAL = {"top_p": 1, "top_k": -1, "presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False,
-           "stream": False, "suffix": None, "logit_bias": None}
+           "suffix": None, "logit_bias": None}
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class RequestError(ValueError):
@@ -124,10 +136,40 @@ def parse_completion_request(body: Any, served: ServedModel) -> GenerationReques
     else:
         raise RequestError(f"`stop` must be a string or a list of at most {MAX_STOP} strings", "stop")
     min_version = _int(body, "min_model_version", None, 0)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(f"`stream` must be a boolean, got {stream!r}", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise RequestError("`stream_options` is only {\"include_usage\": true|false}, with `stream`: true",
+                           "stream_options")
     return GenerationRequest(
         prompt_ids=prompt_ids, n=n, max_tokens=max_tokens, temperature=float(temperature), top_logprobs=top,
-        seed=seed, stop=stop, min_version=min_version,
+        seed=seed, stop=stop, min_version=min_version, stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
     )
+
+
+def _logprobs(tok: Tokenizer, token_ids: list[int], logprobs: list[float], top: list[dict[str, float]] | None,
+              start: int = 0) -> dict[str, Any]:
+    tokens = [tok.token_text(t) for t in token_ids]
+    offsets, pos = [], start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def version_spans(completion: Completion, version: int) -> list[list[int]]:
+    """[[first token index, weights version], ...] of one choice."""
+    return [list(s) for s in completion.versions] if completion.versions else [[0, version]]
+
+
+def oldest_version(completions: list[Completion], version: int) -> int:
+    return min((v for c in completions for _, v in version_spans(c, version)), default=version)
 
 
 def completion_response(req: GenerationRequest, result: GenerationResult, served: ServedModel) -> dict[str, Any]:
@@ -136,17 +178,7 @@ def completion_response(req: GenerationRequest, result: GenerationResult, served
     for i, c in enumerate(result.completions):
         logprobs = None
         if req.top_logprobs is not None:
-            tokens = [tok.token_text(t) for t in c.token_ids]
-            offsets, pos = [], 0
-            for t in tokens:
-                offsets.append(pos)
-                pos += len(t)
-            logprobs = {
-                "tokens": tokens,
-                "token_logprobs": c.logprobs,
-                "top_logprobs": c.top_logprobs,
-                "text_offset": offsets,
-            }
+            logprobs = _logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
         choices.append({
             "index": i,
             "text": c.text,
@@ -154,6 +186,7 @@ def completion_response(req: GenerationRequest, result: GenerationResult, served
             "logprobs": logprobs,
             "token_ids": c.token_ids,
             "prompt_token_ids": req.prompt_ids,
+            "model_versions": version_spans(c, result.version),
         })
     completion_tokens = sum(len(c.token_ids) for c in result.completions)
     return {
@@ -161,7 +194,7 @@ def completion_response(req: GenerationRequest, result: GenerationResult, served
         "object": "text_completion",
         "created": int(time.time()),
         "model": served.name,
-        "model_version": result.version,
+        "model_version": oldest_version(result.completions, result.version),
         "choices": choices,
         "usage": {
             "prompt_tokens": len(req.prompt_ids),
@@ -169,6 +202,62 @@ def completion_response(req: GenerationRequest, result: GenerationResult, served
             "total_tokens": len(req.prompt_ids) + completion_tokens,
         },
     }
+
+
+class StreamChunks:
+    """The chunks of one streamed completion, as OpenAI's `stream: true` sends them: `chunk()` per piece of one
+    choice (tokens sampled by ONE weights version), `usage()` last when asked for; `sse()` frames one."""
+
+    def __init__(self, req: GenerationRequest, served: ServedModel):
+        self.req = req
+        self.served = served
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.offsets = [0] * req.n  # per choice: text offset of its next token
+        self.started = [False] * req.n  # per choice: its first chunk (which carries prompt_token_ids) went out
+        self.completion_tokens = 0
+
+    def chunk(self, index: int, token_ids: list[int], logprobs: list[float], top: list[dict[str, float]] | None,
+              text: str, finish_reason: str | None, version: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None,
+                                  "token_ids": token_ids}
+        if not self.started[index]:
+            self.started[index] = True
+            choice["prompt_token_ids"] = self.req.prompt_ids
+        if self.req.top_logprobs is not None:
+            choice["logprobs"] = _logprobs(self.served.tokenizer, token_ids, logprobs, top, self.offsets[index])
+            self.offsets[index] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1]) \
+                if token_ids else self.offsets[index]
+        self.completion_tokens += len(token_ids)
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
+                "model_version": version, "choices": [choice]}
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.req.prompt_ids)
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
+                "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                                         "total_tokens": prompt + self.completion_tokens}}
+
+    def of_result(self, result: GenerationResult) -> list[dict[str, Any]]:
+        """A finished result as chunks: per choice, one per version span (the text on the last)."""
+        chunks = []
+        for i, c in enumerate(result.completions):
+            spans = version_spans(c, result.version)
+            for k, (first, version) in enumerate(spans):
+                end = spans[k + 1][0] if k + 1 < len(spans) else len(c.token_ids)
+                last = k + 1 == len(spans)
+                chunks.append(self.chunk(
+                    i, c.token_ids[first:end], c.logprobs[first:end],
+                    c.top_logprobs[first:end] if c.top_logprobs is not None else None,
+                    c.text if last else "", c.finish_reason if last else None, version))
+        if self.req.include_usage:
+            chunks.append(self.usage())
+        return chunks
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def models_response(served: ServedModel) -> dict[str, Any]:

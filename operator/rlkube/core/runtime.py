@@ -54,6 +54,24 @@ WEIGHT_SYNC_PORT = 29500
 REDIS_PORT = 6379
 
 
+def weight_sync_world_size(spec: TrainingJobSpec) -> int:
+    """Ranks of the weight-update group: the trainer's rank 0, and every tensor-parallel worker of every inference
+    server (each worker holds a shard of the model and loads its part from the full broadcast). The one formula:
+    the trainer's publisher, both engines and `rlkube bench` use it (the launchers pass the spec, not the size)."""
+    return 1 + spec.inference.replicas * spec.inference.tensor_parallel
+
+
+def weight_sync_rank(spec: TrainingJobSpec, index: int, tp_rank: int = 0) -> int:
+    """Rank of tensor-parallel worker `tp_rank` of inference server `index`: 1 + index x tensorParallel + tp_rank
+    (a server's workers are consecutive ranks; the server passes the first, each worker adds its own TP rank)."""
+    tp = spec.inference.tensor_parallel
+    if not 0 <= index < spec.inference.replicas:
+        raise ValueError(f"inference index {index} outside 0..{spec.inference.replicas - 1}")
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tensor-parallel rank {tp_rank} outside 0..{tp - 1}")
+    return 1 + index * tp + tp_rank
+
+
 @dataclass(frozen=True)
 class RoleContext:
     namespace: str
@@ -75,8 +93,11 @@ class RoleContext:
 
     @property
     def weight_sync_world_size(self) -> int:
-        """Trainer rank 0 plus one rank per inference server."""
-        return 1 + self.spec.inference.replicas
+        return weight_sync_world_size(self.spec)
+
+    def weight_sync_rank(self, tp_rank: int = 0) -> int:
+        """This inference server's rank (its tensor-parallel worker `tp_rank`'s) in the weight-update group."""
+        return weight_sync_rank(self.spec, self.index, tp_rank)
 
     @classmethod
     def from_env(cls, env: os._Environ | dict | None = None) -> RoleContext:

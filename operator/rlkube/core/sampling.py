@@ -61,6 +61,8 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     min_version: int | None = None  # wait (up to MIN_VERSION_WAIT_S) until the policy is at least this version
+    stream: bool = False  # answer as server-sent events (rlkube.core.openai_api.stream_chunks), not one object
+    include_usage: bool = False  # streaming: a last chunk with the usage (OpenAI's stream_options.include_usage)
 
 
 @dataclass
@@ -70,6 +72,9 @@ class Completion:
     top_logprobs: list[dict[str, float]] | None = None
     text: str = ""
     finish_reason: str = "length"
+    # [[first token index, weights version], ...]: which weights sampled which tokens, when an update landed
+    # mid-request (vLLM); None: every token by the result's `version` (a native batch runs on one policy).
+    versions: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

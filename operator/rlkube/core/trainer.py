@@ -29,6 +29,12 @@ Rank 0 alone loads checkpoints (then broadcasts weights, optimizer state and cou
 transfers weights to inference, and publishes events; the other ranks exit 0 once rank 0 has finished. SIGTERM
 (to any rank) stops all ranks after the same step; a rank that dies makes the others exit 1 within
 RLKUBE_COLLECTIVE_TIMEOUT_S, without training_finished.
+
+With megatron's tensor parallelism (spec.trainer.megatron.tensorParallel = TP) the ranks form ranks / TP data-
+parallel replicas of TP ranks each (`DataParallel.use_layout`): tensor-parallel rank 0 of replica r reads its share
+as `fast_llm_consumer_{r}` and hands the documents to its peers; counts, statistics and gradients are summed over
+the replicas only. Every rank holds a part of every weight, so weights, checkpoints and the start-up sync are
+collectives (`Trainer.collective`, as for FSDP): every rank gathers, rank 0 alone sends and writes.
 """
 
 from __future__ import annotations
@@ -139,16 +145,28 @@ class Trainer:
         # The step's gradient is the same for any budget (up to float rounding); it bounds activation memory.
         self.micro_batch_tokens = micro_batch_tokens or spec.trainer.micro_batch_tokens
         self.dp = dp  # None: one process; else gradients and counts are summed over the data-parallel ranks
+        layout = getattr(self.backend, "parallel_layout", None)
+        if dp is not None and layout is not None:
+            dp.use_layout(layout)  # model parallelism: sums over the data-parallel replicas only
+        self._resumed_state: tuple[dict, dict | None] | None = None  # collective backends: what rank 0 resumed
         self.step = 0  # optimizer steps taken; weights after step N are policy version N
         self.documents_seen = 0
         self.last_checkpoint: tuple[int, Path] | None = None
         self._pending = LossStats()  # statistics of the gradients accumulated since the last optim_step
         self._pending_normalizer = 0.0
+        self._publications = 0  # sharded: weight publications so far (unique rendezvous tags)
+        self.last_stream = None  # sharded: the last publication's StreamedWeights (its peak_bytes)
 
     @property
     def sharded(self) -> bool:
         """The backend shards the model over the ranks (FSDP): whole-model operations are collectives."""
         return bool(getattr(self.backend, "shards_gradients", False))
+
+    @property
+    def collective(self) -> bool:
+        """Whole-model operations (weights, state, checkpoints) are collectives of every rank: a sharded backend,
+        or one with tensor parallelism (megatron), whose ranks each hold a part of every weight."""
+        return self.sharded or bool(getattr(self.backend, "collective_weights", False))
 
     @property
     def version(self) -> int:
@@ -224,6 +242,16 @@ class Trainer:
         # Loading a model takes each rank its own time (minutes for a large one): meet in the alive-checked
         # rendezvous, not in the broadcast below, which fails after the collective timeout.
         self.dp.gather("model-loaded")
+        if self.collective:
+            # Tensor parallel: rank 0 holds only its shards; every rank loaded the job's directory, and takes its
+            # own shards of what rank 0 resumed from (the checkpoint's full tensors), if it resumed.
+            resumed, step, documents_seen = self.dp.broadcast_state(
+                (self._resumed_state, self.step, self.documents_seen) if self.dp.is_leader else None)
+            if resumed is not None and not self.dp.is_leader:  # rank 0 loaded it when it resumed
+                self.backend.load_state(*resumed)
+            self._resumed_state = None
+            self.step, self.documents_seen = step, documents_seen
+            return
         state = None
         if self.dp.is_leader:
             model_state, optim_state = self.backend.state()
@@ -235,13 +263,19 @@ class Trainer:
 
     # --- checkpoints ---
 
-    def save_checkpoint(self, step: int | None = None) -> Path:
-        if self.checkpoint_dir is None:
-            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
+    def save_checkpoint(self, step: int | None = None) -> Path | None:
+        """Rank 0 writes the checkpoint (returns its path); with a collective backend every rank must call this,
+        and the others return None."""
         step = self.step if step is None else step
+        tensor_parallel_peer = self.collective and not self.sharded and self.dp is not None and not self.dp.is_leader
+        if self.checkpoint_dir is None and not tensor_parallel_peer:
+            raise RuntimeError("no checkpoint directory (RLKUBE_CHECKPOINT_DIR) configured")
         if self.sharded:
             return self._save_sharded_checkpoint(step)
-        model_state, optim_state = self.backend.state()
+        model_state, optim_state = self.backend.state()  # a collective with tensor parallelism
+        if tensor_parallel_peer:
+            self.last_checkpoint = (step, None)  # it took part in rank 0's checkpoint
+            return None
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
                                    extra={"backend": self.spec.trainer.backend})
         path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state, model_dir=self.model_dir,
@@ -296,7 +330,13 @@ class Trainer:
         if not same_backend:
             log.warning("checkpoint %s was written by the %s backend: loading its weights, not its optimizer state",
                         path, written_by)
-        meta = ckpt.load_checkpoint_state(path, self.backend.load_state, with_optimizer=same_backend)
+        load = self.backend.load_state
+        if self.collective and self.dp is not None:
+            # tensor parallel: sync_from_leader hands the full tensors to every rank, which load their shards
+            def load(model_state, optim_state):
+                self._resumed_state = ({k: v.clone() for k, v in model_state.items()}, optim_state)
+                self.backend.load_state(model_state, optim_state)
+        meta = ckpt.load_checkpoint_state(path, load, with_optimizer=same_backend)
         self.step, self.documents_seen = meta.step, meta.documents_seen
         self.last_checkpoint = (meta.step, path)
         log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
@@ -306,28 +346,35 @@ class Trainer:
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
+        if self.sharded and self.dp is not None:
+            return self._publish_stream(f"weights-start/{self.version}", start=True, version=self.version)
         weights = self._published_weights(f"weights-start/{self.version}")
         if self.publisher is not None:
             self.publisher.start(weights, version=self.version, step=self.step, documents_seen=self.documents_seen)
-        if self.sharded:
+        if self.collective:
             self._drain(weights)
 
     def publish_weights(self, version: int | None = None) -> None:
         """`weights_ready` for `version` (default: the current one), then the transfer."""
         version = self.version if version is None else version
+        if self.sharded and self.dp is not None:
+            return self._publish_stream(f"weights/{version}", start=False, version=version)
         weights = self._published_weights(f"weights/{version}")
         if self.publisher is not None:
             self.publisher.publish(weights, version=version, step=self.step, documents_seen=self.documents_seen)
-        if self.sharded:
+        if self.collective:
             self._drain(weights)
 
     def _published_weights(self, tag: str):
-        """The weights to publish. Sharded: an iterator that first meets the other ranks in the alive-checked
-        rendezvous `tag`, because rank 0's publisher reads the first weight only after it opened the weight-update
-        group, which waits for the inference servers (minutes at start-up): the other ranks must not wait for it
-        inside the all-gather, which fails after the collective timeout."""
-        if not self.sharded or self.dp is None:
-            return iter(self.backend.weights())
+        """The weights to publish. Tensor parallel (collective, not streamed): an iterator that first meets the
+        other ranks in the alive-checked rendezvous `tag`, because rank 0's publisher reads the first weight only
+        after it opened the weight-update group, which waits for the inference servers (minutes at start-up): the
+        other ranks must not wait for it inside the all-gather, which fails after the collective timeout. Rank 0's
+        publisher packs its snapshot from the gathered tensors (and re-sends it to a rejoining server itself)."""
+        if not self.collective or self.dp is None:
+            return self.backend.weights()
+        self._publications += 1
+        tag = f"{tag}/{self._publications}"
 
         def gathered():
             self.dp.gather(tag)
@@ -337,10 +384,36 @@ class Trainer:
 
     @staticmethod
     def _drain(weights) -> None:
-        """Sharded: every weight is gathered by every rank (collectives), whether or not this rank's publisher
-        read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
+        """Tensor parallel: every weight is gathered by every rank (collectives), whether or not this rank's
+        publisher read them all (rank 0's announce-only publisher reads none; the other ranks have no publisher)."""
         for _ in weights:
             pass
+
+    def _publish_stream(self, tag: str, start: bool, version: int) -> None:
+        """Sharded (COLLECTIVE, every rank): the weights streamed bucket by bucket (rlkube.core.weightsync.
+        StreamedWeights): rank 0's publisher sends each bucket as the ranks gather it; the other ranks (and rank 0
+        when it transfers nothing) take part in the gathers. First the ranks meet in the alive-checked rendezvous:
+        building the stream is a collective, and a rank may still be loading its model at start-up."""
+        from rlkube.core.weightsync import transfer_dtype
+
+        self._publications += 1
+        tag = f"{tag}/{self._publications}"
+        self.dp.gather(tag)
+        transfer = self.spec.trainer.weight_transfer
+        stream = self.backend.weight_stream(transfer_dtype(transfer.dtype, self.backend.device),
+                                            transfer.bucket_megabytes * 2**20,
+                                            rendezvous=lambda n: self.dp.gather(f"{tag}/pass-{n}"))
+        self.last_stream = stream
+        publisher = self.publisher
+        kwargs = {"version": version, "step": self.step, "documents_seen": self.documents_seen}
+        if publisher is not None:
+            (publisher.start if start else publisher.publish)(stream, **kwargs)
+        if publisher is None or not getattr(publisher, "streams", False):
+            stream.drain()  # another rank's publisher sends (or rank 0's announces only: no pass runs)
+        if self._publications == 1:
+            log.info("weights published bucket by bucket: %d tensors in %d buckets, at most %d bytes gathered and "
+                     "buffered at once on this rank", len(stream.meta["tensors"]), len(stream.meta["buckets"]),
+                     stream.peak_bytes)
 
     def close_weights(self) -> None:
         if self.publisher is not None:
@@ -370,10 +443,13 @@ class TrainerRole:
         self.stop = stop or threading.Event()
         self.dp = trainer.dp
         self.leader = self.dp is None or self.dp.is_leader  # publishes events, checkpoints, transfers weights
-        # design.md s5: one consumer per trainer rank (RLKUBE_INDEX is the node rank)
-        self.consumer = protocol.consumer_name(self.dp.rank if self.dp is not None else ctx.index)
+        # design.md s5: one consumer per data-parallel trainer rank (RLKUBE_INDEX is the node rank); with tensor
+        # parallelism tensor-parallel rank 0 of each replica reads for it.
+        self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0
         self.document_timeout_s = document_timeout_s
+        self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
+        self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
 
@@ -411,8 +487,8 @@ class TrainerRole:
         remainder). Uneven shares are exact too: every rank normalises by the step's global loss-token count."""
         if self.dp is None:
             return samples_per_step
-        base, extra = divmod(samples_per_step, self.dp.world_size)
-        return base + (1 if self.dp.rank < extra else 0)
+        base, extra = divmod(samples_per_step, self.dp.data_size)
+        return base + (1 if self.dp.data_rank < extra else 0)
 
     def _stopping(self) -> bool:
         """SIGTERM here, or (data-parallel) on another rank: stop after the current step."""
@@ -443,7 +519,12 @@ class TrainerRole:
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
             streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
-            self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
+            if self.trainer.collective and self.dp is not None:
+                # A collective of every rank, which the other ranks may not be ready for now: rank 0 asks for it
+                # through the same agreement as a rejoining inference server (_republish_due).
+                self.announce_again = self.announce_again or self.leader
+            else:
+                self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
             return []
         docs = []
         for _, entries in got or []:
@@ -466,9 +547,14 @@ class TrainerRole:
         if n > limit:
             raise ValueError(f"{n} tokens exceed the model's maxSequenceLength {limit}")
 
-    def _collect_step(self, want: int) -> list[protocol.Document] | None:
-        """Exactly `want` documents, or None when asked to stop before they arrived."""
-        docs: list[protocol.Document] = []
+    def _collect_step(self, want: int, docs: list[protocol.Document] | None = None
+                      ) -> list[protocol.Document] | None:
+        """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded or
+        tensor parallel: returns `docs` short when the weights must be sent again first (`_republish_due`). A
+        tensor-parallel peer that does not read returns at once (it gets its reader's documents in `run`)."""
+        docs = [] if docs is None else docs
+        if self.dp is not None and not self.dp.reads_documents:
+            return None if self._stopping() else docs
         # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
         last_document = time.monotonic()
         while len(docs) < want:
@@ -476,6 +562,8 @@ class TrainerRole:
                 if docs:
                     log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
                 return None
+            if self._republish_due():
+                return docs
             if self.dp is not None:
                 self.dp.check_peers()  # a dead peer must not go unnoticed while no documents come
             got = self.read_documents(want - len(docs))
@@ -507,18 +595,28 @@ class TrainerRole:
         try:
             while t.step < algo.max_steps:
                 t0 = time.monotonic()
-                docs = None
-                if published and not self._stopping():
-                    docs = self._collect_step(per_rank)
-                if self.dp is not None:
+                docs: list[protocol.Document] | None = []
+                while True:
+                    if not published or self._stopping():
+                        docs = None
+                    else:
+                        docs = self._collect_step(per_rank, docs)
+                    if self.dp is None:
+                        break
                     # Meet outside any collective (a peer may still wait for documents or a weight transfer), then
                     # agree: one rank stopping stops all of them after the same step.
-                    self.dp.gather(f"step/{t.step + 1}")
+                    self.dp.gather(f"step/{t.step + 1}/{self.republished}", while_waiting=self._republish_due)
                     if self.dp.any(docs is None):
                         if docs is not None:
                             log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
                                      len(docs), t.step + 1)
                         docs = None
+                        break
+                    if not (t.collective and self.dp.any(self._republish_due())):
+                        break
+                    published = self._republish()  # then go on collecting this step's documents
+                if docs is not None and self.dp is not None:
+                    docs = self.dp.share_with_tensor_peers(docs)  # tensor parallel: the reader's documents
                 if docs is None:
                     break
                 t1 = time.monotonic()
@@ -526,11 +624,11 @@ class TrainerRole:
                 step_metrics = t.train_step(docs)
                 doc_stats = self._document_stats(docs, version_before)  # of every rank's documents (a collective)
                 t2 = time.monotonic()
-                if self.leader or t.sharded:  # sharded: every rank gathers, rank 0 sends
+                if self.leader or t.collective:  # sharded or tensor parallel: every rank gathers, rank 0 sends
                     published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
                 t3 = time.monotonic()
                 self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
-                if (self.leader or t.sharded) and t.step % interval == 0:
+                if (self.leader or t.collective) and t.step % interval == 0:
                     self._checkpoint()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
             # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
@@ -538,17 +636,39 @@ class TrainerRole:
             # consistent), but publish no training_finished: this is a failure, and the operator must not read it
             # as completion.
             # (Sharded: saving is a collective with a peer that may be gone; the last interval's checkpoint stays.)
-            if (self.leader and not t.sharded and t.step
+            if (self.leader and not t.collective and t.step
                     and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
                 self._checkpoint()
             raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
-        elif t.sharded and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+        elif t.collective and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
             t.save_checkpoint()  # its part of rank 0's final checkpoint (a collective)
         if self.dp is not None:
             self.dp.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
         return 0
+
+    def _republish_due(self) -> bool:
+        """Sharded (or tensor parallel, collective weights): an inference server restarted and asked to rejoin, and
+        rank 0 has no snapshot to send it from its watchdog (the weights are streamed from the shards), or Redis
+        lost the events (read_documents): all ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
+        while waiting for documents or for its peers, and all agree (`run`) before the collective transfer.
+        Without it a server that restarts while the trainer waits for documents (which only come once the server
+        serves again) would keep it waiting until the document timeout."""
+        if not self.trainer.collective or self.dp is None:
+            return False
+        key = f"republish/{self.republished}"
+        if self.leader and (self.announce_again or getattr(self.trainer.publisher, "rejoin_pending", False)):
+            self.dp.store.set(key, "1")
+            return True
+        return self.dp.store.check([key])
+
+    def _republish(self) -> bool:
+        log.warning("sending version %d again (every rank gathers): an inference server asked to rejoin, or the "
+                    "events were lost", self.trainer.version)
+        self.republished += 1
+        self.announce_again = False
+        return self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
 
     def _finish(self, interrupted: bool) -> None:
         t = self.trainer

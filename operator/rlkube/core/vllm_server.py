@@ -12,9 +12,15 @@ it over HTTP. In-process, one event loop owns all three and a dev-mode endpoint 
 Weight updates: a follower thread reads the trainer's events (as the native engine's `WeightFollower` does) and,
 on `weights_ready`, has vLLM's worker join the announced epoch's group and receive the update through
 `collective_rpc` into `RlkubeWorkerExtension` (rlkube.core.vllm_worker: same wire protocol, checksum verified,
-reload_weights, tied lm_head re-packed). Then the prefix cache is reset (cached KV of the old weights) and the new
-version is stamped on every completion that STARTS from then on; a request running across an update finishes
-(it stalls for the update's length, no pause) and keeps the version it started with, like a native batch.
+reload_weights, tied lm_head re-packed). With `tensorParallel` N, vLLM runs N workers and each is a rank of the
+group (the server passes its first rank, each worker adds its tensor-parallel rank: runtime.weight_sync_rank);
+every worker receives the full broadcast, its weight loaders keep its shard, and the server folds the N answers
+into one (an update is in effect only when all loaded it: combine_receipts). Then the prefix cache is reset (cached KV of the old weights) and the new
+version is stamped on every completion that starts from then on. A request running across an update finishes (it
+stalls for the update's length, no pause); the worker reports how many tokens each running request had when the
+new weights were loaded, so each choice says which weights sampled which tokens (`model_versions` spans; the
+response's `model_version` is the oldest, so lag accounting errs on the safe side), and a streamed chunk
+(`stream: true`, server-sent events) never mixes two versions.
 A corrupted update (checksum mismatch) is refused by the worker before anything is loaded: the old version keeps
 serving and /health counts it in `rejected_updates`.
 
@@ -37,9 +43,11 @@ import logging
 import os
 import signal
 import sys
+import re
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +94,41 @@ def engine_cli_args(spec, model_dir: str, index: int = 0, gpus: bool = False) ->
     return args + list(v.extra_engine_args)
 
 
+def tensor_parallel_check(spec, config) -> None:
+    """ConfigError naming spec.inference.tensorParallel when the model's attention cannot be split that many ways
+    (vLLM would refuse it deep in its engine start; the job should fail at once, not restart)."""
+    from rlkube.api.validation import tensor_parallel_heads_error
+    from rlkube.core.errors import ConfigError
+
+    tp = spec.inference.tensor_parallel
+    heads = getattr(config, "num_attention_heads", None)
+    if tp == 1 or not isinstance(heads, int):
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if problem := tensor_parallel_heads_error(heads, kv_heads, tp):
+        raise ConfigError("spec.inference.tensorParallel", f"{spec.model.path}: {problem}")
+
+
+ENV_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_binding(spec, env, gpus: bool | None = None) -> str | None:
+    """vLLM's CPU backend binds each tensor-parallel worker's threads to a NUMA node of its own by default ("auto"),
+    and refuses to start when there are fewer NUMA nodes than workers ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers": any one-socket machine). With tensorParallel > 1 on CPU and no binding chosen
+    (a pod template may set one, e.g. "0-7|8-15"), the workers are left to the OS scheduler ("nobind")."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.is_available()
+    if gpus or spec.inference.tensor_parallel == 1 or env.get(ENV_CPU_BIND):
+        return None
+    env[ENV_CPU_BIND] = "nobind"
+    log.info("tensorParallel %d on CPU: %s=nobind (set it to bind each worker's threads)",
+             spec.inference.tensor_parallel, ENV_CPU_BIND)
+    return "nobind"
+
+
 def reexec_with_vllm_python(env: dict[str, str] | None = None) -> None:
     """When this interpreter has no vllm: exec RLKUBE_VLLM_PYTHON on this module, or exit with the reason."""
     if importlib.util.find_spec("vllm") is not None:
@@ -107,12 +150,66 @@ def reexec_with_vllm_python(env: dict[str, str] | None = None) -> None:
     )
 
 
+def combine_joins(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from every tensor-parallel worker's `rlkube_join`: joined only if all did (the group forms only
+    with all its ranks); stale if any was told its epoch is stale."""
+    failed = [r for r in results if not r["ok"]]
+    if not failed:
+        return {"ok": True, "epoch": results[0]["epoch"], "ranks": [r.get("rank") for r in results]}
+    return {"ok": False, "stale": any(r.get("stale") for r in failed),
+            "error": "; ".join(dict.fromkeys(r["error"] for r in failed))}
+
+
+def combine_receipts(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from every tensor-parallel worker's `rlkube_receive`. Each worker received the same full broadcast
+    and verified its checksum; the update is in effect only when every worker loaded it (the same version), and
+    fatal when any worker may hold half-loaded weights. Times are the slowest worker's; the per-request progress is
+    the first worker's (the scheduler drives every worker through the same steps)."""
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        return {"ok": False, "fatal": any(r.get("fatal") for r in failed),
+                "error": "; ".join(dict.fromkeys(r["error"] for r in failed))}
+    versions = {r["version"] for r in results}
+    if len(versions) != 1:
+        # Cannot happen with one sender; if it did, the shards would belong to different weights.
+        return {"ok": False, "fatal": True, "error": f"tensor-parallel workers loaded different versions {versions}"}
+    first = results[0]
+    served = [r["served_checksum"] for r in results]
+    return {**first, "served_checksum": served[0] if len(results) == 1 else None,
+            "transfer_s": max(r["transfer_s"] for r in results), "load_s": max(r["load_s"] for r in results)}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Everything below runs in an interpreter with vllm.
 
 
+_REQUEST_ID = re.compile(r"(?:(\d+)_)?(cmpl-[0-9a-f]{32})")  # vLLM's ids: [child index_]our id[-suffix]
+
+
+@dataclass
+class _Versions:
+    """Which weights sampled which tokens of one running request: per choice, [[first token, version], ...]."""
+
+    spans: list[list[list[int]]]
+    settled: list[bool]  # the choice finished before an update: no later update touches its tokens
+
+    def version_at(self, index: int, position: int) -> int:
+        return [v for first, v in self.spans[index] if first <= position][-1]
+
+    def pieces(self, index: int, start: int, count: int) -> list[tuple[int, int, int]]:
+        """Tokens start..start+count-1 of choice `index` as (from, to, version) runs (relative to `start`)."""
+        cuts = [first - start for first, _ in self.spans[index] if start < first < start + count]
+        bounds = [0, *cuts, count]
+        return [(a, b, self.version_at(index, start + a)) for a, b in zip(bounds, bounds[1:], strict=False)
+                if b > a] or [(0, 0, self.version_at(index, start))]
+
+
 class VllmEngine:
-    """The AsyncLLM, the served version and the request path; lives on the server's event loop."""
+    """The AsyncLLM, the served version and the request path; lives on the server's event loop.
+
+    Versions are truthful per token span: while an update may be loading (`_settled` cleared by the follower
+    BEFORE it asks the worker to receive) nothing is handed out, then the worker's progress report says where
+    each running request's tokens switched weights (rlkube.core.vllm_worker)."""
 
     def __init__(self, llm, served, loop: asyncio.AbstractEventLoop):
         self.llm = llm
@@ -123,11 +220,41 @@ class VllmEngine:
         self.stopping = False
         self.requests = 0
         self._version_changed = asyncio.Condition()
+        self._running: dict[str, _Versions] = {}
+        self._settled = asyncio.Event()
+        self._settled.set()
 
-    async def set_version(self, version: int) -> None:
-        async with self._version_changed:
-            self.version = version
-            self._version_changed.notify_all()
+    async def begin_update(self) -> None:
+        self._settled.clear()
+
+    async def end_update(self, version: int | None = None, progress: dict | None = None) -> None:
+        """An update finished: loaded as `version` (the worker's `progress` at the switch), or refused (None)."""
+        if version is not None:
+            if progress is not None:
+                self._attribute(version, progress)
+            async with self._version_changed:
+                self.version = version
+                self._version_changed.notify_all()
+        self._settled.set()
+
+    def _attribute(self, version: int, progress: dict) -> None:
+        running: dict[tuple[str, int], int] = {}
+        for rid, count in progress["running"].items():
+            if m := _REQUEST_ID.match(rid):
+                running[(m.group(2), int(m.group(1) or 0))] = count
+        finished = set()
+        for rid in progress.get("finished") or ():
+            if m := _REQUEST_ID.match(rid):
+                finished.add((m.group(2), int(m.group(1) or 0)))
+        for key, versions in self._running.items():
+            for i, spans in enumerate(versions.spans):
+                if versions.settled[i] or (key, i) in finished:
+                    versions.settled[i] = True  # finished before this update: every token the old weights'
+                elif (key, i) in running:
+                    count = running[(key, i)]
+                    spans[:] = [s for s in spans if s[0] < count] + [[count, version]]
+                else:  # not scheduled yet
+                    spans[:] = [[0, version]]
 
     async def _wait_version(self, min_version: int | None) -> None:
         if min_version is None or self.version >= min_version:
@@ -137,40 +264,81 @@ class VllmEngine:
                 async with self._version_changed:
                     await self._version_changed.wait_for(lambda: self.version >= min_version)
 
+    def _params(self, req, kind):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=req.n, max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+            stop=list(req.stop) or None, logprobs=None if req.top_logprobs is None else req.top_logprobs,
+            output_kind=kind,
+        )
+
+    def _logprobs(self, req, c, ids):
+        lps, tops = [], [] if req.top_logprobs else None
+        if req.top_logprobs is not None:
+            tok = self.served.tokenizer
+            for position, token in enumerate(ids):
+                entry = c.logprobs[position]
+                lps.append(float(entry[token].logprob))
+                if tops is not None:
+                    best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:req.top_logprobs]
+                    tops.append({tok.token_text(t): float(lp.logprob) for t, lp in best})
+        return lps, tops
+
+    async def _outputs(self, req, kind):
+        """(versions, vLLM's outputs): handed out only while no update is loading."""
+        from vllm.inputs import TokensPrompt
+
+        await self._wait_version(req.min_version)
+        key = f"cmpl-{uuid.uuid4().hex}"
+        versions = _Versions([[[0, self.version]] for _ in range(req.n)], [False] * req.n)
+        self._running[key] = versions
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids),
+                                               self._params(req, kind), key):
+                await self._settled.wait()
+                yield versions, out
+        finally:
+            del self._running[key]
+
     async def generate(self, req):
         """One parsed request (rlkube.core.sampling.GenerationRequest) -> GenerationResult."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         from rlkube.core.sampling import Completion, GenerationResult
 
-        await self._wait_version(req.min_version)
-        version = self.version  # stamped at the start, like a native batch (6.9)
-        params = SamplingParams(
-            n=req.n, max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
-            stop=list(req.stop) or None, logprobs=None if req.top_logprobs is None else req.top_logprobs,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), params,
-                                           f"cmpl-{uuid.uuid4().hex}"):
+        final = versions = None
+        async for versions, out in self._outputs(req, RequestOutputKind.FINAL_ONLY):
             final = out
-        tok = self.served.tokenizer
         completions = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
-            lps, tops = [], [] if req.top_logprobs else None
-            if req.top_logprobs is not None:
-                for position, token in enumerate(ids):
-                    entry = c.logprobs[position]
-                    lps.append(float(entry[token].logprob))
-                    if tops is not None:
-                        best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:req.top_logprobs]
-                        tops.append({tok.token_text(t): float(lp.logprob) for t, lp in best})
+            lps, tops = self._logprobs(req, c, ids)
+            spans = [list(s) for s in versions.spans[c.index]]
             completions.append(Completion(token_ids=ids, logprobs=lps, top_logprobs=tops, text=c.text,
-                                          finish_reason=c.finish_reason or "length"))
-        return GenerationResult(version=version, completions=completions)
+                                          finish_reason=c.finish_reason or "length",
+                                          versions=spans if len(spans) > 1 else None))
+        # Without spans a choice is the result's version: the one it started (and ended) with.
+        return GenerationResult(version=min(s[0][1] for s in versions.spans), completions=completions)
+
+    async def stream(self, req, chunks):
+        """Chunks (rlkube.core.openai_api.StreamChunks) as vLLM samples: one per choice's new tokens and version."""
+        from vllm.sampling_params import RequestOutputKind
+
+        done = [0] * req.n  # tokens handed out per choice
+        async for versions, out in self._outputs(req, RequestOutputKind.DELTA):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps, tops = self._logprobs(req, c, ids)
+                pieces = versions.pieces(c.index, done[c.index], len(ids))
+                for k, (a, b, version) in enumerate(pieces):
+                    last = k + 1 == len(pieces)
+                    yield chunks.chunk(c.index, ids[a:b], lps[a:b], tops[a:b] if tops is not None else None,
+                                       c.text if last else "", (c.finish_reason or "length") if last and c.finished()
+                                       else None, version)
+                done[c.index] += len(ids)
+        if req.include_usage:
+            yield chunks.usage()
 
     async def warm_up(self) -> None:
         """A first batch before /health says ready: vLLM's first steps are slow (seconds to tens of seconds on CPU),
@@ -201,6 +369,7 @@ class VllmWeightFollower:
         self.world_size = world_size
         self.bind_host = bind_host
         self.epoch: str | None = None
+        self.ranks: list[int] = []  # the group ranks this server's workers joined as (one per tensor-parallel rank)
         self.synced = threading.Event()
         self.finished = threading.Event()
         self.updates = 0
@@ -224,9 +393,9 @@ class VllmWeightFollower:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result(timeout)
 
-    def _rpc(self, method: str, *args) -> Any:
-        (result, *_) = self._call(self.engine.llm.collective_rpc(method, args=args))  # one worker (TP 1)
-        return result
+    def _rpc(self, method: str, *args) -> list[Any]:
+        """`method` on every worker (one per tensor-parallel rank), their results in rank order."""
+        return self._call(self.engine.llm.collective_rpc(method, args=args))
 
     def _run(self) -> None:
         from rlkube.core import protocol, streams
@@ -263,15 +432,23 @@ class VllmWeightFollower:
         t0 = time.monotonic()
         if epoch != self.epoch:
             log.info("joining weight-update epoch %s (was %s)", epoch, self.epoch)
-            joined = self._rpc("rlkube_join", self.addr, self.rank, self.world_size, epoch, RECEIVE_TIMEOUT_S,
-                               self.bind_host)
+            joined = combine_joins(self._rpc("rlkube_join", self.addr, self.rank, self.world_size, epoch,
+                                             RECEIVE_TIMEOUT_S, self.bind_host))
             if not joined["ok"]:
+                self._rpc("rlkube_leave")  # a worker that did join holds a group its siblings are not in
                 (log.info if joined.get("stale") else log.warning)("joining epoch %s: %s", epoch, joined["error"])
                 self.epoch = None
                 return
             self.epoch = epoch
-        got = self._rpc("rlkube_receive")
+            self.ranks = joined["ranks"]
+        self._call(self.engine.begin_update())  # nothing is handed out until we know which weights sampled it
+        try:
+            got = self._call(self._receive_and_reset())
+        except BaseException:
+            self._call(self.engine.end_update())
+            raise
         if not got["ok"]:
+            self._call(self.engine.end_update())
             self.epoch = None  # the receiver left the group; the next announcement (or a new epoch) rejoins
             self.rejected += 1
             self.last_error = got["error"]
@@ -284,31 +461,29 @@ class VllmWeightFollower:
                 self.fatal = got["error"]
                 os.kill(os.getpid(), signal.SIGTERM)
             return
-        self._call(self._reset_prefix_cache())
         # What /health reports about the weights first, the version last: a reader that sees the new version must
         # see its checksum too.
         self.received_checksum = got["checksum"]
         self.served_checksum = got["served_checksum"]
         self.updates += 1
         self.last_update_s = time.monotonic() - t0
-        self._call(self.engine.set_version(got["version"]))
+        self._call(self.engine.end_update(got["version"], got.get("progress")))
         self.synced.set()
         log.info("weights version %d in effect (transfer %.3fs, load %.3fs, total %.3fs)", got["version"],
                  got["transfer_s"], got["load_s"], self.last_update_s)
 
-    async def _reset_prefix_cache(self) -> None:
-        """KV cached for prefixes was computed with the old weights. vLLM refuses a plain reset while running
-        requests hold cached blocks; then those requests are preempted (their KV recomputed, with the new weights)
-        so that no later request reuses a prefix of the old ones."""
-        if await self.engine.llm.reset_prefix_cache():
-            return
-        try:
-            if await self.engine.llm.reset_prefix_cache(reset_running_requests=True):
-                return
-        except RuntimeError as exc:
-            log.warning("the prefix cache could not be reset: %s", exc)
-            return
-        log.warning("the prefix cache could not be reset")
+    async def _receive_and_reset(self) -> dict[str, Any]:
+        """The worker's receive, and right behind it a reset of the prefix cache that also preempts the running
+        requests: KV computed with the old weights, cached for prefixes or held by running requests, must not be
+        attended to by tokens of the new ones. Both are sent before the first returns, so the engine core finds
+        the reset queued when the load ends and applies it before its next step (it drains its input queue
+        between steps): no step runs on new weights with old KV (each preempted request recomputes its KV)."""
+        got, reset = await asyncio.gather(self.engine.llm.collective_rpc("rlkube_receive"),
+                                                self.engine.llm.reset_prefix_cache(reset_running_requests=True),
+                                                return_exceptions=False)
+        if not reset:
+            log.warning("the prefix cache could not be reset")
+        return combine_receipts(got)
 
 
 class VllmServer:
@@ -354,6 +529,7 @@ class VllmServer:
             "engine": "vllm",
             "model_version": self.engine.version,
             "epoch": f.epoch if f else None,
+            "weight_sync_ranks": f.ranks if f else [],
             "updates": f.updates if f else 0,
             "rejected_updates": f.rejected if f else 0,
             "last_error": f.last_error if f else None,
@@ -391,6 +567,18 @@ class VllmServer:
             error = RequestError("the inference server is shutting down", status=503, type_="server_shutting_down")
             return self._json(error.body(), 503)
         self.engine.requests += 1
+        if req.stream:
+            from aiohttp import web
+
+            from rlkube.core.openai_api import SSE_DONE, SSE_HEADERS, StreamChunks, sse
+
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(request)
+            async for chunk in self.engine.stream(req, StreamChunks(req, self.engine.served)):
+                await response.write(sse(chunk))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+            return response
         result = await self.engine.generate(req)
         return self._json(completion_response(req, result, self.engine.served))
 
@@ -446,16 +634,16 @@ def main() -> int:
     spec = ctx.spec
     if spec.inference.engine != "vllm":
         raise SystemExit(f"rlkube.core.vllm_server serves engine `vllm`, the spec asks for {spec.inference.engine!r}")
-    if spec.inference.tensor_parallel != 1:
-        raise SystemExit("spec.inference.tensorParallel > 1 with engine vllm: the weight-update group has one rank "
-                         "per inference server, so only tensorParallel 1 is supported for now")
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
     model_dir = materialize_model(spec.model, ctx.model_cache_dir)
-    tokenizer = load_tokenizer(model_dir, load_config(model_dir))
+    config = load_config(model_dir)
+    tensor_parallel_check(spec, config)
+    tokenizer = load_tokenizer(model_dir, config)
     max_len = spec.inference.vllm.max_model_length or spec.model.max_sequence_length
     served = ServedModel(spec.model.path, tokenizer, max_len)
+    cpu_threads_binding(spec, os.environ)
     engine_args = build_engine_args(spec, str(Path(model_dir).resolve()), ctx.index)
     _reachable_cwd()
     os.environ[ENV_SERVER_PID] = str(os.getpid())  # vLLM's processes end themselves when we are gone (vllm_worker)
@@ -467,16 +655,26 @@ def main() -> int:
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(engine_args)
         log.info("vLLM engine up in %.1fs", time.monotonic() - t0)
+        await llm.collective_rpc("rlkube_track")  # before any request (rlkube.core.vllm_worker)
+        tp_ranks = await llm.collective_rpc("rlkube_tp_rank")
+        if sorted(tp_ranks) != list(range(spec.inference.tensor_parallel)):
+            # Each worker joins as base + its rank: ranks other than 0..tensorParallel-1 (pipeline parallelism in
+            # extraEngineArgs, say) would collide with the next server's or fall outside the group.
+            raise SystemExit(f"vLLM runs workers of ranks {tp_ranks}; the weight-update group expects one per "
+                             f"spec.inference.tensorParallel ({spec.inference.tensor_parallel}) rank, 0 to "
+                             f"{spec.inference.tensor_parallel - 1}")
         engine = VllmEngine(llm, served, loop)
         client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
-        follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr, rank=1 + ctx.index,
+        follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr,
+                                      rank=ctx.weight_sync_rank(),
                                       world_size=ctx.weight_sync_world_size, bind_host=ctx.bind_host)
         server = VllmServer(engine, follower)
         runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         await web.TCPSite(runner, ctx.bind_host, port).start()
-        log.info("vLLM inference for %s on %s:%d (rank %d of %d in the weight-update group)", served.name,
-                 ctx.bind_host, port, 1 + ctx.index, ctx.weight_sync_world_size)
+        log.info("vLLM inference for %s on %s:%d (ranks %d-%d of %d in the weight-update group)", served.name,
+                 ctx.bind_host, port, ctx.weight_sync_rank(), ctx.weight_sync_rank(spec.inference.tensor_parallel - 1),
+                 ctx.weight_sync_world_size)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

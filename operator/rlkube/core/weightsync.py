@@ -31,6 +31,11 @@ The weight contract (design.md s5), whatever the trainer backend:
   (`weights_checksum` of its weights cast to the transfer dtype: equal to the trainer's whenever the served dtype
   holds the transfer dtype exactly, e.g. float32 or bfloat16 served from a bfloat16 transfer).
 
+A trainer that shards its weights (FSDP) cannot pack a snapshot without holding the whole model on rank 0: it
+publishes a `StreamedWeights` instead, which every trainer rank builds from its shards (names, shapes, dtypes and
+the checksum need no gather) and whose buckets the ranks gather one at a time while rank 0 sends each; the bytes
+on the wire are the same as for the packed update (`plan_buckets` decides both layouts).
+
 Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
 `{"version", "checksum", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel], ...]}`,
 then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel as a
@@ -46,7 +51,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +90,7 @@ def transfer_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype
     return _DTYPES[name]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -100,6 +105,11 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         sums.append((name, float(t.sum(dtype=torch.float64))))
+    return combine_sums(sums)
+
+
+def combine_sums(sums: Iterable[tuple[str, float]]) -> float:
+    """`weights_checksum` from each tensor's float64 sum (a sharded trainer sums its shards' sums)."""
     return math.fsum((i + 1) * s for i, (_, s) in enumerate(sorted(sums)))
 
 
@@ -127,29 +137,97 @@ def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch
             t = t.to(device)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        if _dtype_name(t.dtype) not in _DTYPES:
+        if dtype_name(t.dtype) not in _DTYPES:
             raise ValueError(f"weight {name}: dtype {t.dtype} cannot be transferred")
         tensors.append((name, t))
-    buckets: list[list[int]] = []  # [first, end, bytes]
-    for i, (_, t) in enumerate(tensors):
-        size = t.numel() * t.element_size()
-        last = buckets[-1] if buckets else None
-        if last is not None and tensors[last[0]][1].dtype == t.dtype and last[2] + size <= bucket_bytes:
-            last[1], last[2] = i + 1, last[2] + size
-        else:
-            buckets.append([i, i + 1, size])
-    buffers, bucket_meta = [], []
-    for first, end, _ in buckets:
-        # torch.cat copies: the buffers are a snapshot even when no cast happened.
-        flat = torch.cat([tensors[i][1].reshape(-1) for i in range(first, end)])
-        buffers.append(flat)
-        bucket_meta.append([first, end, _dtype_name(flat.dtype), flat.numel()])
-    meta = {
-        "tensors": [[n, list(t.shape), _dtype_name(t.dtype)] for n, t in tensors],
-        "buckets": bucket_meta,
-        "checksum": weights_checksum(tensors),
-    }
+    specs = [[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors]
+    bucket_meta = plan_buckets(specs, bucket_bytes)
+    # torch.cat copies: the buffers are a snapshot even when no cast happened.
+    buffers = [torch.cat([tensors[i][1].reshape(-1) for i in range(first, end)])
+               for first, end, _, _ in bucket_meta]
+    meta = {"tensors": specs, "buckets": bucket_meta, "checksum": weights_checksum(tensors)}
     return PackedWeights(meta, buffers)
+
+
+def plan_buckets(specs: list[list[Any]], bucket_bytes: int) -> list[list[Any]]:
+    """The buckets ([first, end, dtype, numel]) of tensors `specs` ([name, shape, dtype name], in the transfer
+    dtype): consecutive tensors of one dtype up to `bucket_bytes` together, a larger tensor alone. Shared by the
+    packed and the streamed update, so both put the same bytes on the wire."""
+    buckets: list[list[Any]] = []  # [first, end, dtype, numel, bytes]
+    for i, (_, shape, dtype) in enumerate(specs):
+        numel = math.prod(shape)
+        size = numel * _DTYPES[dtype].itemsize
+        last = buckets[-1] if buckets else None
+        if last is not None and last[2] == dtype and last[4] + size <= bucket_bytes:
+            last[1], last[3], last[4] = i + 1, last[3] + numel, last[4] + size
+        else:
+            buckets.append([i, i + 1, dtype, numel, size])
+    return [b[:4] for b in buckets]
+
+
+class StreamedWeights:
+    """One update produced bucket by bucket, for a trainer whose weights are sharded over its ranks (FSDP): no
+    rank ever holds the whole model. Every trainer rank builds it (a COLLECTIVE, like all its methods) from its
+    shards: `specs` ([name, shape, dtype] of what is sent), `checksum` (summed from the shards' sums, so it may
+    differ from `weights_checksum` of the full tensors in the last bits: CHECKSUM_REL_TOL), `gather(indices)`
+    yields the full tensors of those specs one at a time (all ranks take part), and `agree(flag)` returns rank 0's
+    flag on every rank.
+
+    Rank 0's WeightPublisher runs passes: `more(True)`, then `buckets()` (each bucket gathered, cast into one flat
+    buffer in the transfer dtype, sent, dropped), and `more(False)` once done (after a failed pass `more(True)`
+    again, for the retry in a new epoch). Every other rank, and rank 0 when it transfers nothing, calls `drain()`,
+    which runs as many passes as rank 0 announces. `peak_bytes` counts the most bytes of gathered tensors and
+    bucket buffers this rank held at once (one bucket plus one full tensor).
+
+    The price of streaming: the other ranks wait for rank 0's broadcast of a bucket inside their next gather, so
+    a broadcast that blocks (an inference server that neither receives nor dies) fails them after the trainer's
+    collective timeout (RLKUBE_COLLECTIVE_TIMEOUT_S, 120 s) rather than the weight-sync timeout; a dead server
+    breaks the broadcast at once, and the retry runs in a new epoch as for the packed update."""
+
+    def __init__(self, specs: list[list[Any]], checksum: float, gather, agree, bucket_bytes: int,
+                 device: str | torch.device | None = None, rendezvous=None):
+        self.meta = {"tensors": specs, "buckets": plan_buckets(specs, bucket_bytes), "checksum": checksum}
+        self._gather, self._agree, self._rendezvous = gather, agree, rendezvous
+        self.device = device
+        self.passes = 0
+        self.peak_bytes = 0
+
+    def more(self, flag: bool) -> bool:
+        """COLLECTIVE: rank 0's `flag` (another pass follows) on every rank."""
+        return bool(self._agree(flag))
+
+    def buckets(self) -> Iterable[torch.Tensor]:
+        """COLLECTIVE: one pass, every bucket's flat buffer in order (consume it fully)."""
+        return self._pass(materialize=True)
+
+    def _pass(self, materialize: bool) -> Iterable[torch.Tensor | None]:
+        self.passes += 1
+        if self._rendezvous is not None:
+            # Rank 0 gets here only once its weight-sync group formed (minutes at start-up, waiting for the
+            # inference servers): meet outside the gathers, which fail after the collective timeout.
+            self._rendezvous(self.passes)
+        specs = self.meta["tensors"]
+        for first, end, dtype, numel in self.meta["buckets"]:
+            # A rank that sends nothing only takes part in the gathers (and drops each tensor at once).
+            flat = torch.empty(numel, dtype=_DTYPES[dtype], device=self.device) if materialize else None
+            offset, flat_bytes = 0, numel * _DTYPES[dtype].itemsize if materialize else 0
+            for full in self._gather(range(first, end)):
+                n = full.numel()
+                self.peak_bytes = max(self.peak_bytes, flat_bytes + n * full.element_size())
+                if flat is not None:
+                    flat[offset:offset + n].copy_(full.reshape(-1))  # casts to the transfer dtype
+                offset += n
+                del full
+            if offset != numel:
+                raise RuntimeError(f"weight stream: tensors {first}..{end - 1} gave {offset} values, not {numel}")
+            yield flat
+            del flat
+
+    def drain(self) -> None:
+        """COLLECTIVE: take part in every pass rank 0 runs, sending nothing."""
+        while self.more(False):
+            for _ in self._pass(materialize=False):
+                pass
 
 
 def unpack_weights(meta: dict[str, Any], buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -335,6 +413,8 @@ class WeightSender(_Endpoint):
         """
         if self.epoch is None:
             raise RuntimeError("WeightSender.send() before open(): open an epoch and announce it first")
+        if isinstance(weights, StreamedWeights):
+            return self._send_streamed(weights, version)
         packed = weights if isinstance(weights, PackedWeights) else self.pack(weights)
         try:
             if self.pg is None:
@@ -344,6 +424,27 @@ class WeightSender(_Endpoint):
             self._bcast_object(None)
         except WeightSyncError:
             self._leave()
+            raise
+
+    def _send_streamed(self, weights: StreamedWeights, version: int) -> None:
+        """The same wire format, each bucket sent as soon as the trainer ranks gathered it. The pass runs to its
+        end even after a failed broadcast: the other trainer ranks are in its gathers (collectives)."""
+        buckets = None
+        try:
+            if self.pg is None:
+                self._form()
+            self._bcast_object({"version": int(version), **weights.meta})
+            buckets = iter(weights.buckets())
+            for flat in buckets:
+                self._bcast(flat)
+                del flat
+            self._bcast_object(None)
+        except WeightSyncError:
+            self._leave()
+            if buckets is None:  # the pass never started: run it for the other ranks
+                buckets = iter(weights.buckets())
+            for _ in buckets:
+                pass
             raise
 
     def close(self) -> None:
@@ -429,6 +530,9 @@ class WeightReceiver(_Endpoint):
 class WeightPublisher:
     """The trainer's whole weight-publication duty: announce on the events stream, then transfer.
 
+    `publish`/`start` also take a StreamedWeights (a sharded trainer, every rank calling its side): sent bucket by
+    bucket as the ranks gather it, synchronously, with no snapshot kept (see `_publish_streamed`).
+
     ```
     pub = WeightPublisher(redis_client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
                           transfer_dtype=torch.bfloat16, bucket_bytes=64 * 2**20)
@@ -459,6 +563,10 @@ class WeightPublisher:
                  transfer_dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.redis = redis_client
         self.keys = keys
+        self.streams = True  # takes a StreamedWeights (the sharded trainer passes one instead of named tensors)
+        # Streamed updates: an inference server asked to rejoin and the trainer must publish again (its ranks
+        # gather the weights anew); set by the watchdog, cleared by the next publish, which opens a new epoch.
+        self.rejoin_pending = False
         self.sender = WeightSender(addr, world_size, timeout_s=timeout_s, backend=backend, device=device,
                                    local_host=local_host, transfer_dtype=transfer_dtype, bucket_bytes=bucket_bytes)
         self.retries = retries
@@ -495,6 +603,8 @@ class WeightPublisher:
         a snapshot); either way the caller may change the weights afterwards.
         """
         self.wait()
+        if isinstance(named_tensors, StreamedWeights):
+            return self._publish_streamed(named_tensors, version, step, documents_seen, extra)
         snapshot = self.sender.pack(named_tensors)  # a copy in the transfer dtype: the caller may go on training
         with self._lock:
             if self.epoch is None:
@@ -506,6 +616,28 @@ class WeightPublisher:
             self._announce()
         self._inflight = threading.Thread(target=self._transfer_in_background, name="weight-transfer", daemon=True)
         self._inflight.start()
+
+    def _publish_streamed(self, weights: StreamedWeights, version: int, step: int, documents_seen: int,
+                          extra: dict[str, Any]) -> None:
+        """A sharded trainer's update (every trainer rank gathers, this one sends): synchronous, and kept by no
+        snapshot, so the watchdog can re-announce a lost announcement but cannot re-send to a rejoining server;
+        the next publish opens a new epoch for it instead."""
+        try:
+            with self._lock:
+                if self.epoch is None:
+                    raise RuntimeError("WeightPublisher.publish() before start()")
+                if self.rejoin_pending or (self.sender.epoch is not None and self.sender.rejoin_requested()):
+                    self.epoch = self.sender.open()  # a new epoch the rejoining server can join
+                self.rejoin_pending = False
+                self._last = None
+
+                def announce() -> None:
+                    self._announce_fields(step, documents_seen, version, weights.meta["checksum"], extra)
+                    weights.more(True)  # one more pass: the other trainer ranks gather for it
+
+                self._send_with_retries(weights, version, announce)
+        finally:
+            weights.more(False)  # no further pass: the other trainer ranks leave drain()
 
     def wait(self) -> None:
         """Wait for an overlapped transfer; raise its error, if it failed."""
@@ -523,22 +655,31 @@ class WeightPublisher:
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's next publish()/close()
             self._inflight_error = exc
 
-    def _announce(self) -> None:
+    def _announce_fields(self, step: int, documents_seen: int, version: int, checksum: float,
+                         extra: dict[str, Any]) -> None:
         if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
             self.epoch = self.sender.open()
-        packed, version, step, documents_seen, extra = self._last
-        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=version,
-                                        checksum=packed.meta["checksum"], **extra)
+        fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=int(version),
+                                        checksum=checksum, **extra)
         self._announced = (protocol.text(self.redis.xadd(self.keys.events, fields)), fields)
+
+    def _announce(self) -> None:
+        packed, version, step, documents_seen, extra = self._last
+        self._announce_fields(step, documents_seen, version, packed.meta["checksum"], extra)
 
     def _send_locked(self, announced: bool = False) -> None:
         tensors, version, *_ = self._last
+        self._send_with_retries(tensors, version, self._announce, announced)
+
+    def _send_with_retries(self, weights: PackedWeights | StreamedWeights, version: int,
+                           announce: Callable[[], None], announced: bool = False) -> None:
+        """Send `weights`, announcing first (unless `announced`) and again in a new epoch before each retry."""
         for attempt in range(self.retries + 1):
             if not announced or attempt > 0:
-                self._announce()
+                announce()
             t0 = time.monotonic()
             try:
-                self.sender.send(tensors, version)
+                self.sender.send(weights, version)
                 self.last_transfer_s = time.monotonic() - t0
                 return
             except WeightSyncError as exc:
@@ -554,7 +695,13 @@ class WeightPublisher:
                 self._reannounce_if_lost()  # a transfer is running; it will notice a dead peer itself
                 continue
             try:
-                if self._last is None or self.epoch is None or not self.sender.rejoin_requested():
+                if self.epoch is None or not self.sender.rejoin_requested():
+                    continue
+                if self._last is None:  # streamed (or nothing published yet): no snapshot to send from here
+                    if not self.rejoin_pending:
+                        log.warning("an inference server asked to rejoin epoch %s; the trainer must send the "
+                                    "weights again (streamed: no snapshot here)", self.epoch)
+                    self.rejoin_pending = True
                     continue
                 log.warning("an inference server asked to rejoin epoch %s; re-announcing version %d in a new one",
                             self.epoch, self._last[1])

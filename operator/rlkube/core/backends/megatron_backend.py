@@ -13,28 +13,95 @@ master weights that Adam updates; each backward's bfloat16 gradients are added i
 (megatron's `main_grad`), and the masters are copied into the model after each step. The LM head multiplies in
 float32 (`megatron_gpt`). With float32 the model's parameters are the masters.
 
-Tensor and pipeline parallel size 1; megatron's distributed optimizer and data-parallel wrappers are not used. With
-several trainer ranks the Trainer's data-parallel path sums `gradient_parameters()` (the float32 masters'
-gradients) over the ranks, as for the torch backend; tensor and pipeline parallelism are a later issue.
+Parallelism (`spec.trainer.megatron.tensorParallel` = TP over the trainer's ranks; data parallel DP = ranks / TP):
+megatron-core's `parallel_state.initialize_model_parallel` builds the tensor- and data-parallel groups over the
+trainer's process group (gloo on CPU, NCCL on GPUs; ranks r*TP .. r*TP+TP-1 form data-parallel rank r's
+tensor-parallel group, megatron's order). The GPTModel's column/row-parallel layers hold each rank's shards and do
+their own all-reduces and the logits' gather; every tensor-parallel rank computes the loss on the full logits of the
+same micro-batch. The gradients are then summed over the DATA-parallel group by the Trainer (`parallel_layout`
+tells it the groups; `gradient_parameters` are this rank's masters, so shards are summed with the same shards), with
+the loss normalised by the step's global token count: a step equals single-process training on the union of the
+data-parallel ranks' documents, as for the torch backend. The gradient norm adds the squares of the shards over the
+tensor-parallel group (replicated norms counted once). Weights, checkpoints and Adam state are gathered to the
+tensor parallel 1 layout (`MegatronGPT.gather`), so they are the same at any TP and a checkpoint resumes at another.
+Everything that gathers is a COLLECTIVE with TP > 1 (`collective_weights`): every rank calls `weights()`, `state()`
+in the same order.
+
+Not used: megatron's DistributedDataParallel and distributed optimizer (their gradient buffers are allocated on
+`torch.cuda.current_device()`; see the report of issue 10), pipeline parallelism and sequence parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
 from rlkube.core.backends.base import batch_loss, lr_scheduler
 from rlkube.core.backends.megatron_gpt import MegatronGPT
-from rlkube.core.backends.megatron_hf import UnsupportedArchitecture
+from rlkube.core.backends.megatron_hf import Architecture, UnsupportedArchitecture, tp_dim
 from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT
+
+log = logging.getLogger("rlkube.trainer.megatron")
+
+TP_FIELD = "spec.trainer.megatron.tensorParallel"
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")  # per-parameter tensors of the parameter's shape
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits in megatron's process groups (what the trainer's data-parallel path needs)."""
+
+    tensor_parallel: int
+    tensor_rank: int
+    tensor_group: Any
+    tensor_source: int  # global rank of tensor-parallel rank 0 of this rank's group (it reads the documents)
+    data_parallel: int
+    data_rank: int
+    data_group: Any
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """TP must split the attention heads, key/value groups, MLP and vocabulary evenly (megatron's requirement)."""
+    if tp == 1:
+        return
+    arch = Architecture.of(config)
+    sizes = {"attention heads": arch.heads, "key/value heads": arch.kv_heads,
+             "intermediate size": config.intermediate_size, "vocabulary size": config.vocab_size}
+    bad = {what: n for what, n in sizes.items() if n % tp}
+    if bad:
+        raise ModelError(TP_FIELD, f"{tp} does not divide the model's " +
+                         ", ".join(f"{what} ({n})" for what, n in bad.items()))
+
+
+def collective_timeout_s() -> float:
+    """The trainer's collective timeout (RLKUBE_COLLECTIVE_TIMEOUT_S, checked by DistConfig), for megatron's groups."""
+    from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    return float(os.environ.get(ENV_COLLECTIVE_TIMEOUT) or DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
+def parallel_layout() -> ParallelLayout:
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    return ParallelLayout(
+        tensor_parallel=ps.get_tensor_model_parallel_world_size(), tensor_rank=ps.get_tensor_model_parallel_rank(),
+        tensor_group=tp_group, tensor_source=dist.get_global_rank(tp_group, 0),
+        data_parallel=ps.get_data_parallel_world_size(), data_rank=ps.get_data_parallel_rank(),
+        data_group=ps.get_data_parallel_group())
 
 
 class MegatronBackend:
@@ -50,14 +117,24 @@ class MegatronBackend:
         check_sequence_length(config, spec.model.max_sequence_length)
         self.max_sequence_length = spec.model.max_sequence_length
         self.compute_dtype = DTYPES[spec.model.dtype]
+        tp = spec.trainer.megatron.tensor_parallel
         try:
+            check_tensor_parallel(config, tp)
             self.gpt = MegatronGPT(config, self.compute_dtype, self.device, seed=spec.model.seed,
-                                   recompute=spec.trainer.gradient_checkpointing)
+                                   recompute=spec.trainer.gradient_checkpointing, tensor_parallel=tp,
+                                   timeout_s=collective_timeout_s())
         except UnsupportedArchitecture as exc:
             raise ModelError(FIELD, f"the megatron backend cannot train {model_dir}: {exc}") from None
+        self.tensor_parallel = tp
+        self.collective_weights = tp > 1  # weights() and state() gather over the tensor-parallel group
+        self.parallel_layout = layout = parallel_layout()
+        log.info("megatron-core: tensor parallel %d x data parallel %d; this rank is tensor rank %d of data rank %d",
+                 layout.tensor_parallel, layout.data_parallel, layout.tensor_rank, layout.data_rank)
         self.model = self.gpt.model
         self.model.train()
         params = dict(self.model.named_parameters())
+        # the gradient norm counts a replicated parameter (a norm) once over the tensor-parallel ranks
+        self._in_norm = {n: tp_dim(n) is not None or self.gpt.tp_rank == 0 for n in params}
         if self.compute_dtype == torch.float32:
             self.masters = params  # the model's own parameters are the float32 weights Adam updates
         else:
@@ -94,8 +171,23 @@ class MegatronBackend:
                 p.grad = None
         return out.stats
 
+    def _tensor_parallel_grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient: the squares of this rank's shards summed over the
+        tensor-parallel group (a replicated parameter, a norm, counted on tensor-parallel rank 0 only)."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, m in self.masters.items():
+            if m.grad is not None and self._in_norm[name]:
+                squares = squares + torch.linalg.vector_norm(m.grad) ** 2
+        dist.all_reduce(squares, group=self.gpt.tp_group)
+        return squares.sqrt()
+
     def optim_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.values(), self.grad_clip_norm)
+        if self.tensor_parallel == 1:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.values(), self.grad_clip_norm)
+        else:
+            grad_norm = self._tensor_parallel_grad_norm()
+            # what clip_grad_norm_ does with that norm: scale by min(1, max_norm / (norm + 1e-6))
+            torch.nn.utils.clip_grads_with_norm_(self.masters.values(), self.grad_clip_norm, grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # AFTER the step: gradients accumulate until here
@@ -109,11 +201,24 @@ class MegatronBackend:
                 p.copy_(self.masters[name])
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """Hugging Face names and layouts of the float32 master weights (a tied embedding once)."""
-        return list(self.gpt.to_hf_names({n: m.detach() for n, m in self.masters.items()}).items())
+        """Hugging Face names and layouts of the float32 master weights (a tied embedding once). With tensor
+        parallelism a COLLECTIVE iterator: one parameter gathered at a time, on every rank (the others drain it)."""
+        if self.tensor_parallel == 1:
+            return list(self.gpt.to_hf_names({n: m.detach() for n, m in self.masters.items()}).items())
+        return self._gathered_weights()
+
+    def _gathered_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, master in self.masters.items():
+            yield from self.gpt.to_hf_names({name: self.gpt.gather(name, master.detach())}).items()
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return dict(self.weights()), {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """(weights under HF names, {Adam state in the tensor parallel 1 layout, LR schedule}); a collective with
+        tensor parallelism. Adam's state is keyed by parameter index as torch's, in megatron's parameter order."""
+        optimizer = self.optimizer.state_dict()
+        names = list(self.masters)
+        optimizer["state"] = {i: {k: self.gpt.gather(names[i], v) if k in ADAM_MOMENTS else v for k, v in s.items()}
+                              for i, s in optimizer["state"].items()}
+        return dict(self.weights()), {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
         values = self.gpt.to_megatron_names(model_state)  # strict: a missing or unexpected name raises
@@ -126,5 +231,9 @@ class MegatronBackend:
         if self.compute_dtype != torch.float32:
             self._copy_masters_to_model()
         if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state["optimizer"])
+            names = list(self.masters)
+            optimizer = dict(optimizer_state["optimizer"])
+            optimizer["state"] = {i: {k: self.gpt.shard(names[int(i)], v) if k in ADAM_MOMENTS else v
+                                      for k, v in s.items()} for i, s in optimizer["state"].items()}
+            self.optimizer.load_state_dict(optimizer)
             self.scheduler.load_state_dict(optimizer_state["scheduler"])

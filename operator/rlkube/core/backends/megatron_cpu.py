@@ -1,7 +1,7 @@
 """megatron-core on CPU: the small compatibility shim of design.md section 6, and megatron's process state.
 
-megatron-core (0.16.1, the last release for Python 3.11) assumes CUDA in three places that a CPU forward and
-backward of a GPTModel reach:
+megatron-core (0.16.1, the last release for Python 3.11) assumes CUDA in these places that a CPU forward and
+backward of a GPTModel (with tensor parallelism too) reach:
 1. the model-parallel RNG tracker (`tensor_parallel.random.CudaRNGStatesTracker`), forked around dropout, keeps
    CUDA generator states (`torch.cuda.get_rng_state`). `CpuRNGStatesTracker` keeps CPU generator states instead
    and forks the CPU default generator the same way;
@@ -11,16 +11,24 @@ backward of a GPTModel reach:
    always passes its own mask (`causal_mask`);
 4. `RotaryEmbedding.get_emb` moves its inverse frequencies to `torch.cuda.current_device()` on the first forward.
    `adapt_model` gives the model's rotary embedding `CpuRotaryEmbedding`'s `get_emb`, which leaves them in place;
-5. activation recomputation (`recompute_granularity`, the backend's gradient checkpointing) saves and restores
+5. the tensor-parallel output layer gathers the vocabulary shards of the logits (`parallel_output=False`) into a
+   buffer allocated on `torch.cuda.current_device()` (`tensor_parallel.mappings._gather_along_last_dim`);
+   `initialize` gives megatron `gather_along_last_dim`, the same gather into a buffer on the input's device (the
+   other tensor-parallel mappings this model reaches without sequence parallelism, all-reduces and splits, allocate
+   nothing);
+6. activation recomputation (`recompute_granularity`, the backend's gradient checkpointing) saves and restores
    the CUDA generator's state around each recomputed block; a CPU process has no CUDA generator, so `initialize`
    makes those two functions save nothing and restore nothing (the CPU generator and the tracker's states are
    still saved and restored by megatron).
-Everything else (model construction with `use_cpu_initialization`, the tensor-parallel layers at size 1, the
-transformer block) runs unchanged. On a GPU none of this is installed: megatron's own CUDA tracker is seeded.
+Everything else (model construction with `use_cpu_initialization`, the tensor-parallel layers, the transformer
+block, megatron's process groups over gloo) runs unchanged. On a GPU none of this is installed: megatron's own
+CUDA tracker is seeded.
 
 megatron-core also needs torch.distributed and its model-parallel groups even for one rank: `initialize` starts
 a one-rank group on an in-process HashStore (no port; gloo on CPU, NCCL on CUDA) unless the process already has
-one. The weight-update group (rlkube.core.weightsync) is built by hand and does not touch the default group.
+one (the trainer's ranks, rlkube.core.backends.torch_distributed), and builds megatron's tensor- and data-parallel
+groups over it with `parallel_state.initialize_model_parallel`. The weight-update group (rlkube.core.weightsync)
+is built by hand and does not touch the default group.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import mappings as megatron_mappings
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.utils import GlobalMemoryBuffer
 
@@ -113,6 +122,18 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+def gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """megatron-core 0.16.1's `_gather_along_last_dim` with its buffer on the input's device."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    size = list(input_.size())
+    size[0] *= world_size
+    output = torch.empty(size, dtype=input_.dtype, device=input_.device)
+    dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+    return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
+
+
 def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
@@ -122,21 +143,34 @@ def _set_no_cuda_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
         raise RuntimeError("a CUDA RNG state reached megatron's CPU shim")
 
 
-def initialize(seed: int, device: torch.device) -> None:
-    """One-rank torch.distributed + megatron model-parallel state (tensor/pipeline parallel 1), and the RNG
-    tracker seeded like megatron's `model_parallel_cuda_manual_seed`. Safe to call again (a new seed)."""
+def initialize(seed: int, device: torch.device, tensor_parallel: int = 1, timeout_s: float = 1800.0) -> None:
+    """megatron's model-parallel state over this process's torch.distributed group (a one-rank group if it has
+    none): tensor parallel `tensor_parallel`, data parallel over the remaining ranks, pipeline parallel 1; and the
+    RNG tracker seeded like megatron's `model_parallel_cuda_manual_seed`. Safe to call again with the same sizes
+    (a new seed); other sizes raise. `timeout_s`: the collective timeout of megatron's groups (whole minutes;
+    megatron's default is 30), so that a dead tensor-parallel peer fails a step as fast as the trainer's group."""
     if not dist.is_initialized():
+        if tensor_parallel > 1:
+            raise RuntimeError(f"tensor parallel {tensor_parallel} needs the trainer's ranks (torch.distributed)")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=1,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+            create_gloo_process_groups=False)  # only for megatron's distributed optimizer, which is not used
+    elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
+        raise RuntimeError(f"megatron's model-parallel state has tensor parallel "
+                           f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tensor_parallel}")
     if device.type == "cuda":
         megatron_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         return
     megatron_random._get_cuda_rng_state = _no_cuda_rng_state
     megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    megatron_mappings._gather_along_last_dim = gather_along_last_dim
     tracker = CpuRNGStatesTracker()
-    tracker.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET)
+    # as model_parallel_cuda_manual_seed: each tensor-parallel rank draws its own stream
+    tracker.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET + parallel_state.get_tensor_model_parallel_rank())
     megatron_random._CUDA_RNG_STATE_TRACKER = tracker
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if not isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, DeviceMemoryBuffer):

@@ -4,7 +4,10 @@ Why: the megatron backend trains megatron-core's GPTModel while every other part
 checkpoints, weight updates to inference) speaks Hugging Face directories and parameter names. `MegatronGPT` is the
 model half of that backend: it builds the GPTModel of a transformers config (`megatron_hf` holds the translation),
 loads the directory's safetensors into it, computes logits, and exports weights (or any per-parameter tensors,
-such as float32 master weights or gradients) under Hugging Face names. One rank: tensor and pipeline parallel size 1.
+such as float32 master weights or gradients) under Hugging Face names. With tensor parallelism each rank's GPTModel
+holds its shards; loading takes this rank's shards of the full tensors (`megatron_hf.shard`) and exporting gathers
+every rank's over the tensor-parallel group (`gather`, a collective), so both ends keep speaking whole Hugging Face
+tensors. Pipeline parallel size 1.
 
 It uses megatron's TE-less local layer spec (`get_gpt_layer_local_spec`), which runs on CPU (through the shim in
 `megatron_cpu`) and on a GPU, with every fusion that needs CUDA kernels switched off.
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rlkube.core import checkpoint as ckpt
 from rlkube.core.backends import megatron_cpu
 from rlkube.core.backends.megatron_hf import (
@@ -25,12 +29,16 @@ from rlkube.core.backends.megatron_hf import (
     gpt_model_kwargs,
     hf_state_to_megatron,
     megatron_state_to_hf,
+    shard,
+    tp_dim,
     transformer_config_kwargs,
+    unshard,
 )
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used
     warnings.simplefilter("ignore", DeprecationWarning)
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -45,6 +53,7 @@ def build_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, device: 
                         if recompute else {})
     config = TransformerConfig(
         **recompute_kwargs,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         **transformer_config_kwargs(hf_config),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -89,9 +98,12 @@ class MegatronGPT:
     """A GPTModel with a Hugging Face model's architecture and weights (see the module docstring)."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0, recompute: bool = False):
+                 seed: int = 0, recompute: bool = False, tensor_parallel: int = 1, timeout_s: float = 1800.0):
         self.device = torch.device(device)
-        megatron_cpu.initialize(seed, self.device)
+        megatron_cpu.initialize(seed, self.device, tensor_parallel, timeout_s)
+        self.tp_size = tensor_parallel
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.hf_config = hf_config
         self.arch = Architecture.of(hf_config)
         self.dtype = dtype
@@ -130,17 +142,33 @@ class MegatronGPT:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under Hugging Face names, as the model directory's safetensors hold them (a tied embedding
         once), detached: fused parameters are split into new tensors, the others are the parameters' own storage
-        (copy before changing them)."""
-        return self.to_hf_names({n: p.detach() for n, p in self.model.named_parameters()})
+        (copy before changing them). A collective with tensor parallelism."""
+        return self.to_hf_names({n: self.gather(n, p.detach()) for n, p in self.model.named_parameters()})
 
     def to_hf_names(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-parameter tensors keyed by megatron name (weights, master weights, gradients) -> Hugging Face names,
-        in megatron's parameter order."""
+        """Per-parameter FULL tensors (tensor-parallel layout 1, see `gather`) keyed by megatron name (weights,
+        master weights, gradients) -> Hugging Face names, in megatron's parameter order."""
         return megatron_state_to_hf(self.arch, tensors)
 
     def to_megatron_names(self, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Hugging Face-named tensors -> one per megatron parameter (strict: a missing or unexpected name raises)."""
-        return hf_state_to_megatron(self.arch, hf_state, self.names)
+        """Hugging Face-named full tensors -> this rank's tensor of each megatron parameter (its shard with tensor
+        parallelism; strict: a missing or unexpected name raises)."""
+        full = hf_state_to_megatron(self.arch, hf_state, self.names)
+        return {n: self.shard(n, t) for n, t in full.items()}
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's part of the full tensor of megatron parameter `name` (or of its Adam state)."""
+        return shard(name, full, self.tp_rank, self.tp_size)
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """COLLECTIVE over the tensor-parallel group (every rank of it, in the same order): the full tensor of
+        megatron parameter `name` from every rank's `local` part; `local` itself without tensor parallelism or for
+        a replicated parameter."""
+        if self.tp_size == 1 or tp_dim(name) is None:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return unshard(name, parts)
 
     # --- compute ---
 

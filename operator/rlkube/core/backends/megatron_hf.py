@@ -25,6 +25,12 @@ Layouts (megatron-core 0.16.1, tensor parallel 1):
 - the local spec keeps the layer norms as modules (`input_layernorm`, `pre_mlp_layernorm`), unlike TE's spec.
 - tied embeddings: megatron has no `output_layer.weight` (it reuses `embedding.word_embeddings.weight`); the
   Hugging Face state_dict lists `lm_head.weight` as the same tensor, its safetensors files omit it.
+Tensor parallel (megatron's local spec, no sequence parallelism): each rank holds a contiguous slice of the
+tensor-parallel parameters along their `tp_dim`: rows (dim 0) of the column-parallel `linear_qkv` (whole key/value
+groups, since the rows are grouped by group and the size divides the groups), `linear_fc1`, the vocabulary-parallel
+embedding and the output layer; columns (dim 1) of the row-parallel `linear_proj` and `linear_fc2`; the norms are
+replicated. `linear_fc1` is the exception to "contiguous": megatron splits the gated unit on every rank, so rank r
+holds [gate_r; up_r] and the full tensor is not the ranks' slices stacked. `shard` and `unshard` convert.
 RoPE: megatron's default `rotary_interleaved=False` is the rotate-half convention Hugging Face Llama/Qwen use.
 """
 
@@ -143,7 +149,7 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
         "rotary_percent": 1.0,
         "rotary_base": rope["rope_theta"],
         "share_embeddings_and_output_weights": arch.tied,
-        "parallel_output": False,  # full-vocabulary logits (tensor parallel 1 anyway)
+        "parallel_output": False,  # full-vocabulary logits on every tensor-parallel rank (gathered)
     }
     rope_type = rope.get("rope_type", "default")
     if rope_type == "llama3":
@@ -231,6 +237,48 @@ def to_hf(arch: Architecture, megatron_name: str, tensor: torch.Tensor) -> list[
     else:
         parts = [tensor]
     return list(zip(names, parts, strict=True))
+
+
+# --- tensor parallel ---
+
+_TP_DIMS = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0, "self_attention.linear_qkv.weight": 0,
+            "self_attention.linear_qkv.bias": 0, "mlp.linear_fc1.weight": 0,
+            "self_attention.linear_proj.weight": 1, "mlp.linear_fc2.weight": 1}
+
+
+def tp_dim(megatron_name: str) -> int | None:
+    """The dimension a tensor-parallel parameter is split along; None for a replicated one (the norms)."""
+    hf_names(megatron_name)  # an unknown name raises
+    m = _MEGATRON_LAYER.match(megatron_name)
+    return _TP_DIMS.get(m.group(2) if m else megatron_name)
+
+
+def _gated(megatron_name: str) -> bool:
+    return megatron_name.endswith("linear_fc1.weight")
+
+
+def shard(megatron_name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Tensor-parallel rank `rank`'s part (of `size`) of a full (tensor parallel 1 layout) megatron tensor."""
+    dim = tp_dim(megatron_name)
+    if size == 1 or dim is None:
+        return full
+    if full.shape[dim] % (2 * size if _gated(megatron_name) else size):
+        raise ValueError(f"{megatron_name}: dimension {dim} of {tuple(full.shape)} does not split into {size} ranks")
+    if _gated(megatron_name):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0).contiguous()
+    return full.chunk(size, dim=dim)[rank].contiguous()
+
+
+def unshard(megatron_name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `shard`: every tensor-parallel rank's part, in rank order -> the full tensor."""
+    dim = tp_dim(megatron_name)
+    if len(parts) == 1 or dim is None:
+        return parts[0]
+    if _gated(megatron_name):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=dim)
 
 
 def hf_state_to_megatron(arch: Architecture, hf_state: Mapping[str, torch.Tensor],

@@ -18,6 +18,13 @@ thread, and a peer whose counter has not moved for the collective timeout is dec
 do they enter the collectives, which take milliseconds. Rank 0 dying takes its store with it: the others' next
 store call fails at once. A rank stopped by SIGTERM sets the store's stop key, which every rank's document wait
 sees within a second, so all ranks agree (one all_reduce of the flags) to stop after the same step.
+
+Model parallelism (the megatron backend's tensor parallelism, `use_layout`): the trainer's ranks then form
+data-parallel replicas of TP ranks each. The sums of documents, tokens, loss statistics and gradients (`sum`,
+`max`, `sum_gradients`) run over the data-parallel group only (tensor-parallel peers train the same documents, so
+summing over every rank would count them TP times); rendezvous, stop flags and broadcasts stay over all ranks.
+`data_rank` / `data_size` say which share of a step's documents a rank trains; tensor-parallel rank 0 of each
+replica reads them and hands them to its peers (`share_with_tensor_peers`).
 """
 
 from __future__ import annotations
@@ -117,6 +124,9 @@ class DataParallel:
         self._beat.start()
         self._stop_announced = False
         self._seen: dict[int, tuple[int, float]] = {}  # peer rank -> (heartbeat count, when it last changed)
+        # Without model parallelism every rank is its own data-parallel replica (use_layout changes this).
+        self.data_rank, self.data_size, self.data_group = cfg.rank, cfg.world_size, None
+        self.tensor_parallel, self.tensor_rank, self.tensor_group, self.tensor_source = 1, 0, None, cfg.rank
         # Meet before init_process_group: its own rendezvous would fail after the collective timeout while a peer
         # pod is still starting.
         self.gather("start")
@@ -128,6 +138,27 @@ class DataParallel:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def use_layout(self, layout) -> None:
+        """Model parallelism: `layout` (rlkube.core.backends.megatron_backend.ParallelLayout) names this rank's
+        data-parallel and tensor-parallel groups (module docstring)."""
+        self.data_rank, self.data_size, self.data_group = layout.data_rank, layout.data_parallel, layout.data_group
+        self.tensor_parallel, self.tensor_rank = layout.tensor_parallel, layout.tensor_rank
+        self.tensor_group, self.tensor_source = layout.tensor_group, layout.tensor_source
+
+    @property
+    def reads_documents(self) -> bool:
+        """This rank reads its replica's documents (tensor-parallel peers get them from it)."""
+        return self.tensor_rank == 0
+
+    def share_with_tensor_peers(self, docs: Any) -> Any:
+        """Tensor-parallel rank 0's `docs` on every rank of its tensor-parallel group (a collective)."""
+        if self.tensor_parallel == 1:
+            return docs
+        box = [docs if self.reads_documents else None]
+        dist.broadcast_object_list(box, src=self.tensor_source, group=self.tensor_group,
+                                   device=self.device if self.backend == "nccl" else None)
+        return box[0]
 
     # --- liveness and rendezvous (store) ---
 
@@ -161,8 +192,9 @@ class DataParallel:
                 raise PeerLost(f"trainer rank {r} has shown no sign of life for {limit:g}s "
                                f"({ENV_COLLECTIVE_TIMEOUT}); rank {self.rank} gives up")
 
-    def gather(self, tag: str) -> None:
-        """Wait until every rank reached `tag`, for as long as the missing ranks are alive (check_peers)."""
+    def gather(self, tag: str, while_waiting=None) -> None:
+        """Wait until every rank reached `tag`, for as long as the missing ranks are alive (check_peers);
+        `while_waiting()` is called as often as the peers are checked."""
         self.store.add(f"hb/{self.rank}", 1)
         self.store.set(f"at/{tag}/{self.rank}", "1")
         keys = [f"at/{tag}/{r}" for r in range(self.world_size)]
@@ -170,6 +202,8 @@ class DataParallel:
         while not self.store.check(keys):
             if time.monotonic() - checked > PEER_CHECK_S:
                 self.check_peers()
+                if while_waiting is not None:
+                    while_waiting()
                 checked = time.monotonic()
             time.sleep(POLL_S)
 
@@ -190,24 +224,27 @@ class DataParallel:
         return bool(t.item())
 
     def max(self, value: float) -> float:
+        """The maximum over the data-parallel replicas."""
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.data_group)
         return t.item()
 
     def sum(self, values: list[float]) -> list[float]:
+        """The sums over the data-parallel replicas."""
         # float64: exact for counts; one collective for all of them
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.data_group)
         return t.tolist()
 
     def sum_gradients(self, params: Iterable[torch.nn.Parameter], extra: list[float]) -> list[float]:
-        """Sum every parameter's gradient over the ranks in place (one flat all_reduce), together with `extra`
-        (returned summed). A missing gradient counts as zeros so that every rank sends the same layout."""
+        """Sum every parameter's gradient over the data-parallel replicas in place (one flat all_reduce), together
+        with `extra` (returned summed). A missing gradient counts as zeros so that every rank sends the same
+        layout. (With tensor parallelism `params` are this rank's shards, summed with the same shards.)"""
         params = [p for p in params if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         dtype = grads[0].dtype if grads else torch.float32
         flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(extra, dtype=dtype, device=self.device)])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.data_group)
         offset = 0
         for p, g in zip(params, grads, strict=True):
             n = g.numel()

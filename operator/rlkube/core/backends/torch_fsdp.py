@@ -23,8 +23,10 @@ rank must run the same number of forward/backward passes: the trainer pads a ran
 `forward_backward_nothing` (a pass with zero gradient).
 
 Every method that touches whole tensors is a COLLECTIVE (all ranks call it, in the same order): `weights()` yields
-on every rank, one parameter all-gathered at a time (the backend never holds more than one full tensor; note that
-rank 0's WeightPublisher still packs its whole transfer-dtype snapshot before sending), `full_state()` gathers a
+on every rank, one parameter all-gathered at a time (the backend never holds more than one full tensor);
+`weight_stream()` is what weight publishing uses: the update of rlkube.core.weightsync streamed bucket by bucket
+(every rank gathers one bucket's parameters, rank 0 casts them into the bucket's buffer and sends it, then the next),
+so rank 0 holds one bucket and one full tensor at a time, never the whole model; `full_state()` gathers a
 CPU copy on rank 0 only (the Hugging Face export), `save_distributed` / `load_distributed` write and read each
 rank's shards with torch.distributed.checkpoint (resumable at a different world size).
 """
@@ -45,13 +47,21 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import lr_scheduler
 from rlkube.core.backends.torch_backend import TorchBackend
 from rlkube.core.losses import LossStats
+from rlkube.core.weightsync import StreamedWeights, combine_sums, dtype_name
 
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -83,9 +93,13 @@ class FSDPTorchBackend(TorchBackend):
             layer_policy = MixedPrecisionPolicy()
         else:
             layer_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        # cpuOffload: shards, gradients and Adam state in host memory, the optimizer step on the CPU; pinned
+        # memory (faster copies) needs CUDA. On a CPU-only trainer nothing moves, the same code path runs.
+        offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.trainer.cpu_offload
+                   else OffloadPolicy())
         for layer in decoder_layers(self.model):
-            fully_shard(layer, mp_policy=layer_policy)
-        fully_shard(self.model, mp_policy=MixedPrecisionPolicy())
+            fully_shard(layer, mp_policy=layer_policy, offload_policy=offload)
+        fully_shard(self.model, mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # a SUM over ranks (module docstring)
@@ -130,6 +144,39 @@ class FSDPTorchBackend(TorchBackend):
                 continue
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach()
+
+    def weight_stream(self, dtype: torch.dtype | None, bucket_bytes: int, device: str | torch.device | None = None,
+                      rendezvous=None) -> StreamedWeights:
+        """COLLECTIVE, on every rank: the weights as an update streamed bucket by bucket (rlkube.core.weightsync:
+        rank 0 sends, the others drain), in transfer dtype `dtype` (None: each tensor's own) with `weights()`'s
+        names and order. Shapes come from the sharded parameters and the checksum from the shards' sums (one
+        all-reduce), so nothing is gathered before the first bucket."""
+        named = [(n, t.detach()) for n, t in self.model.state_dict().items() if n not in self._aliases]
+        specs, sums = [], []
+        for name, t in named:
+            out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            specs.append([name, list(t.shape), dtype_name(out)])
+            if isinstance(t, DTensor):
+                sums.append(t.to_local().to(out).sum(dtype=torch.float64))
+            else:  # replicated on every rank: counted once
+                sums.append(t.to(out).sum(dtype=torch.float64) if self.rank == 0
+                            else torch.zeros((), dtype=torch.float64, device=t.device))
+        totals = torch.stack(sums).to(self.device) if sums else torch.zeros(0, dtype=torch.float64)
+        dist.all_reduce(totals)
+        checksum = combine_sums(zip((n for n, _ in named), totals.tolist(), strict=True))
+
+        def gather(indices):
+            for i in indices:
+                t = named[i][1]
+                yield t.full_tensor() if isinstance(t, DTensor) else t
+
+        def agree(flag: bool) -> bool:
+            box = torch.tensor([1.0 if flag and self.rank == 0 else 0.0], device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            return bool(box.item())
+
+        return StreamedWeights(specs, checksum, gather, agree, bucket_bytes,
+                               device=self.device if device is None else device, rendezvous=rendezvous)
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """COLLECTIVE: (full model state on CPU under HF names on rank 0, {} elsewhere; LR schedule state). The

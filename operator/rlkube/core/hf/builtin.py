@@ -47,9 +47,12 @@ def char_tokenizer():
 def tiny_llama_config(vocab_size: int):
     from transformers import LlamaConfig
 
+    from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS
+
+    heads, kv_heads = BUILTIN_ATTENTION_HEADS["tiny-llama"]
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         initializer_range=INIT_STD, architectures=["LlamaForCausalLM"],
     )

@@ -1,0 +1,52 @@
+"""examples/tiny-cpu.yaml with `spec.trainer.backend: megatron`, 2 trainer nodes and tensor parallel 2, run by
+`rlkube local` (megatron tier): the two trainer processes split every layer of the model (data parallel 1), rank 1
+trains the documents rank 0 reads, the job learns the built-in task, finishes, and tears down in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
+from rlkube.core import checkpoint as ckpt
+
+pytestmark = pytest.mark.megatron
+
+ROOT = Path(__file__).resolve().parents[2]
+MIN_MARGIN = 0.10  # as test_megatron_local_job.py (one rank) and the torch backend's test of the same job
+
+
+def test_tiny_job_with_megatron_tensor_parallel_2_on_two_nodes_learns(tmp_path):
+    job = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    job["metadata"]["name"] = "tiny-megatron-tp2"
+    job["spec"]["trainer"].update(backend="megatron", nodes=2, megatron={"tensorParallel": 2})
+    manifest = tmp_path / "tiny-megatron-tp2.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900, check=False,
+    )
+    print(f"40 steps, megatron TP 2 on 2 trainer nodes: {time.monotonic() - t0:.1f}s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(summary))
+    assert summary["phase"] == "Succeeded" and summary["steps"] == 40
+    assert summary["teardown"] == ["actor", "preprocessor", "inference", "trainer", "redis"]
+    assert summary["reward_last"] - summary["reward_first"] >= MIN_MARGIN, summary
+    assert summary["reward_last"] >= 2 * summary["reward_first"], summary
+    meta = ckpt.read_meta(Path(summary["checkpoint"]))
+    assert meta.step == 40 and meta.extra == {"backend": "megatron"}
+    logs = {rank: (out / "logs" / f"trainer-{rank}.log").read_text() for rank in (0, 1)}
+    for rank, text in logs.items():
+        assert "Traceback" not in text, text[-3000:]
+        assert f"tensor parallel 2 x data parallel 1; this rank is tensor rank {rank} of data rank 0" in text, \
+            text[-3000:]
+    assert "rank 1 left the data-parallel group after rank 0 finished" in logs[1], logs[1][-3000:]
