@@ -196,6 +196,14 @@ class _Versions:
     def version_at(self, index: int, position: int) -> int:
         return [v for first, v in self.spans[index] if first <= position][-1]
 
+    def reported(self) -> tuple[int, list[list[list[int]] | None]]:
+        """The result's version (the oldest any choice started with) and each choice's spans, None where the choice
+        is that version throughout. A choice without spans is read as the result's version
+        (openai_api.version_spans), so a single span of another version is kept: of n choices, one may have been
+        scheduled only after an update that its siblings started before (CI caught it reported as the older)."""
+        version = min(spans[0][1] for spans in self.spans)
+        return version, [None if spans == [[0, version]] else [list(s) for s in spans] for spans in self.spans]
+
     def pieces(self, index: int, start: int, count: int) -> list[tuple[int, int, int]]:
         """Tokens start..start+count-1 of choice `index` as (from, to, version) runs (relative to `start`)."""
         cuts = [first - start for first, _ in self.spans[index] if start < first < start + count]
@@ -310,16 +318,14 @@ class VllmEngine:
         final = versions = None
         async for versions, out in self._outputs(req, RequestOutputKind.FINAL_ONLY):
             final = out
+        version, reported = versions.reported()
         completions = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
             lps, tops = self._logprobs(req, c, ids)
-            spans = [list(s) for s in versions.spans[c.index]]
             completions.append(Completion(token_ids=ids, logprobs=lps, top_logprobs=tops, text=c.text,
-                                          finish_reason=c.finish_reason or "length",
-                                          versions=spans if len(spans) > 1 else None))
-        # Without spans a choice is the result's version: the one it started (and ended) with.
-        return GenerationResult(version=min(s[0][1] for s in versions.spans), completions=completions)
+                                          finish_reason=c.finish_reason or "length", versions=reported[c.index]))
+        return GenerationResult(version=version, completions=completions)
 
     async def stream(self, req, chunks):
         """Chunks (rlkube.core.openai_api.StreamChunks) as vLLM samples: one per choice's new tokens and version."""
