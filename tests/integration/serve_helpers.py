@@ -37,9 +37,8 @@ def reserved_port() -> int:
     """A free port below Linux's ephemeral range (32768-60999), for an address chosen long before it is bound:
     an ephemeral one can be handed to another process meanwhile (CI: vLLM's start-up took the trainer's
     weight-sync port, EADDRINUSE)."""
-    rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, 32000)
+        port = random.randrange(20000, 32000)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
