@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,6 +31,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reserved_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999), for an address chosen long before it is bound:
+    an ephemeral one can be handed to another process meanwhile (CI: vLLM's start-up took the trainer's
+    weight-sync port, EADDRINUSE)."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def job_spec(**algorithm: Any) -> dict[str, Any]:
@@ -100,7 +116,7 @@ class RoleProcesses:
         self.redis_url = redis_url
         self.config = config
         self.procs: list[subprocess.Popen] = []
-        self.weight_sync_addr = f"127.0.0.1:{free_port()}"
+        self.weight_sync_addr = f"127.0.0.1:{reserved_port()}"
 
     def env(self, **extra: str) -> dict[str, str]:
         return {

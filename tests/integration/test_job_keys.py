@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 
+import redis
 from rlkube.core import protocol
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, wait_until, write_config
 
@@ -23,6 +24,14 @@ def finished(redis_client) -> protocol.TrainerEvent | None:
     return None
 
 
+def consumers(redis_client) -> set[str]:
+    """The rollouts consumer group's consumers (none before a preprocessor created the group)."""
+    try:
+        return {c["name"].decode() for c in redis_client.xinfo_consumers(KEYS.rollouts, protocol.ROLLOUTS_GROUP)}
+    except redis.ResponseError:
+        return set()
+
+
 def test_a_job_leaves_only_keys_that_stream_keys_names(tmp_path, redis_server, redis_client):
     spec = job_spec(maxSteps=3, groupSize=4, samplesPerStep=8, maxLag=1)
     spec["preprocessor"] = {"replicas": 2}
@@ -35,6 +44,10 @@ def test_a_job_leaves_only_keys_that_stream_keys_names(tmp_path, redis_server, r
         wait_until(lambda: http_status(url + "/health") == 200, 90, "inference joined the trainer's group")
         preprocessors = [roles.start_role("preprocessor", name=f"preprocessor-{i}", RLKUBE_INDEX=str(i))
                          for i in range(2)]
+        # Both replicas in the consumer group before any rollout: a 3-step job can finish before a replica that
+        # starts slowly (CI, two busy cores) ever reads, and it then exits without joining.
+        wait_until(lambda: consumers(redis_client) == {"preprocessor-0", "preprocessor-1"}, 90,
+                   "both preprocessors reading rollouts")
         actor = roles.start_role("actor", RLKUBE_INFERENCE_URLS=url)
         event = wait_until(lambda: finished(redis_client), 180, "training_finished")
         assert event.step == 3
@@ -51,8 +64,7 @@ def test_a_job_leaves_only_keys_that_stream_keys_names(tmp_path, redis_server, r
         <= present
     assert present <= set(KEYS.all()), f"keys not in StreamKeys.all(): {sorted(present - set(KEYS.all()))}"
     # both preprocessor replicas read through the one consumer group
-    consumers = {c["name"].decode() for c in redis_client.xinfo_consumers(KEYS.rollouts, protocol.ROLLOUTS_GROUP)}
-    assert consumers == {"preprocessor-0", "preprocessor-1"}
+    assert consumers(redis_client) == {"preprocessor-0", "preprocessor-1"}
     # what the operator does at teardown of an external Redis leaves nothing behind
     redis_client.delete(*KEYS.all())
     assert redis_client.dbsize() == 0

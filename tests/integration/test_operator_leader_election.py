@@ -16,7 +16,7 @@ import contextlib
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import aiohttp
@@ -47,7 +47,7 @@ TIMING = Timing()  # the defaults `rlkube operator --leader-elect` and the chart
 
 @dataclass
 class LeaseChange:
-    at: float  # monotonic, when the watch delivered it
+    at: float = field(compare=False)  # monotonic, when the watch delivered it: not part of the version
     holder: str
     renew_time: str | None
     transitions: int
@@ -103,12 +103,11 @@ class LeaseRecorder:
 
     async def _record(self, lease: dict) -> None:
         spec = lease.get("spec") or {}
-        change = (spec.get("holderIdentity") or "", spec.get("renewTime"), int(spec.get("leaseTransitions") or 0))
-        if self.changes and (self.changes[-1].holder, self.changes[-1].renew_time,
-                             self.changes[-1].transitions) == change:
+        change = LeaseChange(time.monotonic(), spec.get("holderIdentity") or "", spec.get("renewTime"),
+                             int(spec.get("leaseTransitions") or 0))
+        if self.changes and self.changes[-1] == change:
             return  # a relist after a watch error sees the same version again: it was not written now
-        self.changes.append(LeaseChange(time.monotonic(), spec.get("holderIdentity") or "", spec.get("renewTime"),
-                                        int(spec.get("leaseTransitions") or 0)))
+        self.changes.append(change)
         async with self._changed:
             self._changed.notify_all()
 
