@@ -102,3 +102,12 @@ def test_find_controller_manager_prefers_the_explicit_path_then_the_environment(
     cached.mkdir(parents=True)
     os.rename(executable("kube-controller-manager"), cached / "kube-controller-manager")
     assert jobcontroller.find_controller_manager(None) == str(cached / "kube-controller-manager")
+
+
+def test_table_prints_nested_figures_after_the_rows():
+    row = report.summary(2, [1.0], [2.0], 81.5, [0.5])
+    row["api_requests"] = {"ours": {"writes_per_job": 12.5}, "job_controller": None}
+    lines = report.table([row]).splitlines()
+    assert lines[-1] == 'N=2 api_requests: {"ours": {"writes_per_job": 12.5}, "job_controller": null}'
+    assert "api_requests" not in lines[-3] and lines[-3].endswith("load")  # not a column of the table
+    assert len(lines[-2]) == len(lines[-3])

@@ -27,7 +27,7 @@ from pathlib import Path
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from rlkube.bench import processes
+from rlkube.bench import apimetrics, processes
 from rlkube.bench.listwatch import ListWatch
 
 QPS = 100
@@ -153,9 +153,10 @@ async def measure(
     pods: int,
     workdir: Path,
     concurrency: int = 32,
-) -> list[float]:
+) -> tuple[list[float], dict]:
     """POST -> all `pods` pods exist, in seconds, for each of `n` Jobs created at once (in a fresh namespace,
-    deleted afterwards and waited for, so the next measurement does not share the API server with it)."""
+    deleted afterwards and waited for, so the next measurement does not share the API server with it), and what
+    those n Jobs cost the API server (apimetrics.summary, from the POSTs to the last pod)."""
     namespace = f"bench-jobctl-{n}-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(api)
     batch = client.BatchV1Api(api)
@@ -198,9 +199,11 @@ async def measure(
         names = [f"job-{i:04d}" for i in range(n)]
         gate = asyncio.Semaphore(concurrency)
         log(f"N={n}: creating {n} Jobs of {pods} pods in {namespace} (kube-controller-manager, {QPS} QPS)")
+        before = await apimetrics.scrape(api)
         posted = dict(zip(names, await asyncio.gather(*(create(name, gate) for name in names)), strict=True))
         await clock.wait(lambda: all(clock.count(name) >= pods for name in names), 120 + 2 * n, "all pods")
-        return [clock.last(name) - posted[name] for name in names]
+        requests = apimetrics.summary(await apimetrics.scrape(api) - before, n)
+        return [clock.last(name) - posted[name] for name in names], requests
 
 
 def check_binary(binary: str) -> None:

@@ -15,7 +15,9 @@ controller creating N Jobs of as many pods, timed with the same clock (POST -> a
 `--json` prints one JSON list with one object per N: n, create_to_children_p50/p99,
 finished_to_released_p50/p99 (seconds), operator_rss_mb, job_controller_create_p50/p99, the ratios ours / the
 Job controller's create_ratio_p50/p99 and teardown_ratio_p99 (our teardown p99 / its create p99), and the 1-minute
-load average at the end (the machine may be shared). rlkube.bench.report says how they are computed.
+load average at the end (the machine may be shared), and `api_requests`: what each controller's run cost the
+API server per job (requests, writes by kind, mean serving time; rlkube.bench.apimetrics). rlkube.bench.report
+says how the latencies are computed.
 Needs only the base install (no torch, numpy, aiohttp or psutil), so it runs where the operator does.
 """
 
@@ -40,7 +42,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.api.crd import crd
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.bench import jobcontroller, processes, report
+from rlkube.bench import apimetrics, jobcontroller, processes, report
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
 from rlkube.local.redis_server import RedisServer
@@ -116,8 +118,9 @@ async def wait_live(port: int, proc: Popen, timeout: float = 60) -> None:
 
 async def run_one(
     api: client.ApiClient, kubeconfig: Path, redis_url: str, n: int, workdir: Path
-) -> tuple[list[float], list[float], float]:
-    """(create -> all children, training_finished -> ResourcesReleased) per job, and the operator's peak RSS."""
+) -> tuple[list[float], list[float], float, dict]:
+    """(create -> all children, training_finished -> ResourcesReleased) per job, the operator's peak RSS, and what
+    the jobs cost the API server (apimetrics.summary, from the first POST to the last ResourcesReleased)."""
     namespace = f"bench-{n}-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(api)
     # Undone in reverse order whatever fails: the operator stops first, the namespace goes last.
@@ -159,6 +162,7 @@ async def run_one(
                                                              job_manifest(name, redis_url))
 
         log(f"N={n}: creating {n} TrainingJobs in {namespace}")
+        before = await apimetrics.scrape(api)
         await asyncio.gather(*(create(name) for name in names))
 
         def children_done() -> bool:
@@ -186,11 +190,12 @@ async def run_one(
         await asyncio.gather(*(finish(name) for name in names))
         await jobs.wait(lambda: all(released(name) for name in names), 120 + 2 * n, "all ResourcesReleased")
         finished_to_released = [released(name) - finished_at[name] for name in names]
+        requests = apimetrics.summary(await apimetrics.scrape(api) - before, n)
         peak_mib, operator_cpu = processes.usage(proc.pid)
         me = os.times()
         log(f"N={n}: done; CPU seconds: operator {operator_cpu:.1f}, "
             f"bench (kubelet, trainer, watches) {me.user + me.system:.1f}; load {os.getloadavg()[0]:.1f}")
-        return create_to_children, finished_to_released, peak_mib
+        return create_to_children, finished_to_released, peak_mib, requests
 
 
 async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path, controller_manager: str | None) -> list[dict]:
@@ -204,11 +209,14 @@ async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path, controller_
         for n in sizes:
             # The Job controller first: its namespace is gone (waited for) before the operator starts, whereas
             # ours cannot be (its TrainingJobs keep the operator's finalizer once the operator has stopped).
-            baseline = None
+            baseline, baseline_requests = None, None
             if controller_manager is not None:
-                baseline = await jobcontroller.measure(api, kubeconfig, controller_manager, n, PODS_PER_JOB, workdir)
-            create, teardown, rss = await run_one(api, kubeconfig, redis_server.url, n, workdir)
-            results.append(report.summary(n, create, teardown, rss, baseline, load_1m=os.getloadavg()[0]))
+                baseline, baseline_requests = await jobcontroller.measure(
+                    api, kubeconfig, controller_manager, n, PODS_PER_JOB, workdir)
+            create, teardown, rss, requests = await run_one(api, kubeconfig, redis_server.url, n, workdir)
+            row = report.summary(n, create, teardown, rss, baseline, load_1m=os.getloadavg()[0])
+            row["api_requests"] = {"ours": requests, "job_controller": baseline_requests}
+            results.append(row)
             log(json.dumps(results[-1]))
         return results
     finally:

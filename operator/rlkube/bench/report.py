@@ -8,6 +8,7 @@ teardown should cost no more than a creation; the Job controller has no ordered 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -77,8 +78,10 @@ def _cell(value: object) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """Right-aligned columns, one row per N (a key without a heading is printed under its own name)."""
-    cols = list(results[0])
+    """Right-aligned columns, one row per N (a key without a heading is printed under its own name); nested
+    values (the API server's request figures) follow the table, a line each."""
+    cols = [c for c in results[0] if not isinstance(results[0][c], dict)]
+    nested = [(r["n"], c, r[c]) for r in results for c in r if isinstance(r[c], dict)]
     heads = [HEADINGS.get(c, c) for c in cols]
     rows = [[_cell(r.get(c)) for c in cols] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
@@ -89,4 +92,5 @@ def table(results: list[dict]) -> str:
         "create = POST -> all children exist; teardown = training_finished -> ResourcesReleased; "
         "Job ctl = the Job controller's POST -> all pods exist; x = ours / Job ctl p50 or p99\n"
         + "\n".join(lines)
+        + "".join(f"\nN={n} {key}: {json.dumps(value)}" for n, key, value in nested)
     )
