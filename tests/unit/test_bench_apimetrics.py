@@ -47,6 +47,7 @@ def test_a_run_is_the_difference_of_two_pages_per_job():
         "writes_per_job": 6.0,
         "writes_by_kind_per_job": {"POST pods": 4.0, "PATCH trainingjobs/status": 2.0},
         "mean_request_ms": pytest.approx(33.3),
+        "mean_ms_of_slowest_kinds": {"POST pods": pytest.approx(50.0)},  # 0.4 s over 8 POSTs
     }
 
 

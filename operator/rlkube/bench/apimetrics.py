@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION"})
 LONG_RUNNING = frozenset({"WATCH", "WATCHLIST", "CONNECT"})
+SLOWEST = 6
 
 
 @dataclass
@@ -73,4 +74,9 @@ def summary(delta: Requests, jobs: int) -> dict:
         "writes_per_job": round(sum(writes.values()) / jobs, 1),
         "writes_by_kind_per_job": {kind: round(n / jobs, 2) for kind, n in sorted(writes.items(), key=lambda kv: -kv[1])},
         "mean_request_ms": round(1000 * sum(delta.seconds.values()) / total, 1) if total else None,
+        # Where the serving time went: the kinds that took most of it, with their mean.
+        "mean_ms_of_slowest_kinds": {
+            kind: round(1000 * seconds / delta.count[kind], 1)
+            for kind, seconds in delta.seconds.most_common(SLOWEST) if delta.count[kind] > 0
+        },
     }

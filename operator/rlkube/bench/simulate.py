@@ -29,13 +29,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.bench.listwatch import ListWatch
-from rlkube.controller import names
+from rlkube.controller import kube, names
 from rlkube.core import protocol, runtime
 from rlkube.local.redis_server import RedisServer
 
@@ -174,20 +176,11 @@ class FakeKubelet:
         role, job = labels.get(names.LABEL_ROLE, ""), labels.get(names.LABEL_JOB, "")
         if self.start_delay:
             await asyncio.sleep(self.start_delay)  # simulated container start time
-        try:
-            await self.core.create_namespaced_pod_binding(
-                name,
-                self.namespace,
-                client.V1Binding(
-                    metadata=client.V1ObjectMeta(name=name),
-                    target=client.V1ObjectReference(api_version="v1", kind="Node", name=NODE),
-                ),
-                _preload_content=False,  # the reply is a Status, which the generated client cannot parse
-            )
-        except ApiException as exc:
-            if exc.status in (404, 409):
-                return
-            raise
+        binding = {"metadata": {"name": name}, "target": {"apiVersion": "v1", "kind": "Node", "name": NODE}}
+        # 404: deleted meanwhile; 409: bound already (a pod resumed after a pause). The reply is a Status.
+        if await self._raw(self.core.create_namespaced_pod_binding, name, self.namespace, binding,
+                           ignore=(404, 409)) is None:
+            return
         ip = await self._start_containers(pod, role)
         ready = not self._matches(self.unready, job, role)
         await self._patch_status(name, self._running_status(pod, role, ip, ready, restarts=0))
@@ -250,27 +243,37 @@ class FakeKubelet:
         }
 
     async def _patch_status(self, name: str, status: dict) -> None:
+        await self._raw(self.core.patch_namespaced_pod_status, name, self.namespace, {"status": status}, ignore=(404,))
+
+    async def _read_pod(self, name: str) -> dict:
+        pod = await self._raw(self.core.read_namespaced_pod, name, self.namespace)
+        assert pod is not None
+        return pod
+
+    @staticmethod
+    async def _raw(call: Callable[..., Awaitable[Any]], *args: Any, ignore: tuple[int, ...] = (), **kwargs: Any) -> Any:
+        """The call's reply as plain JSON (None for a status in `ignore`), without the client building its model
+        objects: this kubelet shares the CPU with the operator it measures, which a real node does not."""
+        response = await call(*args, _preload_content=False, **kwargs)
+        if response.status in ignore:
+            response.release()
+            return None
+        response = await kube.checked(response)
         try:
-            await self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status})
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+            return orjson.loads(await response.read())
+        finally:
+            response.release()
 
     async def _stop(self, name: str, uid: str) -> None:
         await asyncio.sleep(self.stop_delay)  # simulated container shutdown time after SIGTERM
-        try:
-            await self.core.delete_namespaced_pod(
-                name, self.namespace, body=client.V1DeleteOptions(grace_period_seconds=0, preconditions={"uid": uid})
-            )
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
+        await self._raw(self.core.delete_namespaced_pod, name, self.namespace,
+                        body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}, ignore=(404, 409))
 
     # -- what a test does -----------------------------------------------------------------------
 
     async def exit(self, pod_name: str, code: int) -> None:
         """End the main container of a running pod with `code`, as the kubelet reports it."""
-        pod = self.api.sanitize_for_serialization(await self.core.read_namespaced_pod(pod_name, self.namespace))
+        pod = await self._read_pod(pod_name)
         status = pod.get("status") or {}
         cs = (status.get("containerStatuses") or [{}])[0]
         started = ((cs.get("state") or {}).get("running") or {}).get("startedAt") or _k8s_time()
@@ -295,7 +298,7 @@ class FakeKubelet:
 
     async def set_ready(self, pod_name: str, ready: bool) -> None:
         flag = "True" if ready else "False"
-        pod = self.api.sanitize_for_serialization(await self.core.read_namespaced_pod(pod_name, self.namespace))
+        pod = await self._read_pod(pod_name)
         cs = [{**c, "ready": ready} for c in (pod.get("status") or {}).get("containerStatuses") or []]
         await self._patch_status(
             pod_name,

@@ -39,7 +39,7 @@ async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return api
 
 
-async def _checked(response: Any) -> Any:
+async def checked(response: Any) -> Any:
     """kubernetes_asyncio raises for an error status only when it preloads the body: with
     `_preload_content=False` (used here for speed) a 404, 409 or 422 comes back as a plain response."""
     if 200 <= response.status <= 299:
@@ -72,7 +72,7 @@ class Kube:
         }[kind]
         try:
             # Raw JSON: deserialising into the generated models and back costs more than the request.
-            response = await _checked(await create(namespace, manifest, _preload_content=False))
+            response = await checked(await create(namespace, manifest, _preload_content=False))
             return orjson.loads(await response.read())
         except ApiException as exc:
             if exc.status == 409:
@@ -96,7 +96,7 @@ class Kube:
         """Merge-patch a Kueue Workload's status; 409 (Kueue wrote first) and 404 are left to the next pass."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
         try:
-            response = await _checked(await self.custom.patch_namespaced_custom_object_status(
+            response = await checked(await self.custom.patch_namespaced_custom_object_status(
                 kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name, body,
                 _content_type="application/merge-patch+json", _preload_content=False,
             ))
@@ -119,7 +119,7 @@ class Kube:
             preconditions=client.V1Preconditions(uid=uid) if uid else None,
         )
         try:
-            response = await _checked(
+            response = await checked(
                 await self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
             )
             response.release()
@@ -138,7 +138,7 @@ class Kube:
             "NetworkPolicy": self.networking.delete_namespaced_network_policy,
         }[kind]
         try:
-            response = await _checked(await delete(name, namespace, _preload_content=False))
+            response = await checked(await delete(name, namespace, _preload_content=False))
             response.release()
         except ApiException as exc:
             if exc.status != 404:
@@ -157,7 +157,7 @@ class Kube:
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
-            response = await _checked(await self.custom.patch_namespaced_custom_object_status(
+            response = await checked(await self.custom.patch_namespaced_custom_object_status(
                 GROUP,
                 VERSION,
                 namespace,
