@@ -1,5 +1,7 @@
 """The API server's request counters as `rlkube bench operator` reads them (rlkube.bench.apimetrics)."""
 
+from collections import Counter
+
 import pytest
 
 from rlkube.bench import apimetrics
@@ -48,9 +50,16 @@ def test_a_run_is_the_difference_of_two_pages_per_job():
         "writes_by_kind_per_job": {"POST pods": 4.0, "PATCH trainingjobs/status": 2.0},
         "mean_request_ms": pytest.approx(33.3),
         "mean_ms_of_slowest_kinds": {"POST pods": pytest.approx(50.0)},  # 0.4 s over 8 POSTs
+        "cpu_ms_per_job": {},
     }
 
 
 def test_no_requests_has_no_mean():
     same = apimetrics.parse(page(10, 4, 0.6))
     assert apimetrics.summary(same - same, jobs=3)["mean_request_ms"] is None
+
+
+def test_cpu_is_the_difference_per_job_by_process():
+    before = apimetrics.Requests(cpu=Counter({"kube-apiserver": 10.0, "operator": 1.0, "etcd": 2.0}))
+    after = apimetrics.Requests(cpu=Counter({"kube-apiserver": 14.0, "operator": 3.0, "etcd": 2.0}))
+    assert apimetrics.summary(after - before, jobs=4)["cpu_ms_per_job"] == {"kube-apiserver": 1000.0, "operator": 500.0}

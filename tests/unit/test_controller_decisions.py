@@ -139,7 +139,9 @@ def test_new_job_is_pending_and_creates_config_services_secret_and_redis_only():
     assert creates(d) == ["j-config", "j-redis", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
     assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "NetworkPolicy", "Service", "Service", "Service",
                                            "Pod"]
-    assert "Accepted" in reasons(d)
+    # One Event says it is accepted: the first phase (Events are API writes, so there is no separate one).
+    assert [(e.reason, e.message) for e in d.events] == [
+        ("Pending", "accepted, Pending: PodsPending children created, no pod running yet")]
     assert d.watch_events and cond(d.status, "EventSourceReachable").status == "True"
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlkube.bench import processes
+
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION"})
 LONG_RUNNING = frozenset({"WATCH", "WATCHLIST", "CONNECT"})
 SLOWEST = 6
@@ -27,9 +29,11 @@ class Requests:
 
     count: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)
+    cpu: Counter = field(default_factory=Counter)
+    """CPU seconds of local processes by name (the API server, etcd, the controller under test)."""
 
     def __sub__(self, earlier: Requests) -> Requests:
-        return Requests(self.count - earlier.count, self.seconds - earlier.seconds)
+        return Requests(self.count - earlier.count, self.seconds - earlier.seconds, self.cpu - earlier.cpu)
 
 
 def _kind(labels: dict[str, str]) -> str | None:
@@ -59,10 +63,15 @@ def parse(text: str) -> Requests:
     return out
 
 
-async def scrape(api: client.ApiClient) -> Requests:
-    """The API server's counters now (GET /metrics with the client's credentials)."""
+async def scrape(api: client.ApiClient, pids: dict[str, int] | None = None) -> Requests:
+    """The API server's counters now (GET /metrics with the client's credentials), and the CPU seconds so far
+    of the local control plane's processes and of `pids` (name -> pid)."""
     response = await api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
-    return parse(await response.text())
+    out = parse(await response.text())
+    out.cpu.update(processes.cpu_by_name())
+    for name, pid in (pids or {}).items():
+        out.cpu[name] += processes.usage(pid)[1]
+    return out
 
 
 def summary(delta: Requests, jobs: int) -> dict:
@@ -79,4 +88,7 @@ def summary(delta: Requests, jobs: int) -> dict:
             kind: round(1000 * seconds / delta.count[kind], 1)
             for kind, seconds in delta.seconds.most_common(SLOWEST) if delta.count[kind] > 0
         },
+        # Where the machine's CPU went ("kube-controller" is every kube-controller-manager: the Job controller's
+        # and the control plane's own garbage collector).
+        "cpu_ms_per_job": {name: round(1000 * s / jobs, 1) for name, s in sorted(delta.cpu.items()) if s > 0},
     }

@@ -162,7 +162,7 @@ async def run_one(
                                                              job_manifest(name, redis_url))
 
         log(f"N={n}: creating {n} TrainingJobs in {namespace}")
-        before = await apimetrics.scrape(api)
+        before = await apimetrics.scrape(api, {"operator": proc.pid, "bench": os.getpid()})
         await asyncio.gather(*(create(name) for name in names))
 
         def children_done() -> bool:
@@ -190,7 +190,7 @@ async def run_one(
         await asyncio.gather(*(finish(name) for name in names))
         await jobs.wait(lambda: all(released(name) for name in names), 120 + 2 * n, "all ResourcesReleased")
         finished_to_released = [released(name) - finished_at[name] for name in names]
-        requests = apimetrics.summary(await apimetrics.scrape(api) - before, n)
+        requests = apimetrics.summary(await apimetrics.scrape(api, {"operator": proc.pid, "bench": os.getpid()}) - before, n)
         peak_mib, operator_cpu = processes.usage(proc.pid)
         me = os.times()
         log(f"N={n}: done; CPU seconds: operator {operator_cpu:.1f}, "

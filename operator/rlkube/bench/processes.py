@@ -51,3 +51,22 @@ def usage(pid: int) -> tuple[float, float]:
     # Fields after the parenthesised command name: utime and stime are the 12th and 13th (clock ticks).
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return peak_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller-")  # /proc/PID/comm is cut at 15 characters
+
+
+def cpu_by_name(names: tuple[str, ...] = CONTROL_PLANE) -> dict[str, float]:
+    """CPU seconds so far of the local processes with these command names, summed per name (empty where the
+    cluster runs elsewhere): what the API server and etcd spent, to set beside what a controller cost them."""
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            comm = (proc / "comm").read_text().strip()
+            if comm in names:
+                out[comm] = out.get(comm, 0.0) + usage(int(proc.name))[1]
+        except (OSError, AttributeError):  # gone meanwhile, or a kernel thread without VmHWM
+            continue
+    return out

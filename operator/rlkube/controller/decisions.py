@@ -147,6 +147,8 @@ class _Pass:
         self.replaced_now: set[str] = set()
         self.trainer_failed_now = False
         self.teardown_seconds: float | None = None
+        self.accepting = False
+        """A new job's first pass: its phase Event says the job is accepted."""
         self.fresh = job.status.start_time is None
         """This pass creates the children for the first time (a new job, or a resume): nothing is "recreated"."""
 
@@ -349,7 +351,7 @@ def _evidence(p: _Pass, failing: list[tuple[PodView, str]]) -> Evidence:
         comp = p.status.completion = (comp or Completion()).model_copy(
             update={"trainer_exit_code": 0, "trainer_exit_time": fmt_time(p.now)}
         )
-        p.event("Normal", Reason.TRAINER_EXITED, f"trainer pod {rank0.name} exited 0")
+        # No Event: the phase transition this leads to (-> Draining) says why the job ends.
     finished = None
     if comp is not None and comp.stream_id is not None:
         finished = Finished(
@@ -475,8 +477,10 @@ def _update_phase(p: _Pass) -> None:
 
 def _set_phase(p: _Pass, phase: str, reason: str, message: str = "") -> None:
     st = p.status
-    if st.phase != phase:
-        p.event("Warning" if phase == Phase.FAILED else "Normal", phase, f"{st.phase} -> {phase}: {reason} {message}".strip())
+    if st.phase != phase or p.accepting:
+        change = f"accepted, {phase}" if p.accepting else f"{st.phase} -> {phase}"
+        p.accepting = False
+        p.event("Warning" if phase == Phase.FAILED else "Normal", phase, f"{change}: {reason} {message}".strip())
     st.phase = phase  # type: ignore[assignment]
     st.reason = reason
     st.message = message
@@ -512,7 +516,7 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
     if td is None or td.reason != reason and td.stage == teardown.DONE:
         # A new teardown (a finished suspend followed by deletion or an outcome restarts the sequence).
         td = TeardownStatus(reason=reason)
-        # The first TeardownStage Event and the phase transition say it: no Event of its own.
+        # The phase transition says it: no Event of its own.
         p.condition("ResourcesReleased", "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})", event=False)
     elif td.reason != reason:
         td = td.model_copy(update={"reason": reason})
@@ -534,8 +538,9 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
         p.teardown_seconds = (p.now - first).total_seconds() if first else 0.0
         for manifest_kind, name in _static_names(p):
             p.actions.append(DeleteObject(manifest_kind, name))
-        last = f": {teardown.describe(step.finished_stages[-1])}" if step.finished_stages else ""
-        p.condition("ResourcesReleased", "True", Reason.ALL_PODS_GONE, f"teardown ({reason}) finished{last}")
+        stages = "; ".join(teardown.describe(s) for s in step.status.stages)
+        p.condition("ResourcesReleased", "True", Reason.ALL_PODS_GONE,
+                    f"teardown ({reason}) finished: {stages}" if stages else f"teardown ({reason}) finished")
     return step.done
 
 
@@ -655,7 +660,7 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
     st.observed_generation = job.generation
     if st.start_time is None:
         st.start_time = fmt_time(now)
-        p.event("Normal", Reason.ACCEPTED, f"reconciling TrainingJob {job.namespace}/{job.name}")
+        p.accepting = not resuming  # no Event of its own: this pass's phase Event says it ("accepted, Pending")
     was_phase = st.phase
 
     if job.spec is None:

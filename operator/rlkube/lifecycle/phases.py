@@ -32,7 +32,6 @@ class Reason:
     INTERRUPTED = "Interrupted"  # `rlkube local` stopped by the user
     RUNNER_ERROR = "RunnerError"  # `rlkube local` lost its own Redis or could not start a process
     # Phase transitions and teardown.
-    ACCEPTED = "Accepted"
     PODS_PENDING = "PodsPending"
     COMPONENTS_STARTING = "ComponentsStarting"
     ALL_COMPONENTS_READY = "AllComponentsReady"
@@ -50,7 +49,6 @@ class Reason:
     TRAINER_RESTARTED = "TrainerRestarted"
     COMPONENT_RESTARTED = "ComponentRestarted"
     STALE_FINISHED_EVENT = "StaleFinishedEvent"
-    TRAINER_EXITED = "TrainerExited"
     TRAINING_FINISHED_EVENT = "TrainingFinishedEvent"
     CHILD_RECREATED = "ChildRecreated"
     TTL_EXPIRED = "TTLExpired"
