@@ -557,6 +557,32 @@ def test_a_terminal_job_never_recreates_anything_and_ignores_new_events():
     assert creates(d) == [] and deletes(d) == [] and d.status.completion == done.completion
 
 
+def test_a_successful_teardown_posts_one_event_at_its_end_listing_the_stages():
+    d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
+                                                                           **FINISHED)])
+    # Events are API writes: the transition says why the job ends; no Event for the finished event or the exit.
+    assert [(e.reason, e.message) for e in d.events] == [
+        ("Draining", "Running -> Draining: TrainingFinished trained 40/40 steps")]
+    events = []
+    for _ in range(6):  # pods disappear stage by stage: no Event per stage
+        d = run(job(d.status), [])
+        events += d.events
+    assert d.status.phase == "Succeeded" and cond(d.status, "ResourcesReleased").status == "True"
+    [final] = events
+    assert final.reason == "Succeeded" and final.message.startswith(
+        "Draining -> Succeeded: TrainingFinished trained 40/40 steps; teardown (Succeeded) finished: actor stopped in")
+    assert [role for role in TEARDOWN_ORDER if f"{role} stopped in" in final.message] == list(TEARDOWN_ORDER)
+    assert final.message.count(" stopped in ") == len(TEARDOWN_ORDER)
+
+
+def test_a_deletion_posts_its_own_released_event():
+    d = run(job(running_status(), deleting=True), all_pods())
+    while not d.released:
+        d = run(job(d.status, deleting=True), [])
+    released = [e for e in d.events if e.reason == "AllPodsGone"]
+    assert len(released) == 1 and "teardown (Deleted) finished: actor stopped in" in released[0].message
+
+
 def test_deleting_a_finished_job_releases_it_at_once():
     d = run(job(running_status()), all_pods(trainer=trainer_exited(0)), [ev(protocol.TRAINING_FINISHED, ms(T0),
                                                                            **FINISHED)])

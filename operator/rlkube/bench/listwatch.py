@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 OnEvent = Callable[[str, dict], Awaitable[None]]
 
 
+class _RawWatch(watch.Watch):
+    """A watch whose events keep the API server's JSON: kubernetes_asyncio would otherwise re-encode every pod
+    and build its model objects from it (most of the fake kubelet's CPU), only for us to turn them back."""
+
+    def get_return_type(self, func: object) -> None:
+        return None
+
+
 class ListWatch:
     """`await start()` returns once the initial listing went through `on_event`; `close()` stops the watch."""
 
@@ -74,7 +82,7 @@ class ListWatch:
                     for obj in listing["items"]:
                         await self.on_event("ADDED", obj)
                     ready.set()
-                stream = watch.Watch().stream(self.list_fn, *self.args, **self.kwargs, resource_version=rv,
+                stream = _RawWatch().stream(self.list_fn, *self.args, **self.kwargs, resource_version=rv,
                                               timeout_seconds=60, _request_timeout=90)
                 async with stream as events:
                     async for event in events:

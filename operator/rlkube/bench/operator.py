@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from rlkube import gctune
 from rlkube.api.crd import crd
 from rlkube.api.spec import GROUP, PLURAL, VERSION
 from rlkube.bench import apimetrics, jobcontroller, processes, report
@@ -239,6 +240,7 @@ def cli(args: argparse.Namespace) -> int:
         jobcontroller.check_binary(controller_manager)
     sizes = args.n or [50, 200]
     workdir = Path(tempfile.mkdtemp(prefix="rlkube-bench-operator-"))
+    gctune.tune()  # as the operator does: this process plays the node beside it on the same CPUs
     results = asyncio.run(run_all(sizes, Path(kubeconfig), workdir, controller_manager))
     print(json.dumps(results) if args.json else report.table(results))
     print(f"logs: {workdir}", file=sys.stderr)

@@ -53,7 +53,7 @@ def usage(pid: int) -> tuple[float, float]:
     return peak_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller-")  # /proc/PID/comm is cut at 15 characters
+CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller")  # /proc/PID/comm is cut at 15 characters
 
 
 def cpu_by_name(names: tuple[str, ...] = CONTROL_PLANE) -> dict[str, float]:

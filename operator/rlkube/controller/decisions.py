@@ -149,6 +149,8 @@ class _Pass:
         self.teardown_seconds: float | None = None
         self.accepting = False
         """A new job's first pass: its phase Event says the job is accepted."""
+        self.released_note = ""
+        """Set by the pass whose teardown finished: what it took (stage by stage)."""
         self.fresh = job.status.start_time is None
         """This pass creates the children for the first time (a new job, or a resume): nothing is "recreated"."""
 
@@ -223,7 +225,7 @@ def _ingest_events(p: _Pass) -> None:
                     "interrupted": facts.interrupted or final_step < p.max_steps,
                 }
             )
-            p.event("Normal", Reason.TRAINING_FINISHED_EVENT, f"training_finished at step {final_step} ({ev.stream_id})")
+            # No Event: the transition it leads to (-> Draining) says it ("trained N/M steps").
         tr.last_event_id = ev.stream_id
         tr.last_event_time = fmt_time(p.now)
     if p.obs.read_upto and stream_id_key(p.obs.read_upto) > stream_id_key(tr.last_event_id):
@@ -475,12 +477,14 @@ def _update_phase(p: _Pass) -> None:
             _set_phase(p, Phase.PENDING, Reason.PODS_PENDING, "children created, no pod running yet")
 
 
-def _set_phase(p: _Pass, phase: str, reason: str, message: str = "") -> None:
+def _set_phase(p: _Pass, phase: str, reason: str, message: str = "", note: str = "") -> None:
+    """Set the phase; a change gets an Event, which also says `note` (not kept in the status)."""
     st = p.status
     if st.phase != phase or p.accepting:
         change = f"accepted, {phase}" if p.accepting else f"{st.phase} -> {phase}"
         p.accepting = False
-        p.event("Warning" if phase == Phase.FAILED else "Normal", phase, f"{change}: {reason} {message}".strip())
+        text = f"{change}: {reason} {message}".strip() + (f"; {note}" if note else "")
+        p.event("Warning" if phase == Phase.FAILED else "Normal", phase, text)
     st.phase = phase  # type: ignore[assignment]
     st.reason = reason
     st.message = message
@@ -539,8 +543,10 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
         for manifest_kind, name in _static_names(p):
             p.actions.append(DeleteObject(manifest_kind, name))
         stages = "; ".join(teardown.describe(s) for s in step.status.stages)
-        p.condition("ResourcesReleased", "True", Reason.ALL_PODS_GONE,
-                    f"teardown ({reason}) finished: {stages}" if stages else f"teardown ({reason}) finished")
+        p.released_note = f"teardown ({reason}) finished: {stages}" if stages else f"teardown ({reason}) finished"
+        # After an outcome the final phase Event (same pass) carries this; a deletion or suspend has its own.
+        p.condition("ResourcesReleased", "True", Reason.ALL_PODS_GONE, p.released_note,
+                    event=reason not in (Phase.SUCCEEDED, Phase.FAILED))
     return step.done
 
 
@@ -704,7 +710,8 @@ def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> De
                 _set_phase(p, Phase.SUSPENDED, Reason.SUSPENDING, "ordered stop in progress")
         elif decided and released:
             failed = get(st.conditions, decided)
-            _set_phase(p, decided, failed.reason if failed else decided, failed.message if failed else "")
+            _set_phase(p, decided, failed.reason if failed else decided, failed.message if failed else "",
+                       note=p.released_note)
             st.completion_time = st.completion_time or fmt_time(now)
         else:
             cond = get(st.conditions, decided) if decided else None

@@ -23,6 +23,7 @@ from typing import Any
 import kopf
 from aiohttp import web
 
+from rlkube import gctune
 from rlkube.controller import metrics
 from rlkube.controller.handlers import build_registry
 
@@ -39,6 +40,7 @@ def cli(args: argparse.Namespace) -> int:
     # kopf logs every handler call at INFO (one line per pod event); keep its warnings and errors only.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics.serve(args.metrics_port)
+    gctune.tune()
     namespaces = list(args.namespace or ())
     options = dict(
         registry=build_registry(),

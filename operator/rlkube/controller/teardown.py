@@ -61,7 +61,7 @@ def advance(
     if td.stage == DONE:
         return step
     # No Event per stage (each is an API write, five per job; at scale they were a quarter of the operator's
-    # writes): the stages are in the status as they run, and the ResourcesReleased Event lists them all.
+    # writes): the stages are in the status as they run, and the Event at the end lists them all.
     for role in TEARDOWN_ORDER:
         stage = next((s for s in td.stages if s.name == role), None)
         if stage is not None and stage.finished_at is not None:

@@ -49,7 +49,6 @@ class Reason:
     TRAINER_RESTARTED = "TrainerRestarted"
     COMPONENT_RESTARTED = "ComponentRestarted"
     STALE_FINISHED_EVENT = "StaleFinishedEvent"
-    TRAINING_FINISHED_EVENT = "TrainingFinishedEvent"
     CHILD_RECREATED = "ChildRecreated"
     TTL_EXPIRED = "TTLExpired"
     # Component readiness conditions.
