@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_KEYS = {"n", "create_to_children_p50", "create_to_children_p99", "finished_to_released_p50",
               "finished_to_released_p99", "operator_rss_mb", "job_controller_create_p50", "job_controller_create_p99",
-              "create_ratio_p50", "create_ratio_p99", "teardown_ratio_p99", "load_1m"}
+              "create_ratio_p50", "create_ratio_p99", "teardown_ratio_p99", "load_1m", "api_requests"}
 
 
 def _clean_env() -> dict[str, str]:
@@ -125,6 +125,11 @@ def test_bench_operator_runs_from_the_wheel(base_venv, away, cluster, crd):
     assert 0 < result["create_to_children_p50"] <= result["create_to_children_p99"]
     assert 0 < result["finished_to_released_p50"] <= result["finished_to_released_p99"]
     assert 30 < result["operator_rss_mb"] < 2000
+    # What each run cost the API server: ours creates 4 pods per job, the Job controller as many; the CPU figures
+    # come from this machine's /proc (the session's control plane runs here).
+    ours, theirs = result["api_requests"]["ours"], result["api_requests"]["job_controller"]
+    assert ours["writes_by_kind_per_job"]["POST pods"] == theirs["writes_by_kind_per_job"]["POST pods"] == 4
+    assert ours["cpu_ms_per_job"]["operator"] > 0 and ours["cpu_ms_per_job"]["kube-apiserver"] > 0
 
 
 def test_the_core_install_runs_rlkube_local(core_venv, away):
