@@ -138,10 +138,15 @@ def test_models_that_cannot_work_fail_their_jobs_from_the_init_container(jobs, c
         # The roles never ran: the init container `model` of the trainer and inference pods failed first, and
         # the actors (which wait for inference) were never created.
         assert f"{job.name}-actor-0" not in job.uids_per_pod(), row
+        logs = {}
         for role in ("trainer", "inference"):
             pod = names.pod_name(job.name, role)
-            assert words in node_agent.container_log(namespace, pod, names.INIT_MODEL), pod
+            logs[pod] = node_agent.container_log(namespace, pod, names.INIT_MODEL)
             assert not node_agent.container_log(namespace, pod, role), f"{pod}: the role ran"
+        # Both init containers check the model. The first to fail fails the job, and the teardown may stop the
+        # other while it is still checking (CI, under load: the inference pod's log was empty), so only the one
+        # that failed must have said why.
+        assert any(words in log for log in logs.values()), logs
     assert job.leftover_processes() == []
 
 
