@@ -37,7 +37,7 @@ from pathlib import Path
 from subprocess import Popen
 
 import redis.asyncio as aioredis
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube import gctune
@@ -46,6 +46,7 @@ from rlkube.api.spec import GROUP, PLURAL, VERSION
 from rlkube.bench import apimetrics, jobcontroller, processes, report
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
+from rlkube.controller import kube
 from rlkube.local.redis_server import RedisServer
 
 PODS_PER_JOB = 4  # trainer, inference, preprocessor, actor (external Redis: no Redis pod)
@@ -163,7 +164,8 @@ async def run_one(
                                                              job_manifest(name, redis_url))
 
         log(f"N={n}: creating {n} TrainingJobs in {namespace}")
-        before = await apimetrics.scrape(api, {"operator": proc.pid, "bench": os.getpid()})
+        measured = {"operator": proc.pid, "bench": os.getpid()}
+        before = await apimetrics.scrape(api, measured)
         await asyncio.gather(*(create(name) for name in names))
 
         def children_done() -> bool:
@@ -191,7 +193,7 @@ async def run_one(
         await asyncio.gather(*(finish(name) for name in names))
         await jobs.wait(lambda: all(released(name) for name in names), 120 + 2 * n, "all ResourcesReleased")
         finished_to_released = [released(name) - finished_at[name] for name in names]
-        requests = apimetrics.summary(await apimetrics.scrape(api, {"operator": proc.pid, "bench": os.getpid()}) - before, n)
+        requests = apimetrics.summary(await apimetrics.scrape(api, measured) - before, n)
         peak_mib, operator_cpu = processes.usage(proc.pid)
         me = os.times()
         log(f"N={n}: done; CPU seconds: operator {operator_cpu:.1f}, "
@@ -200,9 +202,7 @@ async def run_one(
 
 
 async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path, controller_manager: str | None) -> list[dict]:
-    api = await config.new_client_from_config(config_file=str(kubeconfig))
-    api.configuration.connection_pool_maxsize = 64
-    api.rest_client.pool_manager._trust_env = False  # as the operator's client (rlkube.controller.kube says why)
+    api = await kube.api_client(str(kubeconfig), pool_size=64)  # the operator's client settings, a larger pool
     redis_server = RedisServer(workdir / "shared-redis").start()
     try:
         await apply_crd(api)

@@ -246,9 +246,7 @@ class FakeKubelet:
         await self._raw(self.core.patch_namespaced_pod_status, name, self.namespace, {"status": status}, ignore=(404,))
 
     async def _read_pod(self, name: str) -> dict:
-        pod = await self._raw(self.core.read_namespaced_pod, name, self.namespace)
-        assert pod is not None
-        return pod
+        return await self._raw(self.core.read_namespaced_pod, name, self.namespace)
 
     @staticmethod
     async def _raw(call: Callable[..., Awaitable[Any]], *args: Any, ignore: tuple[int, ...] = (), **kwargs: Any) -> Any:

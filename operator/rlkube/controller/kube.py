@@ -21,8 +21,9 @@ from rlkube.controller import kueue, metrics
 log = logging.getLogger(__name__)
 
 
-async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster service account when there is one, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+async def api_client(kubeconfig: str | None = None, pool_size: int = 32) -> client.ApiClient:
+    """In-cluster service account when there is one, else the kubeconfig (KUBECONFIG or ~/.kube/config; an explicit
+    `kubeconfig` is always used); at most `pool_size` connections to the API server."""
     cfg = client.Configuration()
     try:
         if kubeconfig:
@@ -30,7 +31,7 @@ async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
         config.load_incluster_config(client_configuration=cfg)
     except config.ConfigException:
         await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    cfg.connection_pool_maxsize = 32
+    cfg.connection_pool_maxsize = pool_size
     api = client.ApiClient(configuration=cfg)
     # kubernetes_asyncio builds its aiohttp session with trust_env=True, so every request looks up proxies
     # in the environment and reads ~/.netrc in a worker thread (profiled at 200 jobs: a thread hop and a file

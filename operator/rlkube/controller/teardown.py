@@ -32,7 +32,6 @@ class Step:
     actions: list[Action] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     deadline: datetime | None = None  # when a waiting stage's grace period runs out
-    finished_stages: list[TeardownStage] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -104,7 +103,6 @@ def advance(
                 step.deadline = deadline
             return step
         stage.finished_at = fmt_time(now)
-        step.finished_stages.append(stage)
     td.stage = DONE
     return step
 
