@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import kopf
+import orjson
+
 from rlkube.controller import handlers
 
 
@@ -99,15 +101,39 @@ def test_actions_go_in_waves_of_one_kind_in_the_decisions_order():
     assert waves([]) == []
 
 
-def test_kopf_decodes_watch_events_with_orjson():
+def test_kopf_decodes_watch_events_with_orjson_and_trims_them():
     import inspect
 
-    import orjson
     from kopf._cogs.clients import api as kopf_api
+
+    from rlkube.controller import watchdecode
 
     # Where kopf decodes watch lines: the name this shim replaces (a kopf upgrade that moves it fails here).
     assert "json.loads(line.decode(" in inspect.getsource(kopf_api.stream)
-    assert handlers.decode_watch_events_with_orjson()
-    assert kopf_api.json.loads is orjson.loads
-    assert kopf_api.json.loads('{"type": "MODIFIED", "object": {"n": 1}}') == {"type": "MODIFIED", "object": {"n": 1}}
-    assert handlers.decode_watch_events_with_orjson()  # idempotent
+    assert watchdecode.install()
+    assert kopf_api.json.loads is watchdecode.loads
+    assert watchdecode.install()  # idempotent
+    meta = {"name": "p", "labels": {"a": "b"}, "managedFields": [{"manager": "x"}],
+            "annotations": {"keep": "1", watchdecode.LAST_APPLIED: "{}"}}
+    pod = {"kind": "Pod", "metadata": meta, "spec": {"containers": []}, "status": {"phase": "Running"}}
+    line = orjson.dumps({"type": "MODIFIED", "object": pod})
+    assert kopf_api.json.loads(line) == {"type": "MODIFIED", "object": {
+        "kind": "Pod", "metadata": {"name": "p", "labels": {"a": "b"}, "annotations": {"keep": "1"}},
+        "status": {"phase": "Running"}}}
+    job = {"kind": "TrainingJob", "metadata": {"name": "j", "managedFields": []}, "spec": {"a": 1}, "status": {}}
+    assert watchdecode.loads(orjson.dumps({"type": "ADDED", "object": job}))["object"] == {
+        "kind": "TrainingJob", "metadata": {"name": "j"}, "spec": {"a": 1}, "status": {}}
+    secret = {"kind": "Secret", "metadata": {"name": "s"}, "data": {"password": "c2VjcmV0"}, "type": "Opaque"}
+    assert watchdecode.loads(orjson.dumps({"type": "ADDED", "object": secret}))["object"] == {
+        "kind": "Secret", "metadata": {"name": "s"}, "type": "Opaque"}
+    error = {"type": "ERROR", "object": {"kind": "Status", "code": 410}}
+    assert watchdecode.loads(orjson.dumps(error)) == error  # kopf reads the code of an ERROR event
+
+
+def test_children_are_watched_by_their_label_server_side():
+    settings = kopf.OperatorSettings()
+    handlers.apply_settings(settings)
+    selected = {sel: settings.watching.label_selectors[sel] for sel in settings.watching.label_selectors}
+    assert set(selected.values()) == {"app.kubernetes.io/managed-by=rlkube"}
+    plurals = {sel.plural or sel.any_name for sel in selected}
+    assert plurals == {"pods", "configmaps", "secrets", "services", "networkpolicies", "workloads"}

@@ -22,16 +22,13 @@ Registered into an explicit registry by `build_registry()`, never as an import s
 
 from __future__ import annotations
 
-import json
 import logging
-import types
 from typing import Any
 
 import kopf
-import orjson
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.controller import kueue, names
+from rlkube.controller import kueue, names, watchdecode
 from rlkube.controller.kube import Kube, api_client
 from rlkube.controller.loop import Shared
 from rlkube.controller.observed import PodView, pod_view
@@ -44,6 +41,7 @@ WATCH_CLIENT_TIMEOUT = 150
 REQUEST_TIMEOUT = 60
 
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
+MANAGED_SELECTOR = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
 
 class NoDiffBaseStorage(kopf.DiffBaseStorage):
@@ -69,24 +67,6 @@ class NoDiffBaseStorage(kopf.DiffBaseStorage):
         return None
 
 
-def decode_watch_events_with_orjson() -> bool:
-    """Have kopf decode watch events with orjson instead of the standard json module.
-
-    kopf parses every line of every watch stream (every status write of a TrainingJob, every pod change) with
-    `json.loads`; profiled at 200 jobs that was the operator's largest single cost (15% of its CPU). orjson
-    (already a dependency) parses the same JSON to the same dicts several times faster. kopf looks `json` up
-    in its API client module at call time, so that module's name is pointed at orjson. Where a kopf version
-    no longer decodes there, nothing is changed (False) and kopf keeps its own decoding.
-    """
-    from kopf._cogs.clients import api as kopf_api
-
-    current = getattr(kopf_api, "json", None)
-    if current is not json:
-        return getattr(current, "loads", None) is orjson.loads  # already done (True) or not kopf's layout
-    kopf_api.json = types.SimpleNamespace(loads=orjson.loads)
-    return True
-
-
 def apply_settings(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
@@ -99,12 +79,16 @@ def apply_settings(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = NoDiffBaseStorage()
     # Our own Events say what happened; kopf's "Handler ... succeeded" lines would only add noise.
     settings.posting.level = logging.WARNING
+    # The children are ours by label: the API server filters them (the handlers' label filters are client-side,
+    # and without this every pod, ConfigMap and Secret of the cluster would be sent, decoded and held).
+    for resource in CHILD_RESOURCES:
+        settings.watching.label_selectors[resource] = MANAGED_SELECTOR
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     apply_settings(settings)
-    if not decode_watch_events_with_orjson():
-        logger.warning("kopf's watch decoding not found; watch events are decoded with the json module")
+    if not watchdecode.install():
+        logger.warning("kopf's watch decoding not found; watch events are decoded with the json module, untrimmed")
     memo.shared = Shared(Kube(await api_client()))
     logger.info("rlkube operator configured (watch timeouts %ss/%ss)", WATCH_SERVER_TIMEOUT, WATCH_CLIENT_TIMEOUT)
 
@@ -137,6 +121,9 @@ async def pod_changed(
 STATIC_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "services": "Service",
                 "networkpolicies": "NetworkPolicy"}
 """The job's children besides pods (resource -> kind); each has an index named `{resource}_by_job`."""
+WORKLOADS = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
+CHILD_RESOURCES = ("pods", *STATIC_KINDS, WORKLOADS)
+"""Every watched kind but TrainingJobs: the operator's children and Kueue Workloads, all labelled MANAGED."""
 
 
 def _static_indexer(kind: str):
@@ -221,9 +208,8 @@ def build_registry() -> kopf.OperatorRegistry:
         kopf.index(resource, labels=MANAGED, id=f"{resource}_by_job", registry=registry)(_static_indexer(kind))
         kopf.on.event(resource, labels=MANAGED, id=f"{resource}-deleted", registry=registry)(static_changed)
 
-    workloads = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
-    kopf.index(*workloads, labels=MANAGED, id="workloads_by_job", registry=registry)(index_workload)
-    kopf.on.event(*workloads, labels=MANAGED, id="workload-changed", registry=registry)(workload_changed)
+    kopf.index(*WORKLOADS, labels=MANAGED, id="workloads_by_job", registry=registry)(index_workload)
+    kopf.on.event(*WORKLOADS, labels=MANAGED, id="workload-changed", registry=registry)(workload_changed)
 
     job = (GROUP, VERSION, PLURAL)
     kopf.daemon(*job, id="job-loop", registry=registry)(job_loop)

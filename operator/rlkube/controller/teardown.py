@@ -4,8 +4,11 @@ Stages run one at a time in TEARDOWN_ORDER (actors, preprocessor, inference, tra
 starts by deleting its pods with the role's grace period, and finishes only when those pods are gone;
 if they are still there when the grace period has run out, they are force-deleted (grace 0) with a
 Warning Event. Progress (start/finish time of each stage) lives in the status, so an operator restarted
-at any moment resumes at the stage it was in: a started stage is never restarted, a finished one never
-revisited. The same sequence serves success, failure, deletion and suspend.
+at any moment resumes at the stage it last wrote: a finished stage is never revisited, and as each step
+is also a function of the pods, a stage written as started whose pods are gone by now just finishes, and
+pods already deleting are not deleted again. (The loop may hold a stage-to-stage write a few seconds to
+send it with the next: loop.routine_patch.) The same sequence serves success, failure, deletion and
+suspend.
 """
 
 from __future__ import annotations
