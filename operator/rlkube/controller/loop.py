@@ -62,6 +62,13 @@ INFLIGHT_SECONDS = 60.0
 PASS_TIMEOUT = 120.0
 """A pass stuck on the network longer than this is abandoned and retried (it is idempotent)."""
 ERROR_BACKOFF = (0.5, 1, 2, 5, 10, 30)
+CONCURRENT_PASSES = 48
+"""Passes (of all jobs) that run at once; the others wait their turn in arrival order.
+
+A pass holds what it builds and what the API server answers (manifests, created objects) until it ends, and
+the API server answers a burst no faster for being sent it all at once: with a thousand jobs created together,
+unbounded passes held all of that for every job at the same time (the operator's peak memory). Kubernetes'
+own controllers work the same way (a work queue served by a fixed number of workers)."""
 COALESCE_SECONDS = 3.0
 """How long a routine status change may wait to go out with a later pass's write (see `routine_patch`)."""
 ROUTINE_KEYS = frozenset({"progress", "lag", "conditions", "components", "trainer", "completion"})
@@ -87,6 +94,7 @@ class Shared:
     pod_index: Any = None  # kopf.Index[(namespace, job), PodView], set by the first handler call
     static_indexes: tuple = ()  # kopf.Index[(namespace, job), "Kind/name"] of ConfigMaps, Secrets, Services
     workload_index: Any = None  # kopf.Index[(namespace, job), kueue.WorkloadView] of Kueue Workloads
+    passes: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CONCURRENT_PASSES))
 
     def loop(self, namespace: str, name: str) -> JobLoop:
         key = (namespace, name)
@@ -352,7 +360,7 @@ class JobLoop:
             await self._sleep(wake, timeout + 0.01, stopped)
 
     async def reconcile(self, body: Any) -> Decision:
-        async with self.lock:
+        async with self.shared.passes, self.lock:
             t0 = time.perf_counter()
             self.trigger = self._trigger(body)
             status = self.status if self.status is not None else parse_status(body.get("status"))
