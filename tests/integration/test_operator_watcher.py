@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-from rlkube.controller.watcher import EventWatcher, Target
+from rlkube.controller.watcher import EventWatcher, RedisClients, Target
 from rlkube.core import protocol
 from rlkube.local.redis_server import RedisServer
 
@@ -101,3 +101,33 @@ async def test_a_watcher_retired_by_a_pass_stops_in_the_background_and_stop_watc
         release.set()
         await asyncio.wait_for(stopping, 10)
         assert old._task is None and not loop._retiring
+
+
+async def test_jobs_on_one_redis_share_its_client_each_reading_its_own_stream(tmp_path):
+    with RedisServer(tmp_path / "r", password="pw") as server:
+        url = f"redis://{server.host}:{server.port}/0"
+        writer = aioredis.Redis.from_url(server.url)
+        clients = RedisClients()
+        wake = asyncio.Event()
+        a, b = (protocol.StreamKeys.for_job("ns", job).events for job in ("a", "b"))
+        watch_a = EventWatcher(Target(url, "pw", a), None, wake.set, clients).start()
+        watch_b = EventWatcher(Target(url, "pw", b), None, wake.set, clients).start()
+        other = EventWatcher(Target(url, "wrong", a), None, wake.set, clients).start()  # not the same client
+        try:
+            assert len(clients) == 2 and watch_a.reader.client is watch_b.reader.client
+            assert other.reader.client is not watch_a.reader.client
+            # Both blocked XREADs are served at once (a connection each from the shared pool).
+            id_a = (await writer.xadd(a, protocol.weights_ready(1, 32))).decode()
+            id_b = (await writer.xadd(b, protocol.weights_ready(2, 64))).decode()
+            await _until(lambda: watch_a.last_id == id_a and watch_b.last_id == id_b, wake)
+            assert [e.stream_id for e in watch_a.buffer] == [id_a] and [e.stream_id for e in watch_b.buffer] == [id_b]
+            await other.stop()
+            await watch_a.stop()  # the client stays open for b
+            assert len(clients) == 1
+            id_b2 = (await writer.xadd(b, protocol.weights_ready(3, 96))).decode()
+            await _until(lambda: watch_b.last_id == id_b2, wake)
+        finally:
+            for w in (other, watch_a, watch_b):
+                await w.stop()
+            await writer.aclose()
+        assert len(clients) == 0

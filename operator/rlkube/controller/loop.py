@@ -50,7 +50,7 @@ from rlkube.controller.observed import (
     pod_view,
 )
 from rlkube.controller.times import now, stream_id_key
-from rlkube.controller.watcher import EventWatcher, Target
+from rlkube.controller.watcher import EventWatcher, RedisClients, Target
 from rlkube.core import protocol, runtime
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class Shared:
     static_indexes: tuple = ()  # kopf.Index[(namespace, job), "Kind/name"] of ConfigMaps, Secrets, Services
     workload_index: Any = None  # kopf.Index[(namespace, job), kueue.WorkloadView] of Kueue Workloads
     passes: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CONCURRENT_PASSES))
+    redis: RedisClients = field(default_factory=RedisClients)  # the event watchers' clients, one per Redis
 
     def loop(self, namespace: str, name: str) -> JobLoop:
         key = (namespace, name)
@@ -588,7 +589,7 @@ class JobLoop:
             self._retire_watcher()
         if target is not None and self.watcher is None:
             start = decision.status.trainer.last_event_id
-            self.watcher = EventWatcher(target, start, self.notify).start()
+            self.watcher = EventWatcher(target, start, self.notify, self.shared.redis).start()
 
     def _retire_watcher(self) -> None:
         """Detach the watcher and stop it in the background: its stop can wait up to watcher.STOP_TIMEOUT for a

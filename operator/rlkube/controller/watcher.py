@@ -45,13 +45,50 @@ class Target:
         return f"{self.url} stream {self.stream}"
 
 
+class RedisClients:
+    """One redis.asyncio client per Redis (URL and password), shared by the watchers of the jobs whose streams it
+    holds (an external Redis serves many). Each blocked XREAD still takes a connection of its own from the client's
+    pool; what is shared is the client itself (its command tables: about 18 KB per client, a third of what a
+    watched job cost the operator) and its pool. The last watcher to let go closes it."""
+
+    def __init__(self) -> None:
+        self._clients: dict[tuple[str, str | None], tuple[aioredis.Redis, int]] = {}
+
+    def acquire(self, target: Target) -> aioredis.Redis:
+        key = (target.url, target.password)
+        client, users = self._clients.get(key) or (self._connect(target), 0)
+        self._clients[key] = (client, users + 1)
+        return client
+
+    async def release(self, target: Target) -> None:
+        key = (target.url, target.password)
+        client, users = self._clients[key]
+        if users > 1:
+            self._clients[key] = (client, users - 1)
+            return
+        del self._clients[key]
+        with contextlib.suppress(Exception):
+            await client.aclose()
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    @staticmethod
+    def _connect(target: Target) -> aioredis.Redis:
+        # The socket timeout outlasts the blocked XREAD, so a silent Redis shows up as a timeout error.
+        return aioredis.Redis.from_url(target.url, password=target.password, socket_connect_timeout=3,
+                                       socket_timeout=BLOCK_MS / 1000 + 5)
+
+
 class EventWatcher:
-    def __init__(self, target: Target, start_id: str | None, on_change: Callable[[], None]):
+    def __init__(self, target: Target, start_id: str | None, on_change: Callable[[], None],
+                 clients: RedisClients | None = None):
         self.target = target
         self.on_change = on_change
         self.buffer: list[TrainerEvent] = []
         self.source = EventSource()
-        self._client = self._connect(BLOCK_MS / 1000 + 5)
+        self._clients = clients if clients is not None else RedisClients()
+        self._client = self._clients.acquire(target)
         # No relocation: the position is the status's lastEventId, which decisions compare ids against; a new
         # Redis (a resumed job) comes with a new watcher started from a reset lastEventId.
         self.reader = AsyncEventReader(self._client, target.stream, start_id or "0-0", relocate=False,
@@ -80,8 +117,9 @@ class EventWatcher:
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=STOP_TIMEOUT)
             self._task = None
-        with contextlib.suppress(Exception):
-            await self._client.aclose()
+        if self._client is not None:
+            self._client = None
+            await self._clients.release(self.target)
 
     def pending(self, after: str | None) -> list[TrainerEvent]:
         """Buffered events after `after` (the id the status already holds)."""
