@@ -259,7 +259,7 @@ class JobLoop:
         self.name = name
         self._wakers: set[asyncio.Event] = set()  # one per running loop (the daemon, a deletion)
         self.lock = asyncio.Lock()
-        self.status: TrainingJobStatus | None = None  # what this process last wrote (authoritative)
+        self.status: TrainingJobStatus | None = None  # what this process last decided (written, or held)
         self.written: dict | None = None
         self.flush_at: float | None = None  # monotonic deadline of a held routine status change (None: none held)
         self.static_inflight: dict[str, float] = {}  # "Kind/name" created (or found present) -> when
@@ -341,8 +341,9 @@ class JobLoop:
                 return
             wake.clear()
             try:
-                async with asyncio.timeout(PASS_TIMEOUT):
-                    decision = await self.reconcile(body)
+                async with self.shared.passes:  # its turn first: PASS_TIMEOUT bounds the pass, not the wait
+                    async with asyncio.timeout(PASS_TIMEOUT):
+                        decision = await self.reconcile(body)
                 self.errors = 0
             except (TimeoutError, ApiException, RedisError, OSError) as exc:
                 delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
@@ -361,7 +362,7 @@ class JobLoop:
             await self._sleep(wake, timeout + 0.01, stopped)
 
     async def reconcile(self, body: Any) -> Decision:
-        async with self.shared.passes, self.lock:
+        async with self.lock:
             t0 = time.perf_counter()
             self.trigger = self._trigger(body)
             status = self.status if self.status is not None else parse_status(body.get("status"))
