@@ -62,13 +62,6 @@ INFLIGHT_SECONDS = 60.0
 PASS_TIMEOUT = 120.0
 """A pass stuck on the network longer than this is abandoned and retried (it is idempotent)."""
 ERROR_BACKOFF = (0.5, 1, 2, 5, 10, 30)
-CONCURRENT_PASSES = 48
-"""Passes (of all jobs) that run at once; the others wait their turn in arrival order.
-
-A pass holds what it builds and what the API server answers (manifests, created objects) until it ends, and
-the API server answers a burst no faster for being sent it all at once: with a thousand jobs created together,
-unbounded passes held all of that for every job at the same time (the operator's peak memory). Kubernetes'
-own controllers work the same way (a work queue served by a fixed number of workers)."""
 COALESCE_SECONDS = 3.0
 """How long a routine status change may wait to go out with a later pass's write (see `routine_patch`)."""
 ROUTINE_KEYS = frozenset({"progress", "lag", "conditions", "components", "trainer", "completion"})
@@ -94,7 +87,6 @@ class Shared:
     pod_index: Any = None  # kopf.Index[(namespace, job), PodView], set by the first handler call
     static_indexes: tuple = ()  # kopf.Index[(namespace, job), "Kind/name"] of ConfigMaps, Secrets, Services
     workload_index: Any = None  # kopf.Index[(namespace, job), kueue.WorkloadView] of Kueue Workloads
-    passes: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CONCURRENT_PASSES))
     redis: RedisClients = field(default_factory=RedisClients)  # the event watchers' clients, one per Redis
 
     def loop(self, namespace: str, name: str) -> JobLoop:
@@ -341,9 +333,8 @@ class JobLoop:
                 return
             wake.clear()
             try:
-                async with self.shared.passes:  # its turn first: PASS_TIMEOUT bounds the pass, not the wait
-                    async with asyncio.timeout(PASS_TIMEOUT):
-                        decision = await self.reconcile(body)
+                async with asyncio.timeout(PASS_TIMEOUT):
+                    decision = await self.reconcile(body)
                 self.errors = 0
             except (TimeoutError, ApiException, RedisError, OSError) as exc:
                 delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
