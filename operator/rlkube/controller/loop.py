@@ -24,7 +24,6 @@ from typing import Any
 
 import kopf
 import orjson
-import redis.asyncio as aioredis
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -50,7 +49,7 @@ from rlkube.controller.observed import (
     pod_view,
 )
 from rlkube.controller.times import now, stream_id_key
-from rlkube.controller.watcher import EventWatcher, RedisClients, Target
+from rlkube.controller.watcher import EventWatcher, RedisClients, Target, connect
 from rlkube.core import protocol, runtime
 
 log = logging.getLogger(__name__)
@@ -546,7 +545,7 @@ class JobLoop:
         target = await self._external_target(job)
         if target is None:
             return
-        client = aioredis.Redis.from_url(target.url, password=target.password, socket_connect_timeout=3)
+        client = connect(target, 3)
         try:
             await client.delete(*keys)
         finally:

@@ -48,15 +48,15 @@ class Target:
 class RedisClients:
     """One redis.asyncio client per Redis (URL and password), shared by the watchers of the jobs whose streams it
     holds (an external Redis serves many). Each blocked XREAD still takes a connection of its own from the client's
-    pool; what is shared is the client itself (its command tables: about 18 KB per client, a third of what a
-    watched job cost the operator) and its pool. The last watcher to let go closes it."""
+    pool; what is shared is the client itself (its command tables: about 18 KB per client) and its pool. The last
+    watcher to let go closes it."""
 
     def __init__(self) -> None:
         self._clients: dict[tuple[str, str | None], tuple[aioredis.Redis, int]] = {}
 
     def acquire(self, target: Target) -> aioredis.Redis:
         key = (target.url, target.password)
-        client, users = self._clients.get(key) or (self._connect(target), 0)
+        client, users = self._clients.get(key) or (connect(target, BLOCK_MS / 1000 + 5), 0)
         self._clients[key] = (client, users + 1)
         return client
 
@@ -73,11 +73,10 @@ class RedisClients:
     def __len__(self) -> int:
         return len(self._clients)
 
-    @staticmethod
-    def _connect(target: Target) -> aioredis.Redis:
-        # The socket timeout outlasts the blocked XREAD, so a silent Redis shows up as a timeout error.
-        return aioredis.Redis.from_url(target.url, password=target.password, socket_connect_timeout=3,
-                                       socket_timeout=BLOCK_MS / 1000 + 5)
+
+def connect(target: Target, socket_timeout: float) -> aioredis.Redis:
+    return aioredis.Redis.from_url(target.url, password=target.password, socket_connect_timeout=3,
+                                   socket_timeout=socket_timeout)
 
 
 class EventWatcher:
@@ -100,10 +99,6 @@ class EventWatcher:
     def last_id(self) -> str:
         """The last stream id read, malformed entries included (they are skipped, not re-read)."""
         return self.reader.last_id or "0-0"
-
-    def _connect(self, socket_timeout: float) -> aioredis.Redis:
-        return aioredis.Redis.from_url(self.target.url, password=self.target.password, socket_connect_timeout=3,
-                                       socket_timeout=socket_timeout)
 
     def start(self) -> EventWatcher:
         self._task = asyncio.create_task(self._run(), name=f"events {self.target.stream}")
@@ -141,7 +136,7 @@ class EventWatcher:
         made them stop is in the buffer when it returns True. False: Redis could not be read (judge nothing).
         The reader drops what the blocked XREAD then delivers again.
         """
-        client = self._connect(3)
+        client = connect(self.target, 3)
         before = self.reader.last_id
         try:
             self._ingest(await self.reader.read_to_end(CATCH_UP_BATCH, client=client), before)
