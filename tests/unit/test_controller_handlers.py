@@ -137,3 +137,52 @@ def test_children_are_watched_by_their_label_server_side():
     assert set(selected.values()) == {"app.kubernetes.io/managed-by=rlkube"}
     plurals = {sel.plural or sel.any_name for sel in selected}
     assert plurals == {"pods", "configmaps", "secrets", "services", "networkpolicies", "workloads"}
+
+
+def test_kopf_connections_are_bounded_by_requests_plus_one_per_watch():
+    one = handlers.kopf_connection_limit(())
+    assert one == handlers.REQUEST_CONNECTIONS + handlers.WATCHES_PER_SCOPE + handlers.WATCHES_EXTRA
+    assert handlers.kopf_connection_limit(["a"]) == one
+    # Each named namespace is watched on its own: the bound grows with them, never starving requests.
+    assert handlers.kopf_connection_limit(["a", "b", "c"]) == one + 2 * handlers.WATCHES_PER_SCOPE
+    # A pattern matches an unknown number of namespaces (so of watches): no bound at all.
+    for pattern in ("team-*", "!kube-system", "a,b", "ns-?"):
+        assert handlers.kopf_connection_limit(["a", pattern]) == 0
+
+
+async def test_login_gives_kopf_a_session_with_the_bound_and_the_credentials(monkeypatch):
+    info = kopf.ConnectionInfo(server="https://10.0.0.1:6443", token="secret-token", insecure=True,
+                               default_namespace="ns", priority=7)
+
+    async def login_via_async_client(**_):
+        return info
+
+    monkeypatch.setattr(kopf, "login_via_async_client", login_via_async_client)
+    result = await handlers.login_handler(50)(logger=None, settings=kopf.OperatorSettings())
+    assert isinstance(result, kopf.AiohttpSession)
+    try:
+        assert result.server == info.server and result.default_namespace == "ns" and result.priority == 7
+        assert result.aiohttp_session.connector.limit == 50
+        assert result.aiohttp_session.headers["Authorization"] == "Bearer secret-token"
+    finally:
+        await result.aiohttp_session.close()
+    # No bound wanted (namespace patterns): kopf builds its own session from the credentials as before.
+    assert await handlers.login_handler(0)(logger=None, settings=kopf.OperatorSettings()) is info
+
+
+async def test_login_passes_on_that_there_are_no_credentials(monkeypatch):
+    async def nothing(**_):
+        return None
+
+    monkeypatch.setattr(kopf, "login_via_async_client", nothing)
+    assert await handlers.login_handler(50)(logger=None, settings=kopf.OperatorSettings()) is None
+
+
+def test_the_operator_reads_tls_sockets_in_small_chunks(monkeypatch):
+    from asyncio import sslproto
+
+    from rlkube.controller import main
+
+    monkeypatch.setattr(sslproto.SSLProtocol, "max_size", 256 * 1024)  # restored after the test
+    main.small_tls_read_buffers()
+    assert sslproto.SSLProtocol.max_size == main.TLS_READ_BUFFER == 32 * 1024
