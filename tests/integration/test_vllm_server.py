@@ -3,11 +3,11 @@
 
 Covered, in order: /health is 503 until the server joined the weight-update group and warmed up; actor-style
 requests (n samples, per-token log-probs, token ids, the weights version) whose log-probs are the trainer's to
-1e-4 (float32), at temperature 1 and below; an update while requests run: none fails, and afterwards the log-probs
-of a fixed prompt (longer than a KV block, so a prefix-cache hit would show) are the NEW weights' to 1e-4, and the
+3e-4 (float32), at temperature 1 and below; an update while requests run: none fails, and afterwards the log-probs
+of a fixed prompt (longer than a KV block, so a prefix-cache hit would show) are the NEW weights' to 3e-4, and the
 served checksum is the trainer's; a corrupted bucket is refused by the checksum (the old weights keep serving) and
 the next update gets through; a streamed request (server-sent events) running across an update completes, and
-every chunk's version is the one whose weights sampled its tokens (their log-probs are that version's to 1e-4);
+every chunk's version is the one whose weights sampled its tokens (their log-probs are that version's to 2e-3);
 an update sent in bfloat16 by a float32 trainer serves the bf16-rounded weights (log-probs to 1e-4 of
 transformers with those weights); training_finished leaves the group and serving goes on; SIGTERM ends the server
 and vLLM's processes within seconds.
@@ -61,6 +61,10 @@ MODEL = "builtin://tiny-llama"
 KEYS = protocol.StreamKeys(PREFIX)
 PROMPT = "1234567890" * 4 + ":"  # 41 tokens: longer than one KV block (32, below), shorter than two
 MAX_LEN = 64
+# vLLM's CPU kernels batch and sum in another order than the eager float32 reference (transformers, one sequence):
+# a sequence of ~60 tokens in a batch of 16 during an in-flight update differed by 1.02e-4 in one CI run. Versions
+# differ by > 0.1 (asserted below), so this still tells the weights apart by ~300x.
+LOGPROB_TOLERANCE = 3e-4
 STREAM_TOLERANCE = 2e-3
 BF16_TOLERANCE = 1e-4
 BF16_VERSION = 10  # the trainer stand-in sends this version in bfloat16 (its others in float32)
@@ -171,10 +175,10 @@ def test_actor_style_sampling_has_the_trainers_logprobs(stack, trainer):
     for choice in reply["choices"]:
         assert len(choice["prompt_token_ids"]) == len(PROMPT) + 1  # character tokenizer, and BOS
         assert len(choice["token_ids"]) == 4 or choice["finish_reason"] == "stop"
-    assert max_difference(roles.config, state, reply) < 1e-4
+    assert max_difference(roles.config, state, reply) < LOGPROB_TOLERANCE
     # log-probs of the distribution sampled from (logits / temperature), as the trainer's ratio needs
     cooled = complete(url, temperature=0.5, seed=3)
-    assert max_difference(roles.config, state, cooled, temperature=0.5) < 1e-4
+    assert max_difference(roles.config, state, cooled, temperature=0.5) < LOGPROB_TOLERANCE
     # the same seed samples the same tokens
     assert [c["token_ids"] for c in complete(url)["choices"]] == [c["token_ids"] for c in reply["choices"]]
     status, error = http_json(url + "/v1/completions", {"prompt": "12:", "max_tokens": MAX_LEN})
@@ -221,13 +225,14 @@ def test_update_in_flight_then_logprobs_are_the_new_weights(stack, trainer):
             versions = [[v for first, v in spans if first <= i][-1] for i in range(len(choice["token_ids"]))]
             want = {v: expected_logprobs(roles.config, states[v], choice) for v in set(versions)}
             got = choice["logprobs"]["token_logprobs"]
-            wrong = [(i, v, got[i], want[v][i]) for i, v in enumerate(versions) if abs(got[i] - want[v][i]) >= 1e-4]
+            wrong = [(i, v, got[i], want[v][i]) for i, v in enumerate(versions)
+                     if abs(got[i] - want[v][i]) >= LOGPROB_TOLERANCE]
             assert not wrong, f"spans {spans} of a version-{reply['model_version']} reply: (token, version, got, " \
                               f"want) {wrong[:4]}"
 
     after = complete(url)
     assert after["model_version"] == 1
-    assert max_difference(roles.config, new, after) < 1e-4
+    assert max_difference(roles.config, new, after) < LOGPROB_TOLERANCE
     assert max_difference(roles.config, old, after) > 0.1, "the update did not change the served distribution"
     assert checksums_match(served["weights_checksum"], weights_checksum(new.items()))
     assert not checksums_match(served["weights_checksum"], weights_checksum(old.items()))
@@ -240,12 +245,12 @@ def test_a_corrupted_bucket_is_refused_and_the_next_update_applies(stack, traine
     assert body["model_version"] == 1 and "checksum" in body["last_error"]
     reply = complete(url)
     assert reply["model_version"] == 1
-    assert max_difference(roles.config, model_weights(str(roles.config), 1), reply) < 1e-4
+    assert max_difference(roles.config, model_weights(str(roles.config), 1), reply) < LOGPROB_TOLERANCE
 
     publish(trainer, 3)  # the receiver left the group on the refusal: the trainer re-forms it in a new epoch
     served = wait_version(url, 3, timeout=120)
     assert checksums_match(served["weights_checksum"], weights_checksum(model_weights(str(roles.config), 3).items()))
-    assert max_difference(roles.config, model_weights(str(roles.config), 3), complete(url)) < 1e-4
+    assert max_difference(roles.config, model_weights(str(roles.config), 3), complete(url)) < LOGPROB_TOLERANCE
 
 
 def test_a_stream_across_an_update_completes_and_each_chunk_names_the_weights_that_sampled_it(stack, trainer):

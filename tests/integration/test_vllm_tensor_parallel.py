@@ -15,7 +15,16 @@ import psutil
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
 from serve_helpers import RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_until, write_config
-from test_vllm_server import MAX_LEN, VLLM_PYTHON, complete, health, max_difference, pytestmark, wait_version
+from test_vllm_server import (
+    LOGPROB_TOLERANCE,
+    MAX_LEN,
+    VLLM_PYTHON,
+    complete,
+    health,
+    max_difference,
+    pytestmark,
+    wait_version,
+)
 from weightsync_peer import model_weights
 
 __all__ = ["pytestmark"]  # the vllm marker and the skip without a vLLM environment, as test_vllm_server's
@@ -45,7 +54,7 @@ def test_a_tensor_parallel_server_joins_as_one_rank_per_worker_and_serves_the_up
         trainer = roles.start_trainer(0, world_size=1 + TP)
         first = wait_version(url, 0, timeout=180)
         assert first["weight_sync_ranks"] == [1, 2] and first["updates"] == 1
-        assert max_difference(roles.config, model_weights(str(roles.config), 0), complete(url)) < 1e-4
+        assert max_difference(roles.config, model_weights(str(roles.config), 0), complete(url)) < LOGPROB_TOLERANCE
 
         publish(trainer, 1)
         served = wait_version(url, 1, timeout=120)
@@ -54,7 +63,7 @@ def test_a_tensor_parallel_server_joins_as_one_rank_per_worker_and_serves_the_up
         assert reply["model_version"] == 1
         worst = max_difference(roles.config, new, reply)
         print(f"TP={TP}: max |log-prob - transformers'| after the update {worst:.2e}")
-        assert worst < 1e-4
+        assert worst < LOGPROB_TOLERANCE
         assert max_difference(roles.config, old, reply) > 0.1, "the update did not change the served distribution"
         # each worker verified the full broadcast; the server reports what arrived (shards are not whole tensors)
         assert served["weights_checksum_source"] == "received"
