@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between renewals, and between a standby's attempts")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
-    p.set_defaults(func=_lazy("rlkube.controller.main:cli"))
+    p.set_defaults(func=_lazy("rlkube.controller.entry:cli"))
 
     # Benchmarks live in rlkube.bench (the top floor: nothing shipped imports it). `operator` needs only the base
     # install and a cluster; `pipeline` and `serve` run the training core (the `core` extra).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import kopf
 import orjson
+import pytest
 
 from rlkube.controller import handlers
 
@@ -150,32 +151,37 @@ def test_kopf_connections_are_bounded_by_requests_plus_one_per_watch():
         assert handlers.kopf_connection_limit(["a", pattern]) == 0
 
 
-async def test_login_gives_kopf_a_session_with_the_bound_and_the_credentials(monkeypatch):
-    info = kopf.ConnectionInfo(server="https://10.0.0.1:6443", token="secret-token", insecure=True,
-                               default_namespace="ns", priority=7)
+KUBECONFIG = """
+apiVersion: v1
+kind: Config
+current-context: ctx
+contexts: [{name: ctx, context: {cluster: c, user: u, namespace: ns}}]
+clusters: [{name: c, cluster: {server: "https://10.0.0.1:6443", insecure-skip-tls-verify: true}}]
+users: [{name: u, user: {token: secret-token}}]
+"""
 
-    async def login_via_async_client(**_):
-        return info
 
-    monkeypatch.setattr(kopf, "login_via_async_client", login_via_async_client)
+async def test_login_gives_kopf_a_session_with_the_bound_and_the_kubeconfigs_credentials(tmp_path, monkeypatch):
+    (tmp_path / "config").write_text(KUBECONFIG)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "config"))
     result = await handlers.login_handler(50)(logger=None, settings=kopf.OperatorSettings())
     assert isinstance(result, kopf.AiohttpSession)
     try:
-        assert result.server == info.server and result.default_namespace == "ns" and result.priority == 7
+        assert result.server == "https://10.0.0.1:6443" and result.default_namespace == "ns"
         assert result.aiohttp_session.connector.limit == 50
         assert result.aiohttp_session.headers["Authorization"] == "Bearer secret-token"
     finally:
         await result.aiohttp_session.close()
-    # No bound wanted (namespace patterns): kopf builds its own session from the credentials as before.
-    assert await handlers.login_handler(0)(logger=None, settings=kopf.OperatorSettings()) is info
+    # No bound wanted (namespace patterns): kopf builds its own session from the credentials.
+    info = await handlers.login_handler(0)(logger=None, settings=kopf.OperatorSettings())
+    assert isinstance(info, kopf.ConnectionInfo) and info.token == "secret-token"
 
 
-async def test_login_passes_on_that_there_are_no_credentials(monkeypatch):
-    async def nothing(**_):
-        return None
-
-    monkeypatch.setattr(kopf, "login_via_async_client", nothing)
-    assert await handlers.login_handler(50)(logger=None, settings=kopf.OperatorSettings()) is None
+async def test_login_without_credentials_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    with pytest.raises(kopf.LoginError, match="KUBECONFIG"):
+        await handlers.login_handler(50)(logger=None, settings=kopf.OperatorSettings())
 
 
 def test_the_operator_reads_tls_sockets_in_small_chunks(monkeypatch):

@@ -6,7 +6,7 @@ per operator process: `acquire()` returns once this process leads, `hold()` rene
 
 kubernetes_asyncio ships a leader elector, but it cannot release the Lease on shutdown (a rolling update would
 wait a whole lease duration), stamps local time as UTC, logs a traceback for every lost race, and keeps no
-`leaseTransitions`; the rules here are the same client-go rules it ports, on plain JSON.
+`leaseTransitions`; the rules here are the same client-go rules it ports, on plain JSON (apiclient.py).
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import orjson
-from kubernetes_asyncio import client, watch
-from kubernetes_asyncio.client.exceptions import ApiException
 
+from rlkube.controller.apiclient import ApiClient, ApiError
 from rlkube.controller.lease import LeaseRecord, Seen, Timing, Verdict, decide, leading_lost, observe, release_spec
 
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-TRANSIENT = (ApiException, aiohttp.ClientError, OSError, TimeoutError)
+TRANSIENT = (ApiError, aiohttp.ClientError, OSError, TimeoutError)
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 
 
 class LeadershipLost(Exception):
@@ -58,20 +56,10 @@ def lease_namespace(explicit: str | None) -> str:
         raise SystemExit("--leader-elect needs --lease-namespace outside a pod (no POD_NAMESPACE)") from None
 
 
-async def _json(response: Any) -> dict:
-    body = await response.read()
-    response.release()
-    if not 200 <= response.status <= 299:
-        exc = ApiException(status=response.status, reason=response.reason)
-        exc.body = body.decode(errors="replace")
-        raise exc
-    return orjson.loads(body)
-
-
 class LeaderElector:
     def __init__(
         self,
-        api: client.ApiClient,
+        api: ApiClient,
         namespace: str,
         name: str,
         identity: str,
@@ -79,8 +67,9 @@ class LeaderElector:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
     ):
-        self.leases = client.CoordinationV1Api(api)
+        self.api = api
         self.namespace, self.name, self.identity = namespace, name, identity
+        self.collection = LEASES.format(namespace=namespace)
         self.timing, self.clock, self.wall = timing, clock, wall
         self.seen: Seen | None = None
         self.lease: dict | None = None  # the Lease as last read or written (its metadata is sent back)
@@ -90,9 +79,8 @@ class LeaderElector:
 
     async def _read(self) -> dict | None:
         try:
-            return await _json(await self.leases.read_namespaced_lease(self.name, self.namespace,
-                                                                       _preload_content=False))
-        except ApiException as exc:
+            return await self.api.request("GET", f"{self.collection}/{self.name}")
+        except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
@@ -112,7 +100,7 @@ class LeaderElector:
         """Write what `verdict` says; False when another candidate wrote first (nothing changed then)."""
         try:
             written = await self._write(verdict)
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status != 409:
                 raise
             # create: AlreadyExists; replace: the resourceVersion we read is stale.
@@ -136,14 +124,12 @@ class LeaderElector:
         if verdict.kind == "create":
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
-            return await _json(await self.leases.create_namespaced_lease(self.namespace, body,
-                                                                         _preload_content=False))
+            return await self.api.request("POST", self.collection, body)
         assert self.lease is not None
         # Replace with the resourceVersion that was read: a concurrent writer makes this a 409, never a lost update.
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": self.lease["metadata"],
                 "spec": spec}
-        return await _json(await self.leases.replace_namespaced_lease(self.name, self.namespace, body,
-                                                                      _preload_content=False))
+        return await self.api.request("PUT", f"{self.collection}/{self.name}", body)
 
     @property
     def holder(self) -> str:
@@ -207,15 +193,13 @@ class LeaderElector:
         """Feed every version of the Lease into `seen` (its expiry clock) as it is written. Only `seen`: a write
         always follows a fresh read, so a decision never pairs one version's content with another's
         resourceVersion."""
-        selector = f"metadata.name={self.name}"
+        params = {"fieldSelector": f"metadata.name={self.name}", "timeoutSeconds": "300"}
         while True:
             try:
-                stream = watch.Watch().stream(self.leases.list_namespaced_lease, self.namespace,
-                                              field_selector=selector, timeout_seconds=300, _request_timeout=330)
-                async with stream as events:
+                async with contextlib.aclosing(self.api.watch(self.collection, params, timeout=330)) as events:
                     async for event in events:
                         if event["type"] in ("ADDED", "MODIFIED"):
-                            record = LeaseRecord.from_lease(event["raw_object"])
+                            record = LeaseRecord.from_lease(event["object"])
                             self.seen = observe(self.seen, record, self.clock())
                             changed.set()
                         elif event["type"] == "ERROR":

@@ -31,7 +31,8 @@ import kopf
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
 from rlkube.controller import kueue, names, watchdecode
-from rlkube.controller.kube import Kube, api_client
+from rlkube.controller.apiclient import ApiClient, load_credentials
+from rlkube.controller.kube import Kube
 from rlkube.controller.loop import Shared
 from rlkube.controller.observed import PodView, pod_view
 
@@ -66,15 +67,16 @@ def kopf_connection_limit(namespaces: Sequence[str]) -> int:
 
 
 def login_handler(connection_limit: int):
-    """kopf's login through kubernetes_asyncio's config (in-cluster, else kubeconfig), with kopf's session rebuilt
+    """kopf's login with the credentials the operator's own calls use (apiclient.load_credentials: the service
+    account, else the kubeconfig; read again whenever kopf logs in again after a 401), with kopf's session built
     around a bounded connector. kopf's own session has no bound: at 1000 jobs created at once it opened ~190
     connections to the API server, each with asyncio's 256 KiB TLS read buffer (~48 MB of the operator's RSS), and
     more concurrent requests than a loaded API server serves any sooner. Requests beyond the bound wait in the
     connector's queue."""
 
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | kopf.AiohttpSession | None:
-        info = await kopf.login_via_async_client(**kwargs)
-        if info is None or connection_limit <= 0:
+        info = load_credentials()
+        if connection_limit <= 0:
             return info
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=connection_limit, ssl=info.as_ssl_context()),
@@ -138,7 +140,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     apply_settings(settings)
     if not watchdecode.install():
         logger.warning("kopf's watch decoding not found; watch events are decoded with the json module, untrimmed")
-    memo.shared = Shared(Kube(await api_client()))
+    memo.shared = Shared(Kube(ApiClient()))
     logger.info("rlkube operator configured (watch timeouts %ss/%ss)", WATCH_SERVER_TIMEOUT, WATCH_CLIENT_TIMEOUT)
 
 

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 import kopf
 import orjson
-from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
@@ -39,6 +39,7 @@ from rlkube.controller.actions import (
     DeleteStreams,
     PatchWorkloadStatus,
 )
+from rlkube.controller.apiclient import ApiError
 from rlkube.controller.decisions import Decision, JobView, decide
 from rlkube.controller.kube import Kube
 from rlkube.controller.observed import (
@@ -194,7 +195,7 @@ def without_empty_strings(node: Any) -> Any:
     return node
 
 
-def api_message(exc: ApiException) -> str:
+def api_message(exc: ApiError) -> str:
     """The Status message of an API error (it names the field), else its reason."""
     try:
         message = orjson.loads(exc.body or b"").get("message")
@@ -335,7 +336,7 @@ class JobLoop:
                 async with asyncio.timeout(PASS_TIMEOUT):
                     decision = await self.reconcile(body)
                 self.errors = 0
-            except (TimeoutError, ApiException, RedisError, OSError) as exc:
+            except (TimeoutError, ApiError, aiohttp.ClientError, RedisError, OSError) as exc:
                 delay = ERROR_BACKOFF[min(self.errors, len(ERROR_BACKOFF) - 1)]
                 self.errors += 1
                 log.warning("%s/%s: reconcile failed (%s); retrying in %ss", self.namespace, self.name, exc, delay)
@@ -499,7 +500,7 @@ class JobLoop:
             results = await asyncio.gather(*(self._apply_one(job, a) for a in wave), return_exceptions=True)
         rejected = None
         for action, result in zip(wave, results, strict=True):
-            if isinstance(result, ApiException) and isinstance(action, Create) and result.status in (400, 422):
+            if isinstance(result, ApiError) and isinstance(action, Create) and result.status in (400, 422):
                 rejected = rejected or Rejected(action.kind, action.name, api_message(result))
             elif isinstance(result, BaseException):
                 raise result  # what went through is recorded (by _apply_one); the next pass retries the rest

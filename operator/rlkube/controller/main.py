@@ -75,11 +75,11 @@ def cli(args: argparse.Namespace) -> int:
 
 async def run_elected(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from rlkube.controller.election import LeaderElector, LeadershipLost, candidate_identity, lease_namespace
-    from rlkube.controller.kube import api_client
+    from rlkube.controller.apiclient import ApiClient
     from rlkube.controller.lease import Timing
 
     timing = Timing(args.lease_duration, args.lease_renew_deadline, args.lease_retry_period)
-    api = await api_client()
+    api = ApiClient()
     elector = LeaderElector(api, lease_namespace(args.lease_namespace), args.lease_name, candidate_identity(), timing)
     metrics.LEADER.set(0)
     log.info("standby: waiting for lease %s/%s as %s", elector.namespace, elector.name, elector.identity)
