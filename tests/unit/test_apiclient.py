@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from rlkube.controller.apiclient import MERGE_PATCH, ApiClient, ApiError
+from rlkube.controller.apiclient import MERGE_PATCH, ApiClient, ApiError, in_cluster_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,6 +140,15 @@ async def test_a_watch_yields_each_event_line_until_the_server_ends_it():
             await api.close()
     assert got == events
     assert queries == [{"fieldSelector": "metadata.name=l", "watch": "true"}]
+
+
+def test_in_a_pod_the_api_server_is_the_address_the_kubelet_gives_not_a_dns_name():
+    assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}) == \
+        "https://10.96.0.1:443"
+    assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}) == \
+        "https://[fd00::1]:6443"
+    assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "10.96.0.1"}) is None
+    assert in_cluster_server({}) is None
 
 
 def test_the_operator_process_imports_no_kubernetes_client_library():

@@ -37,7 +37,7 @@ from pathlib import Path
 from subprocess import Popen
 
 import redis.asyncio as aioredis
-from kubernetes_asyncio import client
+from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube import gctune
@@ -46,7 +46,6 @@ from rlkube.api.spec import GROUP, PLURAL, VERSION
 from rlkube.bench import apimetrics, jobcontroller, processes, report
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
-from rlkube.controller import kube
 from rlkube.local.redis_server import RedisServer
 
 PODS_PER_JOB = 4  # trainer, inference, preprocessor, actor (external Redis: no Redis pod)
@@ -201,8 +200,20 @@ async def run_one(
         return create_to_children, finished_to_released, peak_mib, requests
 
 
+async def api_client(kubeconfig: str, pool_size: int) -> client.ApiClient:
+    """The bench's own client (the operator's is rlkube.controller.apiclient): the kubeconfig, `pool_size`
+    connections, and no proxy lookup per request (kubernetes_asyncio's session has trust_env on, which reads
+    ~/.netrc in a worker thread on every call)."""
+    cfg = client.Configuration()
+    await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool_size
+    api = client.ApiClient(configuration=cfg)
+    api.rest_client.pool_manager._trust_env = False
+    return api
+
+
 async def run_all(sizes: list[int], kubeconfig: Path, workdir: Path, controller_manager: str | None) -> list[dict]:
-    api = await kube.api_client(str(kubeconfig), pool_size=64)  # the operator's client settings, a larger pool
+    api = await api_client(str(kubeconfig), pool_size=64)
     redis_server = RedisServer(workdir / "shared-redis").start()
     try:
         await apply_crd(api)

@@ -37,7 +37,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.bench.listwatch import ListWatch
-from rlkube.controller import kube, names
+from rlkube.controller import names
 from rlkube.core import protocol, runtime
 from rlkube.local.redis_server import RedisServer
 
@@ -72,6 +72,18 @@ class PodRecord:
 
 
 StartHook = Callable[[dict], Awaitable[str | None]]
+
+
+async def checked(response: Any) -> Any:
+    """kubernetes_asyncio raises for an error status only when it preloads the body: with
+    `_preload_content=False` a 404, 409 or 422 comes back as a plain response."""
+    if 200 <= response.status <= 299:
+        return response
+    body = await response.read()
+    response.release()
+    exc = ApiException(status=response.status, reason=response.reason)
+    exc.body = body.decode(errors="replace")
+    raise exc
 
 
 @dataclass
@@ -256,7 +268,7 @@ class FakeKubelet:
         if response.status in ignore:
             response.release()
             return None
-        response = await kube.checked(response)
+        response = await checked(response)
         try:
             return orjson.loads(await response.read())
         finally:

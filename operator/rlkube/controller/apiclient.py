@@ -13,8 +13,10 @@ auth-provider other than a stored token. In a pod the service account is used, w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -40,10 +42,22 @@ class ApiError(Exception):
 def load_credentials() -> kopf.ConnectionInfo:
     """The service account in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config), as kopf reads them."""
     settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    info = kopf.login_with_service_account(settings=settings)
+    if info is not None:
+        return dataclasses.replace(info, server=in_cluster_server(os.environ) or info.server)
+    info = kopf.login_with_kubeconfig(settings=settings)
     if info is None:
         raise kopf.LoginError("no service account token and no kubeconfig (KUBECONFIG or ~/.kube/config)")
     return info
+
+
+def in_cluster_server(env: Mapping[str, str]) -> str | None:
+    """The API server as the kubelet tells a pod (client-go's InClusterConfig): it needs no cluster DNS, which
+    kopf's reader (https://kubernetes.default.svc) does, and a hostNetwork pod with dnsPolicy Default lacks."""
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return None
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 
 class ApiClient:
