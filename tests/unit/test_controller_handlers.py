@@ -81,6 +81,7 @@ def test_startup_sets_watch_and_request_timeouts_and_the_finalizer():
     assert settings.watching.server_timeout == 120 and settings.watching.client_timeout == 150
     assert settings.networking.request_timeout == 60
     assert settings.persistence.finalizer == "rlkube.io/teardown"
+    assert settings.queueing.idle_timeout == handlers.IDLE_WORKER_SECONDS == 0.5
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
     assert isinstance(settings.persistence.diffbase_storage, handlers.NoDiffBaseStorage)
 

@@ -22,6 +22,7 @@ Registered into an explicit registry by `build_registry()`, never as an import s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,13 +31,14 @@ import aiohttp
 import kopf
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.controller import kueue, names, watchdecode
+from rlkube.controller import kueue, memtrim, names, watchdecode
 from rlkube.controller.apiclient import ApiClient, load_credentials
 from rlkube.controller.kube import Kube
 from rlkube.controller.loop import Shared
 from rlkube.controller.observed import PodView, pod_view
 
 FINALIZER = "rlkube.io/teardown"
+IDLE_WORKER_SECONDS = 0.5
 WATCH_SERVER_TIMEOUT = 120
 """Server-side watch timeout: the API server ends each watch after this long and kopf starts a new one, so a
 silently dead connection never stops the handlers (kopf issues 585, 957, 1276)."""
@@ -125,6 +127,10 @@ def apply_settings(settings: kopf.OperatorSettings) -> None:
     settings.networking.request_timeout = REQUEST_TIMEOUT
     settings.networking.connect_timeout = 30
     settings.persistence.finalizer = FINALIZER
+    # kopf keeps a worker per object, holding that object's last watch event, until the object has been quiet
+    # this long (kopf's default: 5 s). With 1000 jobs (~8000 objects) in a burst those held events were ~30 KB a
+    # job; 0.5 s lowered the operator's peak RSS by ~9 MB at no cost in latency (`rlkube bench operator -n 1000`).
+    settings.queueing.idle_timeout = IDLE_WORKER_SECONDS
     # Keep kopf's bookkeeping in annotations: the status belongs to TrainingJobStatus alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rlkube.io")
     settings.persistence.diffbase_storage = NoDiffBaseStorage()
@@ -141,10 +147,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     if not watchdecode.install():
         logger.warning("kopf's watch decoding not found; watch events are decoded with the json module, untrimmed")
     memo.shared = Shared(Kube(ApiClient()))
+    memo.trimmer = memtrim.start()
     logger.info("rlkube operator configured (watch timeouts %ss/%ss)", WATCH_SERVER_TIMEOUT, WATCH_CLIENT_TIMEOUT)
 
 
 async def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    trimmer: asyncio.Task | None = getattr(memo, "trimmer", None)
+    if trimmer is not None:
+        trimmer.cancel()
     shared: Shared | None = getattr(memo, "shared", None)
     if shared is None:
         return
