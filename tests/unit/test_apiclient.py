@@ -26,9 +26,8 @@ async def api_server(handler):
     app.router.add_route("*", "/{tail:.*}", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -106,15 +105,17 @@ async def test_a_401_reads_the_credentials_again_and_retries_once():
         try:
             assert await api.request("GET", "/api/v1/namespaces/ns/secrets/s") == {"ok": True}
             assert tokens_seen == ["Bearer expired", "Bearer rotated"] and len(calls) == 2
-            # Credentials that stay wrong: one retry, then the 401 is the caller's.
-            read_bad, bad_calls = credentials_from(url, ["wrong"])
-            api._credentials = read_bad
-            api._headers = {"Authorization": "Bearer wrong"}
-            with pytest.raises(ApiError) as caught:
-                await api.request("GET", "/x")
-            assert caught.value.status == 401 and len(bad_calls) == 1
         finally:
             await api.close()
+        # Credentials that stay wrong: one retry, then the 401 is the caller's.
+        read_bad, bad_calls = credentials_from(url, ["wrong"])
+        api = ApiClient(credentials=read_bad)
+        try:
+            with pytest.raises(ApiError) as caught:
+                await api.request("GET", "/x")
+        finally:
+            await api.close()
+        assert caught.value.status == 401 and len(bad_calls) == 2  # read at the start, and once after the 401
 
 
 async def test_a_watch_yields_each_event_line_until_the_server_ends_it():

@@ -60,45 +60,46 @@ def in_cluster_server(env: Mapping[str, str]) -> str | None:
     return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 
+def bounded_session(info: kopf.ConnectionInfo, limit: int, **kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session to the API server of `info` (its CA and client certificate, its proxy) with at most
+    `limit` connections, trust_env off: the operator talks to the API server directly (with it on, aiohttp looks up
+    proxies and reads ~/.netrc in a worker thread on every request). Used for kopf's session and for ours."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, ssl=info.as_ssl_context()), proxy=info.proxy_url, **kwargs
+    )
+
+
 class ApiClient:
     """At most `pool_size` connections to the API server; a 401 re-reads the credentials once (a service account
     token is rotated on disk while the operator runs)."""
 
     def __init__(self, pool_size: int = 32, credentials: Callable[[], kopf.ConnectionInfo] = load_credentials):
         self._credentials = credentials
-        self._info = credentials()
-        self._headers = self._info.as_http_headers()
-        self.server = self._info.server.rstrip("/")
-        # trust_env off: the operator talks to the API server directly, as kopf's session does (with it on,
-        # aiohttp looks up proxies and reads ~/.netrc in a worker thread on every request).
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=pool_size, ssl=self._info.as_ssl_context()),
-            proxy=self._info.proxy_url,
-            timeout=REQUEST_TIMEOUT,
-        )
+        info = credentials()
+        self._headers = info.as_http_headers()
+        self.server = info.server.rstrip("/")
+        self.session = bounded_session(info, pool_size, timeout=REQUEST_TIMEOUT)
 
     async def close(self) -> None:
         await self.session.close()
 
-    async def request(
-        self, method: str, path: str, body: Any = None, *, content_type: str = JSON, params: dict | None = None
-    ) -> dict:
+    async def request(self, method: str, path: str, body: Any = None, *, content_type: str = JSON) -> dict:
         """The response's JSON; ApiError for an error status."""
         data = orjson.dumps(body) if body is not None else None
-        for attempt in range(2):
-            headers = {**self._headers, "Accept": JSON}
-            if data is not None:
-                headers["Content-Type"] = content_type
-            async with self.session.request(method, self.server + path, data=data, params=params,
-                                            headers=headers) as response:
-                raw = await response.read()
-                if response.status == 401 and attempt == 0:
-                    self._reload()
-                    continue
-                if not 200 <= response.status <= 299:
-                    raise ApiError(response.status, response.reason or "", raw)
-                return orjson.loads(raw) if raw else {}
-        raise AssertionError("unreachable")
+        status, reason, raw = await self._send(method, path, data, content_type)
+        if status == 401:
+            self._reload()
+            status, reason, raw = await self._send(method, path, data, content_type)
+        if not 200 <= status <= 299:
+            raise ApiError(status, reason, raw)
+        return orjson.loads(raw) if raw else {}
+
+    async def _send(self, method: str, path: str, data: bytes | None, content_type: str) -> tuple[int, str, bytes]:
+        headers = {**self._headers, "Accept": JSON}
+        if data is not None:
+            headers["Content-Type"] = content_type
+        async with self.session.request(method, self.server + path, data=data, headers=headers) as response:
+            return response.status, response.reason or "", await response.read()
 
     async def watch(self, path: str, params: dict[str, str], timeout: float) -> AsyncIterator[dict]:
         """The events of one watch request (one JSON object a line) until the server ends it."""
@@ -115,6 +116,5 @@ class ApiClient:
                     yield orjson.loads(line)
 
     def _reload(self) -> None:
-        info = self._credentials()
-        self._headers = info.as_http_headers()
+        self._headers = self._credentials().as_http_headers()
         log.info("the API server answered 401: credentials read again")

@@ -27,12 +27,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 import kopf
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
 from rlkube.controller import kueue, memtrim, names, watchdecode
-from rlkube.controller.apiclient import ApiClient, load_credentials
+from rlkube.controller.apiclient import ApiClient, bounded_session, load_credentials
 from rlkube.controller.kube import Kube
 from rlkube.controller.loop import Shared
 from rlkube.controller.observed import PodView, pod_view
@@ -80,18 +79,12 @@ def login_handler(connection_limit: int):
         info = load_credentials()
         if connection_limit <= 0:
             return info
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connection_limit, ssl=info.as_ssl_context()),
-            headers=info.as_http_headers(),
-            proxy=info.proxy_url,
-            trust_env=info.trust_env,
-        )
         return kopf.AiohttpSession(
             server=info.server,
             default_namespace=info.default_namespace,
             expiration=info.expiration,
             priority=info.priority,
-            aiohttp_session=session,
+            aiohttp_session=bounded_session(info, connection_limit, headers=info.as_http_headers()),
         )
 
     return login
