@@ -179,7 +179,7 @@ def test_trainingjob_deleted_mid_run_tears_down_in_order_and_leaves_nothing(job)
     job.wait_step(3, 300)
     job.delete()
     job.wait(lambda tj: tj is None, 120, "TrainingJob removed (finalizer released)")
-    # Every pod was running: the node agent had to SIGTERM each, in the design's order.
+    # Every pod was running: the node agent had to SIGTERM each, in the order of docs/design.md §4.4.
     assert job.order("deletion") == FULL_ORDER, job.agent_signals()
     assert job.order("SIGTERM") == FULL_ORDER, job.agent_signals()
     killed = assert_sigkill_only_after_grace(job)

@@ -1,5 +1,5 @@
 """examples/tiny-cpu.yaml end to end: the operator creates the pods, the node agent runs them, the model learns,
-the job Succeeds, and the pods go in the design's order as the node agent saw it. Nothing is left."""
+the job Succeeds, and the pods go in the order of docs/design.md §4.4 as the node agent saw it. Nothing is left."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Hypothesis strategies for trainer event streams as a careless or hostile producer could write them, and an
-oracle for what may complete a job, written from the wire contract (design.md s4, s5) rather than from the code
-that reads the events.
+oracle for what may complete a job, written from the wire contract (docs/design.md §4.1, §5.2) rather than from
+the code that reads the events.
 
 A stream is a list of `Entry`: the raw field map of one XADD and, sometimes, an explicit stream id (ids must
 grow, so explicit ids are drawn as increasing millisecond stamps, some far beyond year 9999). Entries are:

@@ -3,7 +3,7 @@
 Valid specs are drawn from the CRD's OpenAPI schema (generated from the pydantic types, so the model drives
 them): every field optional or not, enums, numbers from their minimum up to their maximum (pod counts kept small:
 the test cluster has no kubelet and each pod is a real API object), then made to satisfy the rules the schema
-cannot express, restated here from design.md rather than imported from rlkube.api.validation.
+cannot express, restated here from docs/design.md §2.4 rather than imported from rlkube.api.validation.
 
 A case mutates such a spec and says what must happen (`Case.expect`):
 - "schema": the API server answers 422 naming each mutated path (wrong JSON type, below minimum or above
@@ -132,7 +132,7 @@ def _value(path: str, node: dict) -> st.SearchStrategy:
     raise ValueError(f"no strategy for {path}: {node}")
 
 
-# -- the rules the schema cannot express (design.md s2), restated -----------------------------------------
+# -- the rules the schema cannot express (docs/design.md §2.4), restated ---------------------------------
 
 
 def _get(spec: dict, path: str) -> Any:

@@ -86,7 +86,7 @@ def test_two_ranks_equal_single_process_training_on_the_union(redis_client, redi
     assert finished.payload["step"] == steps and finished.payload["interrupted"] is False
     assert finished.payload["documents_seen"] == steps * per_step
     assert not (tmp_path / "ckpt-1").exists() or not any((tmp_path / "ckpt-1").iterdir())
-    # Each rank read as its own consumer of the documents group (design.md s5).
+    # Each rank read as its own consumer of the documents group (docs/design.md §5.4).
     consumers = {protocol.text(c["name"]) for c in redis_client.xinfo_consumers(keys.documents,
                                                                                 protocol.DOCUMENTS_GROUP)}
     assert consumers == {protocol.consumer_name(0), protocol.consumer_name(1)}

@@ -1,4 +1,4 @@
-"""The pure builders: every child manifest of a TrainingJob, as the contract in design.md s3 fixes it."""
+"""The pure builders: every child manifest of a TrainingJob, as the contract in docs/design.md §3 fixes it."""
 
 from __future__ import annotations
 

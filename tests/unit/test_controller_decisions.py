@@ -1,6 +1,6 @@
 """The operator's decisions, one transition per row: (status, pods, events, time) -> actions, phase, conditions.
 
-Pure: no cluster, no Redis. Each row names the transition of design.md s4 it covers; the integration tests
+Pure: no cluster, no Redis. Each row names the transition of docs/design.md §4 it covers; the integration tests
 (tests/integration/test_operator_*.py) show the same rows against the real API server and Redis.
 """
 

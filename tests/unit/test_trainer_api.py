@@ -1,4 +1,4 @@
-"""The Trainer API of design.md section 6 on the torch backend (the tiny HF Llama): accumulation, zeroing,
+"""The Trainer API of docs/design.md §6 on the torch backend (the tiny HF Llama): accumulation, zeroing,
 versions, micro-batches by a token budget, the learning-rate schedule, float32 master weights under bfloat16
 compute, backends."""
 

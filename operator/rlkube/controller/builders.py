@@ -1,6 +1,6 @@
 """TrainingJob -> the manifests of its children, as plain dicts. Pure: no client, no clock, no randomness.
 
-What is built (design.md s3): a ConfigMap with the job config, the managed Redis (Secret with a password the
+What is built (docs/design.md §3): a ConfigMap with the job config, the managed Redis (Secret with a password the
 caller generates, Pod, headless Service, and a NetworkPolicy that admits only the job's pods and the operator),
 headless Services for inference and trainer, and one Pod per replica of trainer, inference, preprocessor and
 actor. Pods rather than Deployments or Jobs: the operator deletes them stage by stage and reads each one's exit

@@ -1,6 +1,6 @@
 """One reconcile pass as a pure function: (job, observed pods and trainer events, time) -> actions + new status.
 
-This is the operator's behaviour, all of it (design.md s4), kept free of I/O so every transition has a
+This is the operator's behaviour, all of it (docs/design.md §4), kept free of I/O so every transition has a
 table-driven unit test:
 
     Pending -> Starting -> Running -> Draining -> Succeeded | Failed        (and Suspended)

@@ -10,7 +10,7 @@ What the config says (spec -> Fast-LLM):
 - the model is imported from the job's Hugging Face checkpoint (`pretrained`, format = the checkpoint's
   `model_type`, given as spec.trainer.fastLlm.modelFormat);
 - documents come from the Redis streaming dataset (`data.datasets.training`, type `streaming`): stream
-  `fast_llm_streaming`, group `fast_llm_group`, the preprocessor's format (design.md s5);
+  `fast_llm_streaming`, group `fast_llm_group`, the preprocessor's format (docs/design.md §5.4);
 - one optimizer step per samplesPerStep documents (`schedule.docs_per_step`), maxSteps steps (`train_iters`);
 - after every step the weights are announced in `fast_llm_events` and broadcast to the inference servers
   (`callbacks.<streaming>`), in the same Hugging Face format (`export`), so they travel under HF names;

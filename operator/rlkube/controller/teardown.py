@@ -1,4 +1,4 @@
-"""The ordered teardown as a pure step function over `status.teardown` (design.md s4).
+"""The ordered teardown as a pure step function over `status.teardown` (docs/design.md §4.4).
 
 Stages run one at a time in TEARDOWN_ORDER (actors, preprocessor, inference, trainer, Redis). A stage
 starts by deleting its pods with the role's grace period, and finishes only when those pods are gone;

@@ -6,12 +6,12 @@ as text, or through the model's chat template as token ids (core/tasks.prompt_re
 n = groupSize (round robin over the servers) -> the task's reward per completion -> XADD one `RolloutGroup` entry
 with the per-token sampling log-probs.
 
-Rules it keeps (seed-systems section 6):
-- It stops (exit 0) on `training_finished`, NEVER by counting samples (6.1); SIGTERM also exits 0 promptly.
+Rules it keeps (the pitfalls of docs/references.md §6):
+- It stops (exit 0) on `training_finished`, NEVER by counting samples (§6.1); SIGTERM also exits 0 promptly.
   A stop interrupts every wait (an HTTP request a server holds or never answers, a back-off, the lag bound),
   never a Redis write: a reservation is either used by a written group or given back, never both or neither.
 - A group's `model_version` is the version of the weights that sampled it, stamped at the rollout's start
-  (6.9): the server's `model_version` (the policy its batch started with), else the trainer version the actor
+  (§6.9): the server's `model_version` (the policy its batch started with), else the trainer version the actor
   knew when it sent the request.
 - A failed HTTP request is retried (on the next server, with backoff), never fatal; a 400 (a prompt the model
   cannot take) skips that prompt.

@@ -2,7 +2,7 @@
 
 Pure functions on lists of floats so the preprocessor, the synchronous benchmark and the tests share them.
 Groups may be partial (an actor lost samples, or a group was cut short): the estimators only use the samples
-that are there, and a group of one has nothing to compare with, so its advantage is 0 (seed-systems 6.10).
+that are there, and a group of one has nothing to compare with, so its advantage is 0 (docs/references.md §6.10).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ mid-write never resumes from a torn checkpoint. Old checkpoints are first rename
 
 Loading copies the tensors into the live model and drops the loaded (possibly memory-mapped) tensors before
 returning, so that pruning old checkpoint files later never removes a file that still backs a tensor
-(seed-systems 6.14).
+(docs/references.md §6.14).
 """
 
 from __future__ import annotations

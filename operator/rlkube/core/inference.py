@@ -5,12 +5,13 @@ sampling with `SamplingEngine` (core/sampling.py, a KV cache) from the job's Hug
 same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
 
 A background thread (`WeightFollower`) follows the trainer's events stream. On `weights_ready` it joins the
-announced epoch's weight-update group when it is a new one (leaving the old), receives the weights (HF names, the transfer dtype), loads them by name into a copy of the model (converting to
-the served dtype) and swaps it in; generation keeps going meanwhile (seed pitfall 6.4: the first update must not pause generation, so
+announced epoch's weight-update group when it is a new one (leaving the old), receives the weights (HF names,
+the transfer dtype), loads them by name into a copy of the model (converting to the served dtype) and swaps it
+in; generation keeps going meanwhile (docs/references.md §6.4: the first update must not pause generation, so
 requests are never gated on the update). /health answers 200 only once the first update arrived over the group
 (so the server has joined it; the trainer's start-up push makes that happen without any training step). On
-`training_finished` it leaves the group, as the trainer does on the same event (6.5), and the server keeps
-serving until SIGTERM, then exits 0.
+`training_finished` it leaves the group, as the trainer does on the same event (docs/references.md §6.5), and
+the server keeps serving until SIGTERM, then exits 0.
 
 SIGTERM must end the process within a teardown grace period (seconds) in every state, and the follower may be
 blocked inside the group then: in the rendezvous of an announced epoch or in a receive that the trainer (alive,
@@ -158,7 +159,8 @@ class WeightFollower:
         received = time.monotonic()
         model = copy.deepcopy(self.template)
         try:
-            # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error (6.15).
+            # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error
+            # (docs/references.md §6.15).
             hf_state.load_weights(model, state, self.aliases)
         except RuntimeError as exc:
             log.error("weights of version %d do not fit the model: %s; keeping version %d", version, exc,

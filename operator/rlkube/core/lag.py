@@ -1,4 +1,5 @@
-"""Lag control shared by every actor replica: sample counters in Redis (design.md s5, seed 6.8/6.9).
+"""Lag control shared by every actor replica: sample counters in Redis (docs/design.md §7;
+docs/references.md §6.8, §6.9).
 
 Why counters: a rollout must not be consumed more than `maxLag` weight versions after it was sampled. Samples
 are consumed in stream order, `samplesPerStep` per optimizer step, so the p-th sample written is used by the step
@@ -17,7 +18,7 @@ send it). Two counters, shared by all replicas:
   (the transfer follows the announcement), is refused and sampled again with newer weights. So the bound holds
   in stream order, not just in reservation order.
 
-Two ways the counters can overcount and would otherwise stall the job forever (seed 6.8):
+Two ways the counters can overcount and would otherwise stall the job forever (docs/references.md §6.8):
 - a restarted trainer resumes with a smaller D than it had reached (the documents it read after its last
   checkpoint are gone): the first actor that sees the smaller D lowers both counters by the difference, once
   (a Lua script ordered by the event's stream id, so replicas seeing the same event do it only once);

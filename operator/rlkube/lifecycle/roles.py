@@ -1,4 +1,4 @@
-"""The roles of a job, how many processes each has, and when each may start (design.md s3).
+"""The roles of a job, how many processes each has, and when each may start (docs/design.md §3).
 
 Start order: Redis; trainer and inference together (the trainer never waits for inference health, and an
 inference server turns healthy only after joining the trainer's weight-update group); the preprocessor once
@@ -18,7 +18,7 @@ REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR = "redis", "trainer", "inference"
 START_ORDER = (REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
 """Every role, in the order a pass considers starting them (each gate sees what earlier roles got)."""
 TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
-"""Stop order: producers first, inference after the trainer's finished event, Redis last (design.md s4)."""
+"""Stop order: producers first, inference after the trainer's finished event, Redis last (docs/design.md §4.4)."""
 CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
 """Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
 MODEL_ROLES = (TRAINER, INFERENCE, ACTOR)

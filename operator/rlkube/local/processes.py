@@ -1,8 +1,8 @@
 """Role processes of a local job: start them in their own process group, stop them SIGTERM-then-SIGKILL.
 
 Each role runs in its own session so a Ctrl-C in the terminal reaches only the runner, which then stops the
-roles in the design's order. PR_SET_PDEATHSIG makes the kernel kill a role if the runner itself dies without
-cleaning up (kill -9), so no role is ever orphaned.
+roles in the order of docs/design.md §4.4. PR_SET_PDEATHSIG makes the kernel kill a role if the runner itself
+dies without cleaning up (kill -9), so no role is ever orphaned.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`rlkube local FILE`: run one TrainingJob on this machine as local processes.
 
 The same roles as in a cluster (`python -m rlkube.core.<role>` with the env of rlkube.core.runtime), started in
-the design's order (Redis; trainer and inference together; preprocessor; actors once inference is healthy),
+the order of docs/design.md §3 (Redis; trainer and inference together; preprocessor; actors once inference is healthy),
 followed through the trainer's events in Redis, and torn down in the operator's order: actors, preprocessor,
 inference, trainer, Redis. Any ending (success, a crashed role, Ctrl-C) goes through that teardown.
 
@@ -186,7 +186,7 @@ class LocalJob:
         self._start_gated()
 
     def _start_gated(self) -> None:
-        """Start every role whose gate is open (design order; actors once every inference server is healthy)."""
+        """Start every role whose gate is open (docs/design.md §3; actors once every inference server is healthy)."""
         exist = {r: len(self.procs.get(r, [])) for r in roles.START_ORDER}
         exist[roles.REDIS] = ready_redis = 1 if self.redis_server is not None else 0
         ready = {roles.REDIS: ready_redis}

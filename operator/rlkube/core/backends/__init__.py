@@ -1,4 +1,4 @@
-"""Training backends behind one interface (design.md section 6), chosen by `spec.trainer.backend`.
+"""Training backends behind one interface (docs/design.md §6), chosen by `spec.trainer.backend`.
 
 Every backend starts from the job's Hugging Face model directory and speaks Hugging Face names and layouts in
 its weights and checkpoints (the contract is written down in `base.py`). `torch` trains AutoModelForCausalLM

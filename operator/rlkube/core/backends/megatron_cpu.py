@@ -1,4 +1,4 @@
-"""megatron-core on CPU: the small compatibility shim of design.md section 6, and megatron's process state.
+"""megatron-core on CPU: the small compatibility shim of docs/design.md §6, and megatron's process state.
 
 megatron-core (0.16.1, the last release for Python 3.11) assumes CUDA in these places that a CPU forward and
 backward of a GPTModel (with tensor parallelism too) reach:

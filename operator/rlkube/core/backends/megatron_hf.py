@@ -2,7 +2,7 @@
 
 Why this module exists: the megatron backend trains a megatron-core GPTModel, but the job's model, its checkpoints
 and the weights published to inference are Hugging Face directories and Hugging Face parameter names
-(design.md section 5). This module turns a transformers config into GPTModel's arguments and converts tensors
+(docs/design.md §5.6). This module turns a transformers config into GPTModel's arguments and converts tensors
 (weights, and Adam moments, which have their parameter's shape) both ways. It is pure: no megatron import, no I/O.
 
 Why not a maintained bridge (issue 9 asked to evaluate them first, against megatron-core 0.16.1, Python 3.11, CPU):

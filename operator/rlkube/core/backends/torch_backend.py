@@ -90,7 +90,7 @@ class TorchBackend:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         self.optimizer.step()
         self.scheduler.step()
-        # Zero AFTER the step (seed-systems 6.15: zeroing inside forward_backward broke accumulation).
+        # Zero AFTER the step (docs/references.md §6.15: zeroing inside forward_backward broke accumulation).
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 

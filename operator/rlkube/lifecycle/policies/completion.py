@@ -1,4 +1,4 @@
-"""design.md s4: the job succeeds when the trainer published training_finished for the final step AND exited 0.
+"""docs/design.md §4.1: the job succeeds when the trainer published training_finished for the final step AND exited 0.
 
 Event without exit for completionTimeoutSeconds: the trainer is stopped, and the job succeeds only if the event
 reported the final step and a checkpoint. Exit 0 without the event for as long: Failed. An event below maxSteps,
