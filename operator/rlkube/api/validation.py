@@ -389,9 +389,6 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.algorithm.loss not in FAST_LLM_LOSSES:
         errs.append(FieldError("spec.algorithm.loss", f"fast-llm implements {' and '.join(FAST_LLM_LOSSES)}, "
                                                       f"not {spec.algorithm.loss}"))
-    if spec.inference.engine == "native":
-        errs.append(FieldError("spec.inference.engine", "fast-llm broadcasts weights over NCCL, which the native "
-                                                        "(CPU) engine cannot receive; use vllm"))
     if spec.trainer.nodes > 1 and not spec.trainer.checkpoint.claim_name:
         # Fast-LLM's rank 0 creates each checkpoint directory and every rank writes its shard into it.
         errs.append(FieldError("spec.trainer.checkpoint.claimName", "fast-llm on several nodes writes one "
