@@ -286,6 +286,7 @@ def test_other_backends_keep_their_trainer_command():
     ({"trainer__gpusPerNode": 0}, "spec.trainer.gpusPerNode"),
     ({"trainer__fastLlm": {}}, "spec.trainer.fastLlm.modelFormat"),
     ({"model__path": "builtin://tiny-llama"}, "spec.model.path"),
+    ({"model__path": "hf://Qwen/Qwen2.5-0.5B"}, "spec.model.path"),
     ({"algorithm__loss": "ppo"}, "spec.algorithm.loss"),
     ({"trainer__nodes": 2}, "spec.trainer.checkpoint.claimName"),
     ({"redis": {"mode": "external", "url": "redis://r:6379/0"}}, "spec.redis.mode"),
