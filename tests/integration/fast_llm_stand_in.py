@@ -1,25 +1,39 @@
-"""Stands in for `fast-llm train gpt` under torchrun in the launcher test (not a test): it makes the Redis and
-torch.distributed calls Fast-LLM makes, with Fast-LLM's arguments, and nothing else (Fast-LLM itself needs
-Python 3.12 and CUDA).
+"""Stands in for `fast-llm train gpt` under torchrun (not a test): it makes the Redis and torch.distributed calls
+Fast-LLM makes, with Fast-LLM's arguments and in Fast-LLM's order, and nothing else (Fast-LLM itself needs Python
+3.12 and CUDA to train). Line numbers are Fast-LLM's at the commit tests/fixtures/fast_llm_config_fields.json
+records (d3d20226).
 
-`python fast_llm_stand_in.py CONFIG_YAML RENDEZVOUS_TIMEOUT_S`, reading from the config the same fields Fast-LLM
-reads:
-- the streaming dataset (fast_llm/data/dataset/streaming.py): `redis.Redis(host=, port=)`, XGROUP CREATE
-  fast_llm_group mkstream, then XREADGROUP count 1 block 1000 noack as `fast_llm_consumer_{rank}`, one document;
-- the streaming callback (fast_llm/engine/training/streaming.py, rank 0): `redis.Redis(host, port)` (RedisConfig
-  .get_client), XADD a `weights_ready` event to fast_llm_events, then the broadcast group:
-  `torch.distributed.rendezvous("tcp://{host}:{port}", 0, external_world_size + 1)` and a process group on
-  `PrefixStore("range_0_{n}_1/", store)` (ProcessGroupPool), here gloo; broadcast metadata then a tensor,
-  then a `None` sentinel, each object framed as broadcast_object frames it (an int64 size, then uint8 bytes; JSON
-  here where Fast-LLM pickles), and XADD `training_finished`.
-Prints `stand-in: <step>` lines; exits 0 when all of it worked, 3 when the broadcast rendezvous timed out.
+`python fast_llm_stand_in.py CONFIG_YAML RENDEZVOUS_TIMEOUT_S [--model DIR] [--steps N] [--overshoot K]`, reading
+from the config the same fields Fast-LLM reads:
+- the streaming callback's constructor (fast_llm/engine/training/streaming.py:40-55, rank 0): `redis.Redis(host,
+  port)` (RedisConfig.get_client), then the broadcast group: ProcessGroupPool(rank=0, world_size=
+  external_world_size + 1) = `torch.distributed.rendezvous("tcp://{host}:{port}", 0, world_size)`
+  (fast_llm/engine/distributed/distributed.py:65-72) and `get_process_group(range(world_size), 0)` = the
+  backend's process group on `PrefixStore("range_0_{world_size}_1/", store)` (distributed.py:112-122);
+- run_begin (streaming.py:57-59): one update at step 0 with documents_seen 0;
+- the streaming dataset (fast_llm/data/dataset/streaming.py): XGROUP CREATE fast_llm_group mkstream, then
+  XREADGROUP count 1 block 1000 noack as `fast_llm_consumer_{rank}`, one document at a time; each step reads
+  docs_per_step + overshoot documents (Fast-LLM fills its last micro-batch past docs_per_step);
+- step_end (streaming.py:61-74): one update per step with the step and the true documents_seen;
+- an update (streaming.py:97-119): XADD `weights_ready` to fast_llm_events, then per exported tensor
+  broadcast_object((shard_name, layer_name, shape, dtype)) and broadcast(tensor), then broadcast_object(None);
+  broadcast/broadcast_object/_object_to_tensor below are Fast-LLM's (fast_llm/core/distributed.py:50-64,
+  163-198, 295-302), pickle included;
+- train_end (streaming.py:82-86): XADD `training_finished` ({"type"} only).
+The weights: with --model, the HF checkpoint's tensors under their HF names, in its dtype, the tied output
+weight left out as Fast-LLM's export does, each moved by `step x 1e-3` so every update differs; without, one
+2x3 float32 tensor. Prints `stand-in: <what>` lines (`stand-in: checksum <step> <value>`: weights_checksum of an
+update); exits 0 when all of it worked, 3 when the broadcast rendezvous timed out.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import io
 import json
 import os
+import pickle
 import sys
 
 import redis
@@ -27,13 +41,130 @@ import torch
 import torch.distributed as dist
 import yaml
 
+WEIGHTS_SHARD = "weights"
+
+
+# --- Fast-LLM's fast_llm/core/distributed.py ------------------------------------------------------------------
+
+def _get_device(group) -> torch.device:  # distributed.py:30-36
+    if dist.is_nccl_available() and isinstance(group, dist.ProcessGroupNCCL):
+        return torch.device(torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> None:  # distributed.py:50-64
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def broadcast_scalar(value, dtype, group, src: int = 0):  # distributed.py:163-176
+    tensor = torch.empty([1], dtype=dtype, device=_get_device(group))
+    if group.rank() == src:
+        tensor.fill_(value)
+    broadcast(tensor, src, group)
+    return tensor.item()
+
+
+def _object_to_tensor(obj) -> torch.Tensor:  # distributed.py:295-302
+    f = io.BytesIO()
+    pickle.Pickler(f).dump(obj)
+    return torch.ByteTensor(torch.ByteStorage._from_buffer(f.getvalue()))
+
+
+def broadcast_object(input_object, group, src: int = 0):  # distributed.py:179-193 (the sending rank)
+    tensor = _object_to_tensor(input_object)
+    size = tensor.numel()
+    broadcast_tensor = torch.empty(size, dtype=torch.uint8, device=_get_device(group))
+    broadcast_tensor.copy_(tensor)
+    broadcast_scalar(size, torch.int64, group, src)
+    broadcast(broadcast_tensor, src, group)
+    return input_object
+
+
+def broadcast_group(host: str, port: int, external_world_size: int, backend: str, timeout: datetime.timedelta):
+    """streaming.py:42-54 with ProcessGroupPool (distributed.py:65-72, 112-122) for rank 0."""
+    world_size = external_world_size + 1
+    store, _, _ = next(dist.rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout))
+    ranks = range(world_size)
+    prefix = f"range_{ranks.start}_{ranks.stop}_{ranks.step}/"
+    group_class = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+    return group_class(dist.PrefixStore(prefix, store), 0, world_size, timeout)
+
+
+def broadcast_weights(client, group, step: int, documents_seen: int, tensors) -> None:
+    """streaming.py:97-119 on rank 0."""
+    client.xadd("fast_llm_events",
+                {"event": json.dumps({"type": "weights_ready", "step": step, "documents_seen": documents_seen})})
+    for shard_name, layer_name, tensor in tensors:
+        broadcast_object((shard_name, layer_name, tensor.shape, tensor.dtype), group, src=0)
+        broadcast(tensor, 0, group)
+    broadcast_object(None, group, src=0)
+
+
+# --- the weights and the documents --------------------------------------------------------------------------
+
+def model_weights(model_dir: str | None) -> dict[str, torch.Tensor]:
+    if model_dir is None:
+        return {"model.layers.0.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype="auto")
+    state = dict(model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # fast_llm/models/gpt/conversion/llama.py:421-427
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def checksum(named: dict[str, torch.Tensor]) -> float:
+    from rlkube.core.weightsync import weights_checksum
+
+    return weights_checksum(sorted(named.items()))
+
+
+def read_documents(client, rank: int, n: int) -> list[list[int]]:
+    docs = []
+    while len(docs) < n:
+        messages = client.xreadgroup(groupname="fast_llm_group", consumername=f"fast_llm_consumer_{rank}",
+                                     streams={"fast_llm_streaming": ">"}, count=1, block=1000, noack=True)
+        for _, entries in messages or []:
+            for _, fields in entries:
+                docs.append(torch.frombuffer(bytearray(fields[b"tokens"]), dtype=torch.int64).tolist())
+    return docs
+
 
 def main() -> int:
-    config = yaml.safe_load(open(sys.argv[1]))
-    timeout = datetime.timedelta(seconds=float(sys.argv[2]))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("timeout_s", type=float)
+    parser.add_argument("--model")
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--overshoot", type=int, default=0)
+    args = parser.parse_args()
+    config = yaml.safe_load(open(args.config))
+    timeout = datetime.timedelta(seconds=args.timeout_s)
     rank = int(os.environ["RANK"])
     print(f"stand-in: rank {rank} agent store {os.environ.get('TORCHELASTIC_USE_AGENT_STORE')} "
           f"password in env {'REDIS_PASSWORD' in os.environ}", flush=True)
+
+    callback = config["callbacks"]["streaming"]
+    events = redis.Redis(callback["host"], callback["port"])
+    bc = callback["broadcast"]
+    try:
+        group = broadcast_group(bc["host"], bc["port"], bc["external_world_size"], bc["backend"], timeout)
+    except Exception as exc:  # torch raises DistStoreError / DistNetworkError / TimeoutError by version
+        print(f"stand-in: broadcast rendezvous failed: {type(exc).__name__}", flush=True)
+        return 3
+    print("stand-in: broadcast group formed", flush=True)
+    base = model_weights(args.model)
+
+    def update(step: int, seen: int) -> None:
+        named = {k: (v + step * 1e-3).to(v.dtype) if v.is_floating_point() and step else v for k, v in base.items()}
+        broadcast_weights(events, group, step, seen, ((WEIGHTS_SHARD, k, v) for k, v in named.items()))
+        print(f"stand-in: checksum {step} {checksum(named)!r}", flush=True)
+
+    update(0, 0)  # run_begin
 
     data = config["data"]["datasets"]["training"]
     client = redis.Redis(host=data["host"], port=data["port"])
@@ -42,31 +173,13 @@ def main() -> int:
     except redis.exceptions.ResponseError as e:
         if "BUSYGROUP" not in str(e):
             raise
-    messages = client.xreadgroup(groupname="fast_llm_group", consumername=f"fast_llm_consumer_{rank}",
-                                 streams={"fast_llm_streaming": ">"}, count=1, block=1000, noack=True)
-    (_, entries), = messages
-    tokens = torch.frombuffer(bytearray(entries[0][1][b"tokens"]), dtype=torch.int64)
-    print(f"stand-in: document {tokens.tolist()}", flush=True)
-
-    callback = config["callbacks"]["streaming"]
-    events = redis.Redis(callback["host"], callback["port"])
-    events.xadd("fast_llm_events", {"event": json.dumps({"type": "weights_ready", "step": 0, "documents_seen": 0})})
-    broadcast = callback["broadcast"]
-    world = broadcast["external_world_size"] + 1
-    try:
-        store, _, _ = next(dist.rendezvous(f"tcp://{broadcast['host']}:{broadcast['port']}", 0, world,
-                                           timeout=timeout))
-    except Exception as exc:  # torch raises DistStoreError / DistNetworkError / TimeoutError by version
-        print(f"stand-in: broadcast rendezvous failed: {type(exc).__name__}", flush=True)
-        return 3
-    group = dist.ProcessGroupGloo(dist.PrefixStore(f"range_0_{world}_1/", store), 0, world, timeout)
-    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    for obj in (["model.layers.0.weight", list(weight.shape), "float32"], None):
-        payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-        group.broadcast([torch.tensor([payload.numel()])], dist.BroadcastOptions()).wait()
-        group.broadcast([payload], dist.BroadcastOptions()).wait()
-        if obj is not None:
-            group.broadcast([weight], dist.BroadcastOptions()).wait()
+    if args.steps == 0:
+        print(f"stand-in: document {read_documents(client, rank, 1)[0]}", flush=True)
+    seen = 0
+    per_step = config["schedule"]["docs_per_step"] + args.overshoot
+    for step in range(1, args.steps + 1):
+        seen += len(read_documents(client, rank, per_step))
+        update(step, seen)  # step_end
     events.xadd("fast_llm_events", {"event": json.dumps({"type": "training_finished"})})
     print("stand-in: broadcast done", flush=True)
     return 0

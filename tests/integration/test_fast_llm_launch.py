@@ -11,7 +11,6 @@ SIGTERM pass through.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -24,11 +23,11 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.distributed as dist
 import yaml
 from rlkube.api.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.core import fast_llm_launch
+from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.local.redis_server import RedisServer
 
 HERE = Path(__file__).parent
@@ -106,6 +105,9 @@ def _pod_command(tmp_path: Path, redis_port: int, store: bool, rendezvous_timeou
     loopback ports, the master address, and the stand-in in place of `fast-llm train gpt --config ...`."""
     raw = yaml.safe_load((ROOT / "examples" / "fast-llm.yaml").read_text())["spec"]
     raw["trainer"]["gpusPerNode"] = 1
+    # One native (CPU) server: Fast-LLM broadcasts over gloo to one rank.
+    raw["inference"] = {**raw["inference"], "engine": "native", "tensorParallel": 1, "replicas": 1}
+    raw["inference"].pop("resources", None)
     spec = parse_spec(raw)
     config = fastllm.training_config(spec, "ns", "job")
     relay_port, store_port, master_port = free_port(), free_port(), free_port()
@@ -137,24 +139,14 @@ def _launch(cmd: list[str], tmp_path: Path) -> subprocess.Popen:
                             cwd=tmp_path, start_new_session=True)
 
 
-def _receive(addr: tuple[str, int], world: int, timeout_s: float) -> tuple[list, torch.Tensor]:
-    """The inference side of Fast-LLM's broadcast group: a store client, rank 1, the same prefix."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(addr[0], addr[1], None, False, timeout)
-    group = dist.ProcessGroupGloo(dist.PrefixStore(f"range_0_{world}_1/", store), 1, world, timeout)
-
-    def recv_object():
-        size = torch.zeros(1, dtype=torch.int64)
-        group.broadcast([size], dist.BroadcastOptions()).wait()
-        payload = torch.zeros(int(size), dtype=torch.uint8)
-        group.broadcast([payload], dist.BroadcastOptions()).wait()
-        return json.loads(bytes(payload.tolist()))
-
-    meta = recv_object()
-    weight = torch.zeros(meta[1], dtype=torch.float32)
-    group.broadcast([weight], dist.BroadcastOptions()).wait()
-    assert recv_object() is None
-    return meta, weight
+def _receive(addr: tuple[str, int], world: int, timeout_s: float) -> dict[str, torch.Tensor]:
+    """The inference side of Fast-LLM's broadcast group, as both engines join it: rank 1 of `world`."""
+    receiver = FastLlmReceiver(f"{addr[0]}:{addr[1]}", 1, world, timeout_s=timeout_s)
+    receiver.join()  # Fast-LLM's rank 0 forms the group in its callback's constructor, before any weights_ready
+    try:
+        return receiver.receive()
+    finally:
+        receiver.close()
 
 
 def test_pod_command_gives_fast_llm_redis_and_the_broadcast_store(secured_redis, admin, tmp_path):
@@ -164,21 +156,15 @@ def test_pod_command_gives_fast_llm_redis_and_the_broadcast_store(secured_redis,
     proc = _launch(cmd, tmp_path)
     try:
         broadcast = config["callbacks"]["streaming"]["broadcast"]
-        # The inference server connects to the trainer pod's store (here on loopback) once weights_ready is out.
-        deadline = time.monotonic() + 60
-        while not admin.xlen("fast_llm_events"):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no weights_ready from the stand-in"
-            time.sleep(0.1)
-        meta, weight = _receive(("127.0.0.1", broadcast["port"]), broadcast["external_world_size"] + 1, 60)
+        weights = _receive(("127.0.0.1", broadcast["port"]), broadcast["external_world_size"] + 1, 60)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, out
-    assert meta == ["model.layers.0.weight", [2, 3], "float32"]
-    assert weight.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert {k: (v.dtype, v.tolist()) for k, v in weights.items()} == {
+        "model.layers.0.weight": (torch.float32, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])}
     events = [json.loads(f[b"event"])["type"] for _, f in admin.xrange("fast_llm_events")]
     assert events == ["weights_ready", "training_finished"]
     # Under torchrun (agent store: the broadcast rendezvous is a client only), without the Secret in its env.

@@ -176,7 +176,8 @@ def test_values_follow_the_spec(name):
     assert c["training"]["export"] == {"format": fmt, "interval": algo.max_steps}
     stream = c["callbacks"]["streaming"]
     assert stream["export"]["format"] == fmt and stream["export"]["model_weights"] is True
-    assert stream["broadcast"]["external_world_size"] == s.inference.replicas
+    assert stream["broadcast"]["external_world_size"] == s.inference.replicas * s.inference.tensor_parallel
+    assert stream["broadcast"]["backend"] == ("nccl" if s.inference.engine == "vllm" else "gloo")
     assert stream["broadcast"]["port"] == runtime.WEIGHT_SYNC_PORT
     # Both Redis clients of Fast-LLM go to the relay in the pod, which the launcher serves at this address.
     relay = {"host": "127.0.0.1", "port": runtime.REDIS_PORT}
@@ -285,8 +286,8 @@ def test_other_backends_keep_their_trainer_command():
     ({"trainer__gpusPerNode": 0}, "spec.trainer.gpusPerNode"),
     ({"trainer__fastLlm": {}}, "spec.trainer.fastLlm.modelFormat"),
     ({"model__path": "builtin://tiny-llama"}, "spec.model.path"),
+    ({"model__path": "hf://Qwen/Qwen2.5-0.5B"}, "spec.model.path"),
     ({"algorithm__loss": "ppo"}, "spec.algorithm.loss"),
-    ({"inference__engine": "native", "inference__tensorParallel": 1}, "spec.inference.engine"),
     ({"trainer__nodes": 2}, "spec.trainer.checkpoint.claimName"),
     ({"redis": {"mode": "external", "url": "redis://r:6379/0"}}, "spec.redis.mode"),
 ])

@@ -386,12 +386,14 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.model.path.startswith("builtin://"):
         errs.append(FieldError("spec.model.path", "fast-llm imports a Hugging Face checkpoint directory; "
                                                   "built-in models exist only in rlkube's own trainers"))
+    if spec.model.path.startswith("hf://"):
+        # rlkube.controller.fastllm hands spec.model.path to Fast-LLM as `pretrained.path`, a directory; nothing
+        # materializes an hf:// model into the trainer pod for it (the other roles fetch it themselves).
+        errs.append(FieldError("spec.model.path", "fast-llm imports a checkpoint directory and cannot fetch an "
+                                                  "hf:// model; give a path on a volume (model.claimName)"))
     if spec.algorithm.loss not in FAST_LLM_LOSSES:
         errs.append(FieldError("spec.algorithm.loss", f"fast-llm implements {' and '.join(FAST_LLM_LOSSES)}, "
                                                       f"not {spec.algorithm.loss}"))
-    if spec.inference.engine == "native":
-        errs.append(FieldError("spec.inference.engine", "fast-llm broadcasts weights over NCCL, which the native "
-                                                        "(CPU) engine cannot receive; use vllm"))
     if spec.trainer.nodes > 1 and not spec.trainer.checkpoint.claim_name:
         # Fast-LLM's rank 0 creates each checkpoint directory and every rank writes its shard into it.
         errs.append(FieldError("spec.trainer.checkpoint.claimName", "fast-llm on several nodes writes one "

@@ -31,7 +31,7 @@ import yaml
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.controller import names
-from rlkube.core import runtime
+from rlkube.core import fast_llm_rendezvous, runtime
 
 FAST_LLM_REPOSITORY = "ServiceNow/Fast-LLM"
 FAST_LLM_COMMIT = "d3d20226a2395281eca4a779e85b8688621248d2"
@@ -119,12 +119,11 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
                 "broadcast": {
                     "host": BROADCAST_STORE_HOST,
                     "port": runtime.WEIGHT_SYNC_PORT,
-                    # One rank per inference server. NOT runtime.weight_sync_world_size (1 + replicas x
-                    # tensorParallel): no rlkube engine receives Fast-LLM's broadcast yet (the vLLM server ignores
-                    # weights_ready without an epoch), and this value is part of the config Fast-LLM validated
-                    # (tests/fixtures/fast_llm_config_fields.json); change both together.
-                    "external_world_size": spec.inference.replicas,
-                    "backend": "nccl",
+                    # Every receiving rank: each tensor-parallel worker of each inference server joins
+                    # (replicas x tensorParallel; Fast-LLM adds its own rank 0, fast_llm/engine/training/
+                    # streaming.py:44). rlkube.core.fast_llm_weights holds the rendezvous both engines follow.
+                    "external_world_size": fast_llm_rendezvous.external_world_size(spec),
+                    "backend": fast_llm_rendezvous.broadcast_backend(spec),
                 },
                 "export": {"format": fmt, "model_weights": True, "optimizer_state": False},
             }

@@ -43,7 +43,8 @@ import redis
 import torch
 from aiohttp import web
 
-from rlkube.core import protocol, runtime, streams
+from rlkube.core import fast_llm_rendezvous, protocol, runtime, streams
+from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
@@ -64,6 +65,9 @@ from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, 
 log = logging.getLogger("rlkube.inference")
 
 RECEIVE_TIMEOUT_S = 120.0  # per collective once an announcement was seen; the trainer sends right after it
+FAST_LLM_TIMEOUT_S = 3600.0
+"""Fast-LLM's broadcast group: the rendezvous waits for a trainer that may still be pulling its image or loading
+the model, and its group's collectives wait out a training step (rlkube.controller.fastllm.RENDEZVOUS_TIMEOUT_S)."""
 EVENTS_BLOCK_MS = 200  # XREAD block of the follower: how soon it notices a stop while idle
 # After SIGTERM: in-flight requests get HTTP_SHUTDOWN_S (only a running batch is left to finish, see above); the
 # follower and the sampling thread get STOP_WAIT_S each before they are left behind.
@@ -116,7 +120,23 @@ class WeightFollower:
         self.receiver.close()
         return True
 
+    def _join_fast_llm(self) -> bool:
+        """Fast-LLM forms its broadcast group once, before its first weights_ready (rlkube.core.fast_llm_weights):
+        join it first, retrying until it forms or we are stopped."""
+        while not self._stop.is_set():
+            try:
+                self.receiver.join()
+                log.info("joined Fast-LLM's weight broadcast as rank %d of %d", self.receiver.rank,
+                         self.receiver.world_size)
+                return True
+            except WeightSyncError as exc:
+                log.warning("%s; retrying", exc)
+                self._stop.wait(1.0)
+        return False
+
     def _run(self) -> None:
+        if isinstance(self.receiver, FastLlmReceiver) and not self._join_fast_llm():
+            return
         # From the newest weights_ready/training_finished already in the stream on. Redis may come up after us
         # (pods start together) or restart: the reader keeps reconnecting.
         reader = streams.EventReader(self.redis, self.keys.events, None, stop=self._stop,
@@ -141,15 +161,20 @@ class WeightFollower:
         if event.type != protocol.WEIGHTS_READY:
             return
         epoch = event.payload.get("epoch")
-        if not isinstance(epoch, str):
+        fast_llm = isinstance(self.receiver, FastLlmReceiver)
+        if not fast_llm and not isinstance(epoch, str):
             log.warning("weights_ready %s has no `epoch`: not a native weight-sync trainer; ignored", event.stream_id)
             return
         t0 = time.monotonic()
         try:
-            if epoch != self.receiver.epoch:
+            if fast_llm:
+                # Fast-LLM announces, then broadcasts (streaming.py:99-116); its step is the version.
+                version, state = event.step or 0, self.receiver.receive()
+            elif epoch != self.receiver.epoch:
                 log.info("joining weight-update epoch %s (was %s)", epoch, self.receiver.epoch)
                 self.receiver.join(epoch)
-            version, state = self.receiver.receive()
+            if not fast_llm:
+                version, state = self.receiver.receive()
         except StaleEpoch as exc:
             log.info("%s", exc)
             return
@@ -268,9 +293,15 @@ def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollo
     if not ctx.weight_sync_addr:
         raise SystemExit(f"{runtime.ENV_WEIGHT_SYNC} is not set: the inference server must join the trainer's "
                          "weight-update group")
-    receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
-                              world_size=ctx.weight_sync_world_size,
-                              timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host)
+    if spec.trainer.backend == "fast-llm":
+        # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
+        receiver = FastLlmReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                                   world_size=fast_llm_rendezvous.world_size(spec), timeout_s=FAST_LLM_TIMEOUT_S,
+                                   backend=fast_llm_rendezvous.broadcast_backend(spec), local_host=ctx.bind_host)
+    else:
+        receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                                  world_size=ctx.weight_sync_world_size,
+                                  timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host)
     client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
     follower = WeightFollower(client, ctx.keys, receiver, engine, copy.deepcopy(model))
     return InferenceServer(engine, served, follower), follower

@@ -1,0 +1,39 @@
+"""Fast-LLM's weight-broadcast rendezvous as the operator writes it into Fast-LLM's config and both engines join
+it (pure: no torch, the operator imports it). The facts and their Fast-LLM file:line are in
+rlkube.core.fast_llm_weights, the receiver."""
+
+from __future__ import annotations
+
+from rlkube.core import runtime
+
+EPOCH = "fast-llm"
+"""What a Fast-LLM receiver reports as its epoch (Fast-LLM has one group per trainer run, no epochs)."""
+WEIGHTS_SHARD = "weights"
+"""The shard name of model weights in Fast-LLM's metadata (fast_llm/engine/checkpoint/huggingface.py:101); other shards are received and
+dropped, as PipelineRL's receiver does."""
+
+
+def external_world_size(spec) -> int:
+    """`callbacks.streaming.broadcast.external_world_size`: every receiving rank, i.e. every tensor-parallel
+    worker of every inference server (each receives the whole broadcast and keeps its shard)."""
+    return runtime.weight_sync_world_size(spec) - 1
+
+
+def world_size(spec) -> int:
+    """The broadcast group's size: Fast-LLM's rank 0 plus the external ranks (fast_llm/engine/training/streaming.py:44)."""
+    return external_world_size(spec) + 1
+
+
+def store_prefix(size: int) -> str:
+    """The PrefixStore of `get_process_group(range(size), 0)` (fast_llm/engine/training/streaming.py:54,
+    fast_llm/engine/distributed/distributed.py:112-116)."""
+    ranks = range(size)
+    return f"range_{ranks.start}_{ranks.stop}_{ranks.step}/"
+
+
+def broadcast_backend(spec) -> str:
+    """`callbacks.streaming.broadcast.backend`, which the receivers use too: NCCL where the inference servers
+    have GPUs (vLLM servers of a job whose trainer has GPUs: the operator's GPU rule for inference pods), as
+    PipelineRL broadcasts; gloo where they serve on CPUs (the native engine), Fast-LLM's CPU path
+    (fast_llm/engine/training/streaming.py:50: CPU buffers for any backend but NCCL)."""
+    return "nccl" if spec.inference.engine == "vllm" and spec.trainer.gpus_per_node > 0 else "gloo"
