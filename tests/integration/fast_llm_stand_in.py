@@ -17,7 +17,7 @@ from the config the same fields Fast-LLM reads:
 - step_end (streaming.py:61-74): one update per step with the step and the true documents_seen;
 - an update (streaming.py:97-119): XADD `weights_ready` to fast_llm_events, then per exported tensor
   broadcast_object((shard_name, layer_name, shape, dtype)) and broadcast(tensor), then broadcast_object(None);
-  broadcast/broadcast_object/_object_to_tensor below are Fast-LLM's (fast_llm/core/distributed.py:50-64,
+  the framing below follows Fast-LLM's broadcast helpers (fast_llm/core/distributed.py:50-64,
   163-198, 295-302), pickle included;
 - train_end (streaming.py:82-86): XADD `training_finished` ({"type"} only).
 The weights: with --model, the HF checkpoint's tensors under their HF names, in its dtype, the tied output
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import os
 import pickle
@@ -44,43 +43,23 @@ import yaml
 WEIGHTS_SHARD = "weights"
 
 
-# --- Fast-LLM's fast_llm/core/distributed.py ------------------------------------------------------------------
+# --- the sender's side of the wire, written here after Fast-LLM's fast_llm/core/distributed.py ----------------
 
-def _get_device(group) -> torch.device:  # distributed.py:30-36
-    if dist.is_nccl_available() and isinstance(group, dist.ProcessGroupNCCL):
-        return torch.device(torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def broadcast(tensor: torch.Tensor, src: int, group) -> None:  # distributed.py:50-64
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
-    opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
+def send(group, tensor: torch.Tensor) -> None:
+    """One collective broadcast from rank 0, first tensor of the list (distributed.py:50-64 sets the same
+    rootRank/rootTensor options)."""
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    group.broadcast([tensor], options).wait()
 
 
-def broadcast_scalar(value, dtype, group, src: int = 0):  # distributed.py:163-176
-    tensor = torch.empty([1], dtype=dtype, device=_get_device(group))
-    if group.rank() == src:
-        tensor.fill_(value)
-    broadcast(tensor, src, group)
-    return tensor.item()
-
-
-def _object_to_tensor(obj) -> torch.Tensor:  # distributed.py:295-302
-    f = io.BytesIO()
-    pickle.Pickler(f).dump(obj)
-    return torch.ByteTensor(torch.ByteStorage._from_buffer(f.getvalue()))
-
-
-def broadcast_object(input_object, group, src: int = 0):  # distributed.py:179-193 (the sending rank)
-    tensor = _object_to_tensor(input_object)
-    size = tensor.numel()
-    broadcast_tensor = torch.empty(size, dtype=torch.uint8, device=_get_device(group))
-    broadcast_tensor.copy_(tensor)
-    broadcast_scalar(size, torch.int64, group, src)
-    broadcast(broadcast_tensor, src, group)
-    return input_object
+def send_pickled(group, value) -> None:
+    """An object as Fast-LLM's broadcast_object frames it (distributed.py:179-198, 295-302): its pickle's length
+    as a one-element int64 tensor, then the pickle as a uint8 tensor. Gloo keeps both on the CPU; NCCL would
+    want them on the current CUDA device (distributed.py:30-36), which this CPU stand-in never uses."""
+    payload = pickle.dumps(value)
+    send(group, torch.tensor([len(payload)], dtype=torch.int64))
+    send(group, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
 
 def broadcast_group(host: str, port: int, external_world_size: int, backend: str, timeout: datetime.timedelta):
@@ -98,9 +77,9 @@ def broadcast_weights(client, group, step: int, documents_seen: int, tensors) ->
     client.xadd("fast_llm_events",
                 {"event": json.dumps({"type": "weights_ready", "step": step, "documents_seen": documents_seen})})
     for shard_name, layer_name, tensor in tensors:
-        broadcast_object((shard_name, layer_name, tensor.shape, tensor.dtype), group, src=0)
-        broadcast(tensor, 0, group)
-    broadcast_object(None, group, src=0)
+        send_pickled(group, (shard_name, layer_name, tensor.shape, tensor.dtype))
+        send(group, tensor.contiguous())
+    send_pickled(group, None)
 
 
 # --- the weights and the documents --------------------------------------------------------------------------

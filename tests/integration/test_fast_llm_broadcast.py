@@ -1,6 +1,6 @@
 """Fast-LLM's weight broadcast, received as both engines receive it (rlkube.core.fast_llm_weights), from a sender
-that runs Fast-LLM's own broadcast code (fast_llm_stand_in.py: fast_llm/core/distributed.py and the streaming
-callback at the recorded commit), over gloo on loopback. One test per rendezvous fact: the world size of
+that frames it as Fast-LLM's own broadcast code does (fast_llm_stand_in.py, after fast_llm/core/distributed.py
+and the streaming callback at the recorded commit), over gloo on loopback. One test per rendezvous fact: the world size of
 replicas x tensorParallel, the rank order, the store prefix, the end marker; and the metadata (pickled shape and
 dtype, non-weight shards dropped)."""
 
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from fast_llm_stand_in import broadcast, broadcast_group, broadcast_object
+from fast_llm_stand_in import broadcast_group, send, send_pickled
 from rlkube.api.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.core import fast_llm_rendezvous, runtime
@@ -74,9 +74,9 @@ class Group:
             t.start()
         for update in updates:
             for shard, name, tensor in update:  # fast_llm/engine/training/streaming.py:112-116
-                broadcast_object((shard, name, tensor.shape, tensor.dtype), self.sender, src=0)
-                broadcast(tensor, 0, self.sender)
-            broadcast_object(None, self.sender, src=0)  # streaming.py:118-119
+                send_pickled(self.sender, (shard, name, tensor.shape, tensor.dtype))
+                send(self.sender, tensor)
+            send_pickled(self.sender, None)  # streaming.py:118-119
         for t in threads:
             t.join(30)
         return got
