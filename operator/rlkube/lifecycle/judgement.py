@@ -1,4 +1,4 @@
-"""How a job ends: evidence + run policy + time -> an outcome, or when to look again (design.md s4).
+"""How a job ends: evidence + run policy + time -> an outcome, or when to look again.
 
 `judge` runs the policies in order, each a small module of `rlkube.lifecycle.policies`; the first that decides
 an outcome wins. The operator and `rlkube local` both call it, so the same evidence gets the same verdict. The
