@@ -12,7 +12,7 @@ from datetime import datetime
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.evidence import Evidence
 from rlkube.lifecycle.policies import backoff, completion, config_error, invalid_spec, stall
-from rlkube.lifecycle.verdict import Outcome, Verdict
+from rlkube.lifecycle.verdict import Verdict
 
 POLICIES = (invalid_spec, config_error, backoff, completion, stall)
 """In order: a bad spec or input first, then restart budgets, then the completion rules, then the stall rule."""
