@@ -95,7 +95,7 @@ def run(j: JobView, pods=(), events=(), now=T0, source=REACHABLE, static=ALL_STA
         read_to_end=True, rejected=None) -> Decision:
     obs = Observed(pods=tuple(pods), events=tuple(events), read_upto=read_upto, event_source=source,
                    events_read_to_end=read_to_end, static_present=frozenset(static), create_rejected=rejected)
-    return decide(j, obs, now, password="pw")
+    return decide(j, obs, now)
 
 
 def running_status(**overrides) -> TrainingJobStatus:

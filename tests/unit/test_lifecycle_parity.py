@@ -145,7 +145,7 @@ def operator_verdict(row: Row, now: datetime) -> tuple[str, str] | None:
     obs = Observed(pods=tuple(pods), event_source=EventSource("Reachable", "Connected", "", caught_up=True),
                    events_read_to_end=True, static_present=frozenset(static))
     job = JobView("ns", "j", "uid-j", 1, raw, spec, error, False, status)
-    d = decide(job, obs, now, password="pw")
+    d = decide(job, obs, now)
     for kind in (Phase.SUCCEEDED, Phase.FAILED):
         c = next((c for c in d.status.conditions if c.type == kind and c.status == "True"), None)
         if c is not None:

@@ -8,11 +8,11 @@ from rlkube.api.spec import (
     VERSION,
     TrainingJobSpec,
 )
-from rlkube.api.status import TERMINAL_PHASES, TrainingJobStatus
+from rlkube.api.status import ConditionType, Phase, TrainingJobStatus
 from rlkube.api.validation import FieldError, SpecError, parse_manifest, parse_spec, semantic_errors
 
 __all__ = [
-    "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "TERMINAL_PHASES",
+    "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "ConditionType", "Phase",
     "TrainingJobSpec", "TrainingJobStatus", "FieldError", "SpecError", "parse_manifest", "parse_spec",
     "semantic_errors",
 ]

@@ -20,6 +20,8 @@ PLURAL = "trainingjobs"
 SINGULAR = "trainingjob"
 SHORT_NAMES = ["tj"]
 API_VERSION = f"{GROUP}/{VERSION}"
+GPU = "nvidia.com/gpu"
+"""The extended resource a GPU pod requests (TrainingJobSpec.gpus_per_pod GPUs of it)."""
 
 Quantity = int | str
 
@@ -745,3 +747,14 @@ class TrainingJobSpec(Model):
             return self.redis.image
         own = getattr(self, role).image
         return own or self.image
+
+    def gpus_per_pod(self, role: str) -> int:
+        """GPUs per pod the operator requests: gpusPerNode for the trainer; tensorParallel for vLLM servers of a GPU
+        job (the weight-update group runs over NCCL when the trainer is on GPUs, so both ends must be); else 0.
+
+        A property of the spec (not of its validation): the pod builders and the resource checks both read it."""
+        if role == "trainer":
+            return self.trainer.gpus_per_node
+        if role == "inference" and self.inference.engine == "vllm" and self.trainer.gpus_per_node > 0:
+            return self.inference.tensor_parallel
+        return 0

@@ -2,33 +2,62 @@
 
 The status is typed like the spec (its schema is generated from these classes) so that nothing the
 operator writes is pruned by the API server and printer columns read fields that are really there.
+
+The phases and condition types are defined here, once, as enums of the API (this package imports nothing else of
+rlkube): the lifecycle, the decisions and the metrics use these members rather than their own spellings, so a value
+`kubectl wait`, dashboards and alerts match on cannot drift between them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from rlkube.api.spec import Model
 
-Phase = Literal["Pending", "Starting", "Running", "Draining", "Succeeded", "Failed", "Suspended"]
-TERMINAL_PHASES = ("Succeeded", "Failed")
 
-CONDITION_TYPES = (
-    "RedisReady",
-    "TrainerReady",
-    "InferenceReady",
-    "PreprocessorReady",
-    "ActorsReady",
-    "EventSourceReachable",
-    "Stalled",
-    "Succeeded",
-    "Failed",
-    "ResourcesReleased",
-    "Suspended",
-    "SpecChangeIgnored",
-)
+class Phase(StrEnum):
+    """The phase of a TrainingJob: Pending -> Starting -> Running -> Draining -> Succeeded | Failed (and Suspended).
+
+    Defined here once, with the status that carries it: the decisions, the lifecycle, the metrics and the CRD
+    schema (status.phase's enum) all read these members, so a phase cannot be spelled two ways.
+    """
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    DRAINING = "Draining"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+    TERMINAL: ClassVar[frozenset[Phase]]
+    """The outcomes: a job in one of them is finished and never changes phase again."""
+
+
+Phase.TERMINAL = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionType(StrEnum):
+    """The metav1.Condition types the operator writes (`kubectl wait --for=condition=...` matches on them).
+
+    Succeeded and Failed record the decided outcome: their values are the terminal phases' (`ConditionType(phase)`).
+    """
+
+    REDIS_READY = "RedisReady"
+    TRAINER_READY = "TrainerReady"
+    INFERENCE_READY = "InferenceReady"
+    PREPROCESSOR_READY = "PreprocessorReady"
+    ACTORS_READY = "ActorsReady"
+    EVENT_SOURCE_REACHABLE = "EventSourceReachable"
+    STALLED = "Stalled"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    RESOURCES_RELEASED = "ResourcesReleased"
+    SUSPENDED = "Suspended"
+    SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
 
 
 class Condition(Model):
@@ -105,7 +134,7 @@ class TeardownStatus(Model):
 class TrainingJobStatus(Model):
     """Observed state of a TrainingJob, written by the rlkube operator only."""
 
-    phase: Phase = Field("Pending", description="Pending, Starting, Running, Draining, Succeeded, Failed, Suspended.")
+    phase: Phase = Field(Phase.PENDING, description="Pending, Starting, Running, Draining, Succeeded, Failed, Suspended.")
     reason: str | None = Field(None, description="Reason of the current phase (CamelCase).")
     message: str | None = Field(None, description="Human-readable detail of the current phase.")
     observed_generation: int = Field(0, description="Last spec generation acted on.")

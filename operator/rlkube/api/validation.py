@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
-from rlkube.api.spec import API_VERSION, KIND, TaskSpec, TrainingJobSpec
+from rlkube.api.spec import API_VERSION, GPU, KIND, TaskSpec, TrainingJobSpec
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
                     errs.append(FieldError(where, "an extended resource is counted in whole units"))
                     continue
                 parsed[kind][name] = quantity
-        if gpus := gpu_count(spec, role):
+        if gpus := spec.gpus_per_pod(role):
             # builders._resources replaces the GPU count written in resources with the one it derives
             parsed["limits"][GPU] = Decimal(gpus)
             if GPU in parsed["requests"]:
@@ -184,19 +184,6 @@ def model_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 TEMPLATE_ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
-GPU = "nvidia.com/gpu"
-
-
-def gpu_count(spec: TrainingJobSpec, role: str) -> int:
-    """GPUs per pod the operator requests: gpusPerNode for the trainer; tensorParallel for vLLM servers of a GPU
-    job (the weight-update group runs over NCCL when the trainer is on GPUs, so both ends must be); else 0."""
-    if role == "trainer":
-        return spec.trainer.gpus_per_node
-    if role == "inference" and spec.inference.engine == "vllm" and spec.trainer.gpus_per_node > 0:
-        return spec.inference.tensor_parallel
-    return 0
-
-
 def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """trainer.processesPerNode against the GPUs and the backend. (A GPU count the operator derives replaces one
     written in resources: builders._resources.)"""

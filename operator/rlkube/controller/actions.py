@@ -14,6 +14,15 @@ from typing import Any
 @dataclass(frozen=True)
 class Create:
     manifest: dict[str, Any]
+    mint: str | None = None
+    """A Secret's `stringData` key the applier fills with a fresh random value as it creates the object (the
+    managed Redis password): a secret is minted only when it is actually created, and the decisions stay pure."""
+
+    def minted(self, value: str) -> dict[str, Any]:
+        """The manifest to create, with `value` under the `mint` key (the manifest as it is when nothing is minted)."""
+        if self.mint is None:
+            return self.manifest
+        return {**self.manifest, "stringData": {**self.manifest.get("stringData", {}), self.mint: value}}
 
     @property
     def kind(self) -> str:

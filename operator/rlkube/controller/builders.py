@@ -1,7 +1,8 @@
 """TrainingJob -> the manifests of its children, as plain dicts. Pure: no client, no clock, no randomness.
 
-What is built (docs/design.md §3): a ConfigMap with the job config, the managed Redis (Secret with a password the
-caller generates, Pod, headless Service, and a NetworkPolicy that admits only the job's pods and the operator),
+What is built (docs/design.md §3): a ConfigMap with the job config, the managed Redis (a Secret whose password is
+minted by the applier when it creates it, actions.Create.mint, so building one is pure; Pod, headless Service, and
+a NetworkPolicy that admits only the job's pods and the operator),
 headless Services for inference and trainer, and one Pod per replica of trainer, inference, preprocessor and
 actor. Pods rather than Deployments or Jobs: the operator deletes them stage by stage and reads each one's exit
 code. Each pod is then merged with the role's `spec.<role>.template` (controller/podtemplate.py).
@@ -15,7 +16,7 @@ The model is ready before a role starts: every pod that loads it (lifecycle.role
 container that materializes spec.model.path into the model cache volume (emptyDir, or spec.model.cacheClaimName
 shared by the job's pods) with rlkube.core.hf.fetch; the role then runs with HF_HUB_OFFLINE=1. spec.model.claimName
 and spec.task.dataset.claimName are mounted read-only where they are read.
-GPU pods get `nvidia.com/gpu` limits (validation.gpu_count); a trainer with several ranks per pod runs the
+GPU pods get `nvidia.com/gpu` limits (TrainingJobSpec.gpus_per_pod, a property of the spec type); a trainer with several ranks per pod runs the
 launcher (lifecycle.environment.role_module), and trainer pods spread one per node (podAntiAffinity: required
 with GPUs, preferred on CPU so that a one-node CPU cluster still runs a multi-node job).
 
@@ -30,8 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.validation import GPU, gpu_count
+from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
 from rlkube.core import runtime
@@ -105,7 +105,7 @@ def _resources(spec: TrainingJobSpec, role: str) -> dict:
         out["requests"] = dict(res.requests)
     if res.limits:
         out["limits"] = dict(res.limits)
-    gpus = gpu_count(spec, role)
+    gpus = spec.gpus_per_pod(role)
     if gpus:
         # The count follows gpusPerNode / tensorParallel, replacing one written in resources. Extended resources
         # must be in limits; requests default to them, and must equal them when given.
@@ -154,14 +154,18 @@ def config_map(job: JobRef) -> dict:
     }
 
 
-def redis_secret(job: JobRef, password: str) -> dict:
-    return {
+def redis_secret(job: JobRef, password: str | None = None) -> dict:
+    """The managed Redis' password Secret. The decisions build it without a password: the applier mints one as it
+    creates the Secret (actions.Create.mint); `password` is for renderings that want a complete manifest."""
+    secret = {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(job, names.secret_name(job.name), names.role_labels(job.name, "redis")),
         "type": "Opaque",
-        "stringData": {names.SECRET_KEY: password},
     }
+    if password is not None:
+        secret["stringData"] = {names.SECRET_KEY: password}
+    return secret
 
 
 _SERVICE_PORTS = {
@@ -222,7 +226,7 @@ def redis_network_policy(job: JobRef) -> dict:
     }
 
 
-def static_children(job: JobRef, password: str) -> list[dict]:
+def static_children(job: JobRef, password: str | None = None) -> list[dict]:
     """Everything that is not a pod: created first, deleted after the last teardown stage."""
     out = [config_map(job)]
     if job.managed_redis:
@@ -450,7 +454,7 @@ def pod(
     return with_placement(core_pod(job, role, index, attempt, resume_checkpoint), placement)
 
 
-def all_children(job: JobRef, password: str) -> list[dict]:
+def all_children(job: JobRef, password: str | None = None) -> list[dict]:
     """Every child of a freshly started job, in creation order (used by tests and the docs)."""
     pods = [pod(job, role, i) for role in START_ORDER for i in range(replicas(job.spec, role))]
     return static_children(job, password) + pods

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from rlkube.api.status import Condition
+from rlkube.api.status import Condition, ConditionType
 from rlkube.controller.times import fmt_time
 
 ROLE_CONDITIONS = {
-    "redis": "RedisReady",
-    "trainer": "TrainerReady",
-    "inference": "InferenceReady",
-    "preprocessor": "PreprocessorReady",
-    "actor": "ActorsReady",
+    "redis": ConditionType.REDIS_READY,
+    "trainer": ConditionType.TRAINER_READY,
+    "inference": ConditionType.INFERENCE_READY,
+    "preprocessor": ConditionType.PREPROCESSOR_READY,
+    "actor": ConditionType.ACTORS_READY,
 }
+"""The readiness condition of each role's pods."""
 
 
 def get(conditions: list[Condition], type_: str) -> Condition | None:

@@ -1,7 +1,9 @@
 """One reconcile pass as a pure function: (job, observed pods and trainer events, time) -> actions + new status.
 
-This is the operator's behaviour, all of it (docs/design.md §4), kept free of I/O so every transition has a
-table-driven unit test:
+This is the operator's behaviour, all of it (docs/design.md §4), kept free of I/O (and of randomness: the managed
+Redis password is minted by the applier when it creates the Secret, actions.Create.mint) so every transition has a
+table-driven unit test. `decide` is a short recipe of named steps, each a function of the pass's scratch state
+(`_Pass`); phases and condition types are the API's enums (rlkube.api.status), never spelled here:
 
     Pending -> Starting -> Running -> Draining -> Succeeded | Failed        (and Suspended)
 
@@ -121,26 +123,35 @@ class Decision:
     """Set on the pass that finished a teardown: how long it took (for the metrics)."""
 
 
-def outcome(status: TrainingJobStatus) -> str | None:
-    """The decided outcome, "Succeeded" or "Failed", or None while undecided."""
-    for kind in (Phase.SUCCEEDED, Phase.FAILED):
-        if is_true(status.conditions, kind):
-            return kind
-    return None
+def outcome(status: TrainingJobStatus) -> Phase | None:
+    """The decided outcome (one of Phase.TERMINAL, recorded as the condition of the same name), or None while
+    undecided. At most one is ever True: an outcome is decided once (`_Pass.decide_outcome`)."""
+    return next((phase for phase in Phase.TERMINAL if is_true(status.conditions, ConditionType(phase))), None)
 
 
 class _Pass:
     """Mutable scratch state of one decision; `decide` orchestrates the steps below."""
 
-    def __init__(self, job: JobView, obs: Observed, now: datetime, password: str, gate: kueue.Gate = kueue.OPEN):
+    def __init__(self, job: JobView, live: JobView, obs: Observed, now: datetime, gate: kueue.Gate, resuming: bool):
         self.job = job
+        """The job as its pods run it (the spec it started with; `_as_started`)."""
+        self.live_job = live
+        """The job as the API server has it now (what spec changes are reported against)."""
         self.gate = gate
         """The Kueue gate of this pass: while it holds, the job is suspended."""
+        self.resuming = resuming
+        """A finished suspend whose flag was cleared: this pass starts the job again from the spec as it is now."""
         self.spec = job.spec
         self.obs = obs
         self.now = now
-        self.password = password
         self.status = job.status.model_copy(deep=True)
+        self.was_phase = job.status.phase
+        self.stop_reason: str | None = None
+        """Why the job is being torn down in this pass (an outcome, Deleted or Suspended); None while it runs."""
+        self.released = False
+        """The ordered teardown has finished."""
+        self.watching = False
+        """The job's Redis event stream should be read now."""
         self.actions: list[Action] = []
         self.events: list[Event] = []
         self.deadline: datetime | None = None
@@ -159,10 +170,10 @@ class _Pass:
     def event(self, type_: str, reason: str, message: str) -> None:
         self.events.append(Event(type_, reason, message))
 
-    def condition(self, type_: str, status: str, reason: str, message: str = "", event: bool = True) -> None:
+    def condition(self, type_: ConditionType, status: str, reason: str, message: str = "", event: bool = True) -> None:
         changed = set_condition(self.status.conditions, type_, status, reason, message, self.now, self.job.generation)
         if changed and event:
-            bad = (status == "True" and type_ in (Phase.FAILED, ConditionType.STALLED)) or (
+            bad = (status == "True" and type_ in (ConditionType.FAILED, ConditionType.STALLED)) or (
                 status == "False" and type_ == ConditionType.EVENT_SOURCE_REACHABLE
             )
             self.event("Warning" if bad else "Normal", reason, f"{type_}={status}: {message}".rstrip(": "))
@@ -177,17 +188,23 @@ class _Pass:
     def rank0(self) -> PodView | None:
         return next((p for p in self.live("trainer") if p.index == 0), None)
 
-    def decide_outcome(self, kind: str, reason: str, message: str) -> None:
+    def decide_outcome(self, phase: Phase, reason: str, message: str) -> None:
+        """Record the outcome (once, never changed) as the condition named like the terminal phase."""
         if outcome(self.status) is not None:
             return
         # Succeeded needs no Event of its own: the phase transitions (-> Draining, -> Succeeded) carry its reason.
-        self.condition(kind, "True", reason, message, event=kind != "Succeeded")
+        self.condition(ConditionType(phase), "True", reason, message, event=phase != Phase.SUCCEEDED)
         self.status.reason = reason
         self.status.message = message
 
     @property
     def max_steps(self) -> int:
         return self.spec.algorithm.max_steps if self.spec else 0
+
+    @property
+    def ttl(self) -> int | None:
+        """runPolicy.ttlSecondsAfterFinished."""
+        return self.spec.run_policy.ttl_seconds_after_finished if self.spec else None
 
 
 # -- trainer events -----------------------------------------------------------------------------------
@@ -419,18 +436,16 @@ def _condition_status(p: _Pass, type_: str) -> str | None:
     return next((c.status for c in p.status.conditions if c.type == type_), None)
 
 
-def _update_event_source(p: _Pass, watching: bool) -> None:
-    if not watching:
-        return
+def _update_event_source(p: _Pass) -> None:
     src = p.obs.event_source
     if src.state == "Reachable":
         # An Event only for a recovery: the first connection is routine (the condition records it).
-        was = _condition_status(p, "EventSourceReachable")
-        p.condition("EventSourceReachable", "True", Reason.CONNECTED, src.message, event=was == "False")
+        was = _condition_status(p, ConditionType.EVENT_SOURCE_REACHABLE)
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "True", Reason.CONNECTED, src.message, event=was == "False")
     elif src.state == "Unreachable":
-        p.condition("EventSourceReachable", "False", src.reason, src.message)
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "False", src.reason, src.message)
     else:
-        p.condition("EventSourceReachable", "Unknown", src.reason, src.message, event=False)
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "Unknown", src.reason, src.message, event=False)
 
 
 # -- creation -------------------------------------------------------------------------------------
@@ -439,10 +454,11 @@ def _update_event_source(p: _Pass, watching: bool) -> None:
 def _create_missing(p: _Pass) -> None:
     job = p.job.ref
     if any(f"{kind}/{name}" not in p.obs.static_present for kind, name in _static_names(p)):
-        for manifest in builders.static_children(job, p.password):
+        for manifest in builders.static_children(job):
             kind, name = manifest["kind"], manifest["metadata"]["name"]
             if f"{kind}/{name}" not in p.obs.static_present:
-                p.actions.append(Create(manifest))
+                # The managed Redis password: minted by the applier for this creation only, never by a pass.
+                p.actions.append(Create(manifest, mint=names.SECRET_KEY if kind == "Secret" else None))
                 if not p.fresh:
                     p.event("Warning", Reason.CHILD_RECREATED, f"{kind} {name} was missing (deleted by hand?); recreated it")
     present = {pod.name for pod in p.obs.pods}
@@ -477,7 +493,7 @@ def _update_phase(p: _Pass) -> None:
             _set_phase(p, Phase.PENDING, Reason.PODS_PENDING, "children created, no pod running yet")
 
 
-def _set_phase(p: _Pass, phase: str, reason: str, message: str = "", note: str = "") -> None:
+def _set_phase(p: _Pass, phase: Phase, reason: str, message: str = "", note: str = "") -> None:
     """Set the phase; a change gets an Event, which also says `note` (not kept in the status)."""
     st = p.status
     if st.phase != phase or p.accepting:
@@ -485,7 +501,7 @@ def _set_phase(p: _Pass, phase: str, reason: str, message: str = "", note: str =
         p.accepting = False
         text = f"{change}: {reason} {message}".strip() + (f"; {note}" if note else "")
         p.event("Warning" if phase == Phase.FAILED else "Normal", phase, text)
-    st.phase = phase  # type: ignore[assignment]
+    st.phase = phase
     st.reason = reason
     st.message = message
 
@@ -498,8 +514,8 @@ def _teardown_reason(p: _Pass) -> str | None:
     td = p.status.teardown
     decided = outcome(p.status)
     if decided:
-        return decided if td is None or td.reason in (None, Phase.SUSPENDED) else td.reason
-    if td is not None and td.reason in (Reason.DELETED, Phase.SUSPENDED) and td.stage != teardown.DONE:
+        return decided if td is None or td.reason in (None, Reason.SUSPENDED) else td.reason
+    if td is not None and td.reason in (Reason.DELETED, Reason.SUSPENDED) and td.stage != teardown.DONE:
         return td.reason  # an ordered stop in progress is finished first
     if p.job.deleting:
         return Reason.DELETED
@@ -521,7 +537,7 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
         # A new teardown (a finished suspend followed by deletion or an outcome restarts the sequence).
         td = TeardownStatus(reason=reason)
         # The phase transition says it: no Event of its own.
-        p.condition("ResourcesReleased", "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})", event=False)
+        p.condition(ConditionType.RESOURCES_RELEASED, "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})", event=False)
     elif td.reason != reason:
         td = td.model_copy(update={"reason": reason})
     spec = p.spec
@@ -545,8 +561,8 @@ def _run_teardown(p: _Pass, reason: str) -> bool:
         stages = "; ".join(teardown.describe(s) for s in step.status.stages)
         p.released_note = f"teardown ({reason}) finished: {stages}" if stages else f"teardown ({reason}) finished"
         # After an outcome the final phase Event (same pass) carries this; a deletion or suspend has its own.
-        p.condition("ResourcesReleased", "True", Reason.ALL_PODS_GONE, p.released_note,
-                    event=reason not in (Phase.SUCCEEDED, Phase.FAILED))
+        p.condition(ConditionType.RESOURCES_RELEASED, "True", Reason.ALL_PODS_GONE, p.released_note,
+                    event=reason not in Phase.TERMINAL)
     return step.done
 
 
@@ -606,9 +622,11 @@ def _parse_started(raw_json: bytes) -> Any:
         return None
 
 
-def _report_spec_changes(p: _Pass, live: JobView) -> None:
-    """One Warning Event per distinct set of ignored changes; the condition says which while they last."""
+def _report_spec_changes(p: _Pass) -> None:
+    """Spec changes while the job runs are not applied: one Warning Event per distinct set of ignored changes, and
+    the condition SpecChangeIgnored says which while they last."""
     st = p.status
+    live = p.live_job
     suspending = bool((live.raw_spec.get("runPolicy") or {}).get("suspend"))
     if st.started_spec is None or st.phase not in (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.DRAINING) or live.deleting:
         return
@@ -623,10 +641,10 @@ def _report_spec_changes(p: _Pass, live: JobView) -> None:
         )
         # The generations in the message change with every edit; the Event only when the paths do.
         if previous is None or previous.status != "True" or not previous.message.startswith(specdiff.describe(paths) + " "):
-            p.event("Warning", ConditionType.SPEC_CHANGE_IGNORED, message)
-        p.condition("SpecChangeIgnored", "True", ConditionType.SPEC_CHANGE_IGNORED, message, event=False)
+            p.event("Warning", Reason.SPEC_CHANGE_IGNORED, message)
+        p.condition(ConditionType.SPEC_CHANGE_IGNORED, "True", Reason.SPEC_CHANGE_IGNORED, message, event=False)
     elif previous is not None and previous.status == "True":
-        p.condition("SpecChangeIgnored", "False", Reason.SPEC_AS_STARTED, "the spec is back to the one the job started with",
+        p.condition(ConditionType.SPEC_CHANGE_IGNORED, "False", Reason.SPEC_AS_STARTED, "the spec is back to the one the job started with",
                     event=False)
 
 
@@ -647,115 +665,172 @@ def _resume_from_suspend(p: _Pass) -> None:
     remove(st.conditions, ConditionType.SPEC_CHANGE_IGNORED)
     p.fresh = True
     why = p.gate.message if p.gate.reason else "spec.runPolicy.suspend unset"
-    p.condition("Suspended", "False", Reason.RESUMED, why)
+    p.condition(ConditionType.SUSPENDED, "False", Reason.RESUMED, why)
     _set_phase(p, Phase.PENDING, Reason.RESUMED, "recreating the components")
 
 
 # -- the pass -------------------------------------------------------------------------------------
 
 
-def decide(job: JobView, obs: Observed, now: datetime, password: str = "") -> Decision:
-    """Decide one reconcile pass. `password` is only used if the managed Redis Secret must be created."""
-    live = job
+def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
+    """Decide one reconcile pass: the steps below, in this order, each reading and writing the pass's state."""
+    p = _begin(job, obs, now)
+    _fail_invalid_spec(p)
+    _settle_started_spec(p)
+    _report_spec_changes(p)
+    _fail_rejected_child(p)
+    _ingest_events(p)
+    _judge_run(p)
+    if p.stop_reason is None:
+        _keep_running(p)
+    else:
+        _stop(p)
+    _watch_event_source(p)
+    _release_kueue_workload(p)
+    _expire_ttl(p)
+    return _decision(p)
+
+
+def _begin(live: JobView, obs: Observed, now: datetime) -> _Pass:
+    """Open the pass: the Kueue gate, the job as its pods run it (the live spec on a resume), and a first pass's
+    start time (its phase Event then says the job is accepted)."""
     gate = _kueue_gate(live, obs)
     resuming = _can_resume(live, gate)
-    job = live if resuming else _as_started(live)
-    p = _Pass(job, obs, now, password, gate)
+    p = _Pass(live if resuming else _as_started(live), live, obs, now, gate, resuming)
     p.actions += gate.actions
-    st = p.status
-    st.observed_generation = job.generation
-    if st.start_time is None:
-        st.start_time = fmt_time(now)
-        p.accepting = not resuming  # no Event of its own: this pass's phase Event says it ("accepted, Pending")
-    was_phase = st.phase
+    p.status.observed_generation = p.job.generation
+    if p.status.start_time is None:
+        p.status.start_time = fmt_time(now)
+        p.accepting = not resuming
+    return p
 
-    if job.spec is None:
-        p.decide_outcome(Phase.FAILED, Reason.INVALID_SPEC, job.spec_error or "invalid spec")
 
-    # A finished suspend whose flag was cleared: start again from Pending, with the spec as it is now.
-    if resuming:
+def _fail_invalid_spec(p: _Pass) -> None:
+    """A spec the schema could not reject fails the job (InvalidSpec); nothing is created."""
+    if p.spec is None:
+        p.decide_outcome(Phase.FAILED, Reason.INVALID_SPEC, p.job.spec_error or "invalid spec")
+
+
+def _settle_started_spec(p: _Pass) -> None:
+    """A finished suspend whose flag was cleared starts again from Pending; the spec a job starts (or resumes)
+    with is recorded in status.startedSpec and decides from then on."""
+    if p.resuming:
         _resume_from_suspend(p)
-    if job.spec is not None and (st.started_spec is None or resuming):
-        st.started_spec = copy.deepcopy(job.raw_spec)
-        st.started_generation = job.generation
-    _report_spec_changes(p, live)
+    if p.spec is not None and (p.status.started_spec is None or p.resuming):
+        p.status.started_spec = copy.deepcopy(p.job.raw_spec)
+        p.status.started_generation = p.job.generation
 
-    if obs.create_rejected is not None:
-        rej = obs.create_rejected
+
+def _fail_rejected_child(p: _Pass) -> None:
+    """A child the API server rejected as invalid (400/422) fails the job (InvalidSpec) with the server's message."""
+    rej = p.obs.create_rejected
+    if rej is not None:
         p.decide_outcome(Phase.FAILED, Reason.INVALID_SPEC, f"the API server rejected {rej.kind} {rej.name}: {rej.message}")
 
-    _ingest_events(p)
-    reason = _teardown_reason(p)
-    _update_components(p, stopping=reason is not None)
 
-    if reason is None:
-        failing = _failing_pods(p)
-        _judge(p, failing)
-        if outcome(st) is None:
-            _handle_failures(p, failing)
-        reason = _teardown_reason(p)
+def _judge_run(p: _Pass) -> None:
+    """Count the components; while the job runs, judge it (an outcome, Stalled) and replace the pods that ended too
+    early. Sets `p.stop_reason`: why the job is torn down now, if it is."""
+    p.stop_reason = _teardown_reason(p)
+    _update_components(p, stopping=p.stop_reason is not None)
+    if p.stop_reason is not None:
+        return
+    failing = _failing_pods(p)
+    _judge(p, failing)
+    if outcome(p.status) is None:
+        _handle_failures(p, failing)
+    p.stop_reason = _teardown_reason(p)
 
-    released = False
-    if reason is not None:
-        released = _run_teardown(p, reason)
-        _count_deleted_as_stopping(p)
-        decided = outcome(st)
-        if reason == Phase.SUSPENDED:
-            if released:
-                why = p.gate.reason if p.gate.hold else Phase.SUSPENDED
-                stopped = f"all components stopped: {p.gate.message}" if p.gate.hold else "all components stopped"
-                p.condition("Suspended", "True", why, stopped)
-                _set_phase(p, Phase.SUSPENDED, why, _suspend_cause(p))
-            else:
-                _set_phase(p, Phase.SUSPENDED, Reason.SUSPENDING, "ordered stop in progress")
-        elif decided and released:
-            failed = get(st.conditions, decided)
-            _set_phase(p, decided, failed.reason if failed else decided, failed.message if failed else "",
-                       note=p.released_note)
-            st.completion_time = st.completion_time or fmt_time(now)
-        else:
-            cond = get(st.conditions, decided) if decided else None
-            if cond is not None:
-                _set_phase(p, Phase.DRAINING, cond.reason, cond.message)
-            else:
-                _set_phase(p, Phase.DRAINING, Reason.DELETED, "the TrainingJob is being deleted")
-        if is_true(st.conditions, ConditionType.STALLED) and decided != Phase.FAILED:
-            p.condition("Stalled", "False", Reason.NOT_RUNNING, event=False)
+
+def _keep_running(p: _Pass) -> None:
+    """A running job: create what is missing, move the phase on, and judge a job that has just become Running
+    (its stall clock starts with it)."""
+    _create_missing(p)
+    _update_phase(p)
+    if p.was_phase != Phase.RUNNING and p.status.phase == Phase.RUNNING:
+        _judge(p, [])
+
+
+def _stop(p: _Pass) -> None:
+    """The ordered teardown, and the phase it leads to: Suspended; the outcome once everything is released;
+    else Draining. A stopped job is not stalled (unless the stall is what failed it)."""
+    st = p.status
+    assert p.stop_reason is not None
+    p.released = _run_teardown(p, p.stop_reason)
+    _count_deleted_as_stopping(p)
+    decided = outcome(st)
+    if p.stop_reason == Reason.SUSPENDED:
+        _suspend_phase(p)
+    elif decided and p.released:
+        cond = get(st.conditions, ConditionType(decided))
+        _set_phase(p, decided, cond.reason if cond else decided, cond.message if cond else "", note=p.released_note)
+        st.completion_time = st.completion_time or fmt_time(p.now)
     else:
-        _create_missing(p)
-        _update_phase(p)
-        if was_phase != Phase.RUNNING and st.phase == Phase.RUNNING:
-            _judge(p, [])
-
-    watching = (
-        job.spec is not None
-        and (st.teardown is None or not any(s.name == "redis" for s in st.teardown.stages))
-        and not (reason == Phase.SUSPENDED and released)
-    )
-    _update_event_source(p, watching)
-    if not watching and get(st.conditions, ConditionType.EVENT_SOURCE_REACHABLE) is not None:
-        p.condition("EventSourceReachable", "False", Reason.REDIS_RELEASED, "the job's Redis is torn down", event=False)
-
-    p.actions += kueue.release_actions(obs.kueue, st.phase, released, st.message or "", now)
-    terminal = st.phase in (Phase.SUCCEEDED, Phase.FAILED)
-    ttl = job.spec.run_policy.ttl_seconds_after_finished if job.spec else None
-    if terminal and ttl is not None and not job.deleting:
-        expires = (parse_time(st.completion_time) or now) + timedelta(seconds=ttl)
-        if now >= expires:
-            p.actions.append(DeleteJob())
-            p.event("Normal", Reason.TTL_EXPIRED, f"deleting the job {ttl}s after it finished")
+        cond = get(st.conditions, ConditionType(decided)) if decided else None
+        if cond is not None:
+            _set_phase(p, Phase.DRAINING, cond.reason, cond.message)
         else:
-            p.wake_at(expires)
+            _set_phase(p, Phase.DRAINING, Reason.DELETED, "the TrainingJob is being deleted")
+    if is_true(st.conditions, ConditionType.STALLED) and decided != Phase.FAILED:
+        p.condition(ConditionType.STALLED, "False", Reason.NOT_RUNNING, event=False)
 
-    decision = Decision(
-        status=st,
+
+def _suspend_phase(p: _Pass) -> None:
+    """Suspended while the ordered stop runs (Suspending), and Suspended=True once every component is stopped."""
+    if not p.released:
+        _set_phase(p, Phase.SUSPENDED, Reason.SUSPENDING, "ordered stop in progress")
+        return
+    why = p.gate.reason if p.gate.hold else Reason.SUSPENDED
+    stopped = f"all components stopped: {p.gate.message}" if p.gate.hold else "all components stopped"
+    p.condition(ConditionType.SUSPENDED, "True", why, stopped)
+    _set_phase(p, Phase.SUSPENDED, why, _suspend_cause(p))
+
+
+def _watch_event_source(p: _Pass) -> None:
+    """Read the job's events while its Redis is up (not yet torn down, not suspended); EventSourceReachable says
+    how that goes, and False once the Redis is released."""
+    st = p.status
+    p.watching = (
+        p.spec is not None
+        and (st.teardown is None or not any(s.name == "redis" for s in st.teardown.stages))
+        and not (p.stop_reason == Reason.SUSPENDED and p.released)
+    )
+    if p.watching:
+        _update_event_source(p)
+    elif get(st.conditions, ConditionType.EVENT_SOURCE_REACHABLE) is not None:
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "False", Reason.REDIS_RELEASED, "the job's Redis is torn down",
+                    event=False)
+
+
+def _release_kueue_workload(p: _Pass) -> None:
+    """Tell Kueue what became of an admitted job (its Workload Finished, or its quota released on a suspend)."""
+    st = p.status
+    p.actions += kueue.release_actions(p.obs.kueue, st.phase, p.released, st.message or "", p.now)
+
+
+def _expire_ttl(p: _Pass) -> None:
+    """runPolicy.ttlSecondsAfterFinished: delete a finished job once it has run out, else look again then."""
+    st = p.status
+    if st.phase not in Phase.TERMINAL or p.ttl is None or p.job.deleting:
+        return
+    expires = (parse_time(st.completion_time) or p.now) + timedelta(seconds=p.ttl)
+    if p.now >= expires:
+        p.actions.append(DeleteJob())
+        p.event("Normal", Reason.TTL_EXPIRED, f"deleting the job {p.ttl}s after it finished")
+    else:
+        p.wake_at(expires)
+
+
+def _decision(p: _Pass) -> Decision:
+    """What the pass decided, for the loop to apply."""
+    finished = p.status.phase in Phase.TERMINAL and p.released and (p.ttl is None or p.job.deleting)
+    return Decision(
+        status=p.status,
         actions=p.actions,
         events=p.events,
-        watch_events=watching,
-        released=released,
-        finished=terminal and released and (ttl is None or job.deleting),
+        requeue_after=None if p.deadline is None else max(0.0, (p.deadline - p.now).total_seconds()),
+        watch_events=p.watching,
+        released=p.released,
+        finished=finished,
         teardown_seconds=p.teardown_seconds,
     )
-    if p.deadline is not None:
-        decision.requeue_after = max(0.0, (p.deadline - now).total_seconds())
-    return decision

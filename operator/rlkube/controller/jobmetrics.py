@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rlkube.api.status import TrainingJobStatus
+from rlkube.api.status import Phase, TrainingJobStatus
 from rlkube.controller.times import parse_time
-from rlkube.lifecycle.phases import Phase
 
-PHASES = (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.DRAINING, Phase.SUCCEEDED, Phase.FAILED, Phase.SUSPENDED)
+PHASES = tuple(Phase)
+"""Every phase, in order: the phase gauge has a series for each (1 for the current one)."""
 LABELS = ("namespace", "trainingjob")
 
 PREFIX = "rlkube_trainingjob_"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from rlkube.api.status import Phase
 from rlkube.controller import builders, names
 from rlkube.controller.actions import Action, Create, PatchWorkloadStatus
 from rlkube.controller.placement import Placement
@@ -236,17 +237,17 @@ def _conditions(wl: WorkloadView, updates: list[dict], now: datetime) -> list[di
 
 
 def release_actions(
-    kobs: KueueObserved | None, phase: str, released: bool, message: str, now: datetime
+    kobs: KueueObserved | None, phase: Phase, released: bool, message: str, now: datetime
 ) -> list[Action]:
     """What the job tells Kueue at the end of a pass: Finished when it has finished and released everything;
     after an eviction's ordered stop, the admission given back so Kueue can admit it again."""
     wl = kobs.workload if kobs is not None else None
     if wl is None or not released or wl.finished:
         return []
-    if phase in ("Succeeded", "Failed"):
+    if phase in Phase.TERMINAL:
         cond = {"type": FINISHED, "status": "True", "reason": phase, "message": message or f"TrainingJob {phase}"}
         return [PatchWorkloadStatus(wl.name, wl.resource_version, {"conditions": _conditions(wl, [cond], now)})]
-    if phase == "Suspended" and wl.evicted and (wl.quota_reserved or wl.has_admission):
+    if phase == Phase.SUSPENDED and wl.evicted and (wl.quota_reserved or wl.has_admission):
         evicted = wl.condition(EVICTED) or {}
         why = evicted.get("message") or ""
         updates = [

@@ -28,7 +28,7 @@ import orjson
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from rlkube.api.status import TrainingJobStatus
+from rlkube.api.status import ConditionType, TrainingJobStatus
 from rlkube.api.validation import SpecError, parse_spec
 from rlkube.controller import kueue, metrics, names, teardown
 from rlkube.controller.actions import (
@@ -365,7 +365,7 @@ class JobLoop:
                 fresh = await self.watcher.read_to_end()
             obs = self._observe(job, pods, fresh)
             obs = replace(obs, kueue=await self._kueue(body))
-            decision = decide(job, obs, now(), password=secrets.token_urlsafe(24))
+            decision = decide(job, obs, now())
             if decision.actions or decision.events:
                 td = decision.status.teardown
                 log.info(
@@ -481,7 +481,7 @@ class JobLoop:
 
     async def _apply(self, job: JobView, decision: Decision) -> None:
         if decision.status.conditions and self.rejected is not None and any(
-            c.type == "Failed" and c.status == "True" for c in decision.status.conditions
+            c.type == ConditionType.FAILED and c.status == "True" for c in decision.status.conditions
         ):
             self.rejected = None  # recorded as the outcome (written below with this decision's status)
         # Consecutive actions of one kind go to the API server together (the ConfigMap, Secret and Services of a
@@ -516,7 +516,9 @@ class JobLoop:
     async def _apply_one(self, job: JobView, action: Any) -> None:
         kube = self.shared.kube
         if isinstance(action, Create):
-            created = await kube.create(self.namespace, action.manifest)
+            # The one place a secret is minted: for the Secret this action creates (not on every pass).
+            manifest = action.minted(secrets.token_urlsafe(24)) if action.mint is not None else action.manifest
+            created = await kube.create(self.namespace, manifest)
             if action.kind == "Pod":
                 if created is not None:
                     view = pod_view(created)

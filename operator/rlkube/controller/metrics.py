@@ -11,6 +11,7 @@ from collections import Counter as _Tally
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
+from rlkube.api.status import Phase
 from rlkube.controller.jobmetrics import JobStatusCollector
 
 JOBS_BY_PHASE = Gauge("rlkube_trainingjobs", "TrainingJobs handled by this operator, by phase", ["phase"])
@@ -48,7 +49,7 @@ API_ERRORS = Counter("rlkube_api_errors_total", "Failed Kubernetes API calls of 
 def set_phases(phases: dict[object, str]) -> None:
     """Replace the jobs-by-phase gauge with the current phase of every known job."""
     tally = _Tally(phases.values())
-    for phase in ("Pending", "Starting", "Running", "Draining", "Succeeded", "Failed", "Suspended"):
+    for phase in Phase:
         JOBS_BY_PHASE.labels(phase).set(tally.get(phase, 0))
 
 

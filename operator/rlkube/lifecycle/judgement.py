@@ -1,34 +1,25 @@
 """How a job ends: evidence + run policy + time -> an outcome, or when to look again (docs/design.md §4).
 
 `judge` runs the policies in order, each a small module of `rlkube.lifecycle.policies`; the first that decides
-an outcome wins. The operator and `rlkube local` both call it, so the same evidence gets the same verdict.
+an outcome wins. The operator and `rlkube local` both call it, so the same evidence gets the same verdict. The
+judgement is itself a Verdict (lifecycle.verdict): the fold of the policies' verdicts has their shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.evidence import Evidence
 from rlkube.lifecycle.policies import backoff, completion, config_error, invalid_spec, stall
-from rlkube.lifecycle.verdict import Outcome, Verdict
+from rlkube.lifecycle.verdict import Verdict
 
 POLICIES = (invalid_spec, config_error, backoff, completion, stall)
 """In order: a bad spec or input first, then restart budgets, then the completion rules, then the stall rule."""
 
 
-@dataclass(frozen=True)
-class Judgement:
-    outcome: Outcome | None = None
-    wake_at: datetime | None = None
-    """When a time-based rule can fire next (completion timeout, stall deadline)."""
-    stalled: bool | None = None
-    """Stall state while the rule applies (None: not running, disabled, or a finished event is pending)."""
-    stall_message: str = ""
-
-
-def judge(ev: Evidence, spec: TrainingJobSpec | None) -> Judgement:
+def judge(ev: Evidence, spec: TrainingJobSpec | None) -> Verdict:
+    """The policies' verdicts folded into one: the first outcome, else the earliest wake-up and the stall state."""
     outcome = None
     wake_at: datetime | None = None
     stalled: bool | None = None
@@ -42,4 +33,4 @@ def judge(ev: Evidence, spec: TrainingJobSpec | None) -> Judgement:
         if verdict.outcome is not None:
             outcome = verdict.outcome
             break
-    return Judgement(outcome, None if outcome else wake_at, stalled, stall_message)
+    return Verdict(outcome, None if outcome else wake_at, stalled, stall_message)

@@ -1,22 +1,15 @@
-"""Phases, reasons and condition types of a TrainingJob as named constants.
+"""Reasons of a TrainingJob's phases and conditions, and the pod phases the operator observes, as named constants.
 
 Every decision, the local runner, the metrics and the tests use these names, so a reason can never be spelled
-two ways (kubectl wait, dashboards and alerts match on them).
+two ways (kubectl wait, dashboards and alerts match on them). The phases and condition types themselves are the
+API's enums (rlkube.api.status), re-exported here for the lifecycle's callers.
 """
 
 from __future__ import annotations
 
+from rlkube.api.status import ConditionType, Phase
 
-class Phase:
-    PENDING = "Pending"
-    STARTING = "Starting"
-    RUNNING = "Running"
-    DRAINING = "Draining"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    SUSPENDED = "Suspended"
-
-    TERMINAL = (SUCCEEDED, FAILED)
+__all__ = ["ConditionType", "Phase", "PodPhase", "Reason"]
 
 
 class Reason:
@@ -72,13 +65,3 @@ class PodPhase:
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
-
-
-class ConditionType:
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    STALLED = "Stalled"
-    EVENT_SOURCE_REACHABLE = "EventSourceReachable"
-    RESOURCES_RELEASED = "ResourcesReleased"
-    SUSPENDED = "Suspended"
-    SPEC_CHANGE_IGNORED = "SpecChangeIgnored"

@@ -1,4 +1,8 @@
-"""What one policy says about the evidence."""
+"""What the lifecycle says about the evidence: one type for one policy's say and for the judgement of them all.
+
+A policy (rlkube.lifecycle.policies) returns a Verdict; `judgement.judge` folds the policies' Verdicts into one
+Verdict, so the operator, `rlkube local` and the policies share a single shape.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ from rlkube.lifecycle.phases import Phase
 
 @dataclass(frozen=True)
 class Outcome:
-    phase: str
-    """Phase.SUCCEEDED or Phase.FAILED."""
+    phase: Phase
+    """One of Phase.TERMINAL."""
     reason: str
     message: str
 
@@ -27,8 +31,11 @@ class Outcome:
 @dataclass(frozen=True)
 class Verdict:
     outcome: Outcome | None = None
+    """The job's outcome, once a rule decides it."""
     wake_at: datetime | None = None
+    """When a time-based rule can fire next (completion timeout, stall deadline)."""
     stalled: bool | None = None
+    """Stall state while the rule applies (None: not running, disabled, or a finished event is pending)."""
     stall_message: str = ""
 
 

@@ -36,9 +36,9 @@ from rlkube.core import protocol, runtime, streams
 from rlkube.lifecycle import progress, roles
 from rlkube.lifecycle.environment import Addresses, role_env, role_module
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
-from rlkube.lifecycle.judgement import Judgement, judge
+from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import Phase, Reason
-from rlkube.lifecycle.verdict import Outcome
+from rlkube.lifecycle.verdict import Outcome, Verdict
 from rlkube.local.processes import RoleProcess, python_module, stop_all
 from rlkube.local.redis_server import RedisNotInstalled, RedisServer
 
@@ -293,7 +293,7 @@ class LocalJob:
             last_activity=max((r for r in refs if r is not None), default=None),
         )
 
-    def verdict(self, failing: list[tuple[RoleProcess, int]]) -> Judgement:
+    def verdict(self, failing: list[tuple[RoleProcess, int]]) -> Verdict:
         """The lifecycle's judgement of what this job has seen, with `failing` about to be restarted."""
         return judge(self._evidence(failing), self.spec)
 
