@@ -1,6 +1,6 @@
 """Chaos on a running TrainingJob: processes killed with -9 (trainer, actor, Redis, the operator), the job
-deleted mid-run, a pod that does not stop on SIGTERM. Each test ends with a status that tells the truth and
-no process left.
+deleted mid-run, a pod that does not stop on SIGTERM, a trainer pod recreated with or without its checkpoint claim.
+Each test ends with a status that tells the truth and no process left.
 
 A shorter copy of examples/tiny-cpu.yaml keeps them quick: 20 steps, a checkpoint every 5, short grace periods.
 """
@@ -11,8 +11,10 @@ import os
 import re
 import signal
 
+import pytest
 from clusterjob import FULL_ORDER, example, stage_names
 from nodeagent.harness import wait_for
+from test_bad_inputs import claim_dir
 
 MAX_STEPS = 60  # long enough that the job is still running when a test acts at step 3, even under load
 MID_RUN_STEPS = 100  # the operator-restart test needs the job still mid-run when the operator is back
@@ -247,5 +249,56 @@ def test_a_data_parallel_rank_killed_mid_run_restarts_the_ranks_together(job):
     assert 1 <= st["components"]["trainer"]["restarts"] <= 4, st["components"]
     log0 = job.agent.container_log(job.namespace, f"{job.name}-trainer-0")
     assert "resumed from" in log0, log0[-3000:]
+    assert stage_names(st) == FULL_ORDER
+    assert_clean_end(job)
+
+
+@pytest.mark.parametrize("claim", [None, "checkpoints"], ids=["emptyDir", "claim"])
+def test_a_recreated_trainer_pod_resumes_from_its_claim_or_fails_naming_it(job, core_api, node_agent, namespace,
+                                                                            claim):
+    """restartPolicy.trainer Never: kill -9 of the trainer after a checkpoint the status names, and the operator
+    replaces its pod. On a claim the new pod resumes from it and the job succeeds with every step; on the default
+    emptyDir the new pod finds no checkpoint where its resume annotation names one, and the job fails at once
+    (CheckpointLost, naming spec.trainer.checkpoint.claimName) instead of training again from step 0."""
+    overrides = {"spec.runPolicy.restartPolicy": {"trainer": "Never"}}
+    if claim:
+        claim_dir(core_api, node_agent, namespace, claim)
+        overrides["spec.trainer.checkpoint.claimName"] = claim
+    job.apply(chaos_example(**overrides))
+    job.follow()
+    wait_for(lambda: job.follower.checkpoints, 300, "a first checkpoint", interval=0.02)
+    actor = job.pid("actor")
+    os.kill(actor, signal.SIGSTOP)  # surely mid-run when the trainer dies (see the in-place test above)
+    try:
+        # The operator writes the replacement pod's resume annotation from the status: the kill comes after it.
+        saved = job.wait(lambda tj: ((tj or {}).get("status", {}).get("trainer") or {}).get("lastCheckpoint"), 60,
+                         "status.trainer.lastCheckpoint")
+        os.kill(job.pid("trainer"), signal.SIGKILL)
+    finally:
+        os.kill(actor, signal.SIGCONT)
+
+    tj = job.wait_phase(TERMINAL, 300)
+    st = tj["status"]
+    trainer = f"{job.name}-trainer-0"
+    assert len(job.uids_per_pod()[trainer]) == 2, job.uids_per_pod()  # recreated, not restarted in place
+    warned = [e for e in job.core.list_namespaced_event(job.namespace).items if e.reason == "EphemeralCheckpoints"]
+    log = job.agent.container_log(job.namespace, trainer)  # the recreated pod's
+    print(f"\ntrainer pod recreated after checkpoint step {saved['step']} ({claim or 'emptyDir'}): {st['phase']} "
+          f"({st.get('reason')}: {st.get('message')})")
+    if claim is None:
+        assert st["phase"] == "Failed" and st["reason"] == "CheckpointLost", job.diagnostics()
+        m = re.search(r"spec\.trainer\.checkpoint\.claimName: checkpoint lost: the checkpoint at (\S+) step (\d+) "
+                      r"is gone", st["message"])
+        assert m and int(m.group(2)) >= saved["step"], st["message"]
+        assert "resumed from" not in log, log[-3000:]
+        steps = [m["step"] for m in job.follower.metrics]
+        assert steps.count(1) == 1, steps  # the recreated trainer never trained a step again from the start
+        assert [e.type for e in warned] == ["Warning"], warned  # once, at creation
+    else:
+        assert_succeeded_with_every_step(job, tj)
+        m = re.search(r"resumed from \S+ \(step (\d+)", log)
+        assert m and saved["step"] <= int(m.group(1)) < MAX_STEPS, log[-3000:]
+        assert st["components"]["trainer"]["restarts"] == 1, st["components"]
+        assert warned == []
     assert stage_names(st) == FULL_ORDER
     assert_clean_end(job)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +173,36 @@ def test_killed_trainer_with_backoff_limit_0_fails_like_the_operator(tmp_path):
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["phase"] == "Failed" and summary["reason"] == "BackoffLimitExceeded", summary
     assert "backoffLimit is 0" in summary["message"] and "exit code -9" in summary["message"]
+    assert summary["teardown"] == ORDER
+    assert not _leftovers(out)
+
+
+def test_killed_trainer_that_lost_its_checkpoints_fails_the_job_naming_the_claim(tmp_path):
+    """The local face of a recreated trainer pod on an emptyDir: the checkpoints are gone when the trainer is
+    restarted. It must not start over at step 0: CheckpointLost at once, as the operator judges it."""
+    out = tmp_path / "run"
+    proc = _run([str(_manifest(tmp_path, backoffLimit=2)), "--json", "--output-dir", str(out)])
+    _wait_for_step(out, 6, proc)  # past the step-5 checkpoint, which the runner read from the events
+    actors = _role_processes(out, "actor")
+    for a in actors:
+        a.suspend()
+    try:
+        (trainer,) = _role_processes(out, "trainer")
+        trainer.suspend()  # no checkpoint written after the volume is emptied
+        shutil.rmtree(out / "checkpoints")
+        (out / "checkpoints").mkdir()
+        trainer.kill()
+        trainer.wait(30)
+    finally:
+        for a in actors:
+            a.resume()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Failed" and summary["reason"] == "CheckpointLost", summary
+    assert "spec.trainer.checkpoint.claimName" in summary["message"] and "is gone" in summary["message"], summary
+    assert summary["restarts"]["trainer"] == 1, summary
+    assert "resumed from" not in (out / "logs" / "trainer-0.log").read_text()
     assert summary["teardown"] == ORDER
     assert not _leftovers(out)
 

@@ -139,10 +139,37 @@ def test_new_job_is_pending_and_creates_config_services_secret_and_redis_only():
     assert creates(d) == ["j-config", "j-redis", "j-redis", "j-redis", "j-inference", "j-trainer", "j-redis"]
     assert [a.kind for a in d.actions] == ["ConfigMap", "Secret", "NetworkPolicy", "Service", "Service", "Service",
                                            "Pod"]
-    # One Event says it is accepted: the first phase (Events are API writes, so there is no separate one).
-    assert [(e.reason, e.message) for e in d.events] == [
+    # One Event says it is accepted: the first phase (Events are API writes, so there is no separate one); the
+    # example's checkpoints are on an emptyDir, which gets its warning (next test).
+    assert [(e.reason, e.message) for e in d.events if e.reason != "EphemeralCheckpoints"] == [
         ("Pending", "accepted, Pending: PodsPending children created, no pod running yet")]
     assert d.watch_events and cond(d.status, "EventSourceReachable").status == "True"
+
+
+def test_a_new_job_on_an_empty_dir_checkpoint_volume_with_restarts_allowed_is_warned_once():
+    d = run(job(), static=())
+    [warning] = [e for e in d.events if e.reason == "EphemeralCheckpoints"]
+    assert warning.type == "Warning"
+    assert "spec.trainer.checkpoint.claimName is unset" in warning.message and "backoffLimit 2" in warning.message
+    assert "starts over without its checkpoints" in warning.message
+    for later in (run(job(d.status), [pod("redis")]), run(job(running_status()), all_pods())):  # never again
+        assert "EphemeralCheckpoints" not in reasons(later)
+    # Checkpoints on a claim, or no trainer restart allowed: nothing to warn about.
+    for overrides in ({"trainer.checkpoint.claimName": "ckpt"}, {"runPolicy.backoffLimit": 0}):
+        assert "EphemeralCheckpoints" not in reasons(run(job(**overrides), static=()))
+
+
+def test_a_trainer_that_lost_its_checkpoint_fails_the_job_at_once_naming_the_claim():
+    """The replaced trainer pod (its resume annotation says step 10) found an empty volume and exited 78."""
+    st = running_status(trainer=running_status().trainer.model_copy(
+        update={"last_checkpoint": CheckpointRef(step=10, path="/checkpoints/step-000010")}))
+    message = ("spec.trainer.checkpoint.claimName: checkpoint lost: the checkpoint at /checkpoints/step-000010 step "
+               "10 is gone (/checkpoints holds no checkpoint): ...")
+    lost = pod("trainer", phase="Failed", ready=False, exit_code=78, termination_message=message, uid="uid-2")
+    d = run(job(st), all_pods(trainer=lost))
+    assert outcome_of(d) == ("Failed", "CheckpointLost") and d.status.phase == "Draining"
+    assert "spec.trainer.checkpoint.claimName" in cond(d.status, "Failed").message
+    assert "j-trainer-0" not in creates(d)  # not replaced again: a restart cannot bring the volume back
 
 
 def test_pending_with_everything_created_creates_nothing_more():

@@ -309,9 +309,9 @@ def addresses(job: JobRef) -> Addresses:
     )
 
 
-def _core_env(job: JobRef, role: str, index: int) -> list[dict]:
+def _core_env(job: JobRef, role: str, index: int, resume_checkpoint: str | None = None) -> list[dict]:
     """The lifecycle's role env as pod env, after the password (from a Secret) and POD_IP (downward API)."""
-    pairs = role_env(job.spec, role, index, addresses(job))
+    pairs = role_env(job.spec, role, index, addresses(job), resume_checkpoint)
     return [*_password_env(job), _pod_ip_env(), *({"name": k, "value": v} for k, v in pairs)]
 
 
@@ -324,7 +324,10 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         "image": job.spec.image_for(role),
         "command": ["python", "-m", role_module(job.spec, role)],
         # HOME on the writable /tmp volume (caches of torch, triton, HF); a template's env may point it elsewhere.
-        "env": [*_core_env(job, role, index), {"name": "HOME", "value": names.TMP_MOUNT}],
+        # A trainer gets the checkpoint it must resume from (the annotation below) in its env, so that it fails
+        # instead of starting over when the volume lost it (rlkube.lifecycle.checkpoint_loss).
+        "env": [*_core_env(job, role, index, resume_checkpoint if role == "trainer" else None),
+                {"name": "HOME", "value": names.TMP_MOUNT}],
         # The role writes why it failed to /dev/termination-log (rlkube.core.errors); a crash that could not
         # write it still leaves the end of its log, and either lands in the job's Failed condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -17,6 +17,9 @@ table-driven unit test. `decide` is a short recipe of named steps, each a functi
   Exit 0 without event for completionTimeoutSeconds -> Failed/TrainerExitedWithoutFinishedEvent.
   Trainer failures beyond backoffLimit -> Failed/BackoffLimitExceeded. No trainer event for
   eventTimeoutSeconds while Running -> Stalled=True, and Failed/Stalled if runPolicy.failOnStall.
+  A trainer that lost its checkpoint volume (exit 78 naming spec.trainer.checkpoint.claimName) ->
+  Failed/CheckpointLost; a new job on an emptyDir checkpoint volume whose backoffLimit allows restarts gets a
+  Warning Event (EphemeralCheckpoints) at creation (rlkube.lifecycle.checkpoint_loss).
   A spec the schema could not reject -> Failed/InvalidSpec, nothing created. A child the API server rejects as
   invalid (400/422: a value the CRD schema let through, e.g. a pod-template label value with a space) ->
   Failed/InvalidSpec with the API server's message; nothing more is created, the rest is torn down.
@@ -75,7 +78,7 @@ from rlkube.controller.conditions import (
 from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
 from rlkube.core import protocol, runtime
-from rlkube.lifecycle import progress, roles
+from rlkube.lifecycle import checkpoint_loss, progress, roles
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import ConditionType, Phase, PodPhase, Reason
@@ -701,7 +704,11 @@ def _begin(live: JobView, obs: Observed, now: datetime) -> _Pass:
     p.status.observed_generation = p.job.generation
     if p.status.start_time is None:
         p.status.start_time = fmt_time(now)
-        p.accepting = not resuming
+        p.accepting = not resuming  # no Event of its own: this pass's phase Event says it ("accepted, Pending")
+        spec = p.job.spec
+        ephemeral = checkpoint_loss.ephemeral_warning(spec) if p.accepting and spec is not None else None
+        if ephemeral:  # once per job: a recreated trainer pod would find no checkpoint and fail the job
+            p.event("Warning", Reason.EPHEMERAL_CHECKPOINTS, ephemeral)
     return p
 
 

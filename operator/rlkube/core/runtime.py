@@ -30,6 +30,9 @@ ENV_WEIGHT_SYNC = "RLKUBE_WEIGHT_SYNC_ADDR"  # host:port of the trainer's TCPSto
 ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0.0.1 locally)
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
+# Trainer: the checkpoint the launcher last saw saved (status.trainer.lastCheckpoint.path), unset before the first;
+# a trainer that finds none as new fails (rlkube.lifecycle.checkpoint_loss).
+ENV_RESUME_CHECKPOINT = "RLKUBE_RESUME_CHECKPOINT"
 ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
 # Where spec.model.path is materialized (hf:// snapshots, builtin:// models); every role of a job should see the
 # same directory (a shared volume) or each writes/fetches its own copy. Default ~/.cache/rlkube/models.

@@ -20,6 +20,11 @@ waiting for (the step is checkpointed and reported interrupted, the process exit
 and documents that stop coming: like Fast-LLM, the trainer gives up after RLKUBE_DOCUMENT_TIMEOUT_S (600 s)
 without one, checkpoints what it trained and exits 1 without training_finished.
 
+A restarted trainer resumes from the newest checkpoint in its directory. When its launcher saw a newer one saved
+(RLKUBE_RESUME_CHECKPOINT) it exits 78 naming spec.trainer.checkpoint.claimName instead: the checkpoint volume was
+lost (an emptyDir with its pod), and starting over would silently drop the job's progress
+(rlkube.lifecycle.checkpoint_loss).
+
 With more than one rank (spec.trainer.nodes x processes per node; torch and megatron backends) one trainer
 process runs per rank, data-parallel (several per pod through rlkube.core.launcher; see
 rlkube.core.backends.torch_distributed): each rank reads its share of samplesPerStep documents per step as its own consumer
@@ -54,7 +59,7 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol, streams
+from rlkube.core import protocol, runtime, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.batch import Batch, collate, plan_micro_batches
@@ -63,6 +68,7 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
 from rlkube.core.runtime import RoleContext
+from rlkube.lifecycle import checkpoint_loss
 from rlkube.lifecycle.environment import processes_per_node, trainer_world_size
 
 log = logging.getLogger("rlkube.trainer")
@@ -763,6 +769,16 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
                            bucket_bytes=transfer.bucket_megabytes * 2**20)
 
 
+def require_expected_checkpoint(trainer: Trainer, env) -> None:
+    """After resume(): a trainer whose launcher saw checkpoint N saved (runtime.ENV_RESUME_CHECKPOINT) and that
+    resumed from none, or from an older one, raises ConfigError (exit runtime.EXIT_CONFIG) instead of training on
+    from there: the job would lose its progress silently (rlkube.lifecycle.checkpoint_loss)."""
+    resumed = trainer.last_checkpoint[0] if trainer.last_checkpoint is not None else None
+    message = checkpoint_loss.loss(env.get(runtime.ENV_RESUME_CHECKPOINT), resumed, str(trainer.checkpoint_dir))
+    if message is not None:
+        raise ConfigError(checkpoint_loss.FIELD, message)
+
+
 def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
                document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S, env=None) -> TrainerRole:
     spec = ctx.spec
@@ -795,6 +811,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
         # Every rank writes and reads its own shards: the checkpoint directory must be one volume all ranks see
         # (an RWX claim, or one machine). Ranks that disagree on where to resume fail here, not in a collective.
         trainer.resume()
+        require_expected_checkpoint(trainer, env)
         steps = dp.sum([trainer.step, 1])
         if steps[0] != trainer.step * steps[1]:
             raise RuntimeError(f"trainer rank {dp.rank} resumes at step {trainer.step}, not every rank does: "
@@ -803,6 +820,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
         # Rank 0 alone resumes: in a cluster each trainer pod has its own checkpoint volume (unless an RWX claim
         # is shared), and only rank 0 writes checkpoints; the others get the state by broadcast.
         trainer.resume()
+        require_expected_checkpoint(trainer, env)
     else:
         trainer.checkpoint_dir = None
     trainer.sync_from_leader()

@@ -83,8 +83,10 @@ class Addresses:
     """Where spec.model.path is materialized (runtime.ENV_MODEL_CACHE); None: the roles' default."""
 
 
-def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses) -> list[tuple[str, str]]:
-    """(name, value) pairs, in order, for process `index` of `role` (trainer: its node rank)."""
+def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses,
+             resume_checkpoint: str | None = None) -> list[tuple[str, str]]:
+    """(name, value) pairs, in order, for process `index` of `role` (trainer: its node rank). `resume_checkpoint`:
+    the trainer's last checkpoint the launcher saw saved, which it must find again (lifecycle.checkpoint_loss)."""
     env = [
         (runtime.ENV_CONFIG, at.config_path),
         (runtime.ENV_REDIS_URL, at.redis_url),
@@ -113,6 +115,8 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses) -> lis
         ]
         if per_node == 1:  # the pod's process is the rank; with more, the launcher adds rank_env per process
             env += rank_env(spec, index, 0)
+        if resume_checkpoint is not None:
+            env.append((runtime.ENV_RESUME_CHECKPOINT, resume_checkpoint))
     if at.output_dir is not None:
         env.append((runtime.ENV_OUTPUT_DIR, at.output_dir))
     if at.model_cache_dir is not None and role in MODEL_ROLES:
@@ -129,7 +133,7 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
     n = spec.inference.replicas
     at = Addresses(config_path="", redis_url="", bind_host="", inference_urls=("",) * n, inference_ports=(0,) * n,
                    weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="", model_cache_dir="")
-    names = {name for name, _ in role_env(spec, role, 0, at)} | pod_only
+    names = {name for name, _ in role_env(spec, role, 0, at, resume_checkpoint="")} | pod_only
     if role == TRAINER:
         names |= set(RANK_ENV)
     return frozenset(names)

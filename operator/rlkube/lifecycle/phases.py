@@ -22,6 +22,7 @@ class Reason:
     COMPONENT_BACKOFF_LIMIT_EXCEEDED = "ComponentBackoffLimitExceeded"
     STALLED = "Stalled"
     INVALID_SPEC = "InvalidSpec"
+    CHECKPOINT_LOST = "CheckpointLost"  # a recreated trainer found no checkpoint where one was saved
     INTERRUPTED = "Interrupted"  # `rlkube local` stopped by the user
     RUNNER_ERROR = "RunnerError"  # `rlkube local` lost its own Redis or could not start a process
     # Phase transitions and teardown.
@@ -43,6 +44,7 @@ class Reason:
     COMPONENT_RESTARTED = "ComponentRestarted"
     STALE_FINISHED_EVENT = "StaleFinishedEvent"
     CHILD_RECREATED = "ChildRecreated"
+    EPHEMERAL_CHECKPOINTS = "EphemeralCheckpoints"  # Warning at creation: checkpoints on an emptyDir, restarts allowed
     TTL_EXPIRED = "TTLExpired"
     # Component readiness conditions.
     STOPPED = "Stopped"

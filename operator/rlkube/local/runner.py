@@ -115,6 +115,8 @@ class LocalJob:
         self.forced: list[str] = []
         self.step = 0
         self.version = 0
+        self.last_checkpoint: str | None = None
+        """The newest checkpoint a checkpoint_saved/training_finished event named: a restarted trainer must find it."""
         self.finished: protocol.TrainerEvent | None = None
         self.finished_at: datetime | None = None
         self.trainer_started_at = _now()
@@ -132,7 +134,8 @@ class LocalJob:
     def _env(self, role: str, index: int) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(role_env(self.spec, role, index, self.addresses))
+        resume = self.last_checkpoint if role == roles.TRAINER else None  # None at the first start
+        env.update(role_env(self.spec, role, index, self.addresses, resume))
         env[runtime.ENV_TERMINATION_LOG] = str(self._termination_log(role, index))
         if self.model_cache is not None:  # materialized before launch: every role reuses that copy, offline
             env[runtime.ENV_MODEL_CACHE] = str(self.model_cache)
@@ -227,6 +230,8 @@ class LocalJob:
             self.step = max(self.step, facts.step)
         if facts.weights_version is not None:
             self.version = facts.weights_version
+        if facts.checkpoint is not None:
+            self.last_checkpoint = facts.checkpoint[1]
         if facts.metrics is not None:
             # The stream id's millisecond clock times steps without trusting the roles' clocks.
             self.metrics.append({**facts.metrics, "_t": event.time})

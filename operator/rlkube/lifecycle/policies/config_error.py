@@ -1,10 +1,12 @@
 """A role that exited with runtime.EXIT_CONFIG found its input unusable (a model directory that is missing or of an
 unsupported architecture, a dataset without the mapped field, ...). Restarting it cannot help, so the job fails at
-once with the role's own message, which names the spec field, instead of restarting it until a budget runs out."""
+once with the role's own message, which names the spec field, instead of restarting it until a budget runs out.
+A trainer that lost its checkpoints (rlkube.lifecycle.checkpoint_loss) is such a role, with its own reason."""
 
 from __future__ import annotations
 
 from rlkube.api.spec import TrainingJobSpec
+from rlkube.lifecycle import checkpoint_loss
 from rlkube.lifecycle.evidence import Evidence
 from rlkube.lifecycle.phases import Reason
 from rlkube.lifecycle.verdict import UNDECIDED, Outcome, Verdict
@@ -14,4 +16,5 @@ def check(ev: Evidence, spec: TrainingJobSpec | None) -> Verdict:
     f = ev.config_error
     if f is None:
         return UNDECIDED
-    return Verdict(Outcome.failed(Reason.INVALID_SPEC, f"{f.role} {f.name} cannot run: {f.message or 'bad input'}"))
+    reason = Reason.CHECKPOINT_LOST if checkpoint_loss.is_loss(f.message) else Reason.INVALID_SPEC
+    return Verdict(Outcome.failed(reason, f"{f.role} {f.name} cannot run: {f.message or 'bad input'}"))
