@@ -15,7 +15,6 @@ import copy
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,16 +28,11 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
+from rlkube.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
 GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_doc(name: str, **overrides: Any) -> dict:

@@ -21,16 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from rlkube.core import runtime
+from rlkube.local.ports import free_port
 
 NAMESPACE, JOB = "ns", "job"
 PREFIX = f"{NAMESPACE}/{JOB}/"
 PEER = Path(__file__).parent / "weightsync_peer.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reserved_port() -> int:

@@ -9,12 +9,7 @@ import aiohttp
 import pytest
 
 from rlkube.controller.main import standby_health
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlkube.local.ports import free_port
 
 
 async def test_standby_answers_the_liveness_endpoint_then_frees_the_port():
