@@ -4,7 +4,6 @@ and rollout groups, and event polling with deadlines."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -17,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from cluster.control_plane import free_port
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs
+import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test"
@@ -31,10 +30,7 @@ NAMESPACE = "test"
 
 def tiny_spec(**algorithm) -> dict:
     """examples/tiny-cpu.yaml's spec (camelCase) with algorithm overrides."""
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    spec = copy.deepcopy(doc["spec"])
-    spec["algorithm"].update(algorithm)
-    return spec
+    return specs.spec(**{f"algorithm.{k}": v for k, v in algorithm.items()})
 
 
 def keys_for(job: str, spec: dict) -> protocol.StreamKeys:

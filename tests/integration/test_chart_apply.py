@@ -28,9 +28,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from rlkube.bench import processes
+import specs
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 PEERING = {"peering": {"enabled": True}, "leaderElection": {"enabled": False}}
 
 
@@ -290,7 +290,7 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
                 start_new_session=True,
             )
         custom = client.CustomObjectsApi(rbac_api)
-        body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        body = specs.document()
         custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
 
         def handled():
@@ -369,7 +369,7 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
             )
         custom = client.CustomObjectsApi(rbac_api)
         core = client.CoreV1Api(rbac_api)
-        body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        body = specs.document()
         custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
 
         def children():
