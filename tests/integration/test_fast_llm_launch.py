@@ -30,6 +30,7 @@ from rlkube.controller import fastllm
 from rlkube.core import fast_llm_launch
 from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer
+from waiting import wait_for
 
 HERE = Path(__file__).parent
 STAND_IN = HERE / "fast_llm_stand_in.py"
@@ -159,11 +160,11 @@ def test_pod_command_gives_fast_llm_redis_and_the_broadcast_store(secured_redis,
     try:
         broadcast = config["callbacks"]["streaming"]["broadcast"]
         # The inference server connects to the trainer pod's store (here on loopback) once weights_ready is out.
-        deadline = time.monotonic() + 60
-        while not admin.xlen("fast_llm_events"):
+        def weights_ready():
             assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no weights_ready from the stand-in"
-            time.sleep(0.1)
+            return admin.xlen("fast_llm_events")
+
+        wait_for(weights_ready, 60, "weights_ready from the stand-in")
         meta, weight = _receive(("127.0.0.1", broadcast["port"]), broadcast["external_world_size"] + 1, 60)
         out, _ = proc.communicate(timeout=60)
     finally:

@@ -18,6 +18,7 @@ import pytest
 import redis
 import yaml
 import specs
+from waiting import wait_for
 
 EXAMPLE = specs.EXAMPLE_PATH
 ORDER = ["actor", "preprocessor", "inference", "trainer", "redis"]
@@ -184,10 +185,11 @@ def test_crashed_role_is_restarted_within_its_budget_then_fails_the_job(tmp_path
         victim.kill()
         victim.wait(30)
         if expected_restarts == 1:  # the replacement comes up and the job goes on
-            deadline = time.monotonic() + 60
-            while not [p for p in _role_processes(out, "preprocessor") if p.pid != victim.pid]:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
+            def replacement():
+                assert proc.poll() is None, proc.stderr.read()[-3000:]
+                return [p for p in _role_processes(out, "preprocessor") if p.pid != victim.pid]
+
+            wait_for(replacement, 60, "a replacement preprocessor")
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
