@@ -5,11 +5,9 @@ with Trainer.train_step, and the reward-rise margins both assert for it."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol
@@ -20,15 +18,11 @@ from rlkube.core.hf.tokenizer import Tokenizer
 from rlkube.core.preprocessor import DocumentConfig, group_to_documents
 from rlkube.core.tasks import load_task
 from rlkube.core.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
+import specs
 
 
 def tiny_cpu_spec(backend: str = "torch", **algorithm) -> TrainingJobSpec:
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    doc["spec"]["trainer"]["backend"] = backend
-    doc["spec"]["algorithm"].update(algorithm)
-    return parse_spec(doc["spec"])
+    return parse_spec(specs.spec(**{"trainer.backend": backend, **{f"algorithm.{k}": v for k, v in algorithm.items()}}))
 
 
 @torch.no_grad()

@@ -16,7 +16,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,16 +25,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlkube.local.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("RLKUBE_CACHE", Path.home() / ".cache" / "rlkube"))
 DEFAULT_BIN = CACHE / "k8s-1.20.2" / "bin"
 TOKEN = "rlkube-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log(msg: str) -> None:

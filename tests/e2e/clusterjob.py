@@ -11,7 +11,6 @@ Shared by the e2e tests and `make demo-cluster` (demo_cluster.py):
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -23,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-import yaml
 from cluster.control_plane import free_port
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
@@ -31,23 +29,17 @@ from nodeagent.harness import AgentProcess, wait_for
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.controller import names
 from rlkube.core import protocol, runtime
+import specs
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
+EXAMPLE = specs.EXAMPLE_PATH
 GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
 TERMINAL = ("Succeeded", "Failed")
 
 
 def example(**overrides) -> dict:
     """examples/tiny-cpu.yaml, with `overrides` given as dotted camelCase paths: {"spec.algorithm.maxSteps": 20}."""
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    for path, value in overrides.items():
-        node = doc
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = copy.deepcopy(value)
-    return doc
+    return specs.document(**overrides)
 
 
 @dataclass

@@ -4,7 +4,6 @@ and rollout groups, and event polling with deadlines."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -17,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from cluster.control_plane import free_port
 from rlkube.api.validation import parse_spec
 from rlkube.core import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs
+import specs
+import waiting
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test"
@@ -31,10 +31,7 @@ NAMESPACE = "test"
 
 def tiny_spec(**algorithm) -> dict:
     """examples/tiny-cpu.yaml's spec (camelCase) with algorithm overrides."""
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    spec = copy.deepcopy(doc["spec"])
-    spec["algorithm"].update(algorithm)
-    return spec
+    return specs.spec(**{f"algorithm.{k}": v for k, v in algorithm.items()})
 
 
 def keys_for(job: str, spec: dict) -> protocol.StreamKeys:
@@ -230,17 +227,20 @@ def read_events(client, keys: protocol.StreamKeys, type_: str | None = None) -> 
 
 
 def wait_for(predicate, timeout: float, what: str, role: Role | None = None, interval: float = 0.05):
-    """Poll `predicate` until it returns something truthy; fail with `what` (and the role's log) on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """waiting.wait_for, failing early when `role` exits and with the role's log on a timeout."""
+    if role is None:
+        return waiting.wait_for(predicate, timeout, what, interval)
+
+    def check():
         value = predicate()
-        if value:
-            return value
-        if role is not None and role.proc.poll() is not None:
+        if not value and role.proc.poll() is not None:
             raise AssertionError(f"{what}: the role exited with {role.proc.returncode}:\n{role.log()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{role.log()}" if role else ""))
-        time.sleep(interval)
+        return value
+
+    try:
+        return waiting.wait_for(check, timeout, what, interval)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}:\n{role.log()}") from None
 
 
 def wait_for_event(client, keys, type_: str, timeout: float, role: Role | None = None, where=lambda e: True):

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlkube.local.ports import free_port
+
 
 def rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -121,10 +123,7 @@ def main() -> None:
         model = Path(tmp) / "model"
         model.mkdir()
         write_model(model, args.hidden, args.layers)
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, __file__, "--rank", "--world", str(args.world), "--steps", str(args.steps),
                "--per-step", str(args.per_step), "--model", str(model)]
         procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.world),

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from rlkube.api.crd import crd
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.validation import tensor_parallel_heads_error
+from specs import DELETE, with_overrides
 
 SPEC_SCHEMA: dict = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 ROLES = ("trainer", "inference", "actor", "preprocessor")
@@ -145,20 +146,11 @@ def _get(spec: dict, path: str) -> Any:
 
 
 def _set(spec: dict, path: str, value: Any) -> None:
-    *parents, last = path.split(".")
-    node = spec
-    for key in parents:
-        if not isinstance(node.get(key), dict):
-            node[key] = {}
-        node = node[key]
-    node[last] = value
+    with_overrides(spec, {path: value})
 
 
 def _drop(spec: dict, path: str) -> None:
-    *parents, last = path.split(".")
-    node = _get(spec, ".".join(parents)) if parents else spec
-    if isinstance(node, dict):
-        node.pop(last, None)
+    with_overrides(spec, {path: DELETE})
 
 
 def _default(path: str) -> Any:

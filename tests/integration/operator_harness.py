@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,37 +21,24 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
+from rlkube.local.ports import free_port
+import specs
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
 GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_doc(name: str, **overrides: Any) -> dict:
     """The tiny example with short timers; `overrides` are dotted camelCase paths under spec."""
-    doc = copy.deepcopy(EXAMPLE)
-    doc["metadata"] = {"name": name}
-    spec = doc["spec"]
-    spec["runPolicy"].update({"completionTimeoutSeconds": 2, "eventTimeoutSeconds": 0})
-    spec["teardown"]["gracePeriodSeconds"] = {"actor": 2, "preprocessor": 2, "inference": 2, "trainer": 2, "redis": 2}
-    for path, value in overrides.items():
-        node = spec
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
+    doc = specs.document(metadata={"name": name})
+    specs.with_overrides(doc["spec"], {
+        "runPolicy.completionTimeoutSeconds": 2, "runPolicy.eventTimeoutSeconds": 0,
+        "teardown.gracePeriodSeconds": {"actor": 2, "preprocessor": 2, "inference": 2, "trainer": 2, "redis": 2},
+        **overrides})
     return doc
 
 

@@ -16,21 +16,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlkube.core import runtime
+from rlkube.local.ports import free_port
+from waiting import wait_for  # noqa: F401 (the serving tests import it from here)
 
 NAMESPACE, JOB = "ns", "job"
 PREFIX = f"{NAMESPACE}/{JOB}/"
 PEER = Path(__file__).parent / "weightsync_peer.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reserved_port() -> int:
@@ -60,18 +55,6 @@ def job_spec(**algorithm: Any) -> dict[str, Any]:
 
 def write_config(directory: Path, spec: dict[str, Any]) -> Path:
     return runtime.write_job_config(Path(directory) / "job.json", NAMESPACE, JOB, spec)
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll `condition` until it returns something truthy; TimeoutError naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:

@@ -25,7 +25,7 @@ from serve_helpers import (
     job_spec,
     log_text,
     publish,
-    wait_until,
+    wait_for,
     write_config,
 )
 
@@ -52,7 +52,7 @@ def stack(tmp_path, redis_server, redis_client):
         server = roles.start_role("inference", RLKUBE_PORT=str(port))
         url = f"http://127.0.0.1:{port}"
         trainer = roles.start_trainer(0)
-        wait_until(lambda: http_status(url + "/health") == 200 or server.poll() is not None, 60, "inference health")
+        wait_for(lambda: http_status(url + "/health") == 200 or server.poll() is not None, 60, "inference health")
         assert server.poll() is None, log_text(server)
         return roles, url, server, trainer, port
 
@@ -77,7 +77,7 @@ def reserved(redis_client) -> int:
 def settled(redis_client, want: int, written_too: bool = True) -> None:
     """Wait until the reserved counter (and the written one) is `want`. A holding actor reserves optimistically
     (INCRBY, then DECRBY when over the bound: core/lag.py), so one read may catch a reservation in flight."""
-    wait_until(lambda: reserved(redis_client) == want and (not written_too or written(redis_client) == want), 10,
+    wait_for(lambda: reserved(redis_client) == want and (not written_too or written(redis_client) == want), 10,
                f"reserved{' and written' if written_too else ''} == {want}")
 
 
@@ -93,14 +93,14 @@ def test_two_replicas_hold_at_max_lag_and_resume_on_weights_ready(stack, redis_c
     # groupSize 4, samplesPerStep 8, maxLag 1: (1+1) x 8 = 16 samples = 4 groups may be ahead of the trainer.
     roles, url, _, trainer, _ = stack(groupSize=4, samplesPerStep=8, maxLag=1)
     actors = [start_actor(roles, url, i) for i in (0, 1)]
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 4 and all(holds(a) for a in actors), 60,
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) == 4 and all(holds(a) for a in actors), 60,
                "4 groups and both replicas holding")
     settled(redis_client, 16)  # full until the trainer moves
     assert redis_client.xlen(KEYS.rollouts) == 4
 
     before = holds(actors[0]) + holds(actors[1])
     publish(trainer, 1, documents_seen=8)  # one step consumed 8 documents: room for 2 more groups
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 6 and holds(actors[0]) + holds(actors[1]) > before, 60,
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) == 6 and holds(actors[0]) + holds(actors[1]) > before, 60,
                "2 more groups, then holding again")
     settled(redis_client, 24)
     assert redis_client.xlen(KEYS.rollouts) == 6
@@ -136,16 +136,16 @@ def test_restarted_trainer_lowers_the_lag_credit(stack, redis_client):
     publish(trainer, 1, documents_seen=8)
     publish(trainer, 2, documents_seen=16)
     actor = start_actor(roles, url)
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 8 and holds(actor), 60, "8 groups, holding")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) == 8 and holds(actor), 60, "8 groups, holding")
     settled(redis_client, 32, written_too=False)
 
     trainer.send_signal(signal.SIGKILL)
     trainer.wait(timeout=10)
     second = roles.start_trainer(1)  # resumed from its step-1 checkpoint: 8 documents seen, not 16
-    wait_until(lambda: "lag credit lowered by 8" in log_text(actor), 60, "the rebase")
+    wait_for(lambda: "lag credit lowered by 8" in log_text(actor), 60, "the rebase")
     settled(redis_client, 24)
     publish(second, 2, documents_seen=16)  # without the rebase the counter (32) would stay full here
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 10, 60, "2 more groups after the restart")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) == 10, 60, "2 more groups after the restart")
     redis_client.xadd(KEYS.events, protocol.training_finished(step=2))
     assert actor.wait(timeout=20) == 0
 
@@ -154,7 +154,7 @@ def test_stops_on_training_finished_and_not_on_counts(stack, redis_client):
     # maxSteps 1 x samplesPerStep 4 is one group; a count-based actor would stop there.
     roles, url, _, _, _ = stack(maxSteps=1, groupSize=4, samplesPerStep=4, maxLag=20)
     actor = start_actor(roles, url)
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 4, 60, "more groups than maxSteps x samplesPerStep")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= 4, 60, "more groups than maxSteps x samplesPerStep")
     assert actor.poll() is None
     redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
     assert actor.wait(timeout=20) == 0
@@ -164,7 +164,7 @@ def test_stops_on_training_finished_and_not_on_counts(stack, redis_client):
 def test_sigterm_exits_zero_and_returns_unused_credit(stack, redis_client):
     roles, url, _, _, _ = stack(groupSize=4, samplesPerStep=4, maxLag=0)
     actor = start_actor(roles, url)
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 1 and holds(actor), 60, "one group, then holding")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) == 1 and holds(actor), 60, "one group, then holding")
     actor.send_signal(signal.SIGTERM)
     assert actor.wait(timeout=20) == 0
     assert reserved(redis_client) == written(redis_client) == 4  # the produced group; no reservation leaked
@@ -173,13 +173,13 @@ def test_sigterm_exits_zero_and_returns_unused_credit(stack, redis_client):
 def test_dead_inference_server_is_retried(stack, redis_client):
     roles, url, server, _, port = stack(groupSize=4, samplesPerStep=4, maxLag=50)
     actor = start_actor(roles, url, RLKUBE_ACTOR_STALL_SECONDS="5")
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 2, 60, "first groups")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= 2, 60, "first groups")
     server.send_signal(signal.SIGKILL)
     server.wait(timeout=10)
-    wait_until(lambda: "inference request failed" in log_text(actor), 60, "a failed request")
+    wait_for(lambda: "inference request failed" in log_text(actor), 60, "a failed request")
     count = redis_client.xlen(KEYS.rollouts)
     roles.start_role("inference", RLKUBE_PORT=str(port))  # same address, e.g. the pod restarted in place
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= count + 2, 60, "groups after the restart")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= count + 2, 60, "groups after the restart")
     assert actor.poll() is None
     redis_client.xadd(KEYS.events, protocol.training_finished(step=1))
     assert actor.wait(timeout=20) == 0
@@ -190,8 +190,8 @@ def test_reservations_of_a_killed_actor_are_dropped_when_the_pipeline_stalls(sta
     roles, url, _, _, _ = stack(groupSize=4, samplesPerStep=8, maxLag=0)
     redis_client.set(LAG.reserved, 4)
     actor = start_actor(roles, url, RLKUBE_ACTOR_STALL_SECONDS="1")
-    wait_until(lambda: "released unwritten reservations" in log_text(actor), 60, "the stall release")
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) == 2, 60, "the second group")
+    wait_for(lambda: "released unwritten reservations" in log_text(actor), 60, "the stall release")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) == 2, 60, "the second group")
     assert reserved(redis_client) == written(redis_client) == 8
     redis_client.xadd(KEYS.events, protocol.training_finished(step=0))
     assert actor.wait(timeout=20) == 0
@@ -218,7 +218,7 @@ def test_dataset_prompts_and_a_reward_that_raises_score_zero_and_are_counted(sta
             "reward": {"type": "python", "function": "flaky_reward:score"}}
     roles, url, _, _, _ = stack(task=task, groupSize=4, samplesPerStep=8, maxLag=50)
     actor = start_actor(roles, url, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    wait_until(lambda: redis_client.xlen(KEYS.rollouts) >= 6, 60, "six groups")
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= 6, 60, "six groups")
     assert actor.poll() is None  # the failures did not stop it
     got = groups(redis_client)
     # the rows are drawn an epoch (3 groups) at a time; with 2 workers at most one draw is still in flight, so 6

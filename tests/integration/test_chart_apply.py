@@ -28,9 +28,10 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from rlkube.bench import processes
+import specs
+from waiting import wait_for
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 PEERING = {"peering": {"enabled": True}, "leaderElection": {"enabled": False}}
 
 
@@ -253,16 +254,6 @@ def _token_kubeconfig(api, cp: ControlPlane, namespace: str, sa: str, path: Path
     return path
 
 
-def _poll(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(what)
-
-
 PERMISSION_ERRORS = ("APIForbiddenError", "forbidden", "Forbidden", "Not enough permissions")
 
 
@@ -290,7 +281,7 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
                 start_new_session=True,
             )
         custom = client.CustomObjectsApi(rbac_api)
-        body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        body = specs.document()
         custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
 
         def handled():
@@ -298,7 +289,8 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
             return obj if (obj.get("status") or {}).get("phase") == "Pending" and obj["metadata"].get("finalizers") else None
 
         # 180 s: kopf's start (imports, peering) under a loaded CI machine; a pass returns as soon as it is handled.
-        obj = _poll(handled, 180, "kopf did not handle the TrainingJob: " + log.read_text()[-3000:])
+        obj = wait_for(handled, 180,
+                       lambda: "kopf to handle the TrainingJob; its log: " + log.read_text()[-3000:], 0.2)
         assert obj["metadata"]["finalizers"]
         events = client.CoreV1Api(rbac_api).list_namespaced_event(team).items
         assert any(e.reason == "Probe" for e in events), [e.reason for e in events]
@@ -317,7 +309,7 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
             except ApiException as exc:
                 return exc.status == 404
 
-        _poll(gone, 180, "the TrainingJob was not released: " + log.read_text()[-3000:])
+        wait_for(gone, 180, lambda: "the TrainingJob to be released; its log: " + log.read_text()[-3000:], 0.2)
         text = log.read_text()
         errors = [line for line in text.splitlines() if any(sign in line for sign in PERMISSION_ERRORS)]
         assert not errors, "kopf hit permission errors:\n" + "\n".join(line[:400] for line in errors[:10])
@@ -369,7 +361,7 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
             )
         custom = client.CustomObjectsApi(rbac_api)
         core = client.CoreV1Api(rbac_api)
-        body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        body = specs.document()
         custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
 
         def children():
@@ -381,7 +373,8 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
             }
             return kinds if all(kinds.values()) else None
 
-        found = _poll(children, 90, "the operator created no children: " + log.read_text()[-3000:])
+        found = wait_for(children, 90,
+                         lambda: "the operator to create children; its log: " + log.read_text()[-3000:], 0.2)
         assert all(o.metadata.owner_references for objs in found.values() for o in objs)
         job = custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", "tiny-cpu")
         assert (job.get("status") or {}).get("phase"), "the operator wrote no status"
@@ -394,7 +387,7 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
             except ApiException as exc:
                 return exc.status == 404
 
-        _poll(released, 120, "the TrainingJob was not released: " + log.read_text()[-3000:])
+        wait_for(released, 120, lambda: "the TrainingJob to be released; its log: " + log.read_text()[-3000:], 0.2)
         text = log.read_text()
         errors = [line for line in text.splitlines() if any(sign in line for sign in PERMISSION_ERRORS)]
         assert not errors, "the operator hit permission errors:\n" + "\n".join(line[:400] for line in errors[:10])

@@ -1,16 +1,11 @@
 """The real kube-apiserver accepts the example and rejects malformed TrainingJobs with 422 naming the field."""
 
-import copy
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+import specs
 
 
 def _create(api_client, namespace, body):
@@ -20,7 +15,7 @@ def _create(api_client, namespace, body):
 
 
 def test_example_is_accepted_and_defaulted(api_client, crd, namespace):
-    created = _create(api_client, namespace, copy.deepcopy(EXAMPLE))
+    created = _create(api_client, namespace, specs.document())
     spec = created["spec"]
     # Defaults come from the schema, nested objects included.
     assert spec["algorithm"]["clipEpsilonHigh"] == 0.2
@@ -30,7 +25,7 @@ def test_example_is_accepted_and_defaulted(api_client, crd, namespace):
 
 
 def test_a_dataset_task_is_accepted_and_defaulted(api_client, crd, namespace):
-    doc = copy.deepcopy(EXAMPLE)
+    doc = specs.document()
     doc["metadata"]["name"] = "dataset-task"
     doc["spec"]["task"] = {"name": "gsm8k", "dataset": {"path": "/data/gsm8k.parquet", "claimName": "gsm8k"},
                            "reward": {"type": "math", "answerPattern": "#### (.*)"}}
@@ -42,19 +37,6 @@ def test_a_dataset_task_is_accepted_and_defaulted(api_client, crd, namespace):
     assert "chatTemplate" not in task  # unset: decided by the tokenizer
 
 
-def _set(doc, dotted, value):
-    node = doc
-    *parents, last = dotted.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is _DELETE:
-        node.pop(last, None)
-    else:
-        node[last] = value
-
-
-_DELETE = object()
-
 MALFORMED = [
     ("spec.algorithm.maxSteps", "ten", "spec.algorithm.maxSteps"),          # wrong type
     ("spec.algorithm.maxSteps", 0, "spec.algorithm.maxSteps"),              # zero maxSteps
@@ -62,7 +44,7 @@ MALFORMED = [
     ("spec.inference.replicas", 0, "spec.inference.replicas"),              # zero inference replicas
     ("spec.algorithm.loss", "dpo", "spec.algorithm.loss"),                  # unknown enum value
     ("spec.trainer.backend", "jax", "spec.trainer.backend"),                # unknown backend
-    ("spec.model", _DELETE, "spec.model"),                                  # missing model
+    ("spec.model", specs.DELETE, "spec.model"),                             # missing model
     ("spec.model.path", "", "spec.model.path"),                             # empty model path
     ("spec.algorithm.learningRate", 0, "spec.algorithm.learningRate"),      # non-positive learning rate
     ("spec.redis.mode", "sentinel", "spec.redis.mode"),                     # unknown redis mode
@@ -78,9 +60,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("path, value, field", MALFORMED, ids=[f"{m[0]}={m[1]!r}" for m in MALFORMED])
 def test_malformed_is_rejected_with_field(api_client, crd, namespace, path, value, field):
-    doc = copy.deepcopy(EXAMPLE)
-    doc["metadata"]["name"] = "bad"
-    _set(doc, path, value)
+    doc = specs.document(**{"metadata.name": "bad", path: value})
     with pytest.raises(ApiException) as err:
         _create(api_client, namespace, doc)
     assert err.value.status == 422
@@ -91,7 +71,7 @@ def test_malformed_is_rejected_with_field(api_client, crd, namespace, path, valu
 
 
 def test_unknown_fields_are_pruned(api_client, crd, namespace):
-    doc = copy.deepcopy(EXAMPLE)
+    doc = specs.document()
     doc["metadata"]["name"] = "pruned"
     doc["spec"]["notAField"] = {"x": 1}
     doc["spec"]["algorithm"]["typoSteps"] = 3

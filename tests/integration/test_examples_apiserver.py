@@ -12,6 +12,7 @@ from kubernetes.dynamic import DynamicClient
 
 from rlkube.api import parse_manifest
 from rlkube.api.spec import KIND
+import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -56,9 +57,7 @@ def test_example_is_accepted_by_the_api_server(api_client, crd, namespace, path)
 
 def test_a_misspelt_field_would_be_caught(api_client, crd, namespace):
     # The pruning check above can fail: a typo in a spec comes back pruned.
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    doc["metadata"]["name"] = "typo"
-    doc["spec"]["trainer"]["checkpont"] = {"intervalSteps": 5}
+    doc = specs.document(**{"metadata.name": "typo", "spec.trainer.checkpont": {"intervalSteps": 5}})
     created = DynamicClient(api_client).resources.get(api_version=doc["apiVersion"], kind=KIND).create(
         body=doc, namespace=namespace
     ).to_dict()

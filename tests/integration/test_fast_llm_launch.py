@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,18 +27,14 @@ from rlkube.api.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.core import fast_llm_launch
 from rlkube.core.fast_llm_weights import FastLlmReceiver
+from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer
+from waiting import wait_for
 
 HERE = Path(__file__).parent
 STAND_IN = HERE / "fast_llm_stand_in.py"
 ROOT = HERE.parents[1]
 PASSWORD = "pw-for-the-relay-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

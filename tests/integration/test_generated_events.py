@@ -17,17 +17,14 @@ The seed and the number of cases are printed (fuzz_seed.py).
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import orjson
 import pytest
 import redis
-import yaml
 from generated_events import INT64, Entry, event_stream, full_finish
 from fuzz_seed import say, scaled, seed
 from hypothesis import HealthCheck, given, settings
@@ -42,10 +39,10 @@ from rlkube.controller.observed import EventSource, Observed, PodView
 from rlkube.controller.watcher import EventWatcher, Target
 from rlkube.core import protocol
 from rlkube.core.streams import EventReader
+import specs
 
 pytestmark = pytest.mark.timeout(900)
 
-EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
 CASES = scaled(300)
 STATIC = frozenset({"ConfigMap/j-config", "Secret/j-redis", "Service/j-redis", "Service/j-inference",
                     "Service/j-trainer"})
@@ -174,10 +171,9 @@ def test_generated_trainer_event_streams_never_raise_nor_complete_a_job_wrongly(
         if good_last:
             entries = [*entries, Entry(protocol.training_finished(step=max_steps, checkpoint="/checkpoints/final"),
                                        label="good-final")]
-        raw = copy.deepcopy(EXAMPLE["spec"])
-        raw["algorithm"]["maxSteps"] = max_steps
-        raw["runPolicy"].update(completionTimeoutSeconds=knobs["completionTimeoutSeconds"],
-                                eventTimeoutSeconds=knobs["eventTimeoutSeconds"])
+        raw = specs.spec(**{"algorithm.maxSteps": max_steps,
+                            "runPolicy.completionTimeoutSeconds": knobs["completionTimeoutSeconds"],
+                            "runPolicy.eventTimeoutSeconds": knobs["eventTimeoutSeconds"]})
         if knobs["ttl"] is not None:
             raw["runPolicy"]["ttlSecondsAfterFinished"] = knobs["ttl"]
 

@@ -24,6 +24,7 @@ from rlkube.core.losses import token_logprobs
 from rlkube.core.sampling import GenerationRequest, SamplingEngine
 from rlkube.core.trainer import Trainer
 from rlkube.core.weightsync import WeightPublisher, WeightReceiver, checksums_match, weights_checksum
+from waiting import wait_for
 
 CASES = [("llama", "char", "LlamaForCausalLM"), ("qwen2", "bpe", "Qwen2ForCausalLM"),
          ("qwen3", "bpe", "Qwen3ForCausalLM")]
@@ -77,12 +78,7 @@ def test_load_train_checkpoint_reload_and_serve_after_an_in_flight_update(tmp_pa
             metrics = trainer.train_step(documents(tok, 6, seed=step))
             assert metrics["grad_norm"] > 0
         publisher.publish(trainer.backend.weights(), version=trainer.version, step=trainer.step)
-        deadline = threading.Event()
-        for _ in range(300):
-            if engine.policy.version == 2:
-                break
-            deadline.wait(0.1)
-        assert engine.policy.version == 2, "the in-flight update did not arrive"
+        wait_for(lambda: engine.policy.version == 2, 30, "the in-flight update (policy version 2)")
         assert checksums_match(follower.served_checksum, weights_checksum(trainer.backend.weights()))
 
         # Checkpoint = HF directory: transformers loads it as it is, with the trainer's logits.

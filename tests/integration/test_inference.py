@@ -32,7 +32,7 @@ from serve_helpers import (
     job_spec,
     log_text,
     publish,
-    wait_until,
+    wait_for,
     write_config,
 )
 from weightsync_peer import model_weights
@@ -53,7 +53,7 @@ def start_server(roles: RoleProcesses) -> tuple[str, object]:
     proc = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0")
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 60, "the server")
+        wait_for(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 60, "the server")
     finally:
         if proc.poll() is not None:
             raise AssertionError(f"inference exited with {proc.returncode}:\n{log_text(proc)}")
@@ -82,7 +82,7 @@ def expected_logprobs(config, state: dict[str, torch.Tensor], choice: dict, temp
 
 
 def wait_version(url: str, version: int, timeout: float = 30) -> dict:
-    return wait_until(lambda: (h := health(url))[0] == 200 and h[1]["model_version"] == version and h[1], timeout,
+    return wait_for(lambda: (h := health(url))[0] == 200 and h[1]["model_version"] == version and h[1], timeout,
                       f"model_version {version}")
 
 
@@ -139,12 +139,12 @@ def test_generation_continues_while_the_first_update_is_pending(roles, redis_cli
         # The server has seen the announcement and waits in the group's rendezvous for us: keep it waiting and
         # check that requests are still answered meanwhile.
         announced = time.monotonic()
-        wait_until(lambda: sum(1 for t, *_ in results if t > announced) >= 5, 30, "requests during the join")
+        wait_for(lambda: sum(1 for t, *_ in results if t > announced) >= 5, 30, "requests during the join")
         assert health(url)[0] == 503
         sender.send(model_weights(str(roles.config), 1).items(), version=1)
         wait_version(url, 1)
         done = len(results)
-        wait_until(lambda: len(results) >= done + 3, 30, "requests after the update")
+        wait_for(lambda: len(results) >= done + 3, 30, "requests after the update")
     finally:
         stop.set()
         thread.join(timeout=30)
@@ -159,7 +159,7 @@ def test_training_finished_leaves_the_group_and_serving_goes_on_until_sigterm(ro
     roles.start_trainer(0)
     wait_version(url, 0)
     redis_client.xadd(KEYS.events, protocol.training_finished(step=50))
-    body = wait_until(lambda: (h := health(url)[1])["training_finished"] and h, 20, "training_finished")
+    body = wait_for(lambda: (h := health(url)[1])["training_finished"] and h, 20, "training_finished")
     assert body["epoch"] is None  # left the group
     assert complete(url)["model_version"] == 0
     proc.send_signal(signal.SIGTERM)
@@ -176,7 +176,7 @@ def test_restarted_trainer_is_picked_up_in_a_new_epoch(roles):
     first.wait(timeout=10)
 
     second = roles.start_trainer(1)  # resumed from its checkpoint at step 1, on the same port
-    body = wait_until(lambda: (h := health(url)[1])["epoch"] not in (None, old_epoch) and h["updates"] >= 3 and h,
+    body = wait_for(lambda: (h := health(url)[1])["epoch"] not in (None, old_epoch) and h["updates"] >= 3 and h,
                       30, "the new epoch")
     assert body["model_version"] == 1
     publish(second, 2)

@@ -11,7 +11,7 @@ import signal
 
 import redis
 from rlkube.core import protocol
-from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, wait_until, write_config
+from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, wait_for, write_config
 
 KEYS = protocol.StreamKeys(PREFIX)
 
@@ -41,15 +41,15 @@ def test_a_job_leaves_only_keys_that_stream_keys_names(tmp_path, redis_server, r
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         inference = roles.start_role("inference", RLKUBE_PORT=str(port))
-        wait_until(lambda: http_status(url + "/health") == 200, 90, "inference joined the trainer's group")
+        wait_for(lambda: http_status(url + "/health") == 200, 90, "inference joined the trainer's group")
         preprocessors = [roles.start_role("preprocessor", name=f"preprocessor-{i}", RLKUBE_INDEX=str(i))
                          for i in range(2)]
         # Both replicas in the consumer group before any rollout: a 3-step job can finish before a replica that
         # starts slowly (CI, two busy cores) ever reads, and it then exits without joining.
-        wait_until(lambda: consumers(redis_client) == {"preprocessor-0", "preprocessor-1"}, 90,
+        wait_for(lambda: consumers(redis_client) == {"preprocessor-0", "preprocessor-1"}, 90,
                    "both preprocessors reading rollouts")
         actor = roles.start_role("actor", RLKUBE_INFERENCE_URLS=url)
-        event = wait_until(lambda: finished(redis_client), 180, "training_finished")
+        event = wait_for(lambda: finished(redis_client), 180, "training_finished")
         assert event.step == 3
         for proc in [trainer, actor, *preprocessors]:
             assert proc.wait(timeout=60) == 0, log_text(proc)

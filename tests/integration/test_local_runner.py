@@ -18,9 +18,10 @@ import psutil
 import pytest
 import redis
 import yaml
+import specs
+from waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
+EXAMPLE = specs.EXAMPLE_PATH
 ORDER = ["actor", "preprocessor", "inference", "trainer", "redis"]
 # The reward margin tiny-cpu guarantees with seed 0 (mean of the last 10 steps minus the first 10). The run is
 # seeded but its roles race each other, so it is not bit-reproducible. Measured: first-10 0.057-0.060, last-10
@@ -95,8 +96,7 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 @pytest.fixture
 def short_manifest(tmp_path):
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["algorithm"]["maxSteps"] = 5000  # long enough that the run is surely interrupted mid-way
+    doc = specs.document(**{"spec.algorithm.maxSteps": 5000})  # long enough that the run is surely interrupted
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -124,10 +124,8 @@ def _role_processes(out: Path, role: str) -> list[psutil.Process]:
 
 
 def _manifest(tmp_path: Path, max_steps: int = 30, **run_policy) -> Path:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["algorithm"]["maxSteps"] = max_steps
-    doc["spec"]["trainer"]["checkpoint"]["intervalSteps"] = 5
-    doc["spec"]["runPolicy"].update(run_policy)
+    doc = specs.document(**{"spec.algorithm.maxSteps": max_steps, "spec.trainer.checkpoint.intervalSteps": 5,
+                            **{f"spec.runPolicy.{k}": v for k, v in run_policy.items()}})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -218,10 +216,11 @@ def test_crashed_role_is_restarted_within_its_budget_then_fails_the_job(tmp_path
         victim.kill()
         victim.wait(30)
         if expected_restarts == 1:  # the replacement comes up and the job goes on
-            deadline = time.monotonic() + 60
-            while not [p for p in _role_processes(out, "preprocessor") if p.pid != victim.pid]:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
+            def replacement():
+                assert proc.poll() is None, proc.stderr.read()[-3000:]
+                return [p for p in _role_processes(out, "preprocessor") if p.pid != victim.pid]
+
+            wait_for(replacement, 60, "a replacement preprocessor")
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
@@ -232,8 +231,7 @@ def test_crashed_role_is_restarted_within_its_budget_then_fails_the_job(tmp_path
 
 
 def test_bad_manifest_names_the_field_and_starts_nothing(tmp_path):
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["algorithm"]["maxSteps"] = 0
+    doc = specs.document(**{"spec.algorithm.maxSteps": 0})
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(doc))
     proc = _run([str(path), "--output-dir", str(tmp_path / "run")])

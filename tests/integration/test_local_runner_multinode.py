@@ -8,15 +8,14 @@ import time
 
 import yaml
 from test_local_runner import EXAMPLE, ORDER, _leftovers, _run
+import specs
 
 STEPS = 6
 
 
 def test_tiny_job_on_two_trainer_nodes(tmp_path):
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["trainer"]["nodes"] = 2
-    doc["spec"]["trainer"]["checkpoint"]["intervalSteps"] = 3
-    doc["spec"]["algorithm"]["maxSteps"] = STEPS
+    doc = specs.document(**{"spec.trainer.nodes": 2, "spec.trainer.checkpoint.intervalSteps": 3,
+                            "spec.algorithm.maxSteps": STEPS})
     manifest = tmp_path / "two-nodes.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
@@ -43,10 +42,8 @@ def test_tiny_job_on_two_trainer_nodes(tmp_path):
 def test_two_local_ranks_in_one_trainer_process(tmp_path):
     """trainer.processesPerNode: 2 on CPU: `rlkube local` starts ONE trainer process (as the operator starts one
     trainer pod), the launcher in it starts ranks 0 and 1 with torchrun's worker env, and the job succeeds."""
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["trainer"]["processesPerNode"] = 2
-    doc["spec"]["trainer"]["checkpoint"]["intervalSteps"] = 3
-    doc["spec"]["algorithm"]["maxSteps"] = STEPS
+    doc = specs.document(**{"spec.trainer.processesPerNode": 2, "spec.trainer.checkpoint.intervalSteps": 3,
+                            "spec.algorithm.maxSteps": STEPS})
     manifest = tmp_path / "two-local-ranks.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"

@@ -16,19 +16,17 @@ import pytest
 import yaml
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
+import specs
 
 pytestmark = pytest.mark.megatron
 
-ROOT = Path(__file__).resolve().parents[2]
 # Measured over 4 runs of this job (seed 0): first-10 0.058-0.068, last-10 0.212-0.245; the torch backend's test
 # (test_local_runner.py) asserts the same 0.10 margin and 2x ratio for the same job.
 MIN_MARGIN = 0.10
 
 
 def test_tiny_job_on_the_megatron_backend_learns_and_finishes(tmp_path):
-    job = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    job["metadata"]["name"] = "tiny-megatron"
-    job["spec"]["trainer"]["backend"] = "megatron"
+    job = specs.document(**{"metadata.name": "tiny-megatron", "spec.trainer.backend": "megatron"})
     manifest = tmp_path / "tiny-megatron.yaml"
     manifest.write_text(yaml.safe_dump(job))
     out = tmp_path / "run"

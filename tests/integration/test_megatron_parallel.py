@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from hf_models import write_tiny_model
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
+from rlkube.local.ports import free_port
 
 pytestmark = [
     pytest.mark.megatron,
@@ -54,12 +54,6 @@ BF16_RTOL = 1e-2
 def model_dir(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_layout(model_dir: Path, out: Path, world: int, tp: int, *extra: str) -> dict:

@@ -15,17 +15,16 @@ import pytest
 import yaml
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
+import specs
 
 pytestmark = pytest.mark.megatron
 
-ROOT = Path(__file__).resolve().parents[2]
 MIN_MARGIN = 0.10  # as test_megatron_local_job.py (one rank) and the torch backend's test of the same job
 
 
 def test_tiny_job_with_megatron_tensor_parallel_2_on_two_nodes_learns(tmp_path):
-    job = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    job["metadata"]["name"] = "tiny-megatron-tp2"
-    job["spec"]["trainer"].update(backend="megatron", nodes=2, megatron={"tensorParallel": 2})
+    job = specs.document(**{"metadata.name": "tiny-megatron-tp2", "spec.trainer.backend": "megatron",
+                            "spec.trainer.nodes": 2, "spec.trainer.megatron": {"tensorParallel": 2}})
     manifest = tmp_path / "tiny-megatron-tp2.yaml"
     manifest.write_text(yaml.safe_dump(job))
     out = tmp_path / "run"

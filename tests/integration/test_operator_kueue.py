@@ -23,6 +23,7 @@ from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
 from rlkube.controller import kueue, names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,11 +45,9 @@ def kueue_crds(api_client):
         except ApiException as exc:
             if exc.status != 409:
                 raise
-        deadline = time.monotonic() + 60
-        while not any(c.type == "Established" and c.status == "True"
-                      for c in ext.read_custom_resource_definition(body["metadata"]["name"]).status.conditions or []):
-            assert time.monotonic() < deadline, f"{kind} CRD not Established"
-            time.sleep(0.1)
+        wait_for(lambda: any(c.type == "Established" and c.status == "True"
+                             for c in ext.read_custom_resource_definition(body["metadata"]["name"]).status.conditions
+                             or []), 60, f"the {kind} CRD to be Established")
 
 
 def _now() -> str:

@@ -19,7 +19,7 @@ from serve_helpers import (
     http_status,
     job_spec,
     log_text,
-    wait_until,
+    wait_for,
     write_config,
 )
 
@@ -45,14 +45,14 @@ def test_trainer_killed_mid_run_resumes_and_serving_follows(tmp_path, redis_serv
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         inference = roles.start_role("inference", RLKUBE_PORT=str(port))
-        wait_until(lambda: http_status(url + "/health") == 200, 60, "inference joined the trainer's group")
+        wait_for(lambda: http_status(url + "/health") == 200, 60, "inference joined the trainer's group")
         preprocessor = roles.start_role("preprocessor")
         actor = roles.start_role("actor", RLKUBE_INFERENCE_URLS=url)
 
         def saved():
             return [e.step for e in events(redis_client) if e.type == protocol.CHECKPOINT_SAVED]
 
-        wait_until(lambda: saved(), 90, "the first checkpoint")
+        wait_for(lambda: saved(), 90, "the first checkpoint")
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=10)
         killed_at = max(e.step or 0 for e in events(redis_client) if e.type == protocol.WEIGHTS_READY)
@@ -60,7 +60,7 @@ def test_trainer_killed_mid_run_resumes_and_serving_follows(tmp_path, redis_serv
         assert killed_at < 40, "the run finished before the kill; the test needs a longer run"
 
         restarted = roles.start_role("trainer", name="trainer-restarted", RLKUBE_CHECKPOINT_DIR=checkpoints)
-        finished = wait_until(
+        finished = wait_for(
             lambda: next((e for e in events(redis_client) if e.type == protocol.TRAINING_FINISHED), None), 180,
             "training_finished from the restarted trainer")
         assert finished.step == 40 and not finished.payload.get("interrupted")

@@ -34,7 +34,7 @@ from serve_helpers import (
     http_status,
     job_spec,
     log_text,
-    wait_until,
+    wait_for,
     write_config,
 )
 
@@ -76,7 +76,7 @@ def start_server(roles: RoleProcesses) -> tuple[str, object]:
     port = free_port()
     proc = roles.start_role("inference", RLKUBE_PORT=str(port))
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 60, "the server")
+    wait_for(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 60, "the server")
     assert proc.poll() is None, log_text(proc)
     return url, proc
 
@@ -89,7 +89,7 @@ def synced_server(roles: RoleProcesses):
     """An inference server that received version 0 from a trainer stand-in (a separate process)."""
     url, proc = start_server(roles)
     roles.start_trainer(0)
-    wait_until(lambda: health(url)["updates"] >= 1, 60, "the first update")
+    wait_for(lambda: health(url)["updates"] >= 1, 60, "the first update")
     return url, proc
 
 
@@ -137,12 +137,12 @@ def test_inference_serving_with_a_request_waiting_for_a_version(roles):
     before = health(url)["requests"]
     waiter = threading.Thread(target=waiting_request, daemon=True)
     waiter.start()
-    wait_until(lambda: health(url)["requests"] > before, 10, "the waiting request in the engine")
+    wait_for(lambda: health(url)["requests"] > before, 10, "the waiting request in the engine")
     loaders = [threading.Thread(target=load, daemon=True) for _ in range(3)]
     for t in loaders:
         t.start()
     counted = health(url)["requests"]
-    wait_until(lambda: health(url)["requests"] >= counted + 3, 20, "generation under load")
+    wait_for(lambda: health(url)["requests"] >= counted + 3, 20, "generation under load")
     try:
         sigterm(proc, "inference, serving")
     finally:
@@ -156,7 +156,7 @@ def test_inference_in_the_rendezvous_of_an_epoch_never_formed(roles, redis_clien
     sender = announce_epoch(roles, redis_client)
     keys = sender._store.num_keys()
     # The server's rendezvous address in the trainer's store: it is inside the group's constructor now.
-    wait_until(lambda: sender._store.num_keys() > keys, 30, "the server in the group's rendezvous")
+    wait_for(lambda: sender._store.num_keys() > keys, 30, "the server in the group's rendezvous")
     sigterm(proc, "inference, in the rendezvous")
 
 
@@ -164,7 +164,7 @@ def test_inference_joining_while_the_trainers_store_is_gone(roles, redis_client)
     _, proc = start_server(roles)
     # Announced by a trainer that died before its store served anyone: the server keeps trying to connect.
     redis_client.xadd(KEYS.events, protocol.weights_ready(1, 8, epoch="0-gone", version=1))
-    wait_until(lambda: "joining weight-update epoch 0-gone" in log_text(proc), 30, "the join")
+    wait_for(lambda: "joining weight-update epoch 0-gone" in log_text(proc), 30, "the join")
     sigterm(proc, "inference, joining an unreachable store")
 
 
@@ -176,7 +176,7 @@ def test_inference_in_a_receive_the_live_trainer_does_not_send(roles, redis_clie
     formed.join(timeout=30)
     assert not formed.is_alive() and sender.pg is not None
     # Joined (the epoch is the server's) and no update arrived: its follower is in the receive.
-    wait_until(lambda: health(url)["epoch"] == sender.epoch, 10, "the joined epoch")
+    wait_for(lambda: health(url)["epoch"] == sender.epoch, 10, "the joined epoch")
     assert health(url)["updates"] == 0
     sigterm(proc, "inference, in a receive")
 
@@ -195,7 +195,7 @@ def counters(redis_client) -> tuple[int, int]:
 def wait_full(redis_client) -> None:
     """Until the actor is full at the lag bound with nothing in flight: (maxLag 1 + 1) x 8 = 16 samples reserved,
     every one written (so no request is under way and none can start before the next weights_ready)."""
-    wait_until(lambda: counters(redis_client) == (16, 16), 60, "16 samples reserved and written")
+    wait_for(lambda: counters(redis_client) == (16, 16), 60, "16 samples reserved and written")
 
 
 def assert_no_reservation_leaked(redis_client) -> None:
@@ -206,7 +206,7 @@ def assert_no_reservation_leaked(redis_client) -> None:
 def test_actor_waiting_for_inference_health(roles):
     url, _ = start_server(roles)  # never joins a group: /health stays 503
     actor = start_actor(roles, url)
-    wait_until(lambda: "waiting for inference health" in log_text(actor), 30, "the actor waiting")
+    wait_for(lambda: "waiting for inference health" in log_text(actor), 30, "the actor waiting")
     sigterm(actor, "actor, waiting for inference health")
 
 
@@ -214,7 +214,7 @@ def test_actor_holding_at_the_lag_bound(roles, redis_client):
     url, _ = synced_server(roles)
     actor = start_actor(roles, url)
     wait_full(redis_client)
-    wait_until(lambda: "holding:" in log_text(actor), 10, "the actor holding")
+    wait_for(lambda: "holding:" in log_text(actor), 10, "the actor holding")
     sigterm(actor, "actor, holding")
     assert_no_reservation_leaked(redis_client)
 
@@ -227,7 +227,7 @@ def test_actor_in_requests_the_server_holds(roles, redis_client):
     # Version 1 announced (8 documents consumed: room for 2 more groups) without an epoch, so the server never
     # gets it: the actor's next requests ask for it, and the server holds them (MIN_VERSION_WAIT_S).
     redis_client.xadd(KEYS.events, protocol.weights_ready(1, 8, version=1))
-    wait_until(lambda: health(url)["requests"] > before, 30, "requests waiting for version 1")
+    wait_for(lambda: health(url)["requests"] > before, 30, "requests waiting for version 1")
     sigterm(actor, "actor, in held requests")
     assert_no_reservation_leaked(redis_client)
 
@@ -240,7 +240,7 @@ def test_actor_in_requests_to_a_frozen_server(roles, redis_client):
     try:
         redis_client.xadd(KEYS.events, protocol.weights_ready(1, 8, version=1))
         # Room for 2 more groups: reserved after the freeze, so their requests cannot be answered.
-        wait_until(lambda: counters(redis_client)[0] > 16, 30, "a reservation after the freeze")
+        wait_for(lambda: counters(redis_client)[0] > 16, 30, "a reservation after the freeze")
         sigterm(actor, "actor, requests to a frozen server")
         assert_no_reservation_leaked(redis_client)
     finally:

@@ -12,7 +12,6 @@
 # ruff: noqa: F811  (pytest fixtures imported from operator_harness are redefined as test parameters)
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -24,6 +23,7 @@ from rlkube.api.crd import PRINTER_COLUMNS, crd
 from rlkube.api.spec import AlgorithmSpec, GracePeriods, RunPolicy, TrainingJobSpec
 from rlkube.api.status import TrainerStatus, TrainingJobStatus
 from rlkube.core import protocol
+from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,14 +146,11 @@ def _descriptions(schema: dict, path: str = "") -> dict[str, str]:
 async def test_kubectl_explain_reads_the_field_descriptions_from_the_api_server(kapi):
     # The CRD is applied by the session fixture; the API server publishes its schema in /openapi/v2 shortly after.
     definition = f"io.rlkube.{VERSION}.TrainingJob"
-    deadline = time.monotonic() + 60
-    while True:
-        doc = await get_json(kapi, "/openapi/v2")
-        if definition in doc["definitions"]:
-            break
-        assert time.monotonic() < deadline, f"{definition} not in /openapi/v2"
-        await asyncio.sleep(0.5)
-    published = doc["definitions"][definition]
+
+    async def published_definition():
+        return (await get_json(kapi, "/openapi/v2"))["definitions"].get(definition)
+
+    published = await wait_for_async(published_definition, 60, f"{definition} in /openapi/v2", interval=0.5)
     assert published["x-kubernetes-group-version-kind"] == [{"group": GROUP, "kind": "TrainingJob", "version": VERSION}]
 
     # `kubectl explain tj`, `tj.spec`, `tj.spec.algorithm.maxSteps`, ...: the text is rlkube.api's descriptions.

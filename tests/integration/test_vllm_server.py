@@ -41,7 +41,7 @@ from serve_helpers import (
     job_spec,
     log_text,
     publish,
-    wait_until,
+    wait_for,
     write_config,
 )
 from test_inference import expected_logprobs
@@ -86,7 +86,7 @@ def stack(tmp_path_factory, redis_server):
                             **{ENV_VLLM_PYTHON: VLLM_PYTHON})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 300, "the vLLM server")
+        wait_for(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 300, "the vLLM server")
         if proc.poll() is not None:
             raise AssertionError(f"the vLLM server exited with {proc.returncode}:\n{log_text(proc)}")
         print(f"vLLM server listening after {time.monotonic() - t0:.1f}s")
@@ -116,7 +116,7 @@ def health(url: str) -> tuple[int, dict]:
 
 
 def wait_version(url: str, version: int, timeout: float = 60) -> dict:
-    return wait_until(lambda: (h := health(url))[0] == 200 and h[1]["model_version"] == version and h[1], timeout,
+    return wait_for(lambda: (h := health(url))[0] == 200 and h[1]["model_version"] == version and h[1], timeout,
                       f"model_version {version}")
 
 
@@ -201,11 +201,11 @@ def test_update_in_flight_then_logprobs_are_the_new_weights(stack, trainer):
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: replies or failures, 60, "requests running")
+        wait_for(lambda: replies or failures, 60, "requests running")
         assert not failures, failures[:2]
         publish(trainer, 1)
         served = wait_version(url, 1)
-        wait_until(lambda: any(r["model_version"] == 1 for r in replies), 60, "a request sampled by version 1")
+        wait_for(lambda: any(r["model_version"] == 1 for r in replies), 60, "a request sampled by version 1")
     finally:
         stop.set()
         for t in threads:
@@ -241,7 +241,7 @@ def test_update_in_flight_then_logprobs_are_the_new_weights(stack, trainer):
 def test_a_corrupted_bucket_is_refused_and_the_next_update_applies(stack, trainer):
     roles, url, _ = stack
     publish(trainer, 2)  # the peer corrupts version 2 after taking its checksum
-    body = wait_until(lambda: (h := health(url)[1])["rejected_updates"] == 1 and h, 60, "the refusal")
+    body = wait_for(lambda: (h := health(url)[1])["rejected_updates"] == 1 and h, 60, "the refusal")
     assert body["model_version"] == 1 and "checksum" in body["last_error"]
     reply = complete(url)
     assert reply["model_version"] == 1
@@ -275,7 +275,7 @@ def test_a_stream_across_an_update_completes_and_each_chunk_names_the_weights_th
         t.start()
     crossed = None
     try:
-        wait_until(lambda: streams or failures, 60, "streams running")
+        wait_for(lambda: streams or failures, 60, "streams running")
         # An update lands in a running stream when one is sampling at that moment: nearly always, but to be
         # certain, update until one did (at most 3 times).
         for attempt in range(3):
@@ -283,7 +283,7 @@ def test_a_stream_across_an_update_completes_and_each_chunk_names_the_weights_th
             publish(trainer, version)
             wait_version(url, version)
             done = len(streams)
-            wait_until(lambda n=done: len(streams) >= n + 2 or failures, 120, "the streams running at the update")
+            wait_for(lambda n=done: len(streams) >= n + 2 or failures, 120, "the streams running at the update")
             if crossed := crossing():
                 break
     finally:
@@ -341,7 +341,7 @@ def test_training_finished_leaves_the_group_and_serving_goes_on(stack, trainer, 
         client.xadd(KEYS.events, protocol.training_finished(step=3))
     finally:
         client.close()
-    body = wait_until(lambda: (h := health(url)[1])["training_finished"] and h, 30, "training_finished")
+    body = wait_for(lambda: (h := health(url)[1])["training_finished"] and h, 30, "training_finished")
     assert body["epoch"] is None and body["model_version"] == BF16_VERSION
     assert complete(url)["model_version"] == BF16_VERSION  # still serving, until SIGTERM
 

@@ -14,7 +14,7 @@ import time
 import psutil
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
-from serve_helpers import RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_until, write_config
+from serve_helpers import RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, write_config
 from test_vllm_server import (
     LOGPROB_TOLERANCE,
     MAX_LEN,
@@ -46,7 +46,7 @@ def test_a_tensor_parallel_server_joins_as_one_rank_per_worker_and_serves_the_up
     children = []
     try:
         t0 = time.monotonic()
-        wait_until(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 300, "the vLLM server")
+        wait_for(lambda: http_status(url + "/v1/models") == 200 or proc.poll() is not None, 300, "the vLLM server")
         assert proc.poll() is None, f"the vLLM server exited with {proc.returncode}:\n{log_text(proc)[-5000:]}"
         print(f"tensor-parallel vLLM server listening after {time.monotonic() - t0:.1f}s")
         children = psutil.Process(proc.pid).children(recursive=True)

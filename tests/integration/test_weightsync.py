@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 import torch
 from rlkube.core import protocol
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, checksums_match, weights_checksum
+from rlkube.local.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from weightsync_peer import make_weights
@@ -28,12 +28,6 @@ from weightsync_peer import make_weights
 PEER = Path(__file__).parent / "weightsync_peer.py"
 PREFIX = "ns/job/"
 KEYS = protocol.StreamKeys(PREFIX)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

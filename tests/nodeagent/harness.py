@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from nodeagent.agent import MARKER
+from waiting import wait_for  # noqa: F401 (the e2e tests import it from here)
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 
@@ -140,20 +141,6 @@ def cluster_dns_argv(hosts_file: Path, argv: list[str]) -> list[str]:
     bind-mounted on /etc/hosts (the agent rewrites that file in place as pods and Services change)."""
     script = 'mount --bind "$0" /etc/hosts && exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, str(hosts_file), *argv]
-
-
-def wait_for(check, timeout: float, what: str, interval: float = 0.1):
-    """Poll `check()` until it returns something truthy; its last value on success, TimeoutError naming
-    `what` (and the last value seen) otherwise."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        last = check()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:g}s (last seen: {last!r})")
-        time.sleep(interval)
 
 
 def pod_condition(pod, typ: str) -> str | None:

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import yaml
-
 from rlkube.api import parse_manifest
 from rlkube.bench import operator as bench_operator
 from rlkube.bench import pipeline
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+import specs
 
 
 def test_bench_pipeline_runs_the_tiny_example_job():
     # `rlkube bench pipeline` is documented as the tiny example pipelined vs synchronous.
     _, bench = parse_manifest(pipeline.TINY_JOB)
-    _, example = parse_manifest(yaml.safe_load(EXAMPLE.read_text()))
+    _, example = parse_manifest(specs.document())
     assert bench == example
 
 

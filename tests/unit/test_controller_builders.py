@@ -5,23 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
 from rlkube.api.validation import parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
 from rlkube.lifecycle.roles import CORE_ROLES
-
-EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
+import specs
 
 
 def ref(**overrides) -> JobRef:
-    raw = yaml.safe_load(yaml.safe_dump(EXAMPLE["spec"]))
-    for path, value in overrides.items():
-        node = raw
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
+    raw = specs.spec(**overrides)
     return JobRef("ns", "tj", "uid-1", parse_spec(raw), raw)
 
 

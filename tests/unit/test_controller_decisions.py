@@ -7,10 +7,8 @@ Pure: no cluster, no Redis. Each row names the transition of docs/design.md §4 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
-import yaml
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.api.status import (
     CheckpointRef,
@@ -29,8 +27,8 @@ from rlkube.controller.observed import EventSource, Observed, PodView, Rejected
 from rlkube.controller.times import fmt_time
 from rlkube.core import protocol
 from rlkube.core.protocol import TrainerEvent
+import specs
 
-EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 ALL_STATIC = frozenset(
     {"ConfigMap/j-config", "Secret/j-redis", "NetworkPolicy/j-redis", "Service/j-redis", "Service/j-inference",
@@ -40,15 +38,7 @@ REACHABLE = EventSource("Reachable", "Connected", "redis://10.0.0.9:6379/0", cau
 
 
 def raw_spec(**overrides) -> dict:
-    spec = yaml.safe_load(yaml.safe_dump(EXAMPLE["spec"]))
-    spec["runPolicy"].update({"completionTimeoutSeconds": 60, "eventTimeoutSeconds": 300})
-    for path, value in overrides.items():
-        node = spec
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return spec
+    return specs.spec(**{"runPolicy.completionTimeoutSeconds": 60, "runPolicy.eventTimeoutSeconds": 300, **overrides})
 
 
 def job(status: TrainingJobStatus | None = None, deleting: bool = False, generation: int = 1, changed: bool = False,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from rlkube.controller import specdiff
+from specs import DELETE, with_overrides
 
 STARTED = {
     "algorithm": {"maxSteps": 40, "loss": "grpo"},
@@ -14,19 +17,8 @@ STARTED = {
 
 
 def edited(**changes) -> dict:
-    import copy
-
-    out = copy.deepcopy(STARTED)
-    for path, value in changes.items():
-        node = out
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node[key]
-        if value is None:
-            del node[last]
-        else:
-            node[last] = value
-    return out
+    """STARTED with `changes` (dotted paths; None removes the key)."""
+    return with_overrides(copy.deepcopy(STARTED), {k: DELETE if v is None else v for k, v in changes.items()})
 
 
 @pytest.mark.parametrize(

@@ -6,15 +6,11 @@ from __future__ import annotations
 import socket
 
 import aiohttp
+import psutil
 import pytest
 
 from rlkube.controller.main import standby_health
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlkube.local.ports import free_port
 
 
 async def test_standby_answers_the_liveness_endpoint_then_frees_the_port():
@@ -34,6 +30,18 @@ async def test_standby_answers_the_liveness_endpoint_then_frees_the_port():
         s.bind(("127.0.0.1", port))
 
 
-async def test_no_endpoint_serves_nothing():
-    async with standby_health(None):
-        pass
+def _listening() -> set:
+    """The TCP addresses this process listens on."""
+    proc = psutil.Process()
+    conns = proc.net_connections("inet") if hasattr(proc, "net_connections") else proc.connections("inet")
+    return {c.laddr for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.mark.parametrize("endpoint", [None, ""])
+async def test_no_endpoint_serves_nothing(endpoint):
+    # Without --liveness the standby opens no listener at all: there is no port for it to answer on or hand over.
+    before = _listening()
+    async with standby_health(endpoint) as served:
+        assert served is None
+        assert _listening() == before
+    assert _listening() == before

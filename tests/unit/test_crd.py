@@ -5,10 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rlkube.api import SpecError, parse_manifest
 from rlkube.api.crd import crd, crd_yaml
+import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_schema_carries_constraints():
 
 
 def test_example_parses():
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    doc = specs.document()
     meta, spec = parse_manifest(doc)
     assert meta["name"] == "tiny-cpu"
     assert spec.algorithm.max_steps == 40 and spec.inference.engine == "native"
@@ -80,7 +80,7 @@ def test_example_parses():
     ],
 )
 def test_operator_side_validation_names_the_field(patch, field):
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    doc = specs.document()
     doc["spec"].update(patch)
     with pytest.raises(SpecError) as err:
         parse_manifest(doc)

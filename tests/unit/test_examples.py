@@ -15,6 +15,7 @@ import yaml
 
 from rlkube.api import parse_manifest
 from rlkube.api.spec import API_VERSION, KIND
+import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -96,7 +97,7 @@ def test_referenced_secrets_and_claims_ship_with_the_example(path):
 
 def test_validate_skips_other_kinds_but_checks_misspelt_jobs(tmp_path):
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"password": "x"}}
-    job = _docs(ROOT / "examples" / "tiny-cpu.yaml")[0]
+    job = specs.document()
     only_secret = tmp_path / "secret.yaml"
     only_secret.write_text(yaml.safe_dump(secret))
     out = subprocess.run([sys.executable, "-m", "rlkube.cli", "validate", str(only_secret)], capture_output=True, text=True)

@@ -22,6 +22,7 @@ from rlkube.api.validation import SpecError, parse_spec
 from rlkube.controller import builders, fastllm, names
 from rlkube.core import protocol, runtime
 from torch.distributed.run import config_from_args, get_args_parser
+from specs import with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "fast_llm_config_fields.json").read_text())
@@ -69,14 +70,9 @@ def sample_config(name: str) -> dict:
 
 
 def spec(**changes) -> dict:
-    base = copy.deepcopy(FIXTURE["samples"]["examples/fast-llm.yaml"]["spec"])
-    for dotted, value in changes.items():
-        node = base
-        *parents, last = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return base
+    """The fast-llm example's spec with `changes`, `__` for a dot: spec(trainer__nodes=2)."""
+    return with_overrides(copy.deepcopy(FIXTURE["samples"]["examples/fast-llm.yaml"]["spec"]),
+                          {path.replace("__", "."): value for path, value in changes.items()})
 
 
 def job(raw: dict, name: str = "fl", namespace: str = "ns") -> builders.JobRef:

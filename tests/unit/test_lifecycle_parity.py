@@ -14,7 +14,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-import yaml
 from rich.console import Console
 from rlkube.api.status import Completion, ComponentStatus, TrainingJobStatus
 from rlkube.api.validation import SpecError, parse_spec
@@ -25,8 +24,9 @@ from rlkube.core import protocol
 from rlkube.lifecycle.phases import Phase
 from rlkube.local.processes import RoleProcess
 from rlkube.local.runner import LocalJob, run_local
+import specs
 
-EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
+EXAMPLE = specs.document()
 MAX_STEPS = EXAMPLE["spec"]["algorithm"]["maxSteps"]
 TIMEOUT = 60  # completionTimeoutSeconds
 STALL = 300  # eventTimeoutSeconds
@@ -80,15 +80,8 @@ ROWS = {
 
 
 def raw_spec(row: Row) -> dict:
-    spec = yaml.safe_load(yaml.safe_dump(EXAMPLE["spec"]))
-    spec["runPolicy"].update({"completionTimeoutSeconds": TIMEOUT, "eventTimeoutSeconds": STALL})
-    for path, value in row.spec.items():
-        node = spec
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return spec
+    return specs.spec(**{"runPolicy.completionTimeoutSeconds": TIMEOUT, "runPolicy.eventTimeoutSeconds": STALL,
+                         **row.spec})
 
 
 def last_event_at(row: Row, now: datetime) -> datetime:

@@ -5,10 +5,8 @@ config error (the operator's verdict) with nothing started, and every role is po
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
-import yaml
 from rich.console import Console
 from rlkube.api.validation import parse_spec
 from rlkube.core import runtime
@@ -18,14 +16,13 @@ from rlkube.lifecycle.environment import Addresses
 from rlkube.lifecycle.evidence import Evidence, Failure
 from rlkube.lifecycle.judgement import judge
 from rlkube.local.runner import MODEL_FETCH, LocalJob, run_local
+import specs
 
-EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
+EXAMPLE = specs.document()
 
 
 def manifest(path: str) -> dict:
-    doc = yaml.safe_load(yaml.safe_dump(EXAMPLE))
-    doc["spec"]["model"]["path"] = path
-    return doc
+    return specs.document(**{"spec.model.path": path})
 
 
 @pytest.mark.parametrize(("path", "says"), [

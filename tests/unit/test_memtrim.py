@@ -30,7 +30,10 @@ freed = rss_mb()
 
 async def main():
     task = asyncio.get_running_loop().create_task(memtrim.trim_forever(every=0.05))
-    await asyncio.sleep(0.3)
+    for _ in range(200):  # until the trimmer has given the memory back, 10 s at the most
+        await asyncio.sleep(0.05)
+        if rss_mb() < freed - 40:
+            break
     task.cancel()
 
 asyncio.run(main())

@@ -4,10 +4,8 @@ model and dataset volumes, their validation, and an init container's failure rea
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
-import yaml
 from rlkube.api import SpecError
 from rlkube.api.validation import parse_spec
 from rlkube.controller import builders, names
@@ -15,21 +13,10 @@ from rlkube.controller.builders import JobRef
 from rlkube.controller.observed import pod_view
 from rlkube.core import runtime
 from rlkube.lifecycle.roles import CORE_ROLES, MODEL_ROLES
+from specs import spec as raw_spec
 
-EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())
 DATASET = {"path": "/data/prompts.jsonl", "claimName": "prompts"}
 REWARD = {"type": "exact"}
-
-
-def raw_spec(**overrides) -> dict:
-    raw = yaml.safe_load(yaml.safe_dump(EXAMPLE["spec"]))
-    for path, value in overrides.items():
-        node = raw
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return raw
 
 
 def ref(**overrides) -> JobRef:

@@ -4,7 +4,6 @@ defaults of every child, the Redis NetworkPolicy, GPUs, /dev/shm and the trainer
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,17 @@ from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
 from rlkube.lifecycle.environment import operator_env_names, rank_env
 from rlkube.lifecycle.roles import START_ORDER
+import specs
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+EXAMPLE = specs.spec()
 ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
 
 
 def raw_with(role: str | None = None, template: dict | None = None, **changes) -> dict:
-    raw = copy.deepcopy(EXAMPLE)
     if role is not None:
-        raw[role]["template"] = template
-    for path, value in changes.items():
-        node = raw
-        *parents, last = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return raw
+        changes = {f"{role}.template": template, **changes}
+    return specs.spec(**changes)
 
 
 def job_of(raw: dict, name: str = "tj") -> JobRef:

@@ -29,9 +29,10 @@ import aiohttp
 import torch
 import torch.distributed as dist
 
-from rlkube.bench.serve import SPEC, _free_port, serving, timed_updates
+from rlkube.bench.serve import SPEC, serving, timed_updates
 from rlkube.core.hf import state as hf_state
 from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, pack_weights
+from rlkube.local.ports import free_port
 
 MB = 2**20
 PROMPT = "12345:"
@@ -97,7 +98,7 @@ def _gloo_receiver(port: int, shapes: list[tuple[int, str]], repeats: int) -> No
 
 def raw_gloo_broadcast(buffers: list[torch.Tensor], repeats: int) -> dict:
     """Seconds per round (all `buffers` to a second local process, and its acknowledgement), median of `repeats`."""
-    port = _free_port()
+    port = free_port()
     shapes = [(b.numel(), str(b.dtype).removeprefix("torch.")) for b in buffers]
     child = multiprocessing.get_context("spawn").Process(target=_gloo_receiver, args=(port, shapes, repeats),
                                                          daemon=True)

@@ -46,6 +46,7 @@ from rlkube.api.spec import GROUP, PLURAL, VERSION
 from rlkube.bench import apimetrics, jobcontroller, processes, report
 from rlkube.bench.jobs import JobRecorder
 from rlkube.bench.simulate import FakeKubelet, TrainerPlayer
+from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer
 
 PODS_PER_JOB = 4  # trainer, inference, preprocessor, actor (external Redis: no Redis pod)
@@ -142,7 +143,7 @@ async def run_one(
         redis_client = aioredis.Redis.from_url(redis_url)
         stack.push_async_callback(redis_client.aclose)
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "OMP_NUM_THREADS": "1"}
-        port = processes.free_port()
+        port = free_port()
         proc = processes.spawn(
             [sys.executable, "-m", "rlkube.cli", "operator", "--namespace", namespace, "--standalone",
              "--metrics-port", "0", "--liveness", f"http://127.0.0.1:{port}/healthz"],

@@ -37,7 +37,8 @@ from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.protocol import StreamKeys
 from rlkube.core.weightsync import WeightPublisher
-from rlkube.local.redis_server import RedisServer, _free_port
+from rlkube.local.ports import free_port
+from rlkube.local.redis_server import RedisServer
 
 SPEC = {
     "model": {"path": "builtin://tiny-llama", "maxSequenceLength": 32},
@@ -100,7 +101,7 @@ def serving(spec: dict, publisher: dict | None = None):
     that sent the model's initial weights): yields (url, publisher, model, timings); stops them all."""
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as redis_server:
         config = runtime.write_job_config(Path(tmp) / "job.json", "bench", "serve", spec)
-        port, sync_port = _free_port(), _free_port()
+        port, sync_port = free_port(), free_port()
         env = {**os.environ, runtime.ENV_CONFIG: str(config), runtime.ENV_REDIS_URL: redis_server.url,
                runtime.ENV_WEIGHT_SYNC: f"127.0.0.1:{sync_port}", runtime.ENV_PORT: str(port)}
         with open(Path(tmp) / "inference.log", "wb") as log:

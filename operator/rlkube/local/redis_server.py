@@ -9,22 +9,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from rlkube.local.ports import free_port
+
 
 class RedisNotInstalled(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -60,7 +55,7 @@ class RedisServer:
 
     def start(self, timeout: float = 15.0) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = self.fixed_port or _free_port()
+        self.port = self.fixed_port or free_port()
         argv = [
             self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
             "--dir", str(self.workdir), "--daemonize", "no", "--protected-mode", "no",

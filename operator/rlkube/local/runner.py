@@ -17,7 +17,6 @@ import json
 import math
 import os
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -39,6 +38,7 @@ from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import Phase, Reason
 from rlkube.lifecycle.verdict import Outcome, Verdict
+from rlkube.local.ports import free_port
 from rlkube.local.processes import RoleProcess, python_module, stop_all
 from rlkube.local.redis_server import RedisNotInstalled, RedisServer
 
@@ -46,12 +46,6 @@ NAMESPACE = "local"
 MODEL_FETCH = ("init", "model-fetch")
 """(role, name) that a model that cannot be materialized is reported under: the step before any role, as the model
 init container is in a cluster."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -173,7 +167,7 @@ class LocalJob:
         (self.out / "run.json").write_text(
             json.dumps({"pid": os.getpid(), "redis_url": self.redis_server.url, "events": self.keys.events})
         )
-        ports = tuple(_free_port() for _ in range(self.spec.inference.replicas))
+        ports = tuple(free_port() for _ in range(self.spec.inference.replicas))
         self.addresses = Addresses(
             config_path=str(config_path),
             redis_url=self.redis_server.url,
@@ -181,8 +175,8 @@ class LocalJob:
             inference_urls=tuple(f"http://127.0.0.1:{p}" for p in ports),
             inference_ports=ports,
             weight_sync_host="127.0.0.1",
-            weight_sync_port=_free_port(),
-            master_port=_free_port(),
+            weight_sync_port=free_port(),
+            master_port=free_port(),
             checkpoint_dir=str(self.out / "checkpoints"),
             output_dir=str(self.out),
         )
