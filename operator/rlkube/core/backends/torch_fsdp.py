@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -97,9 +98,12 @@ class FSDPTorchBackend(TorchBackend):
         # memory (faster copies) needs CUDA. On a CPU-only trainer nothing moves, the same code path runs.
         offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.trainer.cpu_offload
                    else OffloadPolicy())
+        # The mesh on the trainer's device type: FSDP2's default mesh is on the machine's accelerator whenever
+        # one is visible, which would move a CPU (gloo) trainer's shards onto a GPU it was not given.
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
         for layer in decoder_layers(self.model):
-            fully_shard(layer, mp_policy=layer_policy, offload_policy=offload)
-        fully_shard(self.model, mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
+            fully_shard(layer, mesh=mesh, mp_policy=layer_policy, offload_policy=offload)
+        fully_shard(self.model, mesh=mesh, mp_policy=MixedPrecisionPolicy(), offload_policy=offload)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # a SUM over ranks (module docstring)
