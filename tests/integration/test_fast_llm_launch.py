@@ -29,7 +29,6 @@ from rlkube.core import fast_llm_launch
 from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer
-from waiting import wait_for
 
 HERE = Path(__file__).parent
 STAND_IN = HERE / "fast_llm_stand_in.py"
