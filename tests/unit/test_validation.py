@@ -130,8 +130,8 @@ def test_a_model_directory_below_its_claims_mount_is_fine():
     ({"inference.engine": "vllm", "inference.tensorParallel": 2}, "inference", 0),  # a CPU job's vLLM
     ({"trainer.gpusPerNode": 1}, "actor", 0),
 ])
-def test_gpu_count(overrides, role, gpus):
-    assert validation.gpu_count(typed(**overrides), role) == gpus
+def test_gpus_per_pod(overrides, role, gpus):
+    assert typed(**overrides).gpus_per_pod(role) == gpus
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
