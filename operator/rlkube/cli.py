@@ -17,7 +17,7 @@ def _crd(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import yaml
 
-    from rlkube.api import SpecError, parse_manifest
+    from rlkube.lifecycle.validation import SpecError, parse_manifest
 
     with open(args.file) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d is not None]

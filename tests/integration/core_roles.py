@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 from cluster.control_plane import free_port
-from rlkube.api.validation import parse_spec
-from rlkube.core import protocol, runtime
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlkube.core import runtime
+from rlkube.contract import runtime
 
 NAMESPACE, JOB = "ns", "job"
 PREFIX = f"{NAMESPACE}/{JOB}/"

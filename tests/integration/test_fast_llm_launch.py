@@ -26,7 +26,7 @@ import redis
 import torch
 import torch.distributed as dist
 import yaml
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.core import fast_llm_launch
 from rlkube.local.redis_server import RedisServer

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, checksums_match, weights_checksum
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from rlkube.api import parse_manifest
+from rlkube.lifecycle.validation import parse_manifest
 from rlkube.bench import operator as bench_operator
 from rlkube.bench import pipeline
 

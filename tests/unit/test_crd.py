@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlkube.api import SpecError, parse_manifest
+from rlkube.lifecycle.validation import SpecError, parse_manifest
 from rlkube.api.crd import crd, crd_yaml
 
 ROOT = Path(__file__).resolve().parents[2]

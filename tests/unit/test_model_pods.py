@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rlkube.api import SpecError
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import SpecError
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import builders, names
 from rlkube.controller.builders import JobRef
 from rlkube.controller.observed import pod_view
-from rlkube.core import runtime
+from rlkube.contract import runtime
 from rlkube.lifecycle.roles import CORE_ROLES, MODEL_ROLES
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml").read_text())

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.validation import GPU, gpu_count
+from rlkube.contract import runtime
 from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
-from rlkube.core import runtime
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module
 from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas
+from rlkube.lifecycle.validation import GPU, gpu_count
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
