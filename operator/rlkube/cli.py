@@ -1,4 +1,8 @@
-"""`rlkube` command line: one entry point, each subcommand implemented in the module that owns it."""
+"""`rlkube` command line: one entry point, each subcommand implemented in the module that owns it.
+
+Each subcommand imports its module when it runs (here inside the functions, elsewhere by name): `rlkube validate`
+or `rlkube operator` on the base install must not load what `rlkube local` needs (the training stack).
+"""
 
 from __future__ import annotations
 

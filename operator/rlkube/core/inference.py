@@ -280,6 +280,7 @@ def main() -> int:
     ctx = RoleContext.from_env()
     _check_engine(ctx.spec.inference.engine)
     if ctx.spec.inference.engine == "vllm":
+        # Only a vllm server loads it: it may re-execute itself under another interpreter (RLKUBE_VLLM_PYTHON).
         from rlkube.core import vllm_server
 
         return vllm_server.main()

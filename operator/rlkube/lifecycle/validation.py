@@ -3,6 +3,9 @@
 The API server rejects what the OpenAPI schema can express (types, enums, minimums, required fields).
 What needs two fields at once is checked here; the operator reports these errors in status and Events
 and creates nothing, and `rlkube local` prints them and exits.
+
+In lifecycle, not in rlkube.api (types only): the operator, `rlkube local`, `rlkube validate` and every role
+(RoleContext.from_env) run it, and it needs the job's environment and the pod rules the builders share (`owned`).
 """
 
 from __future__ import annotations
