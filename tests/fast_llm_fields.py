@@ -77,7 +77,7 @@ def config_sha256(config: dict) -> str:
 
 
 def build_configs() -> dict[str, dict]:
-    from rlkube.api.validation import parse_spec
+    from rlkube.lifecycle.validation import parse_spec
     from rlkube.controller import fastllm
 
     out = {}

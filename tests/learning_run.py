@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.validation import parse_spec
-from rlkube.core import protocol
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import protocol
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model

@@ -1,4 +1,8 @@
-"""`rlkube` command line: one entry point, each subcommand implemented in the module that owns it."""
+"""`rlkube` command line: one entry point, each subcommand implemented in the module that owns it.
+
+Each subcommand imports its module when it runs (here inside the functions, elsewhere by name): `rlkube validate`
+or `rlkube operator` on the base install must not load what `rlkube local` needs (the training stack).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ def _crd(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import yaml
 
-    from rlkube.api import SpecError, parse_manifest
+    from rlkube.lifecycle.validation import SpecError, parse_manifest
 
     with open(args.file) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d is not None]

@@ -28,7 +28,7 @@ from kubernetes.client.rest import ApiException
 from nodeagent.harness import AgentProcess, wait_for
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.controller import names
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 import specs
 
 ROOT = Path(__file__).resolve().parents[2]

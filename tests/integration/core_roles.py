@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from cluster.control_plane import free_port
-from rlkube.api.validation import parse_spec
-from rlkube.core import protocol, runtime
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs

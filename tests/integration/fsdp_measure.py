@@ -57,7 +57,7 @@ def write_model(directory: Path, hidden: int, layers: int) -> None:
 def rank_main(args) -> None:
     import torch
     from core_roles import make_documents, tiny_spec
-    from rlkube.api.validation import parse_spec
+    from rlkube.lifecycle.validation import parse_spec
     from rlkube.core.trainer import Trainer
 
     base = rss_mb()

@@ -16,9 +16,9 @@ from pathlib import Path
 import redis
 import torch
 from core_roles import make_documents
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
-from rlkube.core.protocol import StreamKeys
+from rlkube.contract.protocol import StreamKeys
 from rlkube.core.trainer import Trainer
 from rlkube.core.weightsync import WeightPublisher, pack_weights, transfer_dtype
 

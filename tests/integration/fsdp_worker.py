@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from core_roles import make_documents
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.core.trainer import Trainer
 from safetensors.torch import save_file

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from hypothesis import strategies as st
 
-from rlkube.core import protocol
+from rlkube.contract import protocol
 
 KNOWN = protocol.EVENT_TYPES
 INT64 = (-(2**63), 2**63 - 1)

@@ -3,7 +3,7 @@
 Valid specs are drawn from the CRD's OpenAPI schema (generated from the pydantic types, so the model drives
 them): every field optional or not, enums, numbers from their minimum up to their maximum (pod counts kept small:
 the test cluster has no kubelet and each pod is a real API object), then made to satisfy the rules the schema
-cannot express, restated here from docs/design.md §2.4 rather than imported from rlkube.api.validation.
+cannot express, restated here from docs/design.md §2.4 rather than imported from rlkube.lifecycle.validation.
 
 A case mutates such a spec and says what must happen (`Case.expect`):
 - "schema": the API server answers 422 naming each mutated path (wrong JSON type, below minimum or above
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from rlkube.api.crd import crd
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
-from rlkube.api.validation import tensor_parallel_heads_error
+from rlkube.lifecycle.validation import tensor_parallel_heads_error
 from specs import DELETE, with_overrides
 
 SPEC_SCHEMA: dict = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]

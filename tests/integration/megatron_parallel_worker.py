@@ -26,7 +26,7 @@ STEPS = 2
 
 def documents(n: int = 8, seed: int = 0):
     """GRPO documents: a 4-token prompt, completions of 3-20 tokens with sampling log-probs (varied lengths pad)."""
-    from rlkube.core import protocol
+    from rlkube.contract import protocol
 
     rng = np.random.default_rng(seed)
     out = []
@@ -41,7 +41,7 @@ def documents(n: int = 8, seed: int = 0):
 
 
 def spec_of(model_dir: str, tensor_parallel: int, world: int, dtype: str = "float32"):
-    from rlkube.api.validation import parse_spec
+    from rlkube.lifecycle.validation import parse_spec
 
     return parse_spec({
         "model": {"path": model_dir, "dtype": dtype, "maxSequenceLength": 64},

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rlkube.core import runtime
+from rlkube.contract import runtime
 from rlkube.local.ports import free_port
 from waiting import wait_for  # noqa: F401 (the serving tests import it from here)
 

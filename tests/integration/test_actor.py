@@ -15,7 +15,7 @@ import re
 import signal
 
 import pytest
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from rlkube.core.lag import LagKeys
 from serve_helpers import (
     PREFIX,

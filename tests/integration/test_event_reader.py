@@ -1,4 +1,4 @@
-"""The shared trainer-event readers and `ensure_group` (core/streams.py) against real redis-servers: decoding and
+"""The shared trainer-event readers and `ensure_group` (contract/streams.py) against real redis-servers: decoding and
 skipping, overlap between connections, positioning at the newest state, reconnecting after a redis-server is
 killed and restarted empty on the same port, and consumer groups surviving a lost stream."""
 
@@ -12,8 +12,8 @@ import threading
 import pytest
 import redis
 import redis.asyncio as aioredis
-from rlkube.core import protocol
-from rlkube.core.streams import AsyncEventReader, EventReader, ensure_group
+from rlkube.contract import protocol
+from rlkube.contract.streams import AsyncEventReader, EventReader, ensure_group
 from rlkube.local.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(90)

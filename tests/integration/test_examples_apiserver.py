@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes.dynamic import DynamicClient
 
-from rlkube.api import parse_manifest
+from rlkube.lifecycle.validation import parse_manifest
 from rlkube.api.spec import KIND
 import specs
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from fast_llm_stand_in import broadcast_group, send, send_pickled
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
-from rlkube.core import fast_llm_rendezvous, runtime
+from rlkube.contract import fast_llm_rendezvous, runtime
 from rlkube.core.fast_llm_weights import FastLlmReceiver, unpickle_metadata
 from rlkube.core.weightsync import WeightSyncError
 

@@ -23,7 +23,7 @@ import pytest
 import redis
 import torch
 import yaml
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.core import fast_llm_launch
 from rlkube.core.fast_llm_weights import FastLlmReceiver

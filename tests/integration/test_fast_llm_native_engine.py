@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 from hf_models import write_tiny_model
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
-from rlkube.core import fast_llm_launch, protocol
+from rlkube.contract import protocol
+from rlkube.core import fast_llm_launch
 from serve_helpers import RoleProcesses, http_json, http_status, reserved_port, wait_until, write_config
 
 HERE = Path(__file__).parent

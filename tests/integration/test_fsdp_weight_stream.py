@@ -26,7 +26,7 @@ from core_roles import (
     start_trainer,
     tiny_spec,
 )
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, checksums_match
 
 HERE = Path(__file__).parent

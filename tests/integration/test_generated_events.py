@@ -33,12 +33,12 @@ from hypothesis import strategies as st
 
 from rlkube.api.spec import MAX_SECONDS
 from rlkube.api.status import TrainingJobStatus
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.decisions import JobView, decide
 from rlkube.controller.observed import EventSource, Observed, PodView
 from rlkube.controller.watcher import EventWatcher, Target
-from rlkube.core import protocol
-from rlkube.core.streams import EventReader
+from rlkube.contract import protocol
+from rlkube.contract.streams import EventReader
 import specs
 
 pytestmark = pytest.mark.timeout(900)

@@ -8,7 +8,7 @@ Each case is checked against what it must do (generated_specs.Case):
 - accepted and valid: the operator creates its children (the ConfigMap and the first pods: the managed Redis pod,
   or with the test's external Redis, the trainer pods), every one owned by the job and labelled;
 - accepted edge values: one of the two above, and a failed one leaves no child; which way each went is printed.
-The operator's own verdict on the stored spec (rlkube.api.validation, after the API server's defaulting) must
+The operator's own verdict on the stored spec (rlkube.lifecycle.validation, after the API server's defaulting) must
 agree with what the operator did. Throughout, the operator process stays alive; at the end every job is gone,
 and a control job still gets its children and reads its Redis stream (malformed entries included) to the end.
 No kubelet runs: pods stay Pending, which is all creation and validation need. Seed and counts are printed.
@@ -31,9 +31,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from operator_harness import OperatorProcess
 
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import names
-from rlkube.core import protocol
+from rlkube.contract import protocol
 
 pytestmark = pytest.mark.timeout(1200)
 

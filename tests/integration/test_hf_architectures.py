@@ -15,8 +15,8 @@ import pytest
 import torch
 from cluster.control_plane import free_port
 from hf_models import write_tiny_model
-from rlkube.api.validation import parse_spec
-from rlkube.core import protocol
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import protocol
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.inference import WeightFollower

@@ -17,8 +17,8 @@ import time
 
 import pytest
 import torch
-from rlkube.api.validation import parse_spec
-from rlkube.core import protocol
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import protocol
 from hf_models import initial_model
 from rlkube.core.losses import token_logprobs
 from rlkube.core.weightsync import WeightSender, checksums_match, weights_checksum

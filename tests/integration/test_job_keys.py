@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 
 import redis
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, wait_for, write_config
 
 KEYS = protocol.StreamKeys(PREFIX)

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.lag import LagCounter
-from rlkube.core.protocol import RolloutGroup, Sample, StreamKeys
-from rlkube.core.streams import ensure_group
+from rlkube.contract.protocol import RolloutGroup, Sample, StreamKeys
+from rlkube.contract.streams import ensure_group
 
 KEYS = StreamKeys("ns/job/")
 

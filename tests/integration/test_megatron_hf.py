@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.backends.base import batch_loss
 from rlkube.core.batch import collate
 from rlkube.core.losses import LossConfig, token_logprobs

@@ -19,7 +19,7 @@ from core_roles import (
 )
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol
+from rlkube.contract import protocol
 
 pytestmark = pytest.mark.megatron
 

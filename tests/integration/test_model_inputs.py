@@ -14,7 +14,7 @@ from core_roles import (
     tiny_spec,
 )
 from hf_models import write_tiny_model
-from rlkube.core import runtime
+from rlkube.contract import runtime
 
 
 def unsupported(tmp_path):

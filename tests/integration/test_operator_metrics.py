@@ -18,7 +18,7 @@ import pytest
 from kubernetes_asyncio import client
 from operator_harness import GROUP, PLURAL, VERSION, Env, create_job, delete_job, env, job_doc, kapi  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
-from rlkube.core import protocol
+from rlkube.contract import protocol
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 from rlkube.controller.watcher import EventWatcher, RedisClients, Target
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.local.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,10 +22,10 @@ from core_roles import (
     tiny_spec,
     wait_for,
 )
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.preprocessor import PreprocessorRole
-from rlkube.core.runtime import RoleContext
-from rlkube.core.streams import ensure_group
+from rlkube.core.context import RoleContext
+from rlkube.contract.streams import ensure_group
 
 START_TIMEOUT = 60
 

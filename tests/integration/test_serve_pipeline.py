@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from serve_helpers import (
     PREFIX,
     RoleProcesses,

@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.lag import LagKeys
 from rlkube.core.weightsync import WeightSender
 from serve_helpers import (

@@ -25,9 +25,9 @@ from core_roles import (
     tiny_spec,
     wait_for_event,
 )
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from rlkube.core.trainer import Trainer
 from rlkube.lifecycle import environment
 from safetensors.torch import load_file

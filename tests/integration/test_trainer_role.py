@@ -18,9 +18,9 @@ from core_roles import (
     wait_for,
     wait_for_event,
 )
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model
 from safetensors.torch import load_file
@@ -154,7 +154,7 @@ def test_malformed_documents_are_logged_and_skipped(redis_client, redis_server, 
     """In-process, to read the log records: bad entries between good ones never crash the trainer."""
     import threading
 
-    from rlkube.core.runtime import RoleContext
+    from rlkube.core.context import RoleContext
     from rlkube.core.trainer import build_role
 
     spec = tiny_spec(maxSteps=1, samplesPerStep=4)

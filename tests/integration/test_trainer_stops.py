@@ -20,7 +20,7 @@ from core_roles import (
     wait_for,
 )
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from rlkube.core.trainer import ENV_DOCUMENT_TIMEOUT, document_timeout_from_env
 from rlkube.core.weightsync import WeightReceiver
 

@@ -22,7 +22,7 @@ from operator_harness import GROUP, PLURAL, VERSION, Env, create_job, env, job_d
 from rlkube.api.crd import PRINTER_COLUMNS, crd
 from rlkube.api.spec import AlgorithmSpec, GracePeriods, RunPolicy, TrainingJobSpec
 from rlkube.api.status import TrainerStatus, TrainingJobStatus
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(180)

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
 from serve_helpers import (

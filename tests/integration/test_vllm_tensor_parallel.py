@@ -1,6 +1,6 @@
 """`engine: vllm` with spec.inference.tensorParallel 2 on CPU: one server runs two vLLM workers (processes, gloo/shm
 between them), and each worker is its own rank of the weight-update group (1 + replicas x tensorParallel ranks:
-rlkube.core.runtime.weight_sync_world_size). Both receive the trainer's full broadcast and keep their shards
+rlkube.contract.runtime.weight_sync_world_size). Both receive the trainer's full broadcast and keep their shards
 through vLLM's weight loaders; afterwards the fixed prompt's log-probs are transformers' with the new weights.
 
 One test, one server (starting it costs ~1-2 min on 2 cores); the per-update behaviour is covered with one worker

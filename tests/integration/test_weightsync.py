@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, checksums_match, weights_checksum
 from rlkube.local.ports import free_port
 

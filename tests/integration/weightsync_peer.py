@@ -22,11 +22,11 @@ from pathlib import Path
 
 import redis
 import torch
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.protocol import StreamKeys
+from rlkube.contract.protocol import StreamKeys
 from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher, pack_weights
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlkube.api import parse_manifest
+from rlkube.lifecycle.validation import parse_manifest
 from rlkube.bench import operator as bench_operator
 from rlkube.bench import pipeline
 import specs

@@ -432,7 +432,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_rbac_covers_every_child_the_operator_builds(path):
     # The children come from the operator's own pure builders, so a new kind of child without RBAC fails here.
-    from rlkube.api import parse_manifest
+    from rlkube.lifecycle.validation import parse_manifest
     from rlkube.controller.builders import JobRef, all_children
 
     doc = next(d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "TrainingJob")

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import builders, names
-from rlkube.core import runtime
+from rlkube.contract import runtime
 from rlkube.core.checkpoint import checkpoint_name
 from rlkube.lifecycle import checkpoint_loss
 from rlkube.lifecycle.environment import Addresses, operator_env_names, role_env

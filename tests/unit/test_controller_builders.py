@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
 from rlkube.lifecycle.roles import CORE_ROLES
@@ -61,7 +61,7 @@ def test_config_map_holds_the_job_config_in_runtime_format():
     assert doc == {"namespace": "ns", "name": "tj", "spec": job.raw_spec}
     import tempfile
 
-    from rlkube.core.runtime import write_job_config
+    from rlkube.contract.runtime import write_job_config
 
     with tempfile.TemporaryDirectory() as d:
         written = write_job_config(Path(d) / "job.json", "ns", "tj", job.raw_spec).read_text()

@@ -14,7 +14,7 @@ from rlkube.api.status import (
     CheckpointRef,
     TrainingJobStatus,
 )
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller.actions import (
     Create,
     DeleteJob,
@@ -25,8 +25,8 @@ from rlkube.controller.actions import (
 from rlkube.controller.decisions import Decision, JobView, decide
 from rlkube.controller.observed import EventSource, Observed, PodView, Rejected
 from rlkube.controller.times import fmt_time
-from rlkube.core import protocol
-from rlkube.core.protocol import TrainerEvent
+from rlkube.contract import protocol
+from rlkube.contract.protocol import TrainerEvent
 import specs
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)

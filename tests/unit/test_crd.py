@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkube.api import SpecError, parse_manifest
+from rlkube.lifecycle.validation import SpecError, parse_manifest
 from rlkube.api.crd import crd, crd_yaml
 import specs
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlkube.api import parse_manifest
+from rlkube.lifecycle.validation import parse_manifest
 from rlkube.api.spec import API_VERSION, KIND
 import specs
 

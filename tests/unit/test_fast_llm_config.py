@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import builders, fastllm, names
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from torch.distributed.run import config_from_args, get_args_parser
 from specs import with_overrides
 

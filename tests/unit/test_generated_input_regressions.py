@@ -10,10 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from rlkube.api.spec import MAX_SECONDS, RunPolicy
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.names import job_name_error
 from rlkube.controller.times import stream_id_time
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.lifecycle import progress
 
 
@@ -78,7 +78,7 @@ def test_a_job_name_its_children_cannot_carry_is_refused_naming_metadata_name(na
      "spec.redis.passwordSecret.key"),
 ])
 def test_values_a_pod_would_refuse_are_refused_up_front_naming_the_field(patch, field):
-    from rlkube.api.validation import SpecError
+    from rlkube.lifecycle.validation import SpecError
 
     with pytest.raises(SpecError) as err:
         parse_spec({"model": {"path": "builtin://tiny-llama"}, "algorithm": {"maxSteps": 3},

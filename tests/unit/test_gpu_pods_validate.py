@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pod_security import assert_hardened_pod
 
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
 from rlkube.lifecycle.environment import rank_env

@@ -146,7 +146,7 @@ def test_malformed_paths_name_the_field(tmp_path, path):
 
 
 def test_a_sequence_limit_beyond_the_models_positions_names_its_field(tmp_path):
-    from rlkube.api.validation import parse_spec
+    from rlkube.lifecycle.validation import parse_spec
     from rlkube.core.trainer import Trainer
 
     d = write_tiny_model(tmp_path / "m", "qwen3", "bpe")  # max_position_embeddings 256

@@ -154,7 +154,7 @@ def test_modules_exist_in_the_package(name):
     for module in df.modules:
         path = _module_file(module)
         assert path is not None, f"{name}: {module} is not in the package (operator/{module.replace('.', '/')}.py)"
-        if module.startswith("rlkube.core.") and module.count(".") == 2 and module != "rlkube.core.protocol":
+        if module.startswith("rlkube.core.") and module.count(".") == 2 and module != "rlkube.contract.protocol":
             # A role started as `python -m rlkube.core.<role>` must do something when run.
             assert 'if __name__ == "__main__"' in path.read_text(), f"{module} has no __main__ entry"
 
@@ -289,6 +289,6 @@ def test_fast_llm_image_runs_fast_llms_launcher_on_the_operators_config():
 def _fast_llm_spec():
     import yaml
 
-    from rlkube.api.validation import parse_spec
+    from rlkube.lifecycle.validation import parse_spec
 
     return parse_spec(yaml.safe_load((ROOT / "examples" / "fast-llm.yaml").read_text())["spec"])

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.lag import documents_seen_of, sample_budget
 
 

@@ -1,10 +1,27 @@
-"""The package's floors, checked from the source: what the operator may import, and what nothing may import.
+"""The package's floors, checked from the source: who may import whom, what the operator may import, and what
+nothing may import.
 
-- rlkube.bench (benchmarks, the fake kubelet) is the top floor: no other rlkube module imports it.
+The floors, lowest first; a module imports only modules of its own floor or of floors below it:
+
+    0 base               rlkube (the package root), rlkube.gctune: import nothing of rlkube
+    1 api                the TrainingJob types and the CRD: import nothing else of rlkube
+    2 contract           what launchers and roles agree on (role environment names, Redis protocol, streams)
+    3 lifecycle          what a job IS, for both launchers: roles, environment, validation, phases, judgement
+    4 core               the role processes (trainer, inference, actor, preprocessor) and their training stack
+    5 controller, local  the two launchers: the kopf operator and `rlkube local`
+    6 cli                the `rlkube` command, one subcommand per owning module
+    7 bench              benchmarks and the fake kubelet: the top, nothing else imports it
+
+- No import circle among rlkube modules, function-level and TYPE_CHECKING imports counted (the strongly
+  connected components of the module graph are single modules).
+- The operator process (rlkube.controller and everything it imports) reaches no role module: nothing of
+  rlkube.core, whose training stack the operator image does not carry.
 - No shipped module finds files relative to itself up into the repository (`parents[N]`) or reaches into the
   repository's tests/: an installed wheel has neither (tests/integration/test_install.py runs one).
 - The operator's modules and `rlkube bench operator` import nothing of the training stack (torch, numpy, ...):
   the base install, which is all the operator image has, does not carry it (pyproject.toml, the `core` extra).
+
+`python -m tests.unit.test_layering` prints the structure drawing: the floors and which package imports which.
 """
 
 from __future__ import annotations
@@ -13,12 +30,29 @@ import ast
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "operator" / "rlkube"
 TRAINING_STACK = ("torch", "numpy", "safetensors", "matplotlib", "rich", "psutil", "transformers", "datasets",
                   "math_verify")
+
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("rlkube", "rlkube.gctune")),
+    ("api", ("rlkube.api",)),
+    ("contract", ("rlkube.contract",)),
+    ("lifecycle", ("rlkube.lifecycle",)),
+    ("core", ("rlkube.core",)),
+    ("controller, local", ("rlkube.controller", "rlkube.local")),
+    ("cli", ("rlkube.cli",)),
+    ("bench", ("rlkube.bench",)),
+)
+"""Lowest first. A package named here holds all its submodules; the root `rlkube` only itself."""
+OPERATOR = "rlkube.controller"
+ROLES = "rlkube.core"
+
+Graph = Mapping[str, set[str]]
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -37,6 +71,226 @@ def _imports(tree: ast.Module) -> set[str]:
             names.add(node.module)
             names |= {f"{node.module}.{a.name}" for a in node.names}
     return names
+
+
+# --- the module graph ---------------------------------------------------------------------------------------
+
+
+def _module_name(file_module: str) -> str:
+    """`rlkube.core.__init__` -> `rlkube.core`."""
+    return file_module.removesuffix(".__init__")
+
+
+def module_graph(sources: Mapping[str, str]) -> dict[str, set[str]]:
+    """module -> the rlkube modules it imports, from `{module name: source}` (packages under their own name, with
+    `is_package` told by a `.__init__` suffix). Every import statement counts, wherever it is (module level, in a
+    function, under TYPE_CHECKING): `from a.b import c` is an arrow to a.b.c when that is a module, else to a.b."""
+    names = {_module_name(m) for m in sources}
+    graph: dict[str, set[str]] = {}
+    for file_module, source in sources.items():
+        name = _module_name(file_module)
+        package = name if file_module.endswith(".__init__") else name.rpartition(".")[0]
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join([*parts, *([node.module] if node.module else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in names:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    out.add(target)
+        graph[name] = out
+    return graph
+
+
+def _graph() -> dict[str, set[str]]:
+    return module_graph({
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p.read_text()
+        for p in sorted(PACKAGE.rglob("*.py"))
+    })
+
+
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    for i, (_, members) in enumerate(floors):
+        if any(module == m or (m != "rlkube" and module.startswith(m + ".")) for m in members):
+            return i
+    return None
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def upward_arrows(graph: Graph, floors=FLOORS) -> list[str]:
+    """Every import of a module on a higher floor than the importer's, and every module on no floor."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        here = floor_of(module, floors)
+        if here is None:
+            out.append(f"{module} is on no floor (add it to FLOORS)")
+            continue
+        for target in sorted(targets):
+            there = floor_of(target, floors)
+            if there is None or there > here:
+                where = "no floor" if there is None else floors[there][0]
+                out.append(f"{module} ({floors[here][0]}) imports {target} ({where})")
+    return out
+
+
+def reachable(graph: Graph, starts: Iterable[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    return seen
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def drawing(graph: Graph, floors=FLOORS) -> str:
+    """The floors, top first, and for each package the packages it imports (the arrows all point down)."""
+    arrows: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        arrows.setdefault(_package(module), set()).update(
+            _package(t) for t in targets if _package(t) != _package(module)
+        )
+    lines = ["rlkube floors, top first; a package imports only what is on its floor or below (tests/unit/test_layering.py)"]
+    for i in reversed(range(len(floors))):
+        name, _ = floors[i]
+        packages = sorted(p for p in arrows if floor_of(p, floors) == i)
+        lines.append(f"{i} {name}")
+        for package in packages:
+            below = sorted(arrows[package], key=lambda p: (-(floor_of(p, floors) or 0), p))
+            lines.append(f"    {package:20} -> {', '.join(below) if below else '(nothing of rlkube)'}")
+    return "\n".join(lines)
+
+
+# --- the checks ---------------------------------------------------------------------------------------------
+
+
+def test_no_import_circle():
+    graph = _graph()
+    assert "rlkube.core.tasks" in graph and "rlkube.lifecycle.validation" in graph
+    assert cycles(graph) == []
+
+
+def test_every_module_is_on_a_floor_and_imports_nothing_above_it():
+    assert upward_arrows(_graph()) == []
+
+
+def test_api_imports_nothing_else_of_rlkube():
+    graph = _graph()
+    api = {m for m in graph if floor_of(m) == floor_of("rlkube.api")}
+    assert api >= {"rlkube.api", "rlkube.api.spec", "rlkube.api.status", "rlkube.api.crd"}
+    assert {m: sorted(t - api) for m in sorted(api) if (t := graph[m]) - api} == {}
+
+
+def test_the_operator_reaches_no_role_module():
+    graph = _graph()
+    operator = reachable(graph, (m for m in graph if m == OPERATOR or m.startswith(OPERATOR + ".")))
+    assert "rlkube.contract.protocol" in operator  # the watcher reads the trainer's events
+    assert sorted(m for m in operator if m == ROLES or m.startswith(ROLES + ".")) == []
+
+
+def test_bench_is_the_top_floor():
+    assert floor_of("rlkube.bench.simulate") == len(FLOORS) - 1
+    assert FLOORS[-1] == ("bench", ("rlkube.bench",))
+
+
+def test_the_checks_catch_an_upward_import_and_a_circle():
+    # The real graph plus what this repository had before its floors were drawn: rlkube.api.validation importing
+    # the controller's names (api -> controller), and the core's runtime importing the validation that imported
+    # the environment that imported the runtime (a circle, and contract -> lifecycle upward).
+    graph = {m: set(t) for m, t in _graph().items()}
+    assert cycles(graph) == [] and upward_arrows(graph) == []
+    graph["rlkube.api.spec"].add("rlkube.controller.names")
+    assert upward_arrows(graph) == ["rlkube.api.spec (api) imports rlkube.controller.names (controller, local)"]
+    graph["rlkube.contract.runtime"].add("rlkube.lifecycle.validation")
+    assert ["rlkube.contract.runtime", "rlkube.lifecycle.environment", "rlkube.lifecycle.validation"] in cycles(graph)
+    assert "rlkube.contract.runtime (contract) imports rlkube.lifecycle.validation (lifecycle)" in upward_arrows(graph)
+    graph["rlkube.controller.builders"].add("rlkube.core.trainer")
+    operator = reachable(graph, [m for m in graph if m.startswith(OPERATOR + ".")])
+    assert "rlkube.core.trainer" in operator
+
+
+def test_the_graph_counts_imports_in_functions_and_relative_ones():
+    sources = {
+        "rlkube.__init__": "",
+        "rlkube.api.__init__": "",
+        "rlkube.api.spec": "def f():\n    from rlkube.controller import names\n",
+        "rlkube.controller.__init__": "",
+        "rlkube.controller.names": "from . import loop\n",
+        "rlkube.controller.loop": "if True:\n    import rlkube.api.spec\n",
+    }
+    graph = module_graph(sources)
+    assert graph["rlkube.api.spec"] == {"rlkube.controller.names"}
+    assert graph["rlkube.controller.names"] == {"rlkube.controller.loop"}
+    assert graph["rlkube.controller.loop"] == {"rlkube.api.spec"}
+    assert cycles(graph) == [["rlkube.api.spec", "rlkube.controller.loop", "rlkube.controller.names"]]
+    assert upward_arrows(graph) == ["rlkube.api.spec (api) imports rlkube.controller.names (controller, local)"]
+
+
+def test_the_drawing_names_every_floor():
+    text = drawing(_graph())
+    for i, (name, _) in enumerate(FLOORS):
+        assert f"{i} {name}" in text
+    assert "rlkube.api" in text and "rlkube.bench" in text
 
 
 def test_nothing_outside_bench_imports_bench():
@@ -68,13 +322,20 @@ def test_no_shipped_module_reaches_into_the_repository():
 
 def test_the_operator_and_the_operator_bench_import_no_training_stack():
     # In a fresh interpreter (this one may have torch loaded already): import what the operator image runs and
-    # what `rlkube bench operator` runs, build every CLI parser, and list what of the training stack got loaded.
+    # what `rlkube bench operator` runs, build every CLI parser, and list what of the training stack got loaded,
+    # and which role modules (rlkube.core) the operator's own modules loaded.
     code = (
-        "import sys, rlkube.cli, rlkube.controller.main, rlkube.controller.handlers, rlkube.controller.loop, "
-        "rlkube.bench.operator\n"
+        "import sys, rlkube.cli, rlkube.controller.entry, rlkube.controller.main, rlkube.controller.handlers, "
+        "rlkube.controller.loop\n"
+        "print(sorted(m for m in sys.modules if m == 'rlkube.core' or m.startswith('rlkube.core.')))\n"
+        "import rlkube.bench.operator\n"
         "rlkube.cli.build_parser().parse_args(['bench', 'operator', '--jobs', '2', '--kubeconfig', 'k'])\n"
         f"print(sorted(m for m in {TRAINING_STACK!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout
+
+
+if __name__ == "__main__":
+    print(drawing(_graph()))

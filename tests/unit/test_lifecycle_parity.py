@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from rlkube.api.status import Completion, ComponentStatus, TrainingJobStatus
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller.decisions import JobView, decide
 from rlkube.controller.observed import EventSource, Observed, PodView
 from rlkube.controller.times import fmt_time
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.lifecycle.phases import Phase
 from rlkube.local.processes import RoleProcess
 from rlkube.local.runner import LocalJob, run_local

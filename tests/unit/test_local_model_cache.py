@@ -8,8 +8,8 @@ from datetime import datetime, timezone
 
 import pytest
 from rich.console import Console
-from rlkube.api.validation import parse_spec
-from rlkube.core import runtime
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import runtime
 from rlkube.core.hf.source import builtin_dir
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.environment import Addresses

@@ -6,12 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from rlkube.api import SpecError
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import builders, names
 from rlkube.controller.builders import JobRef
 from rlkube.controller.observed import pod_view
-from rlkube.core import runtime
+from rlkube.contract import runtime
 from rlkube.lifecycle.roles import CORE_ROLES, MODEL_ROLES
 from specs import spec as raw_spec
 

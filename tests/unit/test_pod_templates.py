@@ -1,5 +1,5 @@
 """Per-role pod template overrides (`spec.<role>.template`): every field merged by its documented rule
-(controller/podtemplate.py), every refusal naming the field (api/validation.py, api/spec.py), the hardened
+(controller/podtemplate.py), every refusal naming the field (lifecycle/validation.py, api/spec.py), the hardened
 defaults of every child, the Redis NetworkPolicy, GPUs, /dev/shm and the trainer's ranks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pod_security import assert_hardened_pod, assert_no_secret_value, selects
 
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
 from rlkube.lifecycle.environment import operator_env_names, rank_env

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.preprocessor import DocumentConfig, group_to_documents
 
 

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import rlkube.core
-from rlkube.core import protocol
+from rlkube.contract import protocol
 from rlkube.core.lag import LagKeys
 
 CORE = Path(rlkube.core.__file__).parent

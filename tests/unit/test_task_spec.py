@@ -3,9 +3,9 @@ field, and the CRD schema of the new fields."""
 
 import pytest
 
-from rlkube.api import SpecError
+from rlkube.lifecycle.validation import SpecError
 from rlkube.api.crd import crd
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 
 BASE = {"model": {"path": "builtin://tiny-llama"}, "algorithm": {"maxSteps": 3}, "inference": {"engine": "native"}}
 DATASET = {"path": "/data/math.jsonl"}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.validation import parse_spec
-from rlkube.core import protocol
+from rlkube.lifecycle.validation import parse_spec
+from rlkube.contract import protocol
 from rlkube.core.backends import BackendUnavailable, build_backend
 from rlkube.core.batch import collate, plan_micro_batches
 from rlkube.core.trainer import Trainer

@@ -7,9 +7,10 @@ import copy
 
 import pytest
 
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, DistConfig
-from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT, RoleContext
+from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
+from rlkube.core.context import RoleContext
 from rlkube.core.trainer import build_role
 
 SPEC = {

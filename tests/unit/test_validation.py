@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 import specs
 
-from rlkube.api import validation
+from rlkube.lifecycle import validation
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.environment import operator_env_names
 

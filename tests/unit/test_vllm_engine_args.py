@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from pydantic import ValidationError
-from rlkube.api.validation import parse_spec
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON, engine_cli_args
 from rlkube.core.vllm_worker import EXTENSION
 

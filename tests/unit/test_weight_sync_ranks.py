@@ -1,5 +1,5 @@
 """The weight-update group's layout with tensor-parallel inference: one formula for its size and every rank
-(rlkube.core.runtime), what each launcher and role derives from it, and how a vLLM server folds its workers'
+(rlkube.contract.runtime), what each launcher and role derives from it, and how a vLLM server folds its workers'
 answers into one (rlkube.core.vllm_server.combine_joins / combine_receipts)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from rlkube.api.validation import SpecError, parse_spec, tensor_parallel_heads_error
-from rlkube.core import runtime
+from rlkube.lifecycle.validation import SpecError, parse_spec, tensor_parallel_heads_error
+from rlkube.contract import runtime
+from rlkube.core.context import RoleContext
 from rlkube.core.vllm_server import combine_joins, combine_receipts
 
 pytestmark = pytest.mark.unit
@@ -47,7 +48,7 @@ def test_ranks_outside_the_job_are_refused():
 
 def test_the_role_context_uses_the_same_formula():
     s = spec(2, 4)
-    ctx = runtime.RoleContext(namespace="ns", job="j", spec=s, redis_url="redis://r", index=1)
+    ctx = RoleContext(namespace="ns", job="j", spec=s, redis_url="redis://r", index=1)
     assert ctx.weight_sync_world_size == 9
     assert (ctx.weight_sync_rank(), ctx.weight_sync_rank(3)) == (5, 8)
 

@@ -1,4 +1,8 @@
-"""The TrainingJob API: typed spec and status, their CRD, and validation beyond the schema."""
+"""The TrainingJob API: typed spec and status and their CRD. Types only.
+
+It imports nothing else of rlkube (tests/unit/test_layering.py), so every floor above can use it; the checks
+beyond the schema are rlkube.lifecycle.validation.
+"""
 
 from rlkube.api.spec import (
     API_VERSION,
@@ -9,10 +13,8 @@ from rlkube.api.spec import (
     TrainingJobSpec,
 )
 from rlkube.api.status import ConditionType, Phase, TrainingJobStatus
-from rlkube.api.validation import FieldError, SpecError, parse_manifest, parse_spec, semantic_errors
 
 __all__ = [
-    "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "ConditionType", "Phase",
-    "TrainingJobSpec", "TrainingJobStatus", "FieldError", "SpecError", "parse_manifest", "parse_spec",
-    "semantic_errors",
+    "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "ConditionType", "Phase", "TrainingJobSpec",
+    "TrainingJobStatus",
 ]

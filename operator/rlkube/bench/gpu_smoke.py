@@ -110,7 +110,7 @@ def write_model(directory: Path, vocab: int, sizes: dict[str, int], seed: int) -
 def job_spec(model_dir: Path, dtype: str, sizes: dict[str, int], lr: float, cuda: bool):
     """The TrainingJob spec of the smoke: validated as a manifest's is, then switched to FSDP. Validation refuses
     `sharding: fsdp` on one rank (it shards over ranks); one rank is exactly what this check runs on purpose."""
-    from rlkube.api.validation import parse_spec
+    from rlkube.lifecycle.validation import parse_spec
 
     spec = parse_spec({
         "model": {"path": str(model_dir), "dtype": dtype, "maxSequenceLength": sizes["max_len"]},
@@ -168,7 +168,7 @@ class InProcessPublisher:
         self.publish(weights, version, version if step is None else step, documents_seen, **extra)
 
     def publish(self, weights, version: int, step: int, documents_seen: int = 0, **extra) -> None:
-        from rlkube.core import protocol
+        from rlkube.contract import protocol
         from rlkube.core.weightsync import (
             StreamedWeights,
             checksums_match,
@@ -287,7 +287,7 @@ def rollouts_to_documents(responses: list[dict], version: int):
     excluded from the loss, the engine's sampling log-probs, group-relative advantages (leave-one-out)."""
     import numpy as np
 
-    from rlkube.core import protocol
+    from rlkube.contract import protocol
     from rlkube.core.advantages import leave_one_out
 
     docs = []
@@ -575,7 +575,7 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
 
 
 def spec_keys():
-    from rlkube.core.protocol import StreamKeys
+    from rlkube.contract.protocol import StreamKeys
 
     return StreamKeys.for_job("smoke", "gpu-smoke")
 

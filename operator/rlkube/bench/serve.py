@@ -30,13 +30,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import aiohttp
 
-from rlkube.api.validation import parse_spec
-from rlkube.core import runtime
+from rlkube.contract import runtime
+from rlkube.contract.protocol import StreamKeys
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.protocol import StreamKeys
 from rlkube.core.weightsync import WeightPublisher
+from rlkube.lifecycle.validation import parse_spec
 from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer
 

@@ -13,7 +13,7 @@ The test cluster is a real kube-apiserver without kubelet or scheduler, so pods 
 - it records, in watch order, when each pod appeared, started deleting and was gone, so tests can check
   the teardown order from what the API server did rather than from what the operator says.
 
-`TrainerPlayer` writes trainer events with the exact wire format (rlkube.core.protocol encoders).
+`TrainerPlayer` writes trainer events with the exact wire format (rlkube.contract.protocol encoders).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.bench.listwatch import ListWatch
+from rlkube.contract import protocol, runtime
 from rlkube.controller import names
-from rlkube.core import protocol, runtime
 from rlkube.local.redis_server import RedisServer
 
 log = logging.getLogger(__name__)

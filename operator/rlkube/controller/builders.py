@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkube.api.spec import GPU, TrainingJobSpec
+from rlkube.contract import runtime
 from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
-from rlkube.core import runtime
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module
 from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas
 

@@ -58,7 +58,7 @@ from rlkube.api.status import (
     TeardownStatus,
     TrainingJobStatus,
 )
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import builders, kueue, names, specdiff, teardown
 from rlkube.controller.actions import (
     Action,
@@ -77,7 +77,7 @@ from rlkube.controller.conditions import (
 )
 from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
-from rlkube.core import protocol, runtime
+from rlkube.contract import protocol, runtime
 from rlkube.lifecycle import checkpoint_loss, progress, roles
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge

@@ -23,6 +23,7 @@ def without_client_libraries() -> None:
 
 def cli(args: argparse.Namespace) -> int:
     without_client_libraries()
+    # Imported only now: kopf (which main imports) must find the client libraries already stubbed out.
     from rlkube.controller import main
 
     return main.cli(args)

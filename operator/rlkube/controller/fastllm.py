@@ -30,8 +30,9 @@ from typing import Any
 import yaml
 
 from rlkube.api.spec import TrainingJobSpec
+from rlkube.contract import runtime
 from rlkube.controller import names
-from rlkube.core import fast_llm_rendezvous, runtime
+from rlkube.contract import fast_llm_rendezvous
 
 FAST_LLM_REPOSITORY = "ServiceNow/Fast-LLM"
 FAST_LLM_COMMIT = "d3d20226a2395281eca4a779e85b8688621248d2"

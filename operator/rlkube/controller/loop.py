@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from rlkube.api.status import ConditionType, TrainingJobStatus
-from rlkube.api.validation import SpecError, parse_spec
+from rlkube.contract import protocol, runtime
 from rlkube.controller import kueue, metrics, names, teardown
 from rlkube.controller.actions import (
     Create,
@@ -51,7 +51,7 @@ from rlkube.controller.observed import (
 )
 from rlkube.controller.times import now, stream_id_key
 from rlkube.controller.watcher import EventWatcher, RedisClients, Target, connect
-from rlkube.core import protocol, runtime
+from rlkube.lifecycle.validation import SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,10 @@ from aiohttp import web
 
 from rlkube import gctune
 from rlkube.controller import metrics
+from rlkube.controller.apiclient import ApiClient
+from rlkube.controller.election import LeaderElector, LeadershipLost, candidate_identity, lease_namespace
 from rlkube.controller.handlers import build_registry
+from rlkube.controller.lease import Timing
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +77,6 @@ def cli(args: argparse.Namespace) -> int:
 
 
 async def run_elected(args: argparse.Namespace, options: dict[str, Any]) -> int:
-    from rlkube.controller.election import LeaderElector, LeadershipLost, candidate_identity, lease_namespace
-    from rlkube.controller.apiclient import ApiClient
-    from rlkube.controller.lease import Timing
 
     timing = Timing(args.lease_duration, args.lease_renew_deadline, args.lease_retry_period)
     api = ApiClient()

@@ -9,38 +9,40 @@ from __future__ import annotations
 import re
 
 from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
-from rlkube.lifecycle.roles import DATASET_ROLES, MODEL_ROLES
+from rlkube.lifecycle.owned import (  # re-exported: the builders and the operator name them from here
+    CONFIG_MOUNT,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGED_BY,
+    MODEL_CACHE_MOUNT,
+    OWNED_PREFIX,
+    SHM_MOUNT,
+    TMP_MOUNT,
+    VOLUME_CHECKPOINTS,
+    VOLUME_CONFIG,
+    VOLUME_DATASET,
+    VOLUME_MODEL,
+    VOLUME_MODEL_CACHE,
+    VOLUME_SHM,
+    VOLUME_TMP,
+    data_volumes,
+    owned_mounts,
+    owned_volumes,
+    role_volumes,
+)
 
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_NAME = "app.kubernetes.io/name"
 LABEL_JOB = "rlkube.io/job-name"
 LABEL_ROLE = "rlkube.io/role"
 LABEL_INDEX = "rlkube.io/index"
-MANAGED_BY = "rlkube"
-OWNED_PREFIX = "rlkube.io/"
-"""Labels and annotations under this prefix (and the two app.kubernetes.io ones above) are the operator's."""
-
 ANNOTATION_ATTEMPT = "rlkube.io/attempt"
 """Replacement count of a pod slot: 0 for the first pod, +1 each time the operator replaces a failed one."""
 ANNOTATION_RESUME = "rlkube.io/resume-from-checkpoint"
 """Last checkpoint the operator knew of when it (re)created a trainer pod (informational; the trainer finds
 its own latest checkpoint in RLKUBE_CHECKPOINT_DIR)."""
 
-CONFIG_MOUNT = "/etc/rlkube"
 CONFIG_KEY = "job.json"
 SECRET_KEY = "password"
 
-VOLUME_CONFIG = "job-config"  # the job's ConfigMap at CONFIG_MOUNT
-VOLUME_CHECKPOINTS = "checkpoints"  # trainer: spec.trainer.checkpoint (PVC or emptyDir) at its path
-VOLUME_TMP = "tmp"  # emptyDir at /tmp (and HOME): the writable place of a read-only root filesystem
-VOLUME_SHM = "dshm"  # memory-backed emptyDir at /dev/shm (NCCL, torch and vLLM shared memory)
-VOLUME_MODEL_CACHE = "model-cache"  # where spec.model.path is materialized (spec.model.cacheClaimName or emptyDir)
-VOLUME_MODEL = "model"  # spec.model.claimName, read-only at spec.model.mountPath
-VOLUME_DATASET = "dataset"  # spec.task.dataset.claimName, read-only at spec.task.dataset.mountPath
-TMP_MOUNT = "/tmp"
-SHM_MOUNT = "/dev/shm"
-MODEL_CACHE_MOUNT = "/var/cache/rlkube/models"
-"""The model cache in every pod that loads the model (runtime.ENV_MODEL_CACHE points there)."""
 INIT_MODEL = "model"
 """The init container that materializes spec.model.path into the model cache before the role starts."""
 
@@ -67,58 +69,6 @@ def job_name_error(job: str, spec: TrainingJobSpec) -> str | None:
         return (f"metadata.name: {job!r} is too long: its child {longest!r} has {len(longest)} characters, at most "
                 f"{LABEL_MAX} are allowed")
     return None
-
-
-def role_volumes(role: str, spec: TrainingJobSpec) -> tuple[str, ...]:
-    """The volumes the builders give a role's pods."""
-    if role == "redis":
-        return ()
-    extra = {"trainer": (VOLUME_CHECKPOINTS, VOLUME_SHM), "inference": (VOLUME_SHM,)}.get(role, ())
-    return (VOLUME_CONFIG, VOLUME_TMP, *extra, *data_volumes(role, spec))
-
-
-def data_volumes(role: str, spec: TrainingJobSpec) -> tuple[str, ...]:
-    """The model cache, model and dataset volumes of a role's pods (each only where the role reads it)."""
-    out: list[str] = []
-    if role in MODEL_ROLES:
-        out.append(VOLUME_MODEL_CACHE)
-        if spec.model.claim_name:
-            out.append(VOLUME_MODEL)
-    if role in DATASET_ROLES and spec.task.dataset is not None and spec.task.dataset.claim_name:
-        out.append(VOLUME_DATASET)
-    return tuple(out)
-
-
-def owned_volumes(role: str, spec: TrainingJobSpec) -> dict[str, str]:
-    """Volumes a pod template may not replace (name -> where they come from); tmp and dshm it may."""
-    if role == "redis":
-        return {}
-    owned = {VOLUME_CONFIG: "the job config"}
-    if role == "trainer":
-        owned[VOLUME_CHECKPOINTS] = "use spec.trainer.checkpoint.claimName"
-    if role in MODEL_ROLES:
-        owned[VOLUME_MODEL_CACHE] = "use spec.model.cacheClaimName"
-        owned[VOLUME_MODEL] = "use spec.model.claimName"
-    if role in DATASET_ROLES:
-        owned[VOLUME_DATASET] = "use spec.task.dataset.claimName"
-    return owned
-
-
-def owned_mounts(role: str, spec: TrainingJobSpec) -> dict[str, str]:
-    """Mount paths a pod template may not take (path -> why)."""
-    if role == "redis":
-        return {}
-    owned = {CONFIG_MOUNT: "the job config"}
-    if role == "trainer":
-        owned[spec.trainer.checkpoint.path.rstrip("/")] = "spec.trainer.checkpoint.path"
-    if role in MODEL_ROLES:
-        owned[MODEL_CACHE_MOUNT] = "the model cache"
-        if spec.model.claim_name:
-            owned[spec.model.mount_path.rstrip("/")] = "spec.model.mountPath"
-    ds = spec.task.dataset
-    if role in DATASET_ROLES and ds is not None and ds.claim_name:
-        owned[ds.mount_path.rstrip("/")] = "spec.task.dataset.mountPath"
-    return owned
 
 
 def pod_name(job: str, role: str, index: int = 0) -> str:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlkube.contract.protocol import TrainerEvent
 from rlkube.controller import names
 from rlkube.controller.times import parse_time
-from rlkube.core.protocol import TrainerEvent
 from rlkube.lifecycle.roles import START_ORDER
 
 if TYPE_CHECKING:

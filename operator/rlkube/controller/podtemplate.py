@@ -15,7 +15,7 @@ The rules, as JobSet and KubeRay users expect them from a partial PodTemplateSpe
 - `spec.containers[<role>]`: `env` merged by name (added after the operator's, so `$(VAR)` may refer to the
   operator's variables; replaces a default such as HOME), `volumeMounts` merged by mountPath.
 What the operator owns (the rank env, the Redis password, addresses, the command, its labels, the job config and
-checkpoint volumes) never reaches this module: `rlkube.api.validation.template_errors` refuses it first.
+checkpoint volumes) never reaches this module: `rlkube.lifecycle.validation.template_errors` refuses it first.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from rlkube.core.protocol import stream_id_key
+from rlkube.contract.protocol import stream_id_key
 
 __all__ = ["fmt_time", "now", "parse_time", "stream_id_key", "stream_id_time"]
 

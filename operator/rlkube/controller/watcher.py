@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from rlkube.contract.protocol import TrainerEvent
+from rlkube.contract.streams import AsyncEventReader
 from rlkube.controller import metrics
 from rlkube.controller.observed import EventSource
 from rlkube.controller.times import stream_id_key
-from rlkube.core.protocol import TrainerEvent
-from rlkube.core.streams import AsyncEventReader
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,11 @@ from typing import TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from rlkube.core import errors, protocol, runtime, streams
+from rlkube.contract import protocol, runtime, streams
+from rlkube.core import errors
+from rlkube.core.context import RoleContext
+from rlkube.core.hf.loading import load_tokenizer
+from rlkube.core.hf.source import materialize_model
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
@@ -77,7 +81,7 @@ class Stopped(Exception):
 
 
 class Actor:
-    def __init__(self, ctx: runtime.RoleContext, client: aioredis.Redis, task: Task,
+    def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: Task,
                  stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None):
         if not ctx.inference_urls:
             raise SystemExit(f"{runtime.ENV_INFERENCE_URLS} is not set: the actor needs the inference servers")
@@ -401,15 +405,13 @@ class Actor:
 
 
 async def amain() -> int:
-    ctx = runtime.RoleContext.from_env()
+    ctx = RoleContext.from_env()
     task = load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas))
     # The prompts are rendered here, not by inference, with the model's tokenizer (its chat template) unless the
     # task's prompts are raw text (the digit tasks): those go as text, tokenized by inference as vLLM does.
     chat = ctx.spec.task.chat_template
     tokenizer = None
     if chat or (chat is None and not getattr(task, "raw_prompts", False)):
-        from rlkube.core.hf.loading import load_tokenizer
-        from rlkube.core.hf.source import materialize_model
 
         tokenizer = load_tokenizer(materialize_model(ctx.spec.model, ctx.model_cache_dir))
     render = prompt_renderer(ctx.spec.task, task, tokenizer=tokenizer.hf if tokenizer else None)

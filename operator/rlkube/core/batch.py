@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlkube.core.protocol import Document
+from rlkube.contract.protocol import Document
 
 
 @dataclass

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from rlkube.core import runtime
+from rlkube.contract import runtime
 
 log = logging.getLogger(__name__)
 

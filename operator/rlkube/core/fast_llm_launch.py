@@ -34,7 +34,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from rlkube.core.runtime import ENV_REDIS_PASSWORD
+from rlkube.contract.runtime import ENV_REDIS_PASSWORD
 
 log = logging.getLogger("rlkube.fast_llm_launch")
 

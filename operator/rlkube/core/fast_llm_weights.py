@@ -11,7 +11,7 @@ Rendezvous (once, at start-up, before any weights_ready):
   rank 0 at `tcp://{broadcast.host}:{broadcast.port}` (fast_llm/engine/training/streaming.py:42-53), which calls
   `torch.distributed.rendezvous(init_method, rank, world_size, timeout)` (fast_llm/engine/distributed/
   distributed.py:65-72). The receivers do the same with their own rank: one rank per tensor-parallel worker of
-  every inference server, `1 + index x tensorParallel + tp_rank` (rlkube.core.runtime.weight_sync_rank; PipelineRL:
+  every inference server, `1 + index x tensorParallel + tp_rank` (rlkube.contract.runtime.weight_sync_rank; PipelineRL:
   `pg_rank = 1 + actor_idx * actor_ngpus + self.rank`), so `external_world_size = replicas x tensorParallel`.
 - The group is `get_process_group(range(world_size), 0)` (streaming.py:54): the backend's process group class on
   `PrefixStore("range_0_{world_size}_1/", store)`, group rank = rank, size = world_size
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlkube.core.fast_llm_rendezvous import EPOCH, WEIGHTS_SHARD, store_prefix
+from rlkube.contract.fast_llm_rendezvous import EPOCH, WEIGHTS_SHARD, store_prefix
 from rlkube.core.weightsync import WeightSyncError, _check_backend, _drop_group, _make_group, parse_addr
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,8 @@ import redis
 import torch
 from aiohttp import web
 
-from rlkube.core import fast_llm_rendezvous, protocol, runtime, streams
+from rlkube.contract import fast_llm_rendezvous, protocol, runtime, streams
+from rlkube.core.context import RoleContext
 from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
@@ -282,7 +283,7 @@ def _check_engine(engine: str) -> None:
         raise SystemExit(f"spec.inference.engine: unknown engine {engine!r} (known: native, vllm)")
 
 
-def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollower]:
+def build_server(ctx: RoleContext) -> tuple[InferenceServer, WeightFollower]:
     spec = ctx.spec
     model_dir = materialize_model(spec.model, ctx.model_cache_dir)
     model = load_model(model_dir, spec.model.dtype)
@@ -309,9 +310,10 @@ def build_server(ctx: runtime.RoleContext) -> tuple[InferenceServer, WeightFollo
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s inference %(levelname)s %(message)s")
-    ctx = runtime.RoleContext.from_env()
+    ctx = RoleContext.from_env()
     _check_engine(ctx.spec.inference.engine)
     if ctx.spec.inference.engine == "vllm":
+        # Only a vllm server loads it: it may re-execute itself under another interpreter (RLKUBE_VLLM_PYTHON).
         from rlkube.core import vllm_server
 
         return vllm_server.main()

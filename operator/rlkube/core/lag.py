@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
-from rlkube.core import protocol
+from rlkube.contract import protocol
 
 # Lowers the counters when the trainer's documents_seen went back (a restart), at most once per event.
 # KEYS: reserved, written, last documents_seen, last event id ("ms-seq"); ARGV: event id, documents_seen.

@@ -32,9 +32,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from rlkube.core import runtime
+from rlkube.contract import runtime
+from rlkube.core.context import RoleContext
 from rlkube.core.errors import write_termination_message
-from rlkube.core.runtime import RoleContext
 from rlkube.lifecycle.environment import processes_per_node, rank_env
 
 log = logging.getLogger("rlkube.launcher")

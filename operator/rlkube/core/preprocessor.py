@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from rlkube.core import protocol, streams
+from rlkube.contract import protocol, streams
 from rlkube.core.advantages import group_advantages
+from rlkube.core.context import RoleContext
 from rlkube.core.roles import stop_on_signals
-from rlkube.core.runtime import RoleContext
 
 log = logging.getLogger("rlkube.preprocessor")
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlkube.api.spec import RewardSpec
-from rlkube.core.tasks import Prompt, TaskError, import_attribute
+from rlkube.core.task_types import Prompt, TaskError, import_attribute
 
 RewardFn = Callable[[Prompt, str], float]
 
@@ -171,7 +171,7 @@ def needs_answer(spec: RewardSpec) -> bool:
 
 
 def build_reward(spec: RewardSpec) -> RewardFn:
-    """The reward `spec` describes (validated by rlkube.api.validation); TaskError when it cannot be built."""
+    """The reward `spec` describes (validated by rlkube.lifecycle.validation); TaskError when it cannot be built."""
     if spec.type == "math":
         try:
             return MathReward(spec.answer_pattern)

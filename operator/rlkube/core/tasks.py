@@ -22,44 +22,20 @@ cannot be built at all (a missing dataset, an unknown column) raises `TaskError`
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rlkube.api.spec import TaskSpec
-from rlkube.core.errors import ConfigError
+from rlkube.core.rewards import build_reward, needs_answer
+from rlkube.core.task_types import Prompt, TaskError, import_attribute
 
 log = logging.getLogger("rlkube.tasks")
 
 DIGITS = "0123456789"
-
-
-class TaskError(ConfigError, ValueError):
-    """The job's task cannot be built or used as specified; `field` is the spec field to fix. A ConfigError: the
-    actor exits with runtime.EXIT_CONFIG and `str(error)` (`"spec.task.dataset.promptField: ..."`) as its
-    termination message, and the job fails instead of restarting it (rlkube.core.errors)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)
-        self.message = message
-
-
-Message = dict[str, str]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: plain `text`, or chat `messages` ([{role, content}, ...]; then `text` is only for logs).
-    `meta` carries whatever `reward` needs: `answer` (the reference answer) and, for dataset tasks, `sample`
-    (the dataset row)."""
-
-    text: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    messages: Sequence[Message] | None = None
 
 
 @runtime_checkable
@@ -205,19 +181,6 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-def import_attribute(entry_point: str, spec_field: str) -> Any:
-    """`package.module:attribute` imported; TaskError naming `spec_field` when it cannot be."""
-    module_name, _, attr = entry_point.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TaskError(spec_field, f"cannot import {module_name!r}: {exc}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise TaskError(spec_field, f"module {module_name!r} has no attribute {attr!r}") from None
-
-
 class _WithReward:
     """A task whose own reward is replaced by spec.task.reward's."""
 
@@ -240,6 +203,8 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
     `spec.name`; its reward replaced by `spec.reward` when set. `shard` = (this actor replica, replicas): dataset
     tasks draw their rows in turns so that replicas do not repeat each other. Raises TaskError."""
     if spec.dataset is not None:
+        # Imported here: it needs numpy (and `datasets` for a directory), which `rlkube tasks` on the base
+        # install (no training stack) and tasks without a dataset do without.
         from rlkube.core.prompt_dataset import DatasetTask
 
         if spec.reward is None:
@@ -266,8 +231,6 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
         except AttributeError:
             raise TaskError(spec_field, f"{where} returned {task!r}, which has no string `name`") from None
     if spec.reward is not None:
-        from rlkube.core.rewards import build_reward, needs_answer
-
         if spec.dataset is not None and needs_answer(spec.reward) and task.answer_column is None:
             raise TaskError("spec.task.dataset.answerField", f"the {spec.reward.type} reward compares with a reference "
                             f"answer, but {spec.dataset.path} has no `answer` column: name the column that holds it")

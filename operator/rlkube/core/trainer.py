@@ -59,7 +59,7 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
-from rlkube.core import protocol, runtime, streams
+from rlkube.contract import protocol, runtime, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.batch import Batch, collate, plan_micro_batches
@@ -67,7 +67,8 @@ from rlkube.core.errors import ConfigError, write_termination_message
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
-from rlkube.core.runtime import RoleContext
+from rlkube.core.weightsync import WeightPublisher, transfer_dtype
+from rlkube.core.context import RoleContext
 from rlkube.lifecycle import checkpoint_loss
 from rlkube.lifecycle.environment import processes_per_node, trainer_world_size
 
@@ -400,8 +401,6 @@ class Trainer:
         StreamedWeights): rank 0's publisher sends each bucket as the ranks gather it; the other ranks (and rank 0
         when it transfers nothing) take part in the gathers. First the ranks meet in the alive-checked rendezvous:
         building the stream is a collective, and a rank may still be loading its model at start-up."""
-        from rlkube.core.weightsync import transfer_dtype
-
         self._publications += 1
         tag = f"{tag}/{self._publications}"
         self.dp.gather(tag)
@@ -760,8 +759,6 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
     if not ctx.weight_sync_addr:
         log.info("%s unset: announcing weights without transferring them", "RLKUBE_WEIGHT_SYNC_ADDR")
         return AnnounceOnly(client, ctx.keys)
-    from rlkube.core.weightsync import WeightPublisher, transfer_dtype
-
     transfer = ctx.spec.trainer.weight_transfer
     return WeightPublisher(client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
                            backend="nccl" if device.startswith("cuda") else "gloo", device=device,
@@ -787,7 +784,7 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
         raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
                          f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
-    sharded = spec.trainer.sharding == "fsdp"  # over world > 1 ranks (rlkube.api.validation)
+    sharded = spec.trainer.sharding == "fsdp"  # over world > 1 ranks (rlkube.lifecycle.validation)
     cfg = DistConfig.from_env(env) if world > 1 else None
     if cfg is not None and cfg.world_size != world:
         raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "

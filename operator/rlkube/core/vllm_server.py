@@ -51,9 +51,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlkube.contract import protocol, runtime, streams
+from rlkube.core.context import RoleContext
+from rlkube.core.errors import ConfigError, run_role, write_termination_message
+from rlkube.core.hf.loading import load_config, load_tokenizer
+from rlkube.core.hf.source import materialize_model
+from rlkube.core.openai_api import (
+    SSE_DONE,
+    SSE_HEADERS,
+    RequestError,
+    ServedModel,
+    StreamChunks,
+    completion_response,
+    models_response,
+    parse_completion_request,
+    sse,
+)
+from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
+
 # The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
 # build-time import check (images/vllm, MODULES) cover it.
 from rlkube.core.vllm_worker import ENV_SERVER_PID, EXTENSION
+from rlkube.lifecycle.validation import tensor_parallel_heads_error
+
+# vllm (and the aiohttp, orjson, psutil and redis it is served with) are imported inside the functions that use
+# them: this interpreter may have no vllm, in which case `main` re-executes the module under RLKUBE_VLLM_PYTHON.
 
 ENV_VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"
 """Interpreter of an environment with vllm, used when the current one has none (local runs and tests)."""
@@ -97,9 +119,6 @@ def engine_cli_args(spec, model_dir: str, index: int = 0, gpus: bool = False) ->
 def tensor_parallel_check(spec, config) -> None:
     """ConfigError naming spec.inference.tensorParallel when the model's attention cannot be split that many ways
     (vLLM would refuse it deep in its engine start; the job should fail at once, not restart)."""
-    from rlkube.api.validation import tensor_parallel_heads_error
-    from rlkube.core.errors import ConfigError
-
     tp = spec.inference.tensor_parallel
     heads = getattr(config, "num_attention_heads", None)
     if tp == 1 or not isinstance(heads, int):
@@ -313,8 +332,6 @@ class VllmEngine:
         """One parsed request (rlkube.core.sampling.GenerationRequest) -> GenerationResult."""
         from vllm.sampling_params import RequestOutputKind
 
-        from rlkube.core.sampling import Completion, GenerationResult
-
         final = versions = None
         async for versions, out in self._outputs(req, RequestOutputKind.FINAL_ONLY):
             final = out
@@ -349,8 +366,6 @@ class VllmEngine:
     async def warm_up(self) -> None:
         """A first batch before /health says ready: vLLM's first steps are slow (seconds to tens of seconds on CPU),
         long enough for the first rollouts to time out."""
-        from rlkube.core.sampling import GenerationRequest
-
         t0 = time.monotonic()
         tok = self.served.tokenizer
         prompt = tok.encode("0") or [0]
@@ -404,8 +419,6 @@ class VllmWeightFollower:
         return self._call(self.engine.llm.collective_rpc(method, args=args))
 
     def _run(self) -> None:
-        from rlkube.core import protocol, streams
-
         reader = streams.EventReader(self.redis, self.keys.events, None, stop=self._stop,
                                      latest_of=(protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED))
         try:
@@ -420,8 +433,6 @@ class VllmWeightFollower:
                 log.exception("weight follower stopped")
 
     def handle(self, event) -> None:
-        from rlkube.core import protocol
-
         if event.type == protocol.TRAINING_FINISHED:
             log.info("training_finished (%s): leaving the weight-update group; serving until SIGTERM",
                      event.stream_id)
@@ -552,14 +563,10 @@ class VllmServer:
         return self._json(body, 200 if self.healthy() else 503)
 
     async def models(self, request):
-        from rlkube.core.openai_api import models_response
-
         return self._json(models_response(self.engine.served))
 
     async def completions(self, request):
         import orjson
-
-        from rlkube.core.openai_api import RequestError, completion_response, parse_completion_request
 
         try:
             try:
@@ -575,8 +582,6 @@ class VllmServer:
         self.engine.requests += 1
         if req.stream:
             from aiohttp import web
-
-            from rlkube.core.openai_api import SSE_DONE, SSE_HEADERS, StreamChunks, sse
 
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(request)
@@ -631,12 +636,7 @@ def main() -> int:
     from aiohttp import web
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rlkube.core import runtime
-    from rlkube.core.hf.loading import load_config, load_tokenizer
-    from rlkube.core.hf.source import materialize_model
-    from rlkube.core.openai_api import ServedModel
-
-    ctx = runtime.RoleContext.from_env()
+    ctx = RoleContext.from_env()
     spec = ctx.spec
     if spec.inference.engine != "vllm":
         raise SystemExit(f"rlkube.core.vllm_server serves engine `vllm`, the spec asks for {spec.inference.engine!r}")
@@ -700,8 +700,6 @@ def main() -> int:
     _kill_children()
     log.info("stopped")
     if fatal:
-        from rlkube.core.errors import write_termination_message
-
         write_termination_message(f"a weight update could not be loaded into vLLM: {fatal}")
     # The follower may be blocked (in the worker's group, via collective_rpc): leave without the interpreter's
     # teardown, which would wait for it (see rlkube.core.inference).
@@ -712,6 +710,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from rlkube.core.errors import run_role
-
     sys.exit(run_role(main))

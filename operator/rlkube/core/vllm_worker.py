@@ -135,7 +135,7 @@ class RlkubeWorkerExtension:
                     local_host: str | None) -> dict[str, Any]:
         """Join `epoch`'s weight-update group as rank `base_rank` + this worker's tensor-parallel rank (blocks until
         the trainer forms it with its first send). Every worker is a rank of its own: each receives the full
-        broadcast and its weight loaders keep its shard of every tensor (rlkube.core.runtime.weight_sync_rank)."""
+        broadcast and its weight loaders keep its shard of every tensor (rlkube.contract.runtime.weight_sync_rank)."""
         rank = base_rank + self.rlkube_tp_rank()
         if self._rlkube_receiver is None or self._rlkube_receiver.rank != rank:
             self._rlkube_receiver = WeightReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s,

@@ -60,8 +60,8 @@ import redis
 import torch
 import torch.distributed as dist
 
-from rlkube.core import protocol
-from rlkube.core.runtime import ENV_BIND_HOST
+from rlkube.contract import protocol
+from rlkube.contract.runtime import ENV_BIND_HOST
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The environment a role process gets: written once, turned into pod env by the builders and into process env
 by `rlkube local`.
 
-The variables are the runtime contract of `rlkube.core.runtime` (what `RoleContext.from_env` reads) plus
+The variables are the runtime contract of `rlkube.contract.runtime` (what `RoleContext.from_env` reads) plus
 torchrun's names for trainer ranks. Trainer ranks follow torchrun's static-rendezvous arithmetic: a trainer pod
 (node) runs `processes_per_node` ranks, RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, WORLD_SIZE = nodes *
 processes_per_node. With one rank per pod the pod's process is the rank (RANK/LOCAL_RANK in its env); with more,
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core import runtime
+from rlkube.contract import runtime
 from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, TRAINER
 
 POD_IP = "POD_IP"

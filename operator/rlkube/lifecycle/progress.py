@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rlkube.core import protocol
+from rlkube.contract import protocol
 
 
 MAX_PATH = 4096

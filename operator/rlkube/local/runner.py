@@ -1,6 +1,6 @@
 """`rlkube local FILE`: run one TrainingJob on this machine as local processes.
 
-The same roles as in a cluster (`python -m rlkube.core.<role>` with the env of rlkube.core.runtime), started in
+The same roles as in a cluster (`python -m rlkube.core.<role>` with the env of rlkube.contract.runtime), started in
 the order of docs/design.md §3 (Redis; trainer and inference together; preprocessor; actors once inference is healthy),
 followed through the trainer's events in Redis, and torn down in the operator's order: actors, preprocessor,
 inference, trainer, Redis. Any ending (success, a crashed role, Ctrl-C) goes through that teardown.
@@ -30,13 +30,17 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlkube.api import SpecError, TrainingJobSpec, parse_manifest
-from rlkube.core import protocol, runtime, streams
+from rlkube.api import TrainingJobSpec
+from rlkube.contract import protocol, runtime, streams
+from rlkube.core.hf import ModelError
+from rlkube.core.hf.fetch import fetch
+from rlkube.core.hf.source import default_cache_dir
 from rlkube.lifecycle import progress, roles
 from rlkube.lifecycle.environment import Addresses, role_env, role_module
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import Phase, Reason
+from rlkube.lifecycle.validation import SpecError, parse_manifest
 from rlkube.lifecycle.verdict import Outcome, Verdict
 from rlkube.local.ports import free_port
 from rlkube.local.processes import RoleProcess, python_module, stop_all
@@ -424,9 +428,6 @@ def materialize(spec: TrainingJobSpec, cache: Path, console: Console) -> Outcome
     """Materialize spec.model.path into `cache` (None when it is ready), else the job's outcome: a ModelError is
     judged as the operator judges a pod that exits with runtime.EXIT_CONFIG (Failed, InvalidSpec, the message
     naming spec.model.path); Ctrl-C during a download is an interruption."""
-    from rlkube.core.hf import ModelError
-    from rlkube.core.hf.fetch import fetch
-
     console.print(f"model: {spec.model.path} (model cache {cache})", soft_wrap=True, markup=False)
     try:
         path = fetch(spec, cache)  # what the operator's model init container runs
@@ -459,7 +460,6 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
     console = console or Console(stderr=True)
     out = Path(output_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     t0 = time.monotonic()
-    from rlkube.core.hf.source import default_cache_dir
 
     cache = Path(model_cache).expanduser().resolve() if model_cache is not None else default_cache_dir().resolve()
     failed = materialize(spec, cache, console)

@@ -44,15 +44,16 @@ import torch
 import torch.distributed as dist
 
 from rlkube.api.spec import TrainingJobSpec
+from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
 from rlkube.core import checkpoint as ckpt
 from rlkube.core.backends.base import batch_loss, lr_scheduler
 from rlkube.core.backends.megatron_gpt import MegatronGPT
 from rlkube.core.backends.megatron_hf import Architecture, UnsupportedArchitecture, tp_dim
+from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
 from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
 from rlkube.core.losses import LossConfig, LossStats
-from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("rlkube.trainer.megatron")
 
@@ -88,8 +89,6 @@ def check_tensor_parallel(config: Any, tp: int) -> None:
 
 def collective_timeout_s() -> float:
     """The trainer's collective timeout (RLKUBE_COLLECTIVE_TIMEOUT_S, checked by DistConfig), for megatron's groups."""
-    from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
-
     return float(os.environ.get(ENV_COLLECTIVE_TIMEOUT) or DEFAULT_COLLECTIVE_TIMEOUT_S)
 
 

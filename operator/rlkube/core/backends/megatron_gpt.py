@@ -34,6 +34,7 @@ from rlkube.core.backends.megatron_hf import (
     transformer_config_kwargs,
     unshard,
 )
+from rlkube.core.hf.loading import load_config
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used
@@ -116,8 +117,7 @@ class MegatronGPT:
     @classmethod
     def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", seed: int = 0, recompute: bool = False) -> MegatronGPT:
-        from rlkube.core.hf.loading import load_config  # checks the directory; raises ModelError naming the field
-
+        # load_config checks the directory; it raises ModelError naming the field
         gpt = cls(load_config(Path(path)), dtype, device, seed, recompute)
         gpt.load_hf_dir(path)
         return gpt

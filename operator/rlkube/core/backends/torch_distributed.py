@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT
+from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("rlkube.trainer.dp")
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS
+
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARSET = "0123456789+-*=:;,.?!()[]<>/ abcdefghijklmnopqrstuvwxyz"
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -46,8 +48,6 @@ def char_tokenizer():
 
 def tiny_llama_config(vocab_size: int):
     from transformers import LlamaConfig
-
-    from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS
 
     heads, kv_heads = BUILTIN_ATTENTION_HEADS["tiny-llama"]
     return LlamaConfig(

@@ -20,10 +20,12 @@ import os
 import sys
 from pathlib import Path
 
-from rlkube.api.validation import parse_spec
-from rlkube.core import errors, runtime
+from rlkube.contract import runtime
+from rlkube.core import errors
 from rlkube.core.hf.errors import ModelError
+from rlkube.core.hf.loading import load_config, load_tokenizer
 from rlkube.core.hf.source import FIELD, default_cache_dir, materialize_model
+from rlkube.lifecycle.validation import parse_spec
 
 log = logging.getLogger("rlkube.core.hf.fetch")
 
@@ -46,8 +48,6 @@ def check_weight_headers(directory: Path, field: str = FIELD) -> int:
 
 def fetch(spec, cache_dir: Path | None = None) -> Path:
     """The job's model directory, materialized and checked (config, tokenizer against the model, weight headers)."""
-    from rlkube.core.hf.loading import load_config, load_tokenizer
-
     path = materialize_model(spec.model, cache_dir)
     config = load_config(path)
     load_tokenizer(path, config)

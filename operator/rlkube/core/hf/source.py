@@ -24,9 +24,10 @@ from pathlib import Path
 
 from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import ModelSpec
+from rlkube.contract.runtime import ENV_MODEL_CACHE
+from rlkube.core.hf.builtin import BUILTIN_WRITERS, FORMAT_VERSION
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import check_model_dir
-from rlkube.core.runtime import ENV_MODEL_CACHE
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ def materialize_model(spec: ModelSpec, cache_dir: Path | None = None, env: Mappi
 
 
 def builtin_dir(name: str, seed: int, cache: Path) -> Path:
-    from rlkube.core.hf.builtin import FORMAT_VERSION
-
     return Path(cache) / "builtin" / f"{name}-seed{seed}-v{FORMAT_VERSION}"
 
 
@@ -74,8 +73,6 @@ def write_builtin(name: str, seed: int, cache: Path) -> Path:
     final = builtin_dir(name, seed, cache)
     if final.is_dir():
         return final
-    from rlkube.core.hf.builtin import BUILTIN_WRITERS
-
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"

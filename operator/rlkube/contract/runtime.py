@@ -2,7 +2,7 @@
 
 Both launchers (the operator's pod builders and `rlkube local`) start every role as
 `python -m rlkube.core.<role>` with the environment variables below; the roles read them with
-`RoleContext.from_env()`. The job config file is `{"namespace", "name", "spec"}` with the spec in camelCase,
+`RoleContext.from_env()` (rlkube.core.context). The job config file is `{"namespace", "name", "spec"}` with the spec in camelCase,
 exactly as in the TrainingJob.
 
 Network names: in a cluster every Service is headless and each pod has `hostname`/`subdomain` set, so the
@@ -12,14 +12,10 @@ launcher passes names like `{job}-inference-0.{job}-inference:8000`; locally it 
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.validation import parse_spec
-from rlkube.core.protocol import StreamKeys
 
 ENV_CONFIG = "RLKUBE_CONFIG"  # path of the job config JSON
 ENV_REDIS_URL = "RLKUBE_REDIS_URL"  # redis://host:port/db, without the password
@@ -73,59 +69,6 @@ def weight_sync_rank(spec: TrainingJobSpec, index: int, tp_rank: int = 0) -> int
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tensor-parallel rank {tp_rank} outside 0..{tp - 1}")
     return 1 + index * tp + tp_rank
-
-
-@dataclass(frozen=True)
-class RoleContext:
-    namespace: str
-    job: str
-    spec: TrainingJobSpec
-    redis_url: str
-    index: int = 0
-    inference_urls: tuple[str, ...] = ()
-    weight_sync_addr: str | None = None
-    bind_host: str = "127.0.0.1"
-    port: int | None = None
-    checkpoint_dir: Path | None = None
-    output_dir: Path | None = None
-    model_cache_dir: Path | None = None  # None: rlkube.core.hf.source.default_cache_dir()
-
-    @property
-    def keys(self) -> StreamKeys:
-        return StreamKeys.for_job(self.namespace, self.job, self.spec.trainer.backend)
-
-    @property
-    def weight_sync_world_size(self) -> int:
-        return weight_sync_world_size(self.spec)
-
-    def weight_sync_rank(self, tp_rank: int = 0) -> int:
-        """This inference server's rank (its tensor-parallel worker `tp_rank`'s) in the weight-update group."""
-        return weight_sync_rank(self.spec, self.index, tp_rank)
-
-    @classmethod
-    def from_env(cls, env: os._Environ | dict | None = None) -> RoleContext:
-        env = os.environ if env is None else env
-        path = env.get(ENV_CONFIG)
-        if not path:
-            raise SystemExit(f"{ENV_CONFIG} is not set: the launcher must pass the job config file")
-        doc = json.loads(Path(path).read_text())
-        redis_url = env.get(ENV_REDIS_URL)
-        if not redis_url:
-            raise SystemExit(f"{ENV_REDIS_URL} is not set")
-        return cls(
-            namespace=doc["namespace"],
-            job=doc["name"],
-            spec=parse_spec(doc["spec"]),
-            redis_url=with_password(redis_url, env.get(ENV_REDIS_PASSWORD)),
-            index=int(env.get(ENV_INDEX, "0")),
-            inference_urls=tuple(u for u in env.get(ENV_INFERENCE_URLS, "").split(",") if u),
-            weight_sync_addr=env.get(ENV_WEIGHT_SYNC) or None,
-            bind_host=env.get(ENV_BIND_HOST, "127.0.0.1"),
-            port=int(env[ENV_PORT]) if env.get(ENV_PORT) else None,
-            checkpoint_dir=Path(env[ENV_CHECKPOINT_DIR]) if env.get(ENV_CHECKPOINT_DIR) else None,
-            output_dir=Path(env[ENV_OUTPUT_DIR]) if env.get(ENV_OUTPUT_DIR) else None,
-            model_cache_dir=Path(env[ENV_MODEL_CACHE]) if env.get(ENV_MODEL_CACHE) else None,
-        )
 
 
 def with_password(url: str, password: str | None) -> str:

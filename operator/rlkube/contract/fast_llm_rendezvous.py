@@ -4,7 +4,7 @@ rlkube.core.fast_llm_weights, the receiver."""
 
 from __future__ import annotations
 
-from rlkube.core import runtime
+from rlkube.contract import runtime
 
 EPOCH = "fast-llm"
 """What a Fast-LLM receiver reports as its epoch (Fast-LLM has one group per trainer run, no epochs)."""

@@ -31,7 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rlkube.core.protocol import TrainerEvent, decode_event, stream_id_key, text
+from rlkube.contract.protocol import TrainerEvent, decode_event, stream_id_key, text
 
 log = logging.getLogger(__name__)
 

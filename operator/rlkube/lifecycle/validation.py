@@ -3,6 +3,9 @@
 The API server rejects what the OpenAPI schema can express (types, enums, minimums, required fields).
 What needs two fields at once is checked here; the operator reports these errors in status and Events
 and creates nothing, and `rlkube local` prints them and exits.
+
+In lifecycle, not in rlkube.api (types only): the operator, `rlkube local`, `rlkube validate` and every role
+(RoleContext.from_env) run it, and it needs the job's environment and the pod rules the builders share (`owned`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pydantic import ValidationError
 
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.spec import API_VERSION, GPU, KIND, TaskSpec, TrainingJobSpec
+from rlkube.lifecycle import owned
+from rlkube.lifecycle.environment import operator_env_names, trainer_world_size
 
 
 @dataclass(frozen=True)
@@ -136,11 +141,9 @@ def pod_field_errors(spec: TrainingJobSpec) -> list[FieldError]:
         if len(secret.key) > 253 or not _SECRET_KEY.match(secret.key) or secret.key in (".", ".."):
             errs.append(FieldError("spec.redis.passwordSecret.key", f"{secret.key[:80]!r} is not a Secret key "
                                    "(letters, digits, '-', '_' and '.')"))
-    from rlkube.controller import names  # string constants only (see _owned_label)
-
     path = spec.trainer.checkpoint.path
-    taken = {names.CONFIG_MOUNT: "the job's config", names.TMP_MOUNT: "the pod's /tmp",
-             names.SHM_MOUNT: "shared memory", names.MODEL_CACHE_MOUNT: "the model cache"}
+    taken = {owned.CONFIG_MOUNT: "the job's config", owned.TMP_MOUNT: "the pod's /tmp",
+             owned.SHM_MOUNT: "shared memory", owned.MODEL_CACHE_MOUNT: "the model cache"}
     if not path.startswith("/"):
         errs.append(FieldError("spec.trainer.checkpoint.path", f"{path!r} must be an absolute path"))
     elif path.rstrip("/") in taken:
@@ -197,8 +200,6 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
     tp = trainer.megatron.tensor_parallel
     if tp > 1:
-        from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
-
         ranks = trainer_world_size(spec)
         if trainer.backend != "megatron":
             errs.append(FieldError("spec.trainer.megatron.tensorParallel", f"{tp} is for backend megatron, not "
@@ -213,8 +214,6 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.trainer.sharding", f"'{trainer.sharding}' shards the torch backend; backend "
                                                         f"{trainer.backend!r} has its own parallelism"))
     elif trainer.sharding == "fsdp":
-        from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
-
         if trainer_world_size(spec) < 2:
             errs.append(FieldError("spec.trainer.sharding", "'fsdp' shards over the trainer's ranks: it needs "
                                                             "nodes x processes per node > 1"))
@@ -227,19 +226,13 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def _owned_label(key: str) -> bool:
-    from rlkube.controller import names  # a pure module of string constants (it imports only rlkube.api.spec)
-
-    return key.startswith(names.OWNED_PREFIX) or key in (names.LABEL_MANAGED_BY, names.LABEL_NAME)
+    return key.startswith(owned.OWNED_PREFIX) or key in (owned.LABEL_MANAGED_BY, owned.LABEL_NAME)
 
 
 def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """What a pod template may not change: the operator's labels, env, volumes and mounts, named by field
     (`spec.trainer.template.spec.containers[trainer].env[RANK]`). Fields the operator sets outright (command,
     image, restartPolicy, ...) are refused while parsing (spec._refuse_owned)."""
-    # Imported here: the core's runtime imports this module, and the environment module imports the runtime.
-    from rlkube.controller import names
-    from rlkube.lifecycle.environment import operator_env_names
-
     errs: list[FieldError] = []
     for role in TEMPLATE_ROLES:
         tpl = spec.template_for(role)
@@ -253,10 +246,10 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
             for key in getattr(tpl.metadata, kind):
                 if _owned_label(key):
                     errs.append(FieldError(f"{at}.metadata.{kind}[{key}]", "set by the operator (its own keys: "
-                                           f"{names.OWNED_PREFIX}*, {names.LABEL_MANAGED_BY}, {names.LABEL_NAME})"))
+                                           f"{owned.OWNED_PREFIX}*, {owned.LABEL_MANAGED_BY}, {owned.LABEL_NAME})"))
         pod = tpl.spec
-        owned_volumes = names.owned_volumes(role, spec)
-        volumes = {v.name for v in pod.volumes} | set(names.role_volumes(role, spec))
+        owned_volumes = owned.owned_volumes(role, spec)
+        volumes = {v.name for v in pod.volumes} | set(owned.role_volumes(role, spec))
         seen: set[str] = set()
         for v in pod.volumes:
             where = f"{at}.spec.volumes[{v.name}]"
@@ -276,7 +269,7 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
         if len(containers) != len(set(containers)):
             errs.append(FieldError(f"{at}.spec.containers[{role}]", "listed twice"))
         owned_env = operator_env_names(spec, role)
-        owned_mounts = names.owned_mounts(role, spec)
+        owned_mounts = owned.owned_mounts(role, spec)
         for c in pod.containers:
             if c.name != role:
                 continue
@@ -390,8 +383,6 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    from rlkube.lifecycle.environment import trainer_world_size  # lazily: see template_errors
-
     errs: list[FieldError] = resource_errors(spec) + pod_field_errors(spec) + rank_errors(spec) + template_errors(spec)
     errs += task_errors(spec.task) + model_errors(spec)
     if spec.redis.mode == "external" and not spec.redis.url:

@@ -1,0 +1,87 @@
+"""A role process's reading of its launcher's contract (rlkube.contract.runtime): the job, its spec checked again.
+
+The contract itself (the variable names, ports, exit codes) is written in rlkube.contract so that the launchers
+can name it without importing a role; this module is the role side, which parses the spec the launcher wrote
+with the same validation the launchers ran (rlkube.lifecycle.validation), so a role never runs a spec the
+operator would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.contract.protocol import StreamKeys
+from rlkube.contract.runtime import (
+    ENV_BIND_HOST,
+    ENV_CHECKPOINT_DIR,
+    ENV_CONFIG,
+    ENV_INDEX,
+    ENV_INFERENCE_URLS,
+    ENV_MODEL_CACHE,
+    ENV_OUTPUT_DIR,
+    ENV_PORT,
+    ENV_REDIS_PASSWORD,
+    ENV_REDIS_URL,
+    ENV_WEIGHT_SYNC,
+    weight_sync_rank,
+    weight_sync_world_size,
+    with_password,
+)
+from rlkube.lifecycle.validation import parse_spec
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    namespace: str
+    job: str
+    spec: TrainingJobSpec
+    redis_url: str
+    index: int = 0
+    inference_urls: tuple[str, ...] = ()
+    weight_sync_addr: str | None = None
+    bind_host: str = "127.0.0.1"
+    port: int | None = None
+    checkpoint_dir: Path | None = None
+    output_dir: Path | None = None
+    model_cache_dir: Path | None = None  # None: rlkube.core.hf.source.default_cache_dir()
+
+    @property
+    def keys(self) -> StreamKeys:
+        return StreamKeys.for_job(self.namespace, self.job, self.spec.trainer.backend)
+
+    @property
+    def weight_sync_world_size(self) -> int:
+        return weight_sync_world_size(self.spec)
+
+    def weight_sync_rank(self, tp_rank: int = 0) -> int:
+        """This inference server's rank (its tensor-parallel worker `tp_rank`'s) in the weight-update group."""
+        return weight_sync_rank(self.spec, self.index, tp_rank)
+
+    @classmethod
+    def from_env(cls, env: os._Environ | dict | None = None) -> RoleContext:
+        env = os.environ if env is None else env
+        path = env.get(ENV_CONFIG)
+        if not path:
+            raise SystemExit(f"{ENV_CONFIG} is not set: the launcher must pass the job config file")
+        doc = json.loads(Path(path).read_text())
+        redis_url = env.get(ENV_REDIS_URL)
+        if not redis_url:
+            raise SystemExit(f"{ENV_REDIS_URL} is not set")
+        return cls(
+            namespace=doc["namespace"],
+            job=doc["name"],
+            spec=parse_spec(doc["spec"]),
+            redis_url=with_password(redis_url, env.get(ENV_REDIS_PASSWORD)),
+            index=int(env.get(ENV_INDEX, "0")),
+            inference_urls=tuple(u for u in env.get(ENV_INFERENCE_URLS, "").split(",") if u),
+            weight_sync_addr=env.get(ENV_WEIGHT_SYNC) or None,
+            bind_host=env.get(ENV_BIND_HOST, "127.0.0.1"),
+            port=int(env[ENV_PORT]) if env.get(ENV_PORT) else None,
+            checkpoint_dir=Path(env[ENV_CHECKPOINT_DIR]) if env.get(ENV_CHECKPOINT_DIR) else None,
+            output_dir=Path(env[ENV_OUTPUT_DIR]) if env.get(ENV_OUTPUT_DIR) else None,
+            model_cache_dir=Path(env[ENV_MODEL_CACHE]) if env.get(ENV_MODEL_CACHE) else None,
+        )
