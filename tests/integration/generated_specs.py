@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from rlkube.api.crd import crd
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
-from rlkube.lifecycle.validation import tensor_parallel_heads_error
+from rlkube.contract.parallel import tensor_parallel_heads_error
 from specs import DELETE, with_overrides
 
 SPEC_SCHEMA: dict = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]

@@ -24,7 +24,7 @@ from core_roles import (
 )
 from rlkube.contract import protocol
 from rlkube.core.preprocessor import PreprocessorRole
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.contract.streams import ensure_group
 
 START_TIMEOUT = 60

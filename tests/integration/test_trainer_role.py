@@ -154,7 +154,7 @@ def test_malformed_documents_are_logged_and_skipped(redis_client, redis_server, 
     """In-process, to read the log records: bad entries between good ones never crash the trainer."""
     import threading
 
-    from rlkube.core.context import RoleContext
+    from rlkube.contract.context import RoleContext
     from rlkube.core.trainer import build_role
 
     spec = tiny_spec(maxSteps=1, samplesPerStep=4)

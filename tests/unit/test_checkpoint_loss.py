@@ -1,4 +1,4 @@
-"""The checkpoint-loss rule (rlkube.lifecycle.checkpoint_loss): a restarted trainer that finds no checkpoint, or an
+"""The checkpoint-loss rule (rlkube.contract.checkpoint_loss): a restarted trainer that finds no checkpoint, or an
 older one, where its launcher saw one saved fails the job at once (CheckpointLost, naming
 spec.trainer.checkpoint.claimName) instead of silently starting over; how the expectation reaches the trainer from
 the operator's pod and from `rlkube local`'s env; the warning a job on an emptyDir gets."""
@@ -15,7 +15,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import builders, names
 from rlkube.contract import runtime
 from rlkube.core.checkpoint import checkpoint_name
-from rlkube.lifecycle import checkpoint_loss
+from rlkube.contract import checkpoint_loss
 from rlkube.lifecycle.environment import Addresses, operator_env_names, role_env
 from rlkube.lifecycle.evidence import Evidence, Failure
 from rlkube.lifecycle.judgement import judge

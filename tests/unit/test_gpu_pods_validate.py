@@ -14,7 +14,7 @@ from pod_security import assert_hardened_pod
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
-from rlkube.lifecycle.environment import rank_env
+from rlkube.contract.parallel import rank_env
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")  # the dev extra installs it
 

@@ -5,9 +5,11 @@ The floors, lowest first; a module imports only modules of its own floor or of f
 
     0 base               rlkube (the package root), rlkube.gctune: import nothing of rlkube
     1 api                the TrainingJob types and the CRD: import nothing else of rlkube
-    2 contract           what launchers and roles agree on (role environment names, Redis protocol, streams)
-    3 lifecycle          what a job IS, for both launchers: roles, environment, validation, phases, judgement
-    4 core               the role processes (trainer, inference, actor, preprocessor) and their training stack
+    2 contract           what launchers and roles agree on (role environment names, Redis protocol, streams,
+                         the role's context, rank arithmetic, the checkpoint-loss message)
+    3 core               the role processes (trainer, inference, actor, preprocessor) and their training stack:
+                         they read the contract and the already validated spec, never the launchers' rules
+    4 lifecycle          what a job IS, for both launchers: roles, environment, validation, phases, judgement
     5 controller, local  the two launchers: the kopf operator and `rlkube local`
     6 cli                the `rlkube` command, one subcommand per owning module
     7 bench              benchmarks and the fake kubelet: the top, nothing else imports it
@@ -42,8 +44,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("rlkube", "rlkube.gctune")),
     ("api", ("rlkube.api",)),
     ("contract", ("rlkube.contract",)),
-    ("lifecycle", ("rlkube.lifecycle",)),
     ("core", ("rlkube.core",)),
+    ("lifecycle", ("rlkube.lifecycle",)),
     ("controller, local", ("rlkube.controller", "rlkube.local")),
     ("cli", ("rlkube.cli",)),
     ("bench", ("rlkube.bench",)),

@@ -13,7 +13,8 @@ from pod_security import assert_hardened_pod, assert_no_secret_value, selects
 from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import builders
 from rlkube.controller.builders import JobRef
-from rlkube.lifecycle.environment import operator_env_names, rank_env
+from rlkube.contract.parallel import rank_env
+from rlkube.lifecycle.environment import operator_env_names
 from rlkube.lifecycle.roles import START_ORDER
 import specs
 

@@ -10,7 +10,7 @@ import pytest
 from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, DistConfig
 from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.trainer import build_role
 
 SPEC = {

@@ -10,6 +10,7 @@ from decimal import Decimal
 import pytest
 import specs
 
+from rlkube.contract import parallel
 from rlkube.lifecycle import validation
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.environment import operator_env_names
@@ -229,8 +230,9 @@ def test_a_dataset_task_with_its_reward_is_fine():
 
 def test_fast_llm_errors_list_what_the_example_lacks_for_it():
     errors = validation.fast_llm_errors(typed(**{"trainer.backend": "fast-llm", "algorithm.loss": "ppo"}))
+    # The native engine receives Fast-LLM's broadcast (core.fast_llm_weights), so engine: native is no error.
     assert fields(errors) == ["spec.trainer.gpusPerNode", "spec.trainer.fastLlm.modelFormat", "spec.model.path",
-                              "spec.algorithm.loss", "spec.inference.engine"]
+                              "spec.algorithm.loss"]
 
 
 def test_fast_llm_errors_pass_a_job_made_for_it():
@@ -266,7 +268,7 @@ def test_an_sft_job_takes_groups_of_one():
     (8, 3, 4, "its 3 key/value heads"),
 ])
 def test_tensor_parallel_heads_error(heads, kv_heads, tp, says):
-    got = validation.tensor_parallel_heads_error(heads, kv_heads, tp)
+    got = parallel.tensor_parallel_heads_error(heads, kv_heads, tp)
     assert got is None if says is None else says in got
 
 

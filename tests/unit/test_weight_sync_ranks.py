@@ -7,9 +7,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from rlkube.lifecycle.validation import SpecError, parse_spec, tensor_parallel_heads_error
+from rlkube.contract.parallel import tensor_parallel_heads_error
+from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.contract import runtime
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.vllm_server import combine_joins, combine_receipts
 
 pytestmark = pytest.mark.unit

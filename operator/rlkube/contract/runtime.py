@@ -2,7 +2,7 @@
 
 Both launchers (the operator's pod builders and `rlkube local`) start every role as
 `python -m rlkube.core.<role>` with the environment variables below; the roles read them with
-`RoleContext.from_env()` (rlkube.core.context). The job config file is `{"namespace", "name", "spec"}` with the spec in camelCase,
+`RoleContext.from_env()` (rlkube.contract.context). The job config file is `{"namespace", "name", "spec"}` with the spec in camelCase,
 exactly as in the TrainingJob.
 
 Network names: in a cluster every Service is headless and each pod has `hostname`/`subdomain` set, so the
@@ -27,7 +27,7 @@ ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
 # Trainer: the checkpoint the launcher last saw saved (status.trainer.lastCheckpoint.path), unset before the first;
-# a trainer that finds none as new fails (rlkube.lifecycle.checkpoint_loss).
+# a trainer that finds none as new fails (rlkube.contract.checkpoint_loss).
 ENV_RESUME_CHECKPOINT = "RLKUBE_RESUME_CHECKPOINT"
 ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
 # Where spec.model.path is materialized (hf:// snapshots, builtin:// models); every role of a job should see the

@@ -325,7 +325,7 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         "command": ["python", "-m", role_module(job.spec, role)],
         # HOME on the writable /tmp volume (caches of torch, triton, HF); a template's env may point it elsewhere.
         # A trainer gets the checkpoint it must resume from (the annotation below) in its env, so that it fails
-        # instead of starting over when the volume lost it (rlkube.lifecycle.checkpoint_loss).
+        # instead of starting over when the volume lost it (rlkube.contract.checkpoint_loss).
         "env": [*_core_env(job, role, index, resume_checkpoint if role == "trainer" else None),
                 {"name": "HOME", "value": names.TMP_MOUNT}],
         # The role writes why it failed to /dev/termination-log (rlkube.core.errors); a crash that could not

@@ -19,7 +19,7 @@ table-driven unit test. `decide` is a short recipe of named steps, each a functi
   eventTimeoutSeconds while Running -> Stalled=True, and Failed/Stalled if runPolicy.failOnStall.
   A trainer that lost its checkpoint volume (exit 78 naming spec.trainer.checkpoint.claimName) ->
   Failed/CheckpointLost; a new job on an emptyDir checkpoint volume whose backoffLimit allows restarts gets a
-  Warning Event (EphemeralCheckpoints) at creation (rlkube.lifecycle.checkpoint_loss).
+  Warning Event (EphemeralCheckpoints) at creation (rlkube.contract.checkpoint_loss).
   A spec the schema could not reject -> Failed/InvalidSpec, nothing created. A child the API server rejects as
   invalid (400/422: a value the CRD schema let through, e.g. a pod-template label value with a space) ->
   Failed/InvalidSpec with the API server's message; nothing more is created, the rest is torn down.
@@ -78,7 +78,8 @@ from rlkube.controller.conditions import (
 from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
 from rlkube.contract import protocol, runtime
-from rlkube.lifecycle import checkpoint_loss, progress, roles
+from rlkube.contract import checkpoint_loss
+from rlkube.lifecycle import progress, roles
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import ConditionType, Phase, PodPhase, Reason

@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 
 from rlkube.contract import protocol, runtime, streams
 from rlkube.core import errors
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget

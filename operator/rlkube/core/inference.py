@@ -44,7 +44,7 @@ import torch
 from aiohttp import web
 
 from rlkube.contract import fast_llm_rendezvous, protocol, runtime, streams
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer

@@ -6,7 +6,7 @@ Why not torchrun itself: torchrun's agent hosts its own TCPStore on MASTER_PORT,
 (rlkube.core.backends.torch_distributed) already keeps its store with liveness and stop keys; its rank
 arithmetic would live inside torch instead of rlkube.lifecycle.environment, which `rlkube local` shares with the
 operator; and it reports a failed worker as its own error, not the rank's termination message. This launcher
-adds only what torchrun's worker env adds (environment.rank_env: RANK = NODE_RANK * LOCAL_WORLD_SIZE +
+adds only what torchrun's worker env adds (contract.parallel.rank_env: RANK = NODE_RANK * LOCAL_WORLD_SIZE +
 LOCAL_RANK, LOCAL_RANK, GROUP_RANK) to the pod's env (WORLD_SIZE, NODE_RANK, NNODES, LOCAL_WORLD_SIZE,
 MASTER_ADDR/PORT).
 
@@ -33,9 +33,9 @@ import threading
 from pathlib import Path
 
 from rlkube.contract import runtime
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.errors import write_termination_message
-from rlkube.lifecycle.environment import processes_per_node, rank_env
+from rlkube.contract.parallel import processes_per_node, rank_env
 
 log = logging.getLogger("rlkube.launcher")
 

@@ -41,7 +41,7 @@ import redis
 
 from rlkube.contract import protocol, streams
 from rlkube.core.advantages import group_advantages
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.roles import stop_on_signals
 
 log = logging.getLogger("rlkube.preprocessor")

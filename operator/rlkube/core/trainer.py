@@ -23,7 +23,7 @@ without one, checkpoints what it trained and exits 1 without training_finished.
 A restarted trainer resumes from the newest checkpoint in its directory. When its launcher saw a newer one saved
 (RLKUBE_RESUME_CHECKPOINT) it exits 78 naming spec.trainer.checkpoint.claimName instead: the checkpoint volume was
 lost (an emptyDir with its pod), and starting over would silently drop the job's progress
-(rlkube.lifecycle.checkpoint_loss).
+(rlkube.contract.checkpoint_loss).
 
 With more than one rank (spec.trainer.nodes x processes per node; torch and megatron backends) one trainer
 process runs per rank, data-parallel (several per pod through rlkube.core.launcher; see
@@ -68,9 +68,9 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.roles import stop_on_signals
 from rlkube.core.weightsync import WeightPublisher, transfer_dtype
-from rlkube.core.context import RoleContext
-from rlkube.lifecycle import checkpoint_loss
-from rlkube.lifecycle.environment import processes_per_node, trainer_world_size
+from rlkube.contract.context import RoleContext
+from rlkube.contract import checkpoint_loss
+from rlkube.contract.parallel import processes_per_node, trainer_world_size
 
 log = logging.getLogger("rlkube.trainer")
 
@@ -769,7 +769,7 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
 def require_expected_checkpoint(trainer: Trainer, env) -> None:
     """After resume(): a trainer whose launcher saw checkpoint N saved (runtime.ENV_RESUME_CHECKPOINT) and that
     resumed from none, or from an older one, raises ConfigError (exit runtime.EXIT_CONFIG) instead of training on
-    from there: the job would lose its progress silently (rlkube.lifecycle.checkpoint_loss)."""
+    from there: the job would lose its progress silently (rlkube.contract.checkpoint_loss)."""
     resumed = trainer.last_checkpoint[0] if trainer.last_checkpoint is not None else None
     message = checkpoint_loss.loss(env.get(runtime.ENV_RESUME_CHECKPOINT), resumed, str(trainer.checkpoint_dir))
     if message is not None:

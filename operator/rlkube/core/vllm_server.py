@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkube.contract import protocol, runtime, streams
-from rlkube.core.context import RoleContext
+from rlkube.contract.context import RoleContext
 from rlkube.core.errors import ConfigError, run_role, write_termination_message
 from rlkube.core.hf.loading import load_config, load_tokenizer
 from rlkube.core.hf.source import materialize_model
@@ -72,7 +72,7 @@ from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
 # The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
 # build-time import check (images/vllm, MODULES) cover it.
 from rlkube.core.vllm_worker import ENV_SERVER_PID, EXTENSION
-from rlkube.lifecycle.validation import tensor_parallel_heads_error
+from rlkube.contract.parallel import tensor_parallel_heads_error
 
 # vllm (and the aiohttp, orjson, psutil and redis it is served with) are imported inside the functions that use
 # them: this interpreter may have no vllm, in which case `main` re-executes the module under RLKUBE_VLLM_PYTHON.

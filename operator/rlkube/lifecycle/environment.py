@@ -5,7 +5,7 @@ The variables are the runtime contract of `rlkube.contract.runtime` (what `RoleC
 torchrun's names for trainer ranks. Trainer ranks follow torchrun's static-rendezvous arithmetic: a trainer pod
 (node) runs `processes_per_node` ranks, RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, WORLD_SIZE = nodes *
 processes_per_node. With one rank per pod the pod's process is the rank (RANK/LOCAL_RANK in its env); with more,
-the pod runs `rlkube.core.launcher`, which starts each rank with `rank_env` added. What differs between launchers is only where things are, which the caller
+the pod runs `rlkube.core.launcher`, which starts each rank with `rank_env` (rlkube.contract.parallel) added. What differs between launchers is only where things are, which the caller
 passes as `Addresses`: in a cluster, headless-Service names and `$(POD_IP)`; locally, 127.0.0.1 ports. The Redis
 password is not here: pods take it from a Secret (`secretKeyRef`), a local job's Redis has none.
 """
@@ -16,21 +16,12 @@ from dataclasses import dataclass
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import runtime
+from rlkube.contract.parallel import RANK_ENV, processes_per_node, rank_env, trainer_world_size
 from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, TRAINER
 
 POD_IP = "POD_IP"
 """The pod's IP from the downward API (pods only): servers bind to it (`bind_host` is `$(POD_IP)`)."""
 LAUNCHER_MODULE = "rlkube.core.launcher"
-
-
-def processes_per_node(spec: TrainingJobSpec) -> int:
-    """Trainer ranks per trainer pod: spec.trainer.processesPerNode, else one per GPU, else 1 (CPU)."""
-    trainer = spec.trainer
-    return trainer.processes_per_node or max(trainer.gpus_per_node, 1)
-
-
-def trainer_world_size(spec: TrainingJobSpec) -> int:
-    return spec.trainer.nodes * processes_per_node(spec)
 
 
 def role_module(spec: TrainingJobSpec, role: str) -> str:
@@ -39,22 +30,6 @@ def role_module(spec: TrainingJobSpec, role: str) -> str:
     if role == TRAINER and processes_per_node(spec) > 1:
         return LAUNCHER_MODULE
     return f"rlkube.core.{role}"
-
-
-def rank_env(spec: TrainingJobSpec, node_rank: int, local_rank: int) -> list[tuple[str, str]]:
-    """What the launcher adds for local rank `local_rank` of trainer pod `node_rank` (torchrun's worker env)."""
-    per_node = processes_per_node(spec)
-    if not 0 <= local_rank < per_node:
-        raise ValueError(f"local rank {local_rank} outside 0..{per_node - 1}")
-    return [
-        ("RANK", str(node_rank * per_node + local_rank)),
-        ("LOCAL_RANK", str(local_rank)),
-        ("GROUP_RANK", str(node_rank)),
-    ]
-
-
-RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK")
-"""Names rank_env sets per process."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from pydantic import ValidationError
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.spec import API_VERSION, GPU, KIND, TaskSpec, TrainingJobSpec
 from rlkube.lifecycle import owned
-from rlkube.lifecycle.environment import operator_env_names, trainer_world_size
+from rlkube.contract.parallel import tensor_parallel_heads_error, trainer_world_size
+from rlkube.lifecycle.environment import operator_env_names
 
 
 @dataclass(frozen=True)
@@ -420,16 +421,6 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
     return errs
-
-
-def tensor_parallel_heads_error(heads: int, kv_heads: int, tp: int) -> str | None:
-    """Why `tp` workers cannot split a model's attention, as vLLM decides it (each worker takes heads/tp query heads
-    and kv_heads/tp key/value heads, or one replicated key/value head when there are fewer than tp), or None."""
-    if heads % tp:
-        return f"its {heads} attention heads do not divide among {tp} tensor-parallel workers"
-    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
-        return f"its {kv_heads} key/value heads do not divide among (or evenly repeat over) {tp} workers"
-    return None
 
 
 def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> TrainingJobSpec:

@@ -20,12 +20,12 @@ import os
 import sys
 from pathlib import Path
 
+from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.core import errors
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import load_config, load_tokenizer
 from rlkube.core.hf.source import FIELD, default_cache_dir, materialize_model
-from rlkube.lifecycle.validation import parse_spec
 
 log = logging.getLogger("rlkube.core.hf.fetch")
 
@@ -60,7 +60,7 @@ def fetch(spec, cache_dir: Path | None = None) -> Path:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s model-fetch %(levelname)s %(message)s")
     doc = json.loads(Path(os.environ[runtime.ENV_CONFIG]).read_text())
-    fetch(parse_spec(doc["spec"]), default_cache_dir())
+    fetch(TrainingJobSpec.model_validate(doc["spec"]), default_cache_dir())  # validated by its writer
     return 0
 
 

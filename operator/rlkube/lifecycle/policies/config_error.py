@@ -1,12 +1,12 @@
 """A role that exited with runtime.EXIT_CONFIG found its input unusable (a model directory that is missing or of an
 unsupported architecture, a dataset without the mapped field, ...). Restarting it cannot help, so the job fails at
 once with the role's own message, which names the spec field, instead of restarting it until a budget runs out.
-A trainer that lost its checkpoints (rlkube.lifecycle.checkpoint_loss) is such a role, with its own reason."""
+A trainer that lost its checkpoints (rlkube.contract.checkpoint_loss) is such a role, with its own reason."""
 
 from __future__ import annotations
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.lifecycle import checkpoint_loss
+from rlkube.contract import checkpoint_loss
 from rlkube.lifecycle.evidence import Evidence
 from rlkube.lifecycle.phases import Reason
 from rlkube.lifecycle.verdict import UNDECIDED, Outcome, Verdict

@@ -1,9 +1,10 @@
-"""A role process's reading of its launcher's contract (rlkube.contract.runtime): the job, its spec checked again.
+"""A role process's reading of its launcher's contract (rlkube.contract.runtime): the job and its spec.
 
-The contract itself (the variable names, ports, exit codes) is written in rlkube.contract so that the launchers
-can name it without importing a role; this module is the role side, which parses the spec the launcher wrote
-with the same validation the launchers ran (rlkube.lifecycle.validation), so a role never runs a spec the
-operator would refuse.
+The contract itself (the variable names, ports, exit codes) is written beside this module so that the launchers
+can name it without importing a role; this module is the role side. The spec in the job config was validated
+by whoever wrote it (the operator or `rlkube local`, rlkube.lifecycle.validation, before any child exists), so
+a role only types it (`model_validate`) and never imports the validation rules: a config that does not even
+type-check is a launcher/image version skew, reported as such.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract.protocol import StreamKeys
@@ -31,7 +34,6 @@ from rlkube.contract.runtime import (
     weight_sync_world_size,
     with_password,
 )
-from rlkube.lifecycle.validation import parse_spec
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,15 @@ class RoleContext:
         redis_url = env.get(ENV_REDIS_URL)
         if not redis_url:
             raise SystemExit(f"{ENV_REDIS_URL} is not set")
+        try:
+            spec = TrainingJobSpec.model_validate(doc["spec"])
+        except ValidationError as exc:
+            raise SystemExit(f"{path}: the job config's spec does not type-check against this image's rlkube "
+                             f"(a launcher and image of different versions?): {exc}") from None
         return cls(
             namespace=doc["namespace"],
             job=doc["name"],
-            spec=parse_spec(doc["spec"]),
+            spec=spec,
             redis_url=with_password(redis_url, env.get(ENV_REDIS_PASSWORD)),
             index=int(env.get(ENV_INDEX, "0")),
             inference_urls=tuple(u for u in env.get(ENV_INFERENCE_URLS, "").split(",") if u),
