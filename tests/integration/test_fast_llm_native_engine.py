@@ -16,7 +16,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.contract import protocol
 from rlkube.core import fast_llm_launch
-from serve_helpers import RoleProcesses, http_json, http_status, reserved_port, wait_until, write_config
+from serve_helpers import RoleProcesses, http_json, http_status, reserved_port, wait_for, write_config
 
 HERE = Path(__file__).parent
 PER_STEP, OVERSHOOT, STEPS = 4, 1, 2
@@ -59,7 +59,7 @@ def test_native_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redi
         sent = {int(line.split()[2]): float(line.split()[3]) for line in out.splitlines()
                 if line.startswith("stand-in: checksum")}
         assert sorted(sent) == [0, 1, 2]
-        health = wait_until(lambda: (h := http_json(f"http://127.0.0.1:{port}/health")[1]).get("training_finished")
+        health = wait_for(lambda: (h := http_json(f"http://127.0.0.1:{port}/health")[1]).get("training_finished")
                             and h, 60, "the server to take every update and training_finished")
         assert http_status(f"http://127.0.0.1:{port}/health") == 200
         assert (health["model_version"], health["epoch"], health["updates"]) == (STEPS, "fast-llm", STEPS + 1)
