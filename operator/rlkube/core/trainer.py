@@ -220,7 +220,11 @@ class Trainer:
             # A sharded backend reduce-scattered its gradients already (summed, torch_fsdp): only the statistics.
             summed = (self.dp.sum(pending) if self.sharded
                       else self.dp.sum_gradients(self.backend.gradient_parameters(), pending))
-            self._pending = LossStats(**dict(zip(names, summed, strict=True)))
+            reduced = dict(zip(names, summed, strict=True))
+            for name, how in LossStats.EXTREMA.items():  # a min or max, not a sum (rlkube.core.losses)
+                sign = -1.0 if how == "min" else 1.0
+                reduced[name] = sign * self.dp.max(sign * getattr(self._pending, name))
+            self._pending = LossStats(**reduced)
         lr = self.backend.learning_rate
         grad_norm = self.backend.optim_step()
         self.step += 1
