@@ -9,6 +9,7 @@ sampler mu = softmax(theta + delta) that is off by a KNOWN amount delta, and bat
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -267,3 +268,74 @@ def test_spec_fields_defaults_bounds_and_refusals():
         _spec({"klCoef": 0.1}, trainer={"sharding": "fsdp", "nodes": 2})
     # megatron runs the shared loss: the correction is accepted there
     _spec({"offPolicyCorrection": {"mode": "tis"}}, trainer={"backend": "megatron"})
+
+
+def _kl_docs(n=8, seed=0):
+    """Fixed documents (3 prompt + 5 completion tokens) with advantages +-1 that push the policy the same way every
+    step; no sampling log-probs (on-policy: the PPO ratio is 1)."""
+    from rlkube.core import protocol
+
+    rng = np.random.default_rng(seed)
+    return [protocol.Document(rng.integers(3, 20, size=8).astype(np.int64), [(0, 3)],
+                              advantage=1.0 if i % 2 == 0 else -1.0, reward=0.0) for i in range(n)]
+
+
+def _k3_to(reference, trainer, docs) -> float:
+    """Mean over the documents' loss tokens of k3 = exp(ref - new) - (ref - new) - 1 (KL(pi || pi_ref))."""
+    batch = trainer.make_batch(docs)
+    with torch.no_grad():
+        new = trainer.backend.logits(batch.tokens).log_softmax(-1)[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
+        ref = reference.reference_logprobs(batch.tokens)
+    d = (ref - new)[batch.loss_mask]
+    return float((d.exp() - d - 1).mean())
+
+
+def test_reference_kl_keeps_the_policy_closer_to_the_initial_model():
+    from rlkube.core.trainer import Trainer
+
+    docs, steps = _kl_docs(), 8
+    runs = {}
+    for coef in (0.0, 1.0):
+        torch.manual_seed(0)
+        trainer = Trainer(_spec({"klCoef": coef, "maxSteps": steps, "samplesPerStep": len(docs)}))
+        for _ in range(steps):
+            metrics = trainer.train_step(docs)
+        runs[coef] = (trainer, metrics)
+    kl_trainer, kl_metrics = runs[1.0]
+    assert kl_trainer.backend.reference is not None and runs[0.0][0].backend.reference is None
+    assert not any(p.requires_grad for p in kl_trainer.backend.reference.parameters())
+    without, with_kl = (_k3_to(kl_trainer.backend, runs[c][0], docs) for c in (0.0, 1.0))
+    print(f"\nk3 KL(pi || pi_ref) on the training tokens after {steps} steps: klCoef 0 -> {without:.4f}, "
+          f"klCoef 1 -> {with_kl:.4f}; step metric ref_kl {kl_metrics['ref_kl']:.4f}")
+    assert without > 0.05
+    assert with_kl < 0.5 * without
+    # the metric is the same k3 on the step's tokens, measured before the step's update
+    assert "ref_kl" in kl_metrics and "ref_kl" not in runs[0.0][1]
+    assert 0 < kl_metrics["ref_kl"] <= with_kl * 1.5 + 1e-6
+    assert kl_metrics["logprob_diff_abs"] == 0  # no sampling log-probs: on-policy
+
+
+def test_data_parallel_reduces_the_ratio_extrema_by_min_and_max():
+    """Two ranks: sums add over ranks, is_ratio_min / is_ratio_max are a min and a max (trainer.optim_step)."""
+    from rlkube.core import protocol
+    from rlkube.core.trainer import Trainer
+
+    class TwoRanks:  # the other rank saw the same sums, a smaller minimum and a larger maximum
+        def sum_gradients(self, params, extra):
+            return [2 * x for x in extra]
+
+        def max(self, value):
+            return max(value, value + 1.0)
+
+    trainer = Trainer(_spec({"offPolicyCorrection": {"mode": "tis"}}))
+    old = np.zeros(8, dtype=np.float32)
+    old[3:] = -2.0
+    doc = protocol.Document(np.arange(3, 11, dtype=np.int64), [(0, 3)], advantage=1.0,
+                            old_log_probabilities=old, model_version=np.zeros(8, dtype=np.int64))
+    single = trainer.forward_backward([doc])
+    trainer.dp = TwoRanks()
+    step = trainer.optim_step()
+    assert step["loss_tokens"] == 2 * single["loss_tokens"]
+    assert step["is_ratio_mean"] == pytest.approx(single["is_ratio_mean"])
+    assert step["is_ratio_max"] == pytest.approx(single["is_ratio_max"] + 1.0)
+    assert step["is_ratio_min"] == pytest.approx(single["is_ratio_min"] - 1.0)
