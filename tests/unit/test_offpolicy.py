@@ -127,7 +127,7 @@ def test_truncation_and_masking_at_a_binding_cap_by_hand():
 # Sequence level: documents of two tokens drawn independently, an advantage that depends on BOTH tokens. The
 # per-sequence weight (the product of the token ratios) is the importance weight of the whole sample, so it is
 # unbiased; a per-token weight corrects only its own token's distribution, not its neighbour's (Liu, Li et al.
-# 2025, "When Speed Kills Stability", §4.2.1).
+# 2025, "When Speed Kills Stability", section 4.2.1).
 V2 = 4
 THETA2 = torch.tensor([0.5, -0.3, 0.1, -0.4], dtype=F64)
 DELTA2 = torch.tensor([-0.3, 0.3, -0.2, 0.25], dtype=F64)
