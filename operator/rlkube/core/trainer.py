@@ -753,6 +753,9 @@ class TrainerRole:
             "clipped_fraction": m["clipped_fraction"],
             "kl": m["kl"],
             "entropy": m.get("entropy"),
+            # trainer vs sampler and the reference KL (rlkube.core.losses); absent when nothing measured them
+            **{k: m[k] for k in ("logprob_diff_abs", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
+                                 "is_truncated_fraction", "is_masked_fraction", "ref_kl") if k in m},
             "grad_norm": m["grad_norm"],
             "learning_rate": m["lr"],
             "documents_seen": self.trainer.documents_seen,
