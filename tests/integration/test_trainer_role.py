@@ -69,7 +69,7 @@ def test_finished_only_after_the_final_checkpoint_is_complete(redis_client, redi
     assert [e.step for e in metrics] == [1, 2, 3]
     for m in metrics:
         for key in ("loss", "reward_mean", "lag_max", "tokens", "tokens_per_s", "busy_s", "wait_s", "ratio_mean",
-                    "clipped_fraction", "grad_norm"):
+                    "clipped_fraction", "grad_norm", "logprob_diff_abs", "is_ratio_mean", "is_masked_fraction"):
             assert key in m.payload, key
         assert m.payload["tokens"] == 4 * 7
     assert [m.payload["lag_max"] for m in metrics] == [0, 1, 2]  # every document was sampled by version 0

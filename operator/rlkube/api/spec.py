@@ -231,6 +231,28 @@ class TaskSpec(Model):
     )
 
 
+class OffPolicyCorrectionSpec(Model):
+    """Trainer/sampler mismatch correction (definitions: rlkube.core.losses, docs/design.md §6)."""
+
+    mode: Literal["none", "tis", "mis"] = Field(
+        "none", description="none: the PPO ratio is against the sampler's log-probs (as before). tis: truncated "
+        "importance sampling, weight min(pi_trainer/pi_sampler, cap). mis: masked importance sampling, tokens "
+        "(or sequences) whose weight is outside [lower, cap] drop out. tis and mis take the PPO ratio against the "
+        "trainer's own log-probs at the step (decoupled PPO).")
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: one weight per token; sequence: one per sequence, the product of its token "
+        "ratios.")
+    cap: float = Field(2.0, ge=1, le=1e6, description="Upper bound of the importance weight (tis truncates, mis "
+                       "masks above it).")
+    lower: float | None = Field(None, ge=0, le=1, description="mis: lower bound of the weight (unset: 1 / cap).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> OffPolicyCorrectionSpec:
+        if self.lower is not None and self.mode != "mis":
+            raise ValueError("lower is for mode mis")
+        return self
+
+
 class AlgorithmSpec(Model):
     loss: Literal["grpo", "gspo", "ppo", "reinforce", "sft"] = Field("grpo", description="Policy loss.")
     max_steps: int = Field(..., ge=1, description="Optimizer steps after which training finishes.")
@@ -253,6 +275,12 @@ class AlgorithmSpec(Model):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the actors.")
     max_new_tokens: int = Field(8, ge=1, description="Most tokens generated per completion.")
     grad_clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    off_policy_correction: OffPolicyCorrectionSpec = Field(
+        default_factory=OffPolicyCorrectionSpec,
+        description="Importance-sampling correction of the trainer/sampler mismatch (off by default).")
+    kl_coef: float = Field(
+        0.0, ge=0, le=1e3, description="Weight of the k3 KL to a frozen copy of the initial model, added to the "
+        "loss (torch backend without FSDP; costs one extra copy of the weights in spec.model.dtype). 0: off.")
 
 
 class CheckpointSpec(Model):

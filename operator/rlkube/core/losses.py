@@ -12,6 +12,29 @@ new/new-detached), the document's scalar `advantages` [B] broadcast to its token
   correction: stale samples are down-weighted, never up-weighted beyond 1 + eps).
 - sft: cross-entropy -logp on the unmasked tokens (advantages ignored).
 
+Off-policy correction (`OffPolicyConfig`, spec.algorithm.offPolicyCorrection; off by default). Why: the sampler
+(vLLM, the native engine) and the trainer compute different probabilities for the same weights (kernels, dtypes),
+and samples lag the trainer by up to maxLag versions, so training on the sampler's log-probs as if they were the
+trainer's is silently off-policy. With a mode set, the loss is DECOUPLED (verl's rollout correction, PR
+verl-project/verl#3750; decoupled PPO, Hilton et al. 2021, arXiv:2110.00641): the PPO ratio is taken against the
+trainer's own log-probs at the time of the step (detached; the "proximal" policy, what verl recomputes as
+old_log_prob), and the mismatch between trainer and sampler is corrected by a separate, detached importance weight
+w = pi_trainer / pi_sampler multiplying each token's loss:
+- tis (truncated IS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training";
+  verl `rollout_is` mode truncate): w <- min(w, cap).
+- mis (masked IS; Liu, Li et al. 2025, "When Speed Kills Stability"; verl mode mask, NeMo-RL `icepop`):
+  w <- w if lower <= w <= cap else 0 (the token, or the whole sequence, drops out of the gradient).
+- level token: w_t = exp(logp_trainer_t - logp_sampler_t) per token; level sequence: one weight per sequence,
+  exp(sum over its loss tokens of the same differences) (the product of the token ratios, verl's "sequence").
+Log-ratios are clamped to +-20 before exp (verl's safety bound). Masked tokens stay in the normaliser (the step's
+loss-token count, fixed before the forward pass), so they count as zero-gradient tokens. With mode none the
+mismatch metrics are still reported: logprob_diff_abs (mean |logp_trainer - logp_sampler|), is_ratio_mean/min/max.
+
+KL to a reference policy (`LossConfig.kl_coef`, spec.algorithm.klCoef; 0 by default): kl_coef x k3 per loss token
+is added to the loss, with the k3 estimator of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating
+KL Divergence", http://joschu.net/blog/kl-approx.html; verl's kl_penalty "low_var_kl" / GRPO, arXiv:2402.03300
+eq. 4): k3 = exp(ref - new) - (ref - new) - 1 >= 0, gradient through `new`. Reported as `ref_kl`.
+
 Every loss is a SUM over loss tokens divided by `normalizer`, the number of loss tokens of the whole optimizer
 step, so that micro-batches accumulate to the same gradient as one big batch. Statistics come back as sums
 (`LossStats`) that merge across micro-batches before being turned into means.
@@ -19,13 +42,42 @@ step, so that micro-batches accumulate to the same gradient as one big batch. St
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 LossKind = Literal["grpo", "ppo", "gspo", "reinforce", "sft"]
 LOSS_KINDS: tuple[str, ...] = ("grpo", "ppo", "gspo", "reinforce", "sft")
+OFF_POLICY_MODES: tuple[str, ...] = ("none", "tis", "mis")
+OFF_POLICY_LEVELS: tuple[str, ...] = ("token", "sequence")
+LOG_RATIO_BOUND = 20.0  # |log w| is clamped to this before exp (verl rollout_corr_helper's SAFETY_BOUND)
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """Trainer/sampler mismatch correction (module docstring). `lower` is for mis only; None means 1 / cap."""
+
+    mode: str = "none"
+    level: str = "token"
+    cap: float = 2.0
+    lower: float | None = None
+
+    def __post_init__(self) -> None:
+        where = "spec.algorithm.offPolicyCorrection"
+        if self.mode not in OFF_POLICY_MODES:
+            raise ValueError(f"{where}.mode: unknown mode {self.mode!r} (known: {', '.join(OFF_POLICY_MODES)})")
+        if self.level not in OFF_POLICY_LEVELS:
+            raise ValueError(f"{where}.level: unknown level {self.level!r} (known: {', '.join(OFF_POLICY_LEVELS)})")
+        if not self.cap >= 1.0:
+            raise ValueError(f"{where}.cap must be >= 1, got {self.cap}")
+        if self.lower is not None and not 0.0 <= self.lower <= self.cap:
+            raise ValueError(f"{where}.lower must be in [0, cap={self.cap}], got {self.lower}")
+
+    @property
+    def lower_bound(self) -> float:
+        return 1.0 / self.cap if self.lower is None else self.lower
 
 
 @dataclass(frozen=True)
@@ -33,6 +85,8 @@ class LossConfig:
     kind: LossKind = "grpo"
     clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
     clip_high: float = 0.2  # and above at 1 + clip_high
+    off_policy: OffPolicyConfig = OffPolicyConfig()
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy (needs ref_logp)
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
@@ -41,6 +95,8 @@ class LossConfig:
             raise ValueError(f"spec.algorithm.clipEpsilonLow must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0:
             raise ValueError(f"spec.algorithm.clipEpsilonHigh must be >= 0, got {self.clip_high}")
+        if self.kl_coef < 0:
+            raise ValueError(f"spec.algorithm.klCoef must be >= 0, got {self.kl_coef}")
 
 
 @dataclass
@@ -55,9 +111,27 @@ class LossStats:
     kl_sum: float = 0.0
     entropy_sum: float = 0.0
     entropy_tokens: float = 0.0
+    # trainer vs sampler (off-policy correction, module docstring)
+    logp_diff_abs_sum: float = 0.0  # sum over loss tokens of |logp_trainer - logp_sampler|
+    is_ratios: float = 0.0  # importance ratios counted (loss tokens, or sequences at level sequence)
+    is_ratio_sum: float = 0.0
+    is_ratio_min: float = math.inf  # merged by min (EXTREMA), not summed
+    is_ratio_max: float = -math.inf  # merged by max
+    is_truncated: float = 0.0  # loss tokens whose weight tis truncated at the cap
+    is_masked: float = 0.0  # loss tokens mis dropped
+    ref_kl_sum: float = 0.0  # k3 KL to the reference policy, summed over loss tokens
+    ref_kl_tokens: float = 0.0
+
+    # Fields merged by min / max instead of summed (data parallelism reduces them the same way: trainer.py).
+    EXTREMA: ClassVar[dict[str, str]] = {"is_ratio_min": "min", "is_ratio_max": "max"}
 
     def merge(self, other: LossStats) -> LossStats:
-        return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        def combine(name: str) -> float:
+            a, b = getattr(self, name), getattr(other, name)
+            how = self.EXTREMA.get(name)
+            return min(a, b) if how == "min" else max(a, b) if how == "max" else a + b
+
+        return LossStats(**{f.name: combine(f.name) for f in fields(self)})
 
     def metrics(self, normalizer: float | None = None) -> dict[str, float]:
         n = max(self.tokens, 1.0)
@@ -70,6 +144,16 @@ class LossStats:
         }
         if self.entropy_tokens:
             out["entropy"] = self.entropy_sum / self.entropy_tokens
+        if self.tokens:
+            out["logprob_diff_abs"] = self.logp_diff_abs_sum / n
+            out["is_truncated_fraction"] = self.is_truncated / n
+            out["is_masked_fraction"] = self.is_masked / n
+        if self.is_ratios:
+            out["is_ratio_mean"] = self.is_ratio_sum / self.is_ratios
+            out["is_ratio_min"] = self.is_ratio_min
+            out["is_ratio_max"] = self.is_ratio_max
+        if self.ref_kl_tokens:
+            out["ref_kl"] = self.ref_kl_sum / self.ref_kl_tokens
         return out
 
 
@@ -91,6 +175,32 @@ def _clipped_objective(
     return loss, binds
 
 
+def importance_weights(log_w: torch.Tensor, maskf: torch.Tensor, config: OffPolicyConfig
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The detached off-policy weights of the module docstring from `log_w` = logp_trainer - logp_sampler [B, T]
+    (0 off the mask). Returns (per-token weight [B, T], the raw ratios at the configured level ([B, T] or [B]),
+    which of them count ([B, T] or [B] bool), per-token bool: truncated or masked)."""
+    with torch.no_grad():
+        if config.level == "sequence":
+            ratio = torch.exp((log_w * maskf).sum(dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # [B]
+            counted = maskf.sum(dim=1) > 0
+        else:
+            ratio = torch.exp(log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+            counted = maskf > 0
+        if config.mode == "tis":
+            weight = ratio.clamp(max=config.cap)
+            changed = ratio > config.cap
+        elif config.mode == "mis":
+            keep = (ratio >= config.lower_bound) & (ratio <= config.cap)
+            weight = torch.where(keep, ratio, torch.zeros_like(ratio))
+            changed = ~keep
+        else:
+            weight, changed = torch.ones_like(ratio), torch.zeros_like(ratio, dtype=torch.bool)
+        if config.level == "sequence":
+            weight, changed = weight[:, None].expand_as(log_w), changed[:, None].expand_as(log_w)
+        return weight, ratio, counted, changed
+
+
 def policy_loss(
     new_logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -99,18 +209,28 @@ def policy_loss(
     config: LossConfig,
     normalizer: float | None = None,
     entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Loss of one (micro-)batch. Shapes: new_logp, old_logp, mask, entropy [B, T]; advantages [B]."""
+    """Loss of one (micro-)batch. Shapes: new_logp, old_logp, mask, entropy, ref_logp [B, T]; advantages [B].
+    `old_logp` are the sampler's log-probs; `ref_logp` the reference policy's (needed when config.kl_coef > 0)."""
     if new_logp.shape != old_logp.shape or new_logp.shape != mask.shape:
         raise ValueError(f"shape mismatch: new {tuple(new_logp.shape)}, old {tuple(old_logp.shape)}, mask {tuple(mask.shape)}")
     if advantages.shape != new_logp.shape[:1]:
         raise ValueError(f"advantages must be [B]={new_logp.shape[0]}, got {tuple(advantages.shape)}")
+    if config.kl_coef > 0 and (ref_logp is None or ref_logp.shape != new_logp.shape):
+        raise ValueError(f"klCoef {config.kl_coef} needs the reference log-probs of shape {tuple(new_logp.shape)}")
     maskf = mask.to(new_logp.dtype)
     tokens = float(maskf.sum())
     norm = float(normalizer) if normalizer is not None else max(tokens, 1.0)
     if norm <= 0:
         raise ValueError(f"normalizer must be positive, got {normalizer}")
-    old_logp = old_logp.to(new_logp.dtype).detach()
+    sampler_logp = old_logp.to(new_logp.dtype).detach()
+    # trainer vs sampler, in value (what every mismatch metric and the off-policy weight are made of)
+    mismatch = torch.where(mask, new_logp.detach() - sampler_logp, torch.zeros_like(new_logp))
+    corrected = config.off_policy.mode != "none" and config.kind != "sft"
+    # Decoupled (module docstring): with a correction the PPO ratio is against the trainer itself (its proximal
+    # policy, detached), and the sampler enters only through the importance weight below.
+    old_logp = new_logp.detach() if corrected else sampler_logp
     adv = advantages.to(new_logp.dtype)[:, None].expand_as(new_logp)
     log_ratio = torch.where(mask, new_logp - old_logp, torch.zeros_like(new_logp))
     ratio = torch.exp(log_ratio)
@@ -135,10 +255,20 @@ def policy_loss(
         binds = torch.zeros_like(mask)
         shown_ratio = ratio
 
+    is_weight, is_ratio, is_counted, is_changed = importance_weights(mismatch, maskf, config.off_policy)
+    if corrected:
+        per_token = per_token * is_weight
     loss_sum = (per_token * maskf).sum()
+    ref_kl = None
+    if config.kl_coef > 0:
+        # k3 of KL(pi || pi_ref) (module docstring), with gradient through new_logp.
+        d = torch.where(mask, ref_logp.to(new_logp.dtype).detach() - new_logp, torch.zeros_like(new_logp))
+        ref_kl = torch.exp(d.clamp(max=LOG_RATIO_BOUND)) - d - 1.0
+        loss_sum = loss_sum + config.kl_coef * (ref_kl * maskf).sum()
     with torch.no_grad():
-        # k3 estimator of KL(old || new) from samples of the old policy: r - 1 - log r >= 0.
-        kl = ratio - 1.0 - log_ratio
+        # k3 estimator of KL(sampler || trainer) from the sampler's samples: r - 1 - log r >= 0.
+        kl = torch.exp(mismatch) - 1.0 - mismatch
+        changed = is_changed & mask if corrected else torch.zeros_like(mask)
         stats = LossStats(
             tokens=tokens,
             sequences=float((maskf.sum(dim=1) > 0).sum()),
@@ -146,7 +276,17 @@ def policy_loss(
             ratio_sum=float((shown_ratio * maskf).sum()),
             clipped=float((binds & mask).sum()),
             kl_sum=float((kl * maskf).sum()),
+            logp_diff_abs_sum=float((mismatch.abs() * maskf).sum()),
+            is_ratios=float(is_counted.sum()),
+            is_ratio_sum=float(is_ratio[is_counted].sum()),
+            is_ratio_min=float(is_ratio[is_counted].min()) if bool(is_counted.any()) else math.inf,
+            is_ratio_max=float(is_ratio[is_counted].max()) if bool(is_counted.any()) else -math.inf,
+            is_truncated=float(changed.sum()) if config.off_policy.mode == "tis" else 0.0,
+            is_masked=float(changed.sum()) if config.off_policy.mode == "mis" else 0.0,
         )
+        if ref_kl is not None:
+            stats.ref_kl_sum = float((ref_kl.detach() * maskf).sum())
+            stats.ref_kl_tokens = tokens
         if entropy is not None:
             stats.entropy_sum = float((entropy * maskf).sum())
             stats.entropy_tokens = tokens

@@ -221,7 +221,11 @@ class Trainer:
             # A sharded backend reduce-scattered its gradients already (summed, torch_fsdp): only the statistics.
             summed = (self.dp.sum(pending) if self.sharded
                       else self.dp.sum_gradients(self.backend.gradient_parameters(), pending))
-            self._pending = LossStats(**dict(zip(names, summed, strict=True)))
+            reduced = dict(zip(names, summed, strict=True))
+            for name, how in LossStats.EXTREMA.items():  # a min or max, not a sum (rlkube.core.losses)
+                sign = -1.0 if how == "min" else 1.0
+                reduced[name] = sign * self.dp.max(sign * getattr(self._pending, name))
+            self._pending = LossStats(**reduced)
         lr = self.backend.learning_rate
         grad_norm = self.backend.optim_step()
         self.step += 1
@@ -748,6 +752,9 @@ class TrainerRole:
             "clipped_fraction": m["clipped_fraction"],
             "kl": m["kl"],
             "entropy": m.get("entropy"),
+            # trainer vs sampler and the reference KL (rlkube.core.losses); absent when nothing measured them
+            **{k: m[k] for k in ("logprob_diff_abs", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
+                                 "is_truncated_fraction", "is_masked_fraction", "ref_kl") if k in m},
             "grad_norm": m["grad_norm"],
             "learning_rate": m["lr"],
             "documents_seen": self.trainer.documents_seen,

@@ -392,6 +392,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
+    errs += loss_extension_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -420,6 +421,21 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
+    return errs
+
+
+def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """The reference KL needs a frozen reference model, which only the torch backend (unsharded) loads; Fast-LLM
+    computes its own loss, so neither the KL nor the off-policy correction reaches it (rlkube.core.losses)."""
+    errs: list[FieldError] = []
+    algo, trainer = spec.algorithm, spec.trainer
+    if algo.kl_coef > 0 and (trainer.backend != "torch" or trainer.sharding == "fsdp"):
+        what = "sharding fsdp" if trainer.backend == "torch" else f"backend {trainer.backend}"
+        errs.append(FieldError("spec.algorithm.klCoef", f"a KL to the reference policy is implemented for the torch "
+                               f"backend without FSDP, not {what}; set klCoef to 0"))
+    if algo.off_policy_correction.mode != "none" and trainer.backend == "fast-llm":
+        errs.append(FieldError("spec.algorithm.offPolicyCorrection.mode", "fast-llm computes its own loss; "
+                               "off-policy correction is for backends torch and megatron (use mode none)"))
     return errs
 
 

@@ -39,11 +39,13 @@ from typing import Any, Protocol
 
 import torch
 
+from rlkube.api.spec import AlgorithmSpec
 from rlkube.core.batch import Batch
 from rlkube.core.losses import (
     LossConfig,
     LossOutput,
     LossStats,
+    OffPolicyConfig,
     policy_loss,
     token_entropy,
     token_logprobs,
@@ -85,16 +87,24 @@ class TrainerBackend(Protocol):
         ...
 
 
+def loss_config(algo: AlgorithmSpec) -> LossConfig:
+    """The loss of `spec.algorithm` (every in-process backend builds it the same way)."""
+    corr = algo.off_policy_correction
+    return LossConfig(algo.loss, algo.clip_epsilon_low, algo.clip_epsilon_high,
+                      off_policy=OffPolicyConfig(corr.mode, corr.level, corr.cap, corr.lower), kl_coef=algo.kl_coef)
+
+
 def batch_loss(logits: torch.Tensor, batch: Batch, config: LossConfig, temperature: float,
-               normalizer: float) -> LossOutput:
-    """The policy loss of a micro-batch from the model's logits [B, T, V] (call `.loss.backward()`)."""
+               normalizer: float, ref_logprobs: torch.Tensor | None = None) -> LossOutput:
+    """The policy loss of a micro-batch from the model's logits [B, T, V] (call `.loss.backward()`);
+    `ref_logprobs` [B, T-1]: the reference policy's log-probs of the tokens, for config.kl_coef > 0."""
     device = logits.device
     tokens = batch.tokens.to(device)
     new_logp = token_logprobs(logits, tokens, temperature)
     # A document without sampling log-probs (e.g. SFT data) is treated as on-policy: ratio 1.
     old = torch.where(batch.has_old_logprobs.to(device)[:, None], batch.old_logprobs.to(device), new_logp.detach())
     return policy_loss(new_logp, old, batch.advantages.to(device), batch.loss_mask.to(device), config,
-                       normalizer=normalizer, entropy=token_entropy(logits[:, :-1]))
+                       normalizer=normalizer, entropy=token_entropy(logits[:, :-1]), ref_logp=ref_logprobs)
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, max_steps: int):

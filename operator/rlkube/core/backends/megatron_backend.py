@@ -46,14 +46,14 @@ import torch.distributed as dist
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
 from rlkube.core import checkpoint as ckpt
-from rlkube.core.backends.base import batch_loss, lr_scheduler
+from rlkube.core.backends.base import batch_loss, loss_config, lr_scheduler
 from rlkube.core.backends.megatron_gpt import MegatronGPT
 from rlkube.core.backends.megatron_hf import Architecture, UnsupportedArchitecture, tp_dim
 from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
 from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
-from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.losses import LossStats
 
 log = logging.getLogger("rlkube.trainer.megatron")
 
@@ -142,7 +142,7 @@ class MegatronBackend:
         self.load_state(ckpt.load_weights(model_dir), None)  # the directory's safetensors, under HF names
         self.optimizer = torch.optim.Adam(self.masters.values(), lr=algo.learning_rate)
         self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
-        self.loss_config = LossConfig(algo.loss, algo.clip_epsilon_low, algo.clip_epsilon_high)
+        self.loss_config = loss_config(algo)  # klCoef > 0 is refused for megatron (api.validation)
         self.temperature = algo.temperature
         self.grad_clip_norm = algo.grad_clip_norm
 

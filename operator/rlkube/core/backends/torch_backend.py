@@ -6,6 +6,11 @@ the decoder runs under bfloat16 autocast (matmuls in bfloat16), while the LM hea
 float32 so the log-probs that form the importance ratio are as exact as the sampler's. Updates are applied to the
 float32 masters, so an update below bfloat16's resolution (lr x step << |w| / 256) still accumulates, where a
 model trained in pure bfloat16 would round it away every step.
+
+Reference policy (spec.algorithm.klCoef > 0): a frozen copy of the INITIAL model (the job's model directory, also
+on resume) for the KL term of rlkube.core.losses. Memory: one extra copy of the weights in the compute dtype
+(spec.model.dtype: 2 bytes a parameter in bfloat16, 4 in float32; 1 GB for a 0.5B model in bfloat16), no
+gradients, no optimizer state; plus one no-grad forward per micro-batch (its logits freed before the backward).
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ from typing import Any
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core.backends.base import batch_loss, lr_scheduler
+from rlkube.core.backends.base import batch_loss, loss_config, lr_scheduler
 from rlkube.core.batch import Batch
 from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
-from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.losses import LossStats, token_logprobs
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -57,7 +62,12 @@ class TorchBackend:
         self._aliases = hf_state.tied_aliases(self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
         self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
-        self.loss_config = LossConfig(algo.loss, algo.clip_epsilon_low, algo.clip_epsilon_high)
+        self.loss_config = loss_config(algo)
+        self.reference = None
+        if algo.kl_coef > 0:
+            # Frozen, in the compute dtype (module docstring); api.validation refuses klCoef with FSDP.
+            self.reference = load_model(model_dir, self.compute_dtype, self.device).requires_grad_(False)
+            self.reference.config.use_cache = False
         # The actors' sampling log-probs are of the temperature-scaled distribution; so are ours.
         self.temperature = algo.temperature
         self.grad_clip_norm = algo.grad_clip_norm
@@ -77,12 +87,22 @@ class TorchBackend:
             hidden = self.model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
         return self.model.get_output_embeddings()(hidden.float())
 
+    def reference_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The reference policy's log-probs of `tokens` [B, T] -> [B, T-1] (None without a reference)."""
+        if self.reference is None:
+            return None
+        with torch.no_grad(), self._autocast():
+            logits = self.reference(input_ids=tokens, use_cache=False).logits
+        return token_logprobs(logits.float(), tokens, self.temperature)
+
     def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.model.parameters()
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
-        logits = self.logits(batch.tokens.to(self.device))
-        out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer)
+        tokens = batch.tokens.to(self.device)
+        ref = self.reference_logprobs(tokens)
+        logits = self.logits(tokens)
+        out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer, ref_logprobs=ref)
         out.loss.backward()
         return out.stats
 
