@@ -6,6 +6,12 @@ the decoder runs under bfloat16 autocast (matmuls in bfloat16), while the LM hea
 float32 so the log-probs that form the importance ratio are as exact as the sampler's. Updates are applied to the
 float32 masters, so an update below bfloat16's resolution (lr x step << |w| / 256) still accumulates, where a
 model trained in pure bfloat16 would round it away every step.
+
+Loss memory: the loss never holds the logits of the whole micro-batch. `token_logprobs` takes the decoder's final
+hidden states and applies the LM head (calling the model's output-embedding submodule, so tied embeddings and
+FSDP2's unsharded parameters are what the full forward would use) with the log-softmax chunk by chunk under
+activation checkpointing (rlkube.core.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead of
+O(tokens x vocabulary). `logits` (the full [B, T, V]) remains for evaluation.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ from typing import Any
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core.backends.base import batch_loss, lr_scheduler
+from rlkube.core.backends.base import logprob_loss, lr_scheduler
 from rlkube.core.batch import Batch
 from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
-from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossConfig, LossStats, chunked_token_logprobs
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -36,7 +42,29 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def hidden_states(model, tokens: torch.Tensor, autocast) -> torch.Tensor:
+    """The decoder's final hidden states [B, T, H] of right-padded `tokens` (in the compute dtype)."""
+    with autocast():
+        return model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+
+
+def model_logits(model, tokens: torch.Tensor, autocast) -> torch.Tensor:
+    """float32 logits [B, T, V] (decoder in the compute dtype, LM head in float32)."""
+    return model.get_output_embeddings()(hidden_states(model, tokens, autocast).float())
+
+
+def model_logprobs(model, tokens: torch.Tensor, autocast, temperature: float,
+                   chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of tokens[:, 1:] at `temperature`, entropy), [B, T-1] float32, as `losses.token_logprobs` and
+    `token_entropy` of `model_logits` but chunked over the tokens (module docstring)."""
+    head = model.get_output_embeddings()
+    return chunked_token_logprobs(hidden_states(model, tokens, autocast), lambda h: head(h.float()), tokens,
+                                  temperature, chunk_size)
+
+
 class TorchBackend:
+    loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS  # tokens per chunk of the LM head + log-softmax in the loss
+
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
         if spec.model.dtype == "float16":
@@ -73,16 +101,18 @@ class TorchBackend:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [B, T, V] of right-padded `tokens` (decoder in the compute dtype, LM head in float32)."""
-        with self._autocast():
-            hidden = self.model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
-        return self.model.get_output_embeddings()(hidden.float())
+        return model_logits(self.model, tokens, self._autocast)
+
+    def token_logprobs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs of tokens[:, 1:] at the job's temperature with gradient, entropy), [B, T-1], chunked."""
+        return model_logprobs(self.model, tokens, self._autocast, self.temperature, self.loss_chunk_tokens)
 
     def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.model.parameters()
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
-        logits = self.logits(batch.tokens.to(self.device))
-        out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer)
+        new_logp, entropy = self.token_logprobs(batch.tokens.to(self.device))
+        out = logprob_loss(new_logp, entropy, batch, self.loss_config, normalizer)
         out.loss.backward()
         return out.stats
 
