@@ -3,7 +3,8 @@
 `spec.trainer.backend: megatron` (image trainer-megatron, extra `rlkube[megatron]`) trains a megatron-core (0.16.1)
 `GPTModel` built from megatron's local layer spec with the architecture of the job's Hugging Face directory
 (`megatron_gpt`, `megatron_hf`), on CPU through the shim in `megatron_cpu` or on a GPU (one per rank). It keeps the contract of
-`base.py`: the same losses (`base.batch_loss`), Adam with gradient clipping and the same LR schedule, and weights
+`base.py`: the same losses (`base.logprob_loss`, on log-probs chunked over the tokens and vocabulary-parallel:
+`MegatronGPT.token_logprobs`), Adam with gradient clipping and the same LR schedule, and weights
 and checkpoints under Hugging Face names and layouts (megatron's fused QKV and gate/up are split at the edge), so
 inference servers receive what they loaded from the directory and a checkpoint loads in transformers and vLLM.
 
@@ -17,8 +18,8 @@ Parallelism (`spec.trainer.megatron.tensorParallel` = TP over the trainer's rank
 megatron-core's `parallel_state.initialize_model_parallel` builds the tensor- and data-parallel groups over the
 trainer's process group (gloo on CPU, NCCL on GPUs; ranks r*TP .. r*TP+TP-1 form data-parallel rank r's
 tensor-parallel group, megatron's order). The GPTModel's column/row-parallel layers hold each rank's shards and do
-their own all-reduces and the logits' gather; every tensor-parallel rank computes the loss on the full logits of the
-same micro-batch. The gradients are then summed over the DATA-parallel group by the Trainer (`parallel_layout`
+their own all-reduces; every tensor-parallel rank computes the loss of the same micro-batch from its vocabulary shard
+of the logits (the log-softmax's maximum and sums all-reduced, `MegatronGPT.token_logprobs`). The gradients are then summed over the DATA-parallel group by the Trainer (`parallel_layout`
 tells it the groups; `gradient_parameters` are this rank's masters, so shards are summed with the same shards), with
 the loss normalised by the step's global token count: a step equals single-process training on the union of the
 data-parallel ranks' documents, as for the torch backend. The gradient norm adds the squares of the shards over the
@@ -45,13 +46,13 @@ import torch.distributed as dist
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
-from rlkube.core.backends.base import batch_loss, lr_scheduler
+from rlkube.core.backends.base import logprob_loss, lr_scheduler
 from rlkube.core.backends.megatron_gpt import MegatronGPT
 from rlkube.core.backends.megatron_hf import Architecture, UnsupportedArchitecture, tp_dim
 from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
-from rlkube.core.losses import LossConfig, LossStats
+from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossConfig, LossStats
 from rlkube.core.runtime import ENV_COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("rlkube.trainer.megatron")
@@ -105,6 +106,8 @@ def parallel_layout() -> ParallelLayout:
 
 
 class MegatronBackend:
+    loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS  # tokens per chunk of the output layer + log-softmax in the loss
+
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
         if spec.model.dtype == "float16":
@@ -158,7 +161,8 @@ class MegatronBackend:
         return self.gpt.logits(tokens)
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
-        out = batch_loss(self.logits(batch.tokens), batch, self.loss_config, self.temperature, normalizer)
+        new_logp, entropy = self.gpt.token_logprobs(batch.tokens, self.temperature, self.loss_chunk_tokens)
+        out = logprob_loss(new_logp, entropy, batch, self.loss_config, normalizer)
         out.loss.backward()
         if self.compute_dtype != torch.float32:
             # megatron's main_grad: low-precision gradients accumulate in float32 across micro-batches
