@@ -202,7 +202,7 @@ def _chunk_logprobs(head, temperature: float, vocab: VocabParallel | None, hidde
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         with torch.no_grad():
             plain = logp_all if temperature == 1.0 else torch.log_softmax(logits, dim=-1)
-            entropy = -(plain.exp() * plain).sum(dim=-1)
+            entropy = -plain.exp().mul_(plain).sum(dim=-1)  # one [chunk, V] temporary, not two
         return logp, entropy
     scaled = logits / temperature if temperature != 1.0 else logits
     width = logits.shape[-1]
