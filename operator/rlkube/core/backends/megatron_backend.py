@@ -18,15 +18,15 @@ Parallelism (`spec.trainer.megatron.tensorParallel` = TP over the trainer's rank
 megatron-core's `parallel_state.initialize_model_parallel` builds the tensor- and data-parallel groups over the
 trainer's process group (gloo on CPU, NCCL on GPUs; ranks r*TP .. r*TP+TP-1 form data-parallel rank r's
 tensor-parallel group, megatron's order). The GPTModel's column/row-parallel layers hold each rank's shards and do
-their own all-reduces; every tensor-parallel rank computes the loss of the same micro-batch from its vocabulary shard
-of the logits (the log-softmax's maximum and sums all-reduced, `MegatronGPT.token_logprobs`). The gradients are then summed over the DATA-parallel group by the Trainer (`parallel_layout`
-tells it the groups; `gradient_parameters` are this rank's masters, so shards are summed with the same shards), with
-the loss normalised by the step's global token count: a step equals single-process training on the union of the
-data-parallel ranks' documents, as for the torch backend. The gradient norm adds the squares of the shards over the
-tensor-parallel group (replicated norms counted once). Weights, checkpoints and Adam state are gathered to the
-tensor parallel 1 layout (`MegatronGPT.gather`), so they are the same at any TP and a checkpoint resumes at another.
-Everything that gathers is a COLLECTIVE with TP > 1 (`collective_weights`): every rank calls `weights()`, `state()`
-in the same order.
+their own all-reduces; every tensor-parallel rank computes the loss of the same micro-batch from its vocabulary
+shard of the logits (the log-softmax's maximum and sums all-reduced, `MegatronGPT.token_logprobs`). The gradients
+are then summed over the DATA-parallel group by the Trainer (`parallel_layout` tells it the groups;
+`gradient_parameters` are this rank's masters, so shards are summed with the same shards), with the loss normalised
+by the step's global token count: a step equals single-process training on the union of the data-parallel ranks'
+documents, as for the torch backend. The gradient norm adds the squares of the shards over the tensor-parallel group
+(replicated norms counted once). Weights, checkpoints and Adam state are gathered to the tensor parallel 1 layout
+(`MegatronGPT.gather`), so they are the same at any TP and a checkpoint resumes at another. Everything that gathers
+is a COLLECTIVE with TP > 1 (`collective_weights`): every rank calls `weights()`, `state()` in the same order.
 
 Not used: megatron's DistributedDataParallel and distributed optimizer (their gradient buffers are allocated on
 `torch.cuda.current_device()`; see the report of issue 10), pipeline parallelism and sequence parallelism.
