@@ -232,3 +232,31 @@ def test_activation_recomputation_gives_the_same_gradients(tmp_path):
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("cls_name, overrides", [("LlamaConfig", {}), ("Qwen2Config", {"tie_word_embeddings": True})],
+                         ids=["llama", "qwen2-tied"])
+def test_chunked_logprobs_equal_the_full_logits(tmp_path, cls_name, overrides):
+    """The loss's log-probs (MegatronGPT.token_logprobs: final hidden states, output layer 5 tokens at a time under
+    checkpointing) equal losses.token_logprobs / token_entropy of the full logits, with the same gradients (1e-5)."""
+    from rlkube.core.losses import token_entropy
+
+    _, path = write_model(tmp_path, cls_name, **overrides)
+    tokens = tokens_of(3)
+    weights = torch.randn(tokens.shape[0], tokens.shape[1] - 1, generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunked in (False, True):
+        gpt = load(path)
+        if chunked:
+            logp, entropy = gpt.token_logprobs(tokens, 0.8, chunk_size=5)
+        else:
+            logits = gpt.logits(tokens)
+            logp, entropy = token_logprobs(logits, tokens, 0.8), token_entropy(logits[:, :-1])
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), entropy, {n: p.grad for n, p in gpt.model.named_parameters()}))
+    (want_logp, want_entropy, want_grads), (got_logp, got_entropy, got_grads) = results
+    torch.testing.assert_close(got_logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_entropy, want_entropy, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)

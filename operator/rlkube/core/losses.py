@@ -305,3 +305,93 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     The native engine's sampling log-probs are of the same temperature-scaled distribution."""
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+# --- log-probs and entropy from hidden states, chunked over the tokens ---------------------------------------------
+#
+# `token_logprobs` / `token_entropy` above take the full logits [B, T, V]: at a real vocabulary (Qwen's 151,936) and
+# 8,192 tokens one float32 copy is ~5 GB, and the log-softmax, its saved output, the entropy's second log-softmax and
+# the backward's gradient of the logits are more copies of that size. `chunked_token_logprobs` takes the model's
+# final hidden states instead and runs the LM head + log-softmax + gather + entropy over `chunk_size` tokens at a
+# time under activation checkpointing: the forward keeps only each chunk's log-probs, the backward recomputes one
+# chunk's logits at a time, so the loss holds O(chunk_size x V) instead of O(tokens x V). Same values and gradients
+# as the full path (up to float32 summation order).
+
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
+
+
+class VocabParallel:
+    """How the LM head's output is split over the vocabulary (tensor parallelism): this rank holds logits of vocabulary
+    ids [offset, offset + its width); `max_` all-reduces a MAX in place (no gradient), `sum` all-reduces a SUM whose
+    backward is the identity (every rank computes the same loss, so each keeps the gradient of its own shard)."""
+
+    def __init__(self, offset: int, max_, sum_):
+        self.offset = offset
+        self.max_ = max_
+        self.sum = sum_
+
+
+def _chunk_logprobs(head, temperature: float, vocab: VocabParallel | None, hidden: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of `targets` under head(hidden) / temperature, entropy of head(hidden) without gradient) for one
+    chunk: hidden [N, H], targets [N] -> [N], [N]. The entropy is of the untempered distribution, as
+    `token_entropy`'s."""
+    logits = head(hidden).float()
+    if vocab is None:
+        logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+        logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+        with torch.no_grad():
+            plain = logp_all if temperature == 1.0 else torch.log_softmax(logits, dim=-1)
+            entropy = -plain.exp().mul_(plain).sum(dim=-1)  # one [chunk, V] temporary, not two
+        return logp, entropy
+    scaled = logits / temperature if temperature != 1.0 else logits
+    width = logits.shape[-1]
+    with torch.no_grad():
+        top = scaled.max(dim=-1).values
+        vocab.max_(top)
+    shifted = scaled - top[:, None]  # the maximum cancels out of the log-softmax: no gradient needed through it
+    total = vocab.sum(shifted.exp().sum(dim=-1))
+    local = targets - vocab.offset
+    here = (local >= 0) & (local < width)
+    picked = shifted.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1) * here
+    logp = vocab.sum(picked) - total.log()
+    with torch.no_grad():
+        top = logits.max(dim=-1).values
+        vocab.max_(top)
+        z = logits - top[:, None]
+        e = z.exp()
+        norm = e.sum(dim=-1)
+        norm = vocab.sum(norm)
+        ez = vocab.sum((e * z).sum(dim=-1))
+        entropy = norm.log() - ez / norm  # -sum p log p with p = e / norm, log p = z - log norm
+    return logp, entropy
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head, tokens: torch.Tensor, temperature: float = 1.0,
+                           chunk_size: int = DEFAULT_LOSS_CHUNK_TOKENS,
+                           vocab: VocabParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `token_logprobs(logits, tokens, temperature)` and `token_entropy(logits[:, :-1])` give, from the model's
+    final hidden states [B, T, H] and its LM head (`head`: [N, H] -> logits [N, V], or this rank's vocabulary shard
+    with `vocab`), chunk_size tokens at a time: -> (log-probs [B, T-1] float32 with gradient, entropy [B, T-1])."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    from torch.utils.checkpoint import checkpoint
+
+    b, t = tokens.shape
+    flat = hidden[:, :-1].reshape(b * (t - 1), hidden.shape[-1])
+    targets = tokens[:, 1:].reshape(-1).to(hidden.device)
+    logps, entropies = [], []
+    for start in range(0, flat.shape[0], chunk_size):
+        h, y = flat[start:start + chunk_size], targets[start:start + chunk_size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            # non-reentrant: the forward saves only h (the chunk's logits are freed), the backward reruns this chunk
+            logp, entropy = checkpoint(_chunk_logprobs, head, temperature, vocab, h, y, use_reentrant=False,
+                                       preserve_rng_state=False)
+        else:
+            logp, entropy = _chunk_logprobs(head, temperature, vocab, h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    if not logps:
+        empty = hidden[:, :0, 0].float()  # [B, 0], attached to the graph as the full path's
+        return empty, empty.detach()
+    return torch.cat(logps).view(b, t - 1), torch.cat(entropies).view(b, t - 1)

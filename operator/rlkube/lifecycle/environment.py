@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import runtime
-from rlkube.contract.parallel import RANK_ENV, processes_per_node, rank_env, trainer_world_size
+from rlkube.contract.parallel import RANK_ENV, processes_per_node, rank_env
 from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, TRAINER
 
 POD_IP = "POD_IP"

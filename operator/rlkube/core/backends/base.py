@@ -17,7 +17,9 @@ The contract a backend keeps (the torch backend is the reference; the megatron b
   transfer dtype (`spec.trainer.weightTransfer.dtype`). Compute may be bfloat16 (`spec.model.dtype`), but the
   optimizer updates float32 masters, so updates smaller than bfloat16's resolution still accumulate.
 - `forward_backward(batch, normalizer)` ACCUMULATES gradients of `loss / normalizer` (never zeroes them) and
-  returns the micro-batch's loss statistics (use `batch_loss` below on float32 logits). `batch.tokens` are
+  returns the micro-batch's loss statistics (use `logprob_loss` below on log-probs taken from the final hidden
+  states chunk by chunk, `losses.chunked_token_logprobs`, so that no [tokens, vocabulary] tensor is ever whole;
+  `batch_loss` on full float32 logits is the same loss). `batch.tokens` are
   right-padded; the loss mask excludes the padding, so no attention mask is needed (causal attention never looks
   right).
 - `optim_step()` clips the gradient norm to `spec.algorithm.gradClipNorm`, steps the optimizer and the learning
@@ -96,15 +98,22 @@ def loss_config(algo: AlgorithmSpec) -> LossConfig:
 
 def batch_loss(logits: torch.Tensor, batch: Batch, config: LossConfig, temperature: float,
                normalizer: float, ref_logprobs: torch.Tensor | None = None) -> LossOutput:
-    """The policy loss of a micro-batch from the model's logits [B, T, V] (call `.loss.backward()`);
+    """The policy loss of a micro-batch from the model's full logits [B, T, V] (call `.loss.backward()`). The
+    backends use `logprob_loss` on chunked log-probs (`losses.chunked_token_logprobs`); this is the reference.
     `ref_logprobs` [B, T-1]: the reference policy's log-probs of the tokens, for config.kl_coef > 0."""
-    device = logits.device
-    tokens = batch.tokens.to(device)
-    new_logp = token_logprobs(logits, tokens, temperature)
+    new_logp = token_logprobs(logits, batch.tokens.to(logits.device), temperature)
+    return logprob_loss(new_logp, token_entropy(logits[:, :-1]), batch, config, normalizer, ref_logprobs)
+
+
+def logprob_loss(new_logp: torch.Tensor, entropy: torch.Tensor | None, batch: Batch, config: LossConfig,
+                 normalizer: float, ref_logprobs: torch.Tensor | None = None) -> LossOutput:
+    """The policy loss of a micro-batch from the current policy's log-probs of tokens 1.. [B, T-1] (with gradient)
+    and the entropy at those positions (statistics only); `ref_logprobs` as in `batch_loss`."""
+    device = new_logp.device
     # A document without sampling log-probs (e.g. SFT data) is treated as on-policy: ratio 1.
     old = torch.where(batch.has_old_logprobs.to(device)[:, None], batch.old_logprobs.to(device), new_logp.detach())
     return policy_loss(new_logp, old, batch.advantages.to(device), batch.loss_mask.to(device), config,
-                       normalizer=normalizer, entropy=token_entropy(logits[:, :-1]), ref_logp=ref_logprobs)
+                       normalizer=normalizer, entropy=entropy, ref_logp=ref_logprobs)
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, max_steps: int):

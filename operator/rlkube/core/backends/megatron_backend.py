@@ -3,7 +3,8 @@
 `spec.trainer.backend: megatron` (image trainer-megatron, extra `rlkube[megatron]`) trains a megatron-core (0.16.1)
 `GPTModel` built from megatron's local layer spec with the architecture of the job's Hugging Face directory
 (`megatron_gpt`, `megatron_hf`), on CPU through the shim in `megatron_cpu` or on a GPU (one per rank). It keeps the contract of
-`base.py`: the same losses (`base.batch_loss`), Adam with gradient clipping and the same LR schedule, and weights
+`base.py`: the same losses (`base.logprob_loss`, on log-probs chunked over the tokens and vocabulary-parallel:
+`MegatronGPT.token_logprobs`), Adam with gradient clipping and the same LR schedule, and weights
 and checkpoints under Hugging Face names and layouts (megatron's fused QKV and gate/up are split at the edge), so
 inference servers receive what they loaded from the directory and a checkpoint loads in transformers and vLLM.
 
@@ -17,15 +18,15 @@ Parallelism (`spec.trainer.megatron.tensorParallel` = TP over the trainer's rank
 megatron-core's `parallel_state.initialize_model_parallel` builds the tensor- and data-parallel groups over the
 trainer's process group (gloo on CPU, NCCL on GPUs; ranks r*TP .. r*TP+TP-1 form data-parallel rank r's
 tensor-parallel group, megatron's order). The GPTModel's column/row-parallel layers hold each rank's shards and do
-their own all-reduces and the logits' gather; every tensor-parallel rank computes the loss on the full logits of the
-same micro-batch. The gradients are then summed over the DATA-parallel group by the Trainer (`parallel_layout`
-tells it the groups; `gradient_parameters` are this rank's masters, so shards are summed with the same shards), with
-the loss normalised by the step's global token count: a step equals single-process training on the union of the
-data-parallel ranks' documents, as for the torch backend. The gradient norm adds the squares of the shards over the
-tensor-parallel group (replicated norms counted once). Weights, checkpoints and Adam state are gathered to the
-tensor parallel 1 layout (`MegatronGPT.gather`), so they are the same at any TP and a checkpoint resumes at another.
-Everything that gathers is a COLLECTIVE with TP > 1 (`collective_weights`): every rank calls `weights()`, `state()`
-in the same order.
+their own all-reduces; every tensor-parallel rank computes the loss of the same micro-batch from its vocabulary
+shard of the logits (the log-softmax's maximum and sums all-reduced, `MegatronGPT.token_logprobs`). The gradients
+are then summed over the DATA-parallel group by the Trainer (`parallel_layout` tells it the groups;
+`gradient_parameters` are this rank's masters, so shards are summed with the same shards), with the loss normalised
+by the step's global token count: a step equals single-process training on the union of the data-parallel ranks'
+documents, as for the torch backend. The gradient norm adds the squares of the shards over the tensor-parallel group
+(replicated norms counted once). Weights, checkpoints and Adam state are gathered to the tensor parallel 1 layout
+(`MegatronGPT.gather`), so they are the same at any TP and a checkpoint resumes at another. Everything that gathers
+is a COLLECTIVE with TP > 1 (`collective_weights`): every rank calls `weights()`, `state()` in the same order.
 
 Not used: megatron's DistributedDataParallel and distributed optimizer (their gradient buffers are allocated on
 `torch.cuda.current_device()`; see the report of issue 10), pipeline parallelism and sequence parallelism.
@@ -46,14 +47,14 @@ import torch.distributed as dist
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
 from rlkube.core import checkpoint as ckpt
-from rlkube.core.backends.base import batch_loss, loss_config, lr_scheduler
+from rlkube.core.backends.base import logprob_loss, loss_config, lr_scheduler
 from rlkube.core.backends.megatron_gpt import MegatronGPT
 from rlkube.core.backends.megatron_hf import Architecture, UnsupportedArchitecture, tp_dim
 from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
 from rlkube.core.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
-from rlkube.core.losses import LossStats
+from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats
 
 log = logging.getLogger("rlkube.trainer.megatron")
 
@@ -104,6 +105,8 @@ def parallel_layout() -> ParallelLayout:
 
 
 class MegatronBackend:
+    loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS  # tokens per chunk of the output layer + log-softmax in the loss
+
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
         if spec.model.dtype == "float16":
@@ -142,7 +145,7 @@ class MegatronBackend:
         self.load_state(ckpt.load_weights(model_dir), None)  # the directory's safetensors, under HF names
         self.optimizer = torch.optim.Adam(self.masters.values(), lr=algo.learning_rate)
         self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
-        self.loss_config = loss_config(algo)  # klCoef > 0 is refused for megatron (api.validation)
+        self.loss_config = loss_config(algo)  # klCoef > 0 is refused for megatron (lifecycle.validation)
         self.temperature = algo.temperature
         self.grad_clip_norm = algo.grad_clip_norm
 
@@ -157,7 +160,8 @@ class MegatronBackend:
         return self.gpt.logits(tokens)
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
-        out = batch_loss(self.logits(batch.tokens), batch, self.loss_config, self.temperature, normalizer)
+        new_logp, entropy = self.gpt.token_logprobs(batch.tokens, self.temperature, self.loss_chunk_tokens)
+        out = logprob_loss(new_logp, entropy, batch, self.loss_config, normalizer)
         out.loss.backward()
         if self.compute_dtype != torch.float32:
             # megatron's main_grad: low-precision gradients accumulate in float32 across micro-batches

@@ -9,6 +9,13 @@ holds its shards; loading takes this rank's shards of the full tensors (`megatro
 every rank's over the tensor-parallel group (`gather`, a collective), so both ends keep speaking whole Hugging Face
 tensors. Pipeline parallel size 1.
 
+The loss does not take `logits` (full [B, T, V], gathered over the tensor-parallel ranks): `token_logprobs` runs the
+GPTModel up to its final hidden states and applies the output layer chunk by chunk of tokens
+(rlkube.core.losses.chunked_token_logprobs), and with tensor parallelism VOCABULARY-PARALLEL: each rank keeps the
+logits of its vocabulary shard and the log-softmax's maximum and sums are all-reduced over the tensor-parallel group
+(a SUM whose backward is the identity, megatron's reduce_from_tensor_model_parallel_region), so no rank holds more
+than chunk x V/TP logits.
+
 It uses megatron's TE-less local layer spec (`get_gpt_layer_local_spec`), which runs on CPU (through the shim in
 `megatron_cpu`) and on a GPU, with every fusion that needs CUDA kernels switched off.
 """
@@ -35,6 +42,7 @@ from rlkube.core.backends.megatron_hf import (
     unshard,
 )
 from rlkube.core.hf.loading import load_config
+from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, VocabParallel, chunked_token_logprobs
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used
@@ -42,6 +50,7 @@ with warnings.catch_warnings():
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -172,12 +181,48 @@ class MegatronGPT:
 
     # --- compute ---
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (right-padded: causal attention never looks at the padding) -> logits [B, T, V] float32."""
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         if t > self.max_sequence_length:
             raise ValueError(f"sequence of {t} tokens exceeds max_position_embeddings {self.max_sequence_length}")
         tokens = tokens.to(self.device)
         positions = torch.arange(t, device=self.device)[None].expand_as(tokens)
-        return self.model(tokens, positions, megatron_cpu.causal_mask(t, self.device)).float()
+        return self.model(tokens, positions, megatron_cpu.causal_mask(t, self.device))
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (right-padded: causal attention never looks at the padding) -> logits [B, T, V] float32."""
+        return self._forward(tokens).float()
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoder's final hidden states (after the final norm) [B, T, H]: GPTModel's forward returns them
+        instead of logits when `post_process` is off (the decoder keeps its own final norm)."""
+        self.model.post_process = False
+        try:
+            return self._forward(tokens).transpose(0, 1)  # megatron's [T, B, H]
+        finally:
+            self.model.post_process = True
+
+    def head(self, hidden: torch.Tensor, gather: bool) -> torch.Tensor:
+        """The output layer on hidden [N, H] -> float32 logits [N, V] (`gather`), or this rank's vocabulary shard
+        [N, V / TP]; the tied embedding passed as GPTModel passes it."""
+        weight = self.model.shared_embedding_or_output_weight() if self.arch.tied else None
+        logits, _ = self.model.output_layer(hidden[:, None], weight=weight, runtime_gather_output=gather)
+        return logits[:, 0].float()
+
+    def token_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0,
+                       chunk_size: int = DEFAULT_LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs of tokens[:, 1:] at `temperature`, entropy) [B, T-1] float32, as losses.token_logprobs and
+        token_entropy of `logits`, chunked over the tokens and vocabulary-parallel (module docstring)."""
+        vocab = None
+        if self.tp_size > 1:
+            group = self.tp_group
+
+            def max_(t: torch.Tensor) -> None:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+            shard = self.hf_config.vocab_size // self.tp_size  # check_tensor_parallel: TP divides the vocabulary
+            vocab = VocabParallel(self.tp_rank * shard, max_,
+                                  lambda t: reduce_from_tensor_model_parallel_region(t, group=group))
+        return chunked_token_logprobs(self.hidden_states(tokens), lambda h: self.head(h, gather=vocab is None),
+                                      tokens.to(self.device), temperature, chunk_size, vocab)
 

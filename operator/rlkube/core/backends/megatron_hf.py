@@ -149,7 +149,7 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
         "rotary_percent": 1.0,
         "rotary_base": rope["rope_theta"],
         "share_embeddings_and_output_weights": arch.tied,
-        "parallel_output": False,  # full-vocabulary logits on every tensor-parallel rank (gathered)
+        "parallel_output": False,  # `logits` gathers the full vocabulary; the loss asks for its shard (token_logprobs)
     }
     rope_type = rope.get("rope_type", "default")
     if rope_type == "llama3":

@@ -10,7 +10,13 @@ model trained in pure bfloat16 would round it away every step.
 Reference policy (spec.algorithm.klCoef > 0): a frozen copy of the INITIAL model (the job's model directory, also
 on resume) for the KL term of rlkube.core.losses. Memory: one extra copy of the weights in the compute dtype
 (spec.model.dtype: 2 bytes a parameter in bfloat16, 4 in float32; 1 GB for a 0.5B model in bfloat16), no
-gradients, no optimizer state; plus one no-grad forward per micro-batch (its logits freed before the backward).
+gradients, no optimizer state; plus one no-grad forward per micro-batch, its log-probs taken chunk by chunk too.
+
+Loss memory: the loss never holds the logits of the whole micro-batch. `token_logprobs` takes the decoder's final
+hidden states and applies the LM head (calling the model's output-embedding submodule, so tied embeddings and
+FSDP2's unsharded parameters are what the full forward would use) with the log-softmax chunk by chunk under
+activation checkpointing (rlkube.core.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead of
+O(tokens x vocabulary). `logits` (the full [B, T, V]) remains for evaluation.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ from typing import Any
 import torch
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core.backends.base import batch_loss, loss_config, lr_scheduler
+from rlkube.core.backends.base import logprob_loss, loss_config, lr_scheduler
 from rlkube.core.batch import Batch
 from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
-from rlkube.core.losses import LossStats, token_logprobs
+from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats, chunked_token_logprobs
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -41,7 +47,29 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def hidden_states(model, tokens: torch.Tensor, autocast) -> torch.Tensor:
+    """The decoder's final hidden states [B, T, H] of right-padded `tokens` (in the compute dtype)."""
+    with autocast():
+        return model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+
+
+def model_logits(model, tokens: torch.Tensor, autocast) -> torch.Tensor:
+    """float32 logits [B, T, V] (decoder in the compute dtype, LM head in float32)."""
+    return model.get_output_embeddings()(hidden_states(model, tokens, autocast).float())
+
+
+def model_logprobs(model, tokens: torch.Tensor, autocast, temperature: float,
+                   chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of tokens[:, 1:] at `temperature`, entropy), [B, T-1] float32, as `losses.token_logprobs` and
+    `token_entropy` of `model_logits` but chunked over the tokens (module docstring)."""
+    head = model.get_output_embeddings()
+    return chunked_token_logprobs(hidden_states(model, tokens, autocast), lambda h: head(h.float()), tokens,
+                                  temperature, chunk_size)
+
+
 class TorchBackend:
+    loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS  # tokens per chunk of the LM head + log-softmax in the loss
+
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm
         if spec.model.dtype == "float16":
@@ -65,7 +93,7 @@ class TorchBackend:
         self.loss_config = loss_config(algo)
         self.reference = None
         if algo.kl_coef > 0:
-            # Frozen, in the compute dtype (module docstring); api.validation refuses klCoef with FSDP.
+            # Frozen, in the compute dtype (module docstring); lifecycle.validation refuses klCoef with FSDP.
             self.reference = load_model(model_dir, self.compute_dtype, self.device).requires_grad_(False)
             self.reference.config.use_cache = False
         # The actors' sampling log-probs are of the temperature-scaled distribution; so are ours.
@@ -83,17 +111,20 @@ class TorchBackend:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [B, T, V] of right-padded `tokens` (decoder in the compute dtype, LM head in float32)."""
-        with self._autocast():
-            hidden = self.model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
-        return self.model.get_output_embeddings()(hidden.float())
+        return model_logits(self.model, tokens, self._autocast)
+
+    def token_logprobs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs of tokens[:, 1:] at the job's temperature with gradient, entropy), [B, T-1], chunked."""
+        return model_logprobs(self.model, tokens, self._autocast, self.temperature, self.loss_chunk_tokens)
 
     def reference_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The reference policy's log-probs of `tokens` [B, T] -> [B, T-1] (None without a reference)."""
         if self.reference is None:
             return None
-        with torch.no_grad(), self._autocast():
-            logits = self.reference(input_ids=tokens, use_cache=False).logits
-        return token_logprobs(logits.float(), tokens, self.temperature)
+        with torch.no_grad():
+            logprobs, _ = model_logprobs(self.reference, tokens, self._autocast, self.temperature,
+                                         self.loss_chunk_tokens)
+        return logprobs
 
     def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.model.parameters()
@@ -101,8 +132,8 @@ class TorchBackend:
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
         tokens = batch.tokens.to(self.device)
         ref = self.reference_logprobs(tokens)
-        logits = self.logits(tokens)
-        out = batch_loss(logits, batch, self.loss_config, self.temperature, normalizer, ref_logprobs=ref)
+        new_logp, entropy = self.token_logprobs(tokens)
+        out = logprob_loss(new_logp, entropy, batch, self.loss_config, normalizer, ref_logprobs=ref)
         out.loss.backward()
         return out.stats
 

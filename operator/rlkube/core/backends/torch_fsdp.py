@@ -3,9 +3,11 @@ trainer ranks with FSDP2 (`torch.distributed.fsdp.fully_shard`), so that a model
 do not fit one device fits the ranks together. Runs over gloo on CPU and NCCL on GPUs.
 
 Layout: every decoder layer is its own FSDP unit (all-gathered just before its forward, freed after); the root unit
-holds the rest (embeddings, final norm, LM head; a tied embedding is one parameter in one unit). The logits are
-computed by a method registered as an FSDP forward method, so the root unit is gathered for it exactly as for
-`model.forward`, while the decoder runs in the compute dtype and the LM head in float32 as in `TorchBackend`.
+holds the rest (embeddings, final norm, LM head; a tied embedding is one parameter in one unit). The logits, and
+the loss's chunked log-probs (`TorchBackend.token_logprobs`), are computed by methods registered as FSDP forward
+methods, so the root unit is gathered for them exactly as for `model.forward` (and, as their outputs' gradients
+arrive, for the backward in which the chunks' LM head is recomputed), while the decoder runs in the compute dtype
+and the LM head in float32 as in `TorchBackend`.
 
 Precision: with `spec.model.dtype: bfloat16` the layer units all-gather their float32 shards cast to bfloat16 and
 reduce-scatter gradients in float32 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); the root unit
@@ -60,17 +62,11 @@ from torch.distributed.tensor import DTensor
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import lr_scheduler
-from rlkube.core.backends.torch_backend import TorchBackend
+from rlkube.core.backends.torch_backend import TorchBackend, model_logits, model_logprobs
 from rlkube.core.losses import LossStats
 from rlkube.core.weightsync import StreamedWeights, combine_sums, dtype_name
 
 SCHEDULER_FILE = "scheduler.pt"
-
-
-def _logits(model, tokens: torch.Tensor, autocast) -> torch.Tensor:
-    with autocast():
-        hidden = model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
-    return model.get_output_embeddings()(hidden.float())
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -111,8 +107,12 @@ class FSDPTorchBackend(TorchBackend):
                 # ReduceOp.PREMUL_SUM(1/factor), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo").
                 module.set_force_sum_reduction_for_comms(True)
         autocast = self._autocast
-        self.model.rlkube_logits = types.MethodType(lambda m, tokens: _logits(m, tokens, autocast), self.model)
+        self.model.rlkube_logits = types.MethodType(lambda m, tokens: model_logits(m, tokens, autocast), self.model)
         register_fsdp_forward_method(self.model, "rlkube_logits")
+        self.model.rlkube_logprobs = types.MethodType(
+            lambda m, tokens: model_logprobs(m, tokens, autocast, self.temperature, self.loss_chunk_tokens),
+            self.model)
+        register_fsdp_forward_method(self.model, "rlkube_logprobs")
         # Adam over the sharded (DTensor) parameters: its state is sharded like them.
         algo = spec.algorithm
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
@@ -121,11 +121,14 @@ class FSDPTorchBackend(TorchBackend):
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.rlkube_logits(tokens)
 
+    def token_logprobs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rlkube_logprobs(tokens)
+
     def forward_backward_nothing(self) -> LossStats:
         """A forward/backward pass that adds nothing to the gradients, for a rank with fewer micro-batches than
         its peers (FSDP's all-gathers and reduce-scatters are collectives: every rank runs as many passes)."""
         tokens = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
-        (self.logits(tokens).sum() * 0.0).backward()
+        (self.token_logprobs(tokens)[0].sum() * 0.0).backward()
         return LossStats()
 
     def optim_step(self) -> float:
