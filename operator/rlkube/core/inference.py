@@ -201,8 +201,8 @@ class WeightFollower:
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
         self.synced.set()
-        log.info("weights version %d in effect (transfer %.3fs, load %.3fs)", version, received - t0,
-                 time.monotonic() - received)
+        log.info("weights version %d in effect (checksum %r, transfer %.3fs, load %.3fs)", version,
+                 self.served_checksum, received - t0, time.monotonic() - received)
 
 
 class InferenceServer:
