@@ -5,7 +5,9 @@ their HF names, docs_per_step overshot as Fast-LLM does), loads it by HF name, b
 serves exactly the broadcast weights: the checksum it reports is the stand-in's, and its log-probs are transformers'
 with the stand-in's last weights.
 
-One server, one test (vLLM takes ~1 min to start on 2 cores); the vllm tier (test_vllm_server.py's marker and skip).
+One server per test (vLLM takes ~1 min to start on 2 cores): one worker, and tensorParallel 2 (two workers, each
+its own rank of Fast-LLM's group: external_world_size = replicas x tensorParallel); the vllm tier
+(test_vllm_server.py's marker and skip).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from hf_models import write_tiny_model
@@ -58,7 +61,8 @@ def transformers_logprobs(model_dir: Path, state: dict[str, torch.Tensor], choic
     return lp[len(choice["prompt_token_ids"]) - 1:].tolist()
 
 
-def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_client):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_client, tp):
     model = write_tiny_model(tmp_path / "model", "qwen2", "bpe", seed=3)
     raw = {
         "model": {"path": str(model), "dtype": "float32", "maxSequenceLength": MAX_LEN},
@@ -66,7 +70,7 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
         "algorithm": {"loss": "grpo", "maxSteps": STEPS, "groupSize": 2, "samplesPerStep": PER_STEP, "maxLag": 1,
                       "maxNewTokens": 4},
         "trainer": {"backend": "fast-llm", "gpusPerNode": 1, "fastLlm": {"modelFormat": "qwen2"}},
-        "inference": {"engine": "vllm", "replicas": 1,
+        "inference": {"engine": "vllm", "replicas": 1, "tensorParallel": tp,
                       "vllm": {"extraEngineArgs": ["--block-size=32", "--max-num-seqs=32"]}},
     }
     spec = parse_spec(raw)
@@ -77,7 +81,7 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
     # so the stand-in broadcasts over gloo, as Fast-LLM does when so configured.
     assert config["callbacks"]["streaming"]["broadcast"]["backend"] == "nccl"
     config["callbacks"]["streaming"]["broadcast"].update(backend="gloo", host=store_host, port=int(store_port))
-    assert config["callbacks"]["streaming"]["broadcast"]["external_world_size"] == 1
+    assert config["callbacks"]["streaming"]["broadcast"]["external_world_size"] == tp
     for client in (config["data"]["datasets"]["training"], config["callbacks"]["streaming"]):
         client.update(host="127.0.0.1", port=redis_server.port)
     (tmp_path / "fast-llm.yaml").write_text(yaml.safe_dump(config))
@@ -107,14 +111,14 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
         assert sorted(sent) == list(range(STEPS + 1))
         health = wait_until(lambda: (h := http_json(url + "/health")[1]).get("training_finished") and h, 120,
                             "the server to take every update and training_finished")
-        print(f"vLLM served Fast-LLM's {STEPS + 1} updates {time.monotonic() - t0:.1f}s after it started")
+        print(f"vLLM (tensorParallel {tp}) served Fast-LLM's {STEPS + 1} updates {time.monotonic() - t0:.1f}s after it started")
         assert http_status(url + "/health") == 200
         # Every update served; the group left at training_finished (epoch None), the ranks it joined as kept.
         assert (health["model_version"], health["epoch"], health["updates"]) == (STEPS, None, STEPS + 1)
-        assert health["weight_sync_ranks"] == [1] and health["rejected_updates"] == 0
+        assert health["weight_sync_ranks"] == list(range(1, 1 + tp)) and health["rejected_updates"] == 0
         assert abs(health["weights_checksum"] - sent[STEPS]) <= 1e-9 * max(1.0, abs(sent[STEPS])), health
         log = log_text(server)
-        assert "joined Fast-LLM's weight broadcast as ranks [1] of 2" in log, log[-5000:]
+        assert f"joined Fast-LLM's weight broadcast as ranks {list(range(1, 1 + tp))} of {1 + tp}" in log, log[-5000:]
 
         # The log-probs served are those of the last broadcast weights (and far from the first's).
         status, reply = http_json(url + "/v1/completions", {"prompt": "12345:", "n": 2, "max_tokens": 4,
