@@ -1,7 +1,9 @@
-"""`trainer.backend: fast-llm` through the operator (issue 23, must-show 1), native engine: the trainer pod runs
+"""`trainer.backend: fast-llm` through the operator (issue 23, must-show 1), one job per engine (the vLLM one in the
+vllm tier: RLKUBE_VLLM_PYTHON, as tests/e2e/test_vllm_job.py): the trainer pod runs
 the operator's command (rlkube.core.fast_llm_launch -> torchrun -> `fast-llm train gpt --config ...`) where the
 image's `fast-llm` is the stand-in (tests/integration/fast_llm_stand_in.py, Fast-LLM's Redis and broadcast calls
-over gloo). The inference server joins Fast-LLM's broadcast group at start-up, becomes healthy on the first update,
+over gloo; a GPU job's config says NCCL for vLLM, which on CPUs the stand-in and vLLM's worker both replace with
+gloo). The inference server joins Fast-LLM's broadcast group at start-up, becomes healthy on the first update,
 the actors run, Fast-LLM's `training_finished` ends the job: Succeeded, torn down in order, and the weights served
 are the ones broadcast (the server's checksum of each version equals the stand-in's of that step).
 
@@ -13,6 +15,7 @@ directory first on PATH whose `fast-llm` runs the stand-in (tests/nodeagent/agen
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -77,8 +80,27 @@ def checksums(log: str, pattern: str) -> dict[int, float]:
     return {int(step): float(value) for step, value in re.findall(pattern, log)}
 
 
-def test_fast_llm_job_native_engine_receives_the_broadcast_and_succeeds(job, model_dir):
-    job.apply(example(**{
+VLLM_PYTHON = os.environ.get("RLKUBE_VLLM_PYTHON", "")
+ENGINES = [
+    pytest.param("native", id="native"),
+    pytest.param("vllm", id="vllm", marks=[
+        pytest.mark.vllm,
+        pytest.mark.skipif(not VLLM_PYTHON or not os.access(VLLM_PYTHON, os.X_OK),
+                           reason="RLKUBE_VLLM_PYTHON does not name the vLLM environment (`make deps-vllm`)")]),
+]
+VLLM = {
+    "spec.inference.engine": "vllm",
+    "spec.inference.image": "ghcr.io/rlkube/vllm:0.1.0-cpu",
+    "spec.runPolicy.eventTimeoutSeconds": 600,
+    "spec.teardown.gracePeriodSeconds.inference": 30,
+}
+JOINED = {"native": "joined Fast-LLM's weight broadcast as rank 1 of 2",
+          "vllm": "joined Fast-LLM's weight broadcast as ranks [1] of 2"}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fast_llm_job_receives_the_broadcast_and_succeeds(job, model_dir, engine):
+    job.apply(example(**(VLLM if engine == "vllm" else {}), **{
         "spec.model.path": str(model_dir),
         "spec.model.maxSequenceLength": 64,
         "spec.algorithm.maxSteps": STEPS,
@@ -90,7 +112,7 @@ def test_fast_llm_job_native_engine_receives_the_broadcast_and_succeeds(job, mod
         "spec.trainer.fastLlm": {"modelFormat": "qwen2"},
     }))
     follower = job.follow()
-    tj = job.wait_phase(("Succeeded", "Failed"), 600)
+    tj = job.wait_phase(("Succeeded", "Failed"), 900)
     st = tj["status"]
     assert st["phase"] == "Succeeded", job.diagnostics()
     assert st["reason"] == "TrainingFinished"
@@ -100,7 +122,7 @@ def test_fast_llm_job_native_engine_receives_the_broadcast_and_succeeds(job, mod
     inference_log = job.agent.container_log(job.namespace, f"{job.name}-inference-0")
     assert "stand-in: broadcast group formed" in trainer_log and "stand-in: broadcast done" in trainer_log, \
         trainer_log[-3000:]
-    assert "joined Fast-LLM's weight broadcast as rank 1 of 2" in inference_log, inference_log[-3000:]
+    assert JOINED[engine] in inference_log, inference_log[-3000:]
     sent = checksums(trainer_log, r"stand-in: checksum (\d+) (\S+)")
     served = checksums(inference_log, r"weights version (\d+) in effect \(checksum (\S+?),")
     assert sorted(sent) == list(range(STEPS + 1)), trainer_log[-3000:]

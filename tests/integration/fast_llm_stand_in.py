@@ -145,8 +145,13 @@ def main() -> int:
     callback = config["callbacks"]["streaming"]
     events = redis.Redis(callback["host"], callback["port"])
     bc = callback["broadcast"]
+    backend = bc["backend"]
+    if backend == "nccl" and not torch.cuda.is_available():
+        # A GPU job's config (vLLM servers receive over NCCL) run on CPUs: gloo, as a CPU vLLM worker joins.
+        print("stand-in: backend nccl without CUDA: broadcasting over gloo", flush=True)
+        backend = "gloo"
     try:
-        group = broadcast_group(bc["host"], bc["port"], bc["external_world_size"], bc["backend"], timeout)
+        group = broadcast_group(bc["host"], bc["port"], bc["external_world_size"], backend, timeout)
     except Exception as exc:  # torch raises DistStoreError / DistNetworkError / TimeoutError by version
         print(f"stand-in: broadcast rendezvous failed: {type(exc).__name__}", flush=True)
         return 3
