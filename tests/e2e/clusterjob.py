@@ -113,6 +113,7 @@ class EventFollower(threading.Thread):
         self.url: str | None = None
         self.metrics: list[dict] = []
         self.checkpoints: list[int] = []
+        self.weights_ready: list[dict] = []
         self.finished: protocol.TrainerEvent | None = None
         self.step = 0
         self.events = 0
@@ -155,6 +156,8 @@ class EventFollower(threading.Thread):
             self.step = max(self.step, event.step)
         if event.type == protocol.METRICS:
             self.metrics.append(event.payload)
+        elif event.type == protocol.WEIGHTS_READY:
+            self.weights_ready.append(event.payload)
         elif event.type == protocol.CHECKPOINT_SAVED:
             self.checkpoints.append(int(event.step or 0))
         elif event.type == protocol.TRAINING_FINISHED and self.finished is None:

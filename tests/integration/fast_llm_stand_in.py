@@ -3,8 +3,10 @@ Fast-LLM makes, with Fast-LLM's arguments and in Fast-LLM's order, and nothing e
 3.12 and CUDA to train). Line numbers are Fast-LLM's at the commit tests/fixtures/fast_llm_config_fields.json
 records (d3d20226).
 
-`python fast_llm_stand_in.py CONFIG_YAML RENDEZVOUS_TIMEOUT_S [--model DIR] [--steps N] [--overshoot K]`, reading
-from the config the same fields Fast-LLM reads:
+`python fast_llm_stand_in.py CONFIG_YAML RENDEZVOUS_TIMEOUT_S [--model DIR] [--steps N] [--overshoot K]`, or as
+Fast-LLM's own command line, `fast_llm_stand_in.py train gpt --config CONFIG_YAML [--overshoot K] [--timeout-s S]`
+(what a trainer pod's torchrun runs as `fast-llm`: the model is the config's `pretrained.path`, the steps its
+`training.train_iters`; tests/e2e/test_fast_llm_job.py), reading from the config the same fields Fast-LLM reads:
 - the streaming callback's constructor (fast_llm/engine/training/streaming.py:40-55, rank 0): `redis.Redis(host,
   port)` (RedisConfig.get_client), then the broadcast group: ProcessGroupPool(rank=0, world_size=
   external_world_size + 1) = `torch.distributed.rendezvous("tcp://{host}:{port}", 0, world_size)`
@@ -113,14 +115,27 @@ def read_documents(client, rank: int, n: int) -> list[list[int]]:
     return docs
 
 
-def main() -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    if argv[:2] == ["train", "gpt"]:  # `fast-llm train gpt --config FILE`, as the trainer pod runs Fast-LLM
+        cli = argparse.ArgumentParser(prog="fast-llm train gpt")
+        cli.add_argument("--config", required=True)
+        cli.add_argument("--overshoot", type=int, default=0)
+        cli.add_argument("--timeout-s", type=float, default=600.0)
+        args = cli.parse_args(argv[2:])
+        config = yaml.safe_load(open(args.config))
+        return argparse.Namespace(config=args.config, timeout_s=args.timeout_s, model=config["pretrained"]["path"],
+                                  steps=config["training"]["train_iters"], overshoot=args.overshoot)
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
     parser.add_argument("timeout_s", type=float)
     parser.add_argument("--model")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--overshoot", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args(sys.argv[1:])
     config = yaml.safe_load(open(args.config))
     timeout = datetime.timedelta(seconds=args.timeout_s)
     rank = int(os.environ["RANK"])
@@ -130,8 +145,13 @@ def main() -> int:
     callback = config["callbacks"]["streaming"]
     events = redis.Redis(callback["host"], callback["port"])
     bc = callback["broadcast"]
+    backend = bc["backend"]
+    if backend == "nccl" and not torch.cuda.is_available():
+        # A GPU job's config (vLLM servers receive over NCCL) run on CPUs: gloo, as a CPU vLLM worker joins.
+        print("stand-in: backend nccl without CUDA: broadcasting over gloo", flush=True)
+        backend = "gloo"
     try:
-        group = broadcast_group(bc["host"], bc["port"], bc["external_world_size"], bc["backend"], timeout)
+        group = broadcast_group(bc["host"], bc["port"], bc["external_world_size"], backend, timeout)
     except Exception as exc:  # torch raises DistStoreError / DistNetworkError / TimeoutError by version
         print(f"stand-in: broadcast rendezvous failed: {type(exc).__name__}", flush=True)
         return 3

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backoff-max", type=float, default=10.0, help="longest restart delay (kubelet: 300 s)")
     p.add_argument("--stop-grace", type=float, default=5.0, help="grace given to pods when the agent stops")
     p.add_argument("--threads", type=int, default=1, help="OMP/MKL threads the emulated image sets")
+    p.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu the node advertises (none is used)")
     args = p.parse_args(argv)
     if not args.namespace and not args.namespace_selector:
         p.error("give --namespace or --namespace-selector: the agent never runs pods it was not told to")
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = NodeAgent(
         args.kubeconfig, args.state_dir, node_name=args.node_name, namespaces=tuple(args.namespace),
         namespace_selector=args.namespace_selector, backoff_base=args.backoff_base,
-        backoff_max=args.backoff_max, stop_grace=args.stop_grace, threads=args.threads,
+        backoff_max=args.backoff_max, stop_grace=args.stop_grace, threads=args.threads, gpus=args.gpus,
     )
     parent = os.getppid()
 

