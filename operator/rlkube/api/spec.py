@@ -272,6 +272,12 @@ class AlgorithmSpec(Model):
         "leave-one-out", description="Group-relative advantage estimator."
     )
     normalize_advantage: bool = Field(False, description="Divide advantages by the group's std (+1e-4).")
+    filter_zero_advantage_groups: bool = Field(
+        True,
+        description="Drop groups whose rewards are all equal (zero advantage: nothing to learn) before training, "
+        "counted in the trainer's filtered_groups/filtered_samples metrics; the actors sample more in their place. "
+        "Not applied with loss sft.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the actors.")
     max_new_tokens: int = Field(8, ge=1, description="Most tokens generated per completion.")
     grad_clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")
