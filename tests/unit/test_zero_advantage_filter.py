@@ -48,7 +48,9 @@ def test_the_equality_is_over_the_usable_samples():
 
 
 def _ctx(redis_url: str, **algorithm) -> RoleContext:
-    spec = parse_spec(specs.spec(**{f"algorithm.{k}": v for k, v in algorithm.items()}))
+    task = {"task": {"dataset": {"path": "/data/sft.jsonl", "completionField": "completion"}}} if (
+        algorithm.get("loss") == "sft") else {}
+    spec = parse_spec(specs.spec(**{f"algorithm.{k}": v for k, v in algorithm.items()}, **task))
     return RoleContext("ns", "job", spec, redis_url)
 
 
@@ -57,7 +59,7 @@ def test_spec_switch_defaults_on_and_is_off_for_sft(redis_server, redis_client):
     assert PreprocessorRole(_ctx(redis_server.url), redis_client).cfg.filter_zero_advantage
     off = _ctx(redis_server.url, filterZeroAdvantageGroups=False)
     assert not PreprocessorRole(off, redis_client).cfg.filter_zero_advantage
-    sft = _ctx(redis_server.url, loss="sft")
+    sft = _ctx(redis_server.url, loss="sft")  # (with a dataset's reference completions, which sft requires)
     assert not PreprocessorRole(sft, redis_client).cfg.filter_zero_advantage
 
 

@@ -145,6 +145,13 @@ class DatasetSpec(Model):
         description="Column holding the reference answer the rewards compare with. Unset: `answer` when the "
         "dataset has that column (rows without an answer suit only rewards that need none).",
     )
+    completion_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Column holding the reference completion of each prompt: with loss sft (which requires it) the "
+        "actors read prompt + completion from the dataset instead of sampling, one document per row, only the "
+        "completion's tokens in the loss. Refused with any other loss.",
+    )
     system_prompt: str | None = Field(
         None, description="A system message put before every prompt (needs the chat template)."
     )
@@ -219,7 +226,8 @@ class TaskSpec(Model):
         default_factory=dict, description="Task parameters passed to the task factory."
     )
     dataset: DatasetSpec | None = Field(
-        None, description="Read prompts from a dataset instead of a built-in generator (needs `reward`)."
+        None, description="Read prompts from a dataset instead of a built-in generator (needs `reward`, unless "
+        "completionField makes it a supervised dataset)."
     )
     reward: RewardSpec | None = Field(
         None, description="Score completions with this reward instead of the task's own (required with dataset)."
