@@ -15,7 +15,7 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.hf.tokenizer import Tokenizer
-from rlkube.core.preprocessor import DocumentConfig, group_to_documents
+from rlkube.core.preprocessor import DocumentConfig, documents_of
 from rlkube.core.tasks import load_task
 from rlkube.core.trainer import Trainer
 import specs
@@ -57,25 +57,38 @@ def learning_run(spec: TrainingJobSpec, seed: int, steps: int, served: bool = Fa
     policy = load_model(model_dir) if served else trainer.model  # served: starts from the same weights
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    cfg = DocumentConfig(estimator=algo.advantage, max_length=spec.model.max_sequence_length)
-    rewards = []
+    # As the preprocessor role configures it: zero-advantage groups are filtered (spec default), and the actors
+    # sample more in their place (their lag credit comes back), so a step still gets samplesPerStep documents.
+    cfg = DocumentConfig(estimator=algo.advantage, max_length=spec.model.max_sequence_length,
+                         filter_zero_advantage=algo.filter_zero_advantage_groups and algo.loss != "sft")
+    rewards, filtered = [], 0
     for step in range(steps):
         docs, step_rewards = [], []
-        for g in range(algo.samples_per_step // algo.group_size):
+        groups = algo.samples_per_step // algo.group_size
+        for g in range(8 * groups):  # bounded: a policy whose every group is equal trains on what it has
+            if g >= groups and len(docs) >= algo.samples_per_step:
+                break
             prompt = task.prompt(rng)
             ids = tok.encode(prompt.text)
             comps, lps = sample_group(policy, tok, ids, algo.group_size, algo.max_new_tokens, algo.temperature)
             samples = [protocol.Sample(c, lp, task.reward(prompt, tok.decode(c))) for c, lp in zip(comps, lps, strict=True)]
-            step_rewards += [s.reward for s in samples]
+            if g < groups:  # the reward of the policy: the first samplesPerStep samples, filtered or not
+                step_rewards += [s.reward for s in samples]
             group = protocol.RolloutGroup(f"{step}-{g}", ids, samples, model_version=trainer.version,
                                           expected_size=algo.group_size)
-            docs += group_to_documents(group, cfg)
+            group_docs, dropped = documents_of(group, cfg)
+            docs += group_docs
+            filtered += dropped
+        if not docs:
+            rewards.append(sum(step_rewards) / len(step_rewards))
+            continue
         metrics = trainer.train_step(docs)
         # On-policy: the trainer's log-probs of the sampled tokens equal the sampling ones before the update.
         assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
         if served:
             hf_state.load_weights(policy, dict(trainer.backend.weights()))
         rewards.append(sum(step_rewards) / len(step_rewards))
+    print(f"{filtered} zero-advantage groups filtered in {steps} steps")
     return rewards
 
 

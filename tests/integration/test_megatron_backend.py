@@ -49,6 +49,9 @@ def spec_of(model_dir, backend: str, dtype: str = "float32", **algorithm):
         "algorithm": {"maxSteps": 10, "samplesPerStep": 8, "learningRate": 0.003, **algorithm},
         "inference": {"engine": "native"},
         "trainer": {"backend": backend},
+        # sft trains on a dataset's reference completions (validation asks for the field; nothing reads it here)
+        **({"task": {"dataset": {"path": "/data/sft.jsonl", "completionField": "completion"}}}
+           if algorithm.get("loss") == "sft" else {}),
     })
 
 

@@ -81,6 +81,9 @@ def test_backend_forward_backward_equals_the_full_logits_loss(tmp_path, loss, ti
         "model": {"path": str(model_dir) if tied else "builtin://tiny-llama", "maxSequenceLength": 16},
         "algorithm": {"maxSteps": 3, "samplesPerStep": 4, "loss": loss, "temperature": 0.8},
         "inference": {"engine": "native"},
+        # sft trains on a dataset's reference completions (validation asks for the field; nothing reads it here)
+        **({"task": {"dataset": {"path": "/data/sft.jsonl", "completionField": "completion"}}} if loss == "sft"
+           else {}),
     })
     chunked = TorchBackend(spec, model_dir)
     assert chunked.model.config.tie_word_embeddings == tied

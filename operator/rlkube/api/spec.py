@@ -145,6 +145,13 @@ class DatasetSpec(Model):
         description="Column holding the reference answer the rewards compare with. Unset: `answer` when the "
         "dataset has that column (rows without an answer suit only rewards that need none).",
     )
+    completion_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Column holding the reference completion of each prompt: with loss sft (which requires it) the "
+        "actors read prompt + completion from the dataset instead of sampling, one document per row, only the "
+        "completion's tokens in the loss. Refused with any other loss.",
+    )
     system_prompt: str | None = Field(
         None, description="A system message put before every prompt (needs the chat template)."
     )
@@ -219,7 +226,8 @@ class TaskSpec(Model):
         default_factory=dict, description="Task parameters passed to the task factory."
     )
     dataset: DatasetSpec | None = Field(
-        None, description="Read prompts from a dataset instead of a built-in generator (needs `reward`)."
+        None, description="Read prompts from a dataset instead of a built-in generator (needs `reward`, unless "
+        "completionField makes it a supervised dataset)."
     )
     reward: RewardSpec | None = Field(
         None, description="Score completions with this reward instead of the task's own (required with dataset)."
@@ -272,6 +280,12 @@ class AlgorithmSpec(Model):
         "leave-one-out", description="Group-relative advantage estimator."
     )
     normalize_advantage: bool = Field(False, description="Divide advantages by the group's std (+1e-4).")
+    filter_zero_advantage_groups: bool = Field(
+        True,
+        description="Drop groups whose rewards are all equal (zero advantage: nothing to learn) before training, "
+        "counted in the trainer's filtered_groups/filtered_samples metrics; the actors sample more in their place. "
+        "Not applied with loss sft.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the actors.")
     max_new_tokens: int = Field(8, ge=1, description="Most tokens generated per completion.")
     grad_clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")

@@ -90,10 +90,21 @@ class StreamKeys:
     def actor_stall_release(self) -> str:
         return self.prefix + "actor/stall_release"
 
+    # The preprocessors' counts of zero-advantage groups dropped before training (spec.algorithm.
+    # filterZeroAdvantageGroups), and of their samples; the trainer reports them in its metrics.
+    @property
+    def filtered_groups(self) -> str:
+        return self.prefix + "preprocessor/filtered_groups"
+
+    @property
+    def filtered_samples(self) -> str:
+        return self.prefix + "preprocessor/filtered_samples"
+
     def all(self) -> list[str]:
         """Every key any role creates (streams with their consumer groups, counters)."""
         return [self.events, self.documents, self.rollouts, self.actor_samples_reserved, self.actor_samples_written,
-                self.actor_documents_seen, self.actor_last_event, self.actor_stall_release]
+                self.actor_documents_seen, self.actor_last_event, self.actor_stall_release, self.filtered_groups,
+                self.filtered_samples]
 
 
 # --- trainer events -------------------------------------------------------------------------------

@@ -19,6 +19,18 @@ Rules it keeps (the pitfalls of docs/references.md §6):
 - A reward that raises scores that sample 0, marks it (`Sample.reward_error`, summed into the trainer's
   `reward_errors` metric) and is logged; it never stops the actor. A task that cannot be built (a missing
   dataset, an unknown column) exits at start with the message naming the spec field.
+
+Supervised mode (loss sft, which requires spec.task.dataset.completionField): the actor does not call inference.
+Each worker reserves ONE sample, reads the next row's prompt (rendered and tokenized as it would be sent to
+inference) and reference completion (tokenized without special tokens, then the tokenizer's eos so that stopping
+is learned) and writes a one-sample group whose sampling log-probs are 0 (the sft loss does not read them); the
+preprocessor turns it into a document whose loss mask covers only the completion. Such a document depends on no
+weights, so it is stamped, at write time, with the newest version the trainer announced: its position then passes
+the write check whenever the reservation did, a refusal (another replica's later reservation written first) is
+retried with the same row once a newer version is announced, and the trainer's lag metrics read the time the row
+waited in the streams. It goes through the same reserve/write counters as samples, so the lag bound still
+limits how far the actors read ahead of the trainer. A reward in the spec, if any, scores the reference completion
+(reported as reward_mean); none is needed.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from rlkube.contract.context import RoleContext
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
+from rlkube.core.hf.tokenizer import Tokenizer
 from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
 log = logging.getLogger("rlkube.actor")
@@ -80,11 +93,23 @@ class Stopped(Exception):
     """The actor was asked to stop while it waited (see Actor.until_stopped)."""
 
 
+def supervised(spec) -> bool:
+    """Whether the actor reads reference completions instead of sampling (loss sft with a completionField)."""
+    ds = spec.task.dataset
+    return spec.algorithm.loss == "sft" and ds is not None and ds.completion_field is not None
+
+
 class Actor:
     def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: Task,
-                 stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None):
-        if not ctx.inference_urls:
+                 stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.supervised = supervised(ctx.spec)
+        if self.supervised and tokenizer is None:
+            raise ValueError("the supervised (sft) actor needs the model's tokenizer")
+        if not ctx.inference_urls and not self.supervised:
             raise SystemExit(f"{runtime.ENV_INFERENCE_URLS} is not set: the actor needs the inference servers")
+        self.tokenizer = tokenizer
+        self.group_n = 1 if self.supervised else ctx.spec.algorithm.group_size  # samples per reservation
         self.ctx = ctx
         self.spec = ctx.spec
         self.algo = ctx.spec.algorithm
@@ -93,6 +118,7 @@ class Actor:
         self.task = task
         self.render = render or prompt_renderer(ctx.spec.task, task)  # no tokenizer: plain-text prompts
         self.score = Scorer(task)
+        self.scores = callable(getattr(task, "reward", None))  # a supervised dataset may come without a reward
         self.name = f"actor-{ctx.index}"
         self.urls = [u.rstrip("/") for u in ctx.inference_urls]
         self.stall_s = stall_s
@@ -277,12 +303,46 @@ class Actor:
             created_at=time.time(),
         )
 
+    # --- supervised (sft): reference completions from the dataset ------------------------------------
+
+    def reference_group(self, prompt: Prompt) -> protocol.RolloutGroup:
+        """One row as a one-sample group: the prompt's ids as inference would get them, the reference
+        completion's ids plus eos, sampling log-probs 0, stamped with version 0 until it is written."""
+        tok = self.tokenizer
+        rendered = self.render(prompt)
+        prompt_ids = list(rendered) if isinstance(rendered, list) else tok.encode(rendered)
+        completion = prompt.meta["completion"]
+        ids = list(tok.hf(completion, add_special_tokens=False)["input_ids"])
+        if tok.eos_id is not None:
+            ids.append(tok.eos_id)
+        reward, failed = self.score(prompt, completion) if self.scores else (0.0, False)
+        sample = protocol.Sample(completion_tokens=ids, logprobs=[0.0] * len(ids), reward=reward, finished=True,
+                                 reward_error=failed)
+        return protocol.RolloutGroup(group_id=f"{self.name}-{uuid.uuid4().hex[:12]}", prompt_tokens=prompt_ids,
+                                     samples=[sample], model_version=0, expected_size=1, actor=self.name,
+                                     created_at=time.time())
+
+    async def write_reference(self) -> bool:
+        """Read the next row and write it (module docstring: the version it is stamped with); False when the
+        actor stopped first."""
+        group = self.reference_group(self.task.prompt(self.rng))
+        while not self.stop.is_set():
+            changed = self.changed
+            group.model_version = self.view.version or 0
+            if await self.lag.write(group, self.view.documents_seen) is not None:
+                self._count(group)
+                return True
+            self.resampled += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=1.0)
+        return False
+
     # --- workers -------------------------------------------------------------------------------------
 
     async def reserve(self) -> int | None:
         """Wait until a group fits within the lag bound and reserve it: the number of its last sample, or None
         when the actor stops."""
-        n = self.algo.group_size
+        n = self.group_n
         held_since: float | None = None
         waiting_logged = False
         while not self.stop.is_set():
@@ -316,8 +376,11 @@ class Actor:
             if last is None:
                 return
             produced = False
-            self.inflight += self.algo.group_size
+            self.inflight += self.group_n
             try:
+                if self.supervised:
+                    produced = await self.write_reference()
+                    continue
                 group = await self.sample_group(session, self.min_version(last))
                 retry = 0
                 while group is not None and not self.stop.is_set():
@@ -334,11 +397,11 @@ class Actor:
                     await self.pause(min(0.01 * 2**retry, 1.0))
                     group = await self.sample_group(session, self.view.version)
             finally:
-                self.inflight -= self.algo.group_size
+                self.inflight -= self.group_n
                 if not produced:
                     # Cancelled, stopped or skipped: the reservation was not used (best effort on shutdown).
                     try:
-                        await asyncio.shield(self.lag.give_back(self.algo.group_size))
+                        await asyncio.shield(self.lag.give_back(self.group_n))
                     except Exception as exc:  # noqa: BLE001 - Redis may be gone already at shutdown
                         log.debug("could not give back a reservation: %s", exc)
 
@@ -359,6 +422,8 @@ class Actor:
                      self.reward_sum / max(self.samples, 1), self.score.errors, self.view.version)
 
     def worker_count(self) -> int:
+        if self.supervised:
+            return 1  # reading a row takes microseconds: one worker keeps up with any trainer
         per_server = max(1, min(MAX_WORKERS_PER_SERVER, self.algo.samples_per_step // self.algo.group_size))
         return per_server * len(self.urls)
 
@@ -374,7 +439,8 @@ class Actor:
         events.add_done_callback(self._events_done)
         try:
             async with aiohttp.ClientSession() as session:
-                await self.wait_for_inference(session)
+                if not self.supervised:  # sft reads the dataset: it never asks inference
+                    await self.wait_for_inference(session)
                 if self.stop.is_set():
                     return 0
                 n = self.worker_count()
@@ -411,8 +477,7 @@ async def amain() -> int:
     # task's prompts are raw text (the digit tasks): those go as text, tokenized by inference as vLLM does.
     chat = ctx.spec.task.chat_template
     tokenizer = None
-    if chat or (chat is None and not getattr(task, "raw_prompts", False)):
-
+    if chat or (chat is None and not getattr(task, "raw_prompts", False)) or supervised(ctx.spec):
         tokenizer = load_tokenizer(materialize_model(ctx.spec.model, ctx.model_cache_dir))
     render = prompt_renderer(ctx.spec.task, task, tokenizer=tokenizer.hf if tokenizer else None)
     if getattr(render, "chat_template", False):
@@ -424,7 +489,7 @@ async def amain() -> int:
             return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
     client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
-    actor = Actor(ctx, client, task, stall_s=stall_s, render=render)
+    actor = Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.request_stop()))

@@ -22,8 +22,9 @@ Two ways the counters can overcount and would otherwise stall the job forever (d
 - a restarted trainer resumes with a smaller D than it had reached (the documents it read after its last
   checkpoint are gone): the first actor that sees the smaller D lowers both counters by the difference, once
   (a Lua script ordered by the event's stream id, so replicas seeing the same event do it only once);
-- samples that never reach the trainer (an actor killed with reservations, a group the preprocessor dropped):
-  when the actors hold, no `weights_ready` came for `stall_s` and less than a step of documents waits for the
+- samples that never reach the trainer (an actor killed with reservations, a group the preprocessor dropped; the
+  preprocessor credits the samples of the groups it drops back to both counters as it acknowledges them,
+  rlkube.core.preprocessor, so this is the fallback for what it cannot see): when the actors hold, no `weights_ready` came for `stall_s` and less than a step of documents waits for the
   trainer, one replica (once per `stall_s`) first drops the reservations that were never written (safe: the
   write check still holds the bound), or, when there are none, releases one group of credit from both
   counters (logged as a warning). Progress never depends on counting exactly.

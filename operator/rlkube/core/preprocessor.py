@@ -8,11 +8,21 @@ sampling log-probs with 0 on the prompt, the policy version per token, the scala
 Rules it keeps (the pitfalls of docs/references.md §6):
 - It stops when the trainer publishes `training_finished`, never by counting samples (§6.1, §6.2).
 - Partial groups are used as they are; a group of one has no baseline (advantage 0) and is dropped (§6.10).
+- Groups whose rewards are all equal (zero advantage, nothing to learn) are dropped when
+  `spec.algorithm.filterZeroAdvantageGroups` is on (the default; never for loss sft), as PipelineRL's
+  filter_zero_advantage_groups (pipelinerl/preprocess.py:316-353, applied at :548-552 and counted as
+  `preprocessor/filtered_out_samples` at :677) and DAPO's dynamic sampling; they are counted in Redis
+  (`StreamKeys.filtered_groups`/`filtered_samples`) and the trainer reports the counts in its metrics.
+- Lag credit (docs/design.md §7): every sample of a group that yields no document (filtered, a singleton, too
+  long, malformed) is taken off the actors' `written` and `reserved` counters in the same atomic step that
+  acknowledges the group, so sample positions count only samples that reach the trainer and the actors sample
+  replacements instead of waiting for documents that never come.
 - Backpressure: while the trainer's consumer group lags the documents stream by more than
   2 x samplesPerStep entries (XINFO: entries-added - entries-read) it stops reading rollouts, so documents are
   never produced far ahead of the trainer and their policy versions stay fresh. Each replica checks on its
   own, so with N replicas the bound can be overshot by up to N reads (READ_COUNT groups at most each).
-- Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers, §6.12).
+- Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers,
+  docs/references.md §6.12).
 - Malformed rollout entries and unknown events are logged and skipped (a skipped rollout entry is acknowledged).
 
 Any number of replicas share the rollouts through one consumer group (`protocol.ROLLOUTS_GROUP`), replica i
@@ -55,11 +65,25 @@ CLAIM_IDLE_MS = 30_000
 
 # Writes one rollout entry's documents and acknowledges the entry, atomically, if the entry is still pending
 # for this consumer (another replica may have claimed it while we stalled). Returns 1, or 0 when not ours.
-# KEYS: rollouts, documents; ARGV: group, consumer, entry id, then per document its field count and fields.
+# With it, the samples that became no document are credited back to the actors' lag counters (never below 0)
+# and a filtered group is counted.
+# KEYS: rollouts, documents, actors' reserved, actors' written, filtered groups, filtered samples;
+# ARGV: group, consumer, entry id, samples credited, filtered groups (0/1), filtered samples, then per document
+# its field count and fields.
 _COMMIT = """
 local owned = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
 if #owned == 0 then return 0 end
-local i = 4
+local credit = tonumber(ARGV[4])
+if credit > 0 then
+  for k = 3, 4 do
+    if redis.call('DECRBY', KEYS[k], credit) < 0 then redis.call('SET', KEYS[k], 0) end
+  end
+end
+if tonumber(ARGV[5]) > 0 then
+  redis.call('INCRBY', KEYS[5], ARGV[5])
+  redis.call('INCRBY', KEYS[6], ARGV[6])
+end
+local i = 7
 while i <= #ARGV do
   local n = tonumber(ARGV[i])
   redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + n))
@@ -76,11 +100,28 @@ class DocumentConfig:
     normalize: bool = False
     max_length: int | None = None  # spec.model.maxSequenceLength: longer samples are dropped (and counted)
     drop_singletons: bool = True  # SFT keeps them: its loss does not use the advantage
+    # Drop groups whose usable samples all have the same reward (spec.algorithm.filterZeroAdvantageGroups; the
+    # role turns it off for sft). Off here so that the pure function keeps every group unless asked.
+    filter_zero_advantage: bool = False
+
+
+EQUAL_REWARDS = 1e-6  # rewards closer than this count as equal (PipelineRL's epsilon, pipelinerl/preprocess.py:316)
+
+
+def equal_rewards(samples: list[protocol.Sample]) -> bool:
+    """Whether a group's rewards are all equal: every group-relative advantage is then zero."""
+    rewards = [s.reward for s in samples]
+    return max(rewards) - min(rewards) <= EQUAL_REWARDS
 
 
 def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> list[protocol.Document]:
     """Documents of one rollout group (pure). Samples that are malformed or too long are dropped with a log
     line; the advantages are computed over the samples that remain."""
+    return documents_of(group, cfg)[0]
+
+
+def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[list[protocol.Document], bool]:
+    """group_to_documents, and whether the group was filtered for zero advantage (cfg.filter_zero_advantage)."""
     prompt = list(group.prompt_tokens)
     samples = []
     for i, s in enumerate(group.samples):
@@ -95,10 +136,14 @@ def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> lis
         else:
             samples.append(s)
     if not samples:
-        return []
+        return [], False
     if len(samples) == 1 and cfg.drop_singletons:
         log.info("group %s has a single usable sample (no baseline, advantage 0); dropped", group.group_id)
-        return []
+        return [], False
+    if cfg.filter_zero_advantage and equal_rewards(samples):
+        log.debug("group %s: all %d rewards equal %.4g (zero advantage); filtered", group.group_id, len(samples),
+                  samples[0].reward)
+        return [], True
     if len(samples) < group.expected_size:
         log.info("group %s is partial: %d of %d samples", group.group_id, len(samples), group.expected_size)
     advantages = group_advantages([s.reward for s in samples], cfg.estimator, cfg.normalize)  # type: ignore[arg-type]
@@ -118,7 +163,7 @@ def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> lis
                 model_version=np.full(len(tokens), group.model_version, dtype=np.int64),
             )
         )
-    return docs
+    return docs, False
 
 
 def too_long(group: protocol.RolloutGroup, cfg: DocumentConfig) -> int:
@@ -160,6 +205,7 @@ class PreprocessorRole:
             normalize=algo.normalize_advantage,
             max_length=ctx.spec.model.max_sequence_length,
             drop_singletons=algo.loss != "sft",
+            filter_zero_advantage=algo.filter_zero_advantage_groups and algo.loss != "sft",
         )
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
         self.consumer = protocol.preprocessor_consumer(ctx.index)
@@ -176,6 +222,8 @@ class PreprocessorRole:
         self.finished = False
         self.groups = self.documents = self.skipped = self.claimed = self.lost = 0
         self.too_long = 0  # samples dropped for exceeding maxSequenceLength
+        self.filtered = 0  # zero-advantage groups dropped
+        self.credited = 0  # samples that became no document, credited back to the actors' lag counters
         self.holds = 0
 
     def _read_events(self, block: int | None = None) -> None:
@@ -185,16 +233,20 @@ class PreprocessorRole:
                          self.groups, self.documents)
                 self.finished = True
 
-    def commit(self, entry_id: str, docs: list[protocol.Document]) -> bool:
+    def commit(self, entry_id: str, docs: list[protocol.Document], credit: int = 0, filtered: int = 0) -> bool:
         """Write `docs` and acknowledge rollout entry `entry_id` in one atomic step, if the entry is still
-        pending for this consumer; False (nothing written) when another replica has claimed it."""
-        args: list = [protocol.ROLLOUTS_GROUP, self.consumer, entry_id]
+        pending for this consumer; False (nothing written) when another replica has claimed it. With it,
+        `credit` samples that became no document go back to the actors' lag counters, and a filtered group of
+        `filtered` samples is counted."""
+        args: list = [protocol.ROLLOUTS_GROUP, self.consumer, entry_id, credit, int(filtered > 0), filtered]
         for doc in docs:
             fields = protocol.encode_document(doc)
             args.append(2 * len(fields))
             for name, value in fields.items():
                 args += [name, value]
-        return bool(self._commit(keys=[self.keys.rollouts, self.keys.documents], args=args))
+        keys = [self.keys.rollouts, self.keys.documents, self.keys.actor_samples_reserved,
+                self.keys.actor_samples_written, self.keys.filtered_groups, self.keys.filtered_samples]
+        return bool(self._commit(keys=keys, args=args))
 
     def _handle_rollouts(self, entries) -> None:
         for sid, fields in entries:
@@ -207,9 +259,11 @@ class PreprocessorRole:
                     group = protocol.RolloutGroup.decode(fields)
                 except ValueError as exc:
                     problem = str(exc)
-            docs = group_to_documents(group, self.cfg) if group is not None else []
+            docs, filtered = documents_of(group, self.cfg) if group is not None else ([], False)
+            # Samples the actors counted (lag.write advanced `written` by all of them) that reach no trainer.
+            credit = len(group.samples) - len(docs) if group is not None else 0
             # A skipped entry is acknowledged too (with no documents), or it would be re-read forever.
-            if not self.commit(sid, docs):
+            if not self.commit(sid, docs, credit, len(group.samples) if filtered else 0):
                 self.lost += 1
                 log.warning("rollout entry %s was claimed by another preprocessor; not writing it", sid)
             elif group is None:
@@ -219,6 +273,8 @@ class PreprocessorRole:
                 self.groups += 1
                 self.documents += len(docs)
                 self.too_long += too_long(group, self.cfg)
+                self.filtered += int(filtered)
+                self.credited += credit
 
     def _read_rollouts(self, count: int) -> list:
         """Up to `count` rollout entries this replica should process now: its own pending ones first, then
@@ -284,8 +340,9 @@ class PreprocessorRole:
             if time.monotonic() - last_report > 10:
                 last_report = time.monotonic()
                 log.info("%d groups -> %d documents (%d entries skipped, %d claimed, %d samples over "
-                         "maxSequenceLength dropped)", self.groups, self.documents, self.skipped, self.claimed,
-                         self.too_long)
+                         "maxSequenceLength dropped, %d zero-advantage groups filtered, %d samples credited back to "
+                         "the actors)", self.groups, self.documents, self.skipped, self.claimed, self.too_long,
+                         self.filtered, self.credited)
         if not self.finished:
             log.info("stopped by signal after %d groups", self.groups)
         return 0

@@ -118,6 +118,7 @@ def check_columns(rows: Any, spec: DatasetSpec) -> None:
                                                                          else ""))
     columns = list(rows.column_names)
     mapped = [("promptField", spec.prompt_column), ("messagesField", spec.messages_field),
+              ("completionField", spec.completion_field),  # the reference completion of loss sft
               ("answerField", spec.answer_field)]  # an unset answerField is optional (answer_column)
     for name, column in mapped:
         if column is not None and column not in columns:
@@ -125,7 +126,7 @@ def check_columns(rows: Any, spec: DatasetSpec) -> None:
                 name == "promptField" and not spec.prompt_field) else ""
             raise TaskError(f"{FIELD}.{name}", f"no column {column!r} in {spec.path}{default} "
                             f"(columns: {', '.join(columns)})")
-    for name, column in mapped[:2]:
+    for name, column in mapped[:3]:
         if column is None:
             continue
         nulls = rows.data.column(column).null_count
@@ -135,6 +136,9 @@ def check_columns(rows: Any, spec: DatasetSpec) -> None:
     if spec.prompt_column is not None and not _is_text(rows.features[spec.prompt_column]):
         raise TaskError(f"{FIELD}.promptField", f"column {spec.prompt_column!r} of {spec.path} holds "
                         f"{rows.features[spec.prompt_column]}, not text")
+    if spec.completion_field is not None and not _is_text(rows.features[spec.completion_field]):
+        raise TaskError(f"{FIELD}.completionField", f"column {spec.completion_field!r} of {spec.path} holds "
+                        f"{rows.features[spec.completion_field]}, not text")
     if spec.messages_field is not None:
         messages(rows[0][spec.messages_field], spec, 0)  # the first row's shape; the others when drawn
 
@@ -200,6 +204,8 @@ class DatasetTask:
         spec = self.spec
         answer = row[self.answer_column] if self.answer_column else None
         meta = {"answer": answer, "sample": row, "row": i}
+        if spec.completion_field:
+            meta["completion"] = row[spec.completion_field]  # what loss sft trains on (rlkube.core.actor)
         system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
         if spec.messages_field:
             chat = messages(row[spec.messages_field], spec, i)

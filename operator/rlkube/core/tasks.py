@@ -207,7 +207,7 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
         # install (no training stack) and tasks without a dataset do without.
         from rlkube.core.prompt_dataset import DatasetTask
 
-        if spec.reward is None:
+        if spec.reward is None and spec.dataset.completion_field is None:  # sft reads completions, scores none
             raise TaskError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)")
         task: Any = DatasetTask.load(spec.name, spec.dataset, shard)
         spec_field, where = "spec.task.dataset", f"spec.task.dataset {spec.dataset.path!r}"
@@ -221,7 +221,8 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
             raise TaskError("spec.task.name", f"unknown built-in task {spec.name!r} (known: {', '.join(BUILTIN_TASKS)})")
         task = factory(**spec.params)
         spec_field, where = "spec.task.name", f"spec.task.name {spec.name!r}"
-    needed = ("prompt",) if spec.reward is not None else ("prompt", "reward")
+    supervised = spec.dataset is not None and spec.dataset.completion_field is not None
+    needed = ("prompt",) if spec.reward is not None or supervised else ("prompt", "reward")
     for attr in needed:
         if not callable(getattr(task, attr, None)):
             raise TaskError(spec_field, f"{where} returned {task!r}, which has no {attr}() method")

@@ -759,7 +759,16 @@ class TrainerRole:
             "learning_rate": m["lr"],
             "documents_seen": self.trainer.documents_seen,
             "documents_skipped": self.skipped,
+            **self._filtered(),
         }
+
+    def _filtered(self) -> dict[str, int]:
+        """Zero-advantage groups (and their samples) the preprocessors dropped so far, whole job (rank 0 only:
+        it alone publishes the metrics)."""
+        if not self.leader:
+            return {}
+        groups, samples = self.redis.mget(self.keys.filtered_groups, self.keys.filtered_samples)
+        return {"filtered_groups": int(groups or 0), "filtered_samples": int(samples or 0)}
 
 
 def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publisher:

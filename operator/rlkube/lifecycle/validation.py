@@ -317,7 +317,7 @@ def task_errors(task: TaskSpec) -> list[FieldError]:
             errs.append(FieldError("spec.task.entryPoint", "must be empty when spec.task.dataset is set"))
         if task.params:
             errs.append(FieldError("spec.task.params", "not used with spec.task.dataset (dataset tasks take none)"))
-        if reward is None:
+        if reward is None and ds.completion_field is None:  # a supervised (sft) dataset needs no reward
             errs.append(FieldError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)"))
         if ds.prompt_field and ds.messages_field:
             errs.append(FieldError("spec.task.dataset.messagesField", "set promptField or messagesField, not both"))
@@ -392,7 +392,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
-    errs += loss_extension_errors(spec)
+    errs += loss_extension_errors(spec) + sft_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -422,6 +422,23 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
     return errs
+
+
+def sft_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """loss sft trains on a dataset's reference completions (rlkube.core.actor reads them instead of sampling):
+    it needs task.dataset.completionField, and a completion field is refused with any other loss (an RL loss
+    would silently never read it)."""
+    ds, loss = spec.task.dataset, spec.algorithm.loss
+    field = "spec.task.dataset.completionField"
+    if loss == "sft" and (ds is None or ds.completion_field is None):
+        where = "" if ds is not None else " (with spec.task.dataset: sft learns from reference completions, not from " \
+                                          "the policy's own samples)"
+        return [FieldError(field, f"required with spec.algorithm.loss sft: the column holding each prompt's reference "
+                                  f"completion{where}")]
+    if loss != "sft" and ds is not None and ds.completion_field is not None:
+        return [FieldError(field, f"only used with spec.algorithm.loss sft, not {loss} (which samples completions "
+                                  "from the policy); remove it or set loss sft")]
+    return []
 
 
 def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:

@@ -1,0 +1,143 @@
+"""spec.algorithm.filterZeroAdvantageGroups: groups whose rewards are all equal are dropped by the preprocessor,
+counted, reported in the trainer's metrics, and credited back to the actors' lag counters so that the actors
+sample replacements instead of holding for documents that never come (docs/design.md §7)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import redis.asyncio as aioredis
+
+import specs
+from rlkube.contract import protocol
+from rlkube.contract.context import RoleContext
+from rlkube.core.lag import LagCounter
+from rlkube.core.preprocessor import DocumentConfig, PreprocessorRole, documents_of, group_to_documents
+from rlkube.core.trainer import TrainerRole
+from rlkube.lifecycle.validation import parse_spec
+
+ON = DocumentConfig(filter_zero_advantage=True)
+
+
+def group(rewards, gid="g", version=0, prompt=(1, 5, 6)):
+    samples = [protocol.Sample([20 + i, 2], [-0.5, -0.5], r) for i, r in enumerate(rewards)]
+    return protocol.RolloutGroup(gid, list(prompt), samples, model_version=version, expected_size=len(rewards))
+
+
+def test_equal_rewards_are_filtered_and_others_kept():
+    assert documents_of(group([1.0, 1.0, 1.0, 1.0]), ON) == ([], True)
+    assert documents_of(group([0.0, 0.0]), ON) == ([], True)
+    assert documents_of(group([0.3, 0.3 + 1e-9, 0.3]), ON) == ([], True)  # within PipelineRL's epsilon
+    docs, filtered = documents_of(group([0.0, 0.0, 1.0, 0.0]), ON)
+    assert len(docs) == 4 and not filtered and any(d.advantage != 0 for d in docs)
+    # off (the pure default): equal groups become documents of advantage 0, as before
+    docs = group_to_documents(group([1.0, 1.0, 1.0]), DocumentConfig())
+    assert len(docs) == 3 and all(d.advantage == 0 for d in docs)
+    # a singleton is dropped for having no baseline, not counted as filtered
+    assert documents_of(group([1.0]), ON) == ([], False)
+
+
+def test_the_equality_is_over_the_usable_samples():
+    # the one sample that differs is too long: the remaining ones are all equal
+    g = group([1.0, 1.0, 0.0])
+    g.samples[2].completion_tokens = list(range(40))
+    g.samples[2].logprobs = [-1.0] * 40
+    assert documents_of(g, DocumentConfig(max_length=10, filter_zero_advantage=True)) == ([], True)
+
+
+def _ctx(redis_url: str, **algorithm) -> RoleContext:
+    task = {"task": {"dataset": {"path": "/data/sft.jsonl", "completionField": "completion"}}} if (
+        algorithm.get("loss") == "sft") else {}
+    spec = parse_spec(specs.spec(**{f"algorithm.{k}": v for k, v in algorithm.items()}, **task))
+    return RoleContext("ns", "job", spec, redis_url)
+
+
+def test_spec_switch_defaults_on_and_is_off_for_sft(redis_server, redis_client):
+    assert _ctx(redis_server.url).spec.algorithm.filter_zero_advantage_groups is True
+    assert PreprocessorRole(_ctx(redis_server.url), redis_client).cfg.filter_zero_advantage
+    off = _ctx(redis_server.url, filterZeroAdvantageGroups=False)
+    assert not PreprocessorRole(off, redis_client).cfg.filter_zero_advantage
+    sft = _ctx(redis_server.url, loss="sft")  # (with a dataset's reference completions, which sft requires)
+    assert not PreprocessorRole(sft, redis_client).cfg.filter_zero_advantage
+
+
+def _drain(role: PreprocessorRole, rounds: int = 4) -> None:
+    for _ in range(rounds):
+        role.poll()
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_filtered_groups_are_counted_credited_and_reported(redis_server, redis_client, switch):
+    """Four groups of 4 written by an actor (lag.write advances `written`); two have equal rewards."""
+    ctx = _ctx(redis_server.url, groupSize=4, samplesPerStep=8, maxLag=1, filterZeroAdvantageGroups=switch)
+    keys = ctx.keys
+    role = PreprocessorRole(ctx, redis_client)
+
+    async def write_groups():
+        client = aioredis.Redis.from_url(redis_server.url)
+        lag = LagCounter(client, keys, max_lag=1, samples_per_step=8)
+        for i, rewards in enumerate([[1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 1]]):
+            assert await lag.reserve(4, 0) is not None
+            assert await lag.write(group([float(r) for r in rewards], f"g{i}"), 0) is not None
+        out = await lag.reserved(), await lag.written()
+        await client.aclose()
+        return out
+
+    assert asyncio.run(write_groups()) == (16, 16)  # the whole budget of version 0 (maxLag 1, 8 per step)
+    _drain(role)
+    docs = redis_client.xlen(keys.documents)
+    metrics = TrainerRole._filtered(SimpleNamespace(leader=True, redis=redis_client, keys=keys))
+    if switch:
+        assert docs == 8 and role.filtered == 2
+        assert metrics == {"filtered_groups": 2, "filtered_samples": 8}
+        # the 8 filtered samples are no longer counted as written: positions count what reaches the trainer
+        assert int(redis_client.get(keys.actor_samples_written)) == 8
+        assert int(redis_client.get(keys.actor_samples_reserved)) == 8
+    else:
+        assert docs == 16 and role.filtered == 0
+        assert metrics == {"filtered_groups": 0, "filtered_samples": 0}
+        assert int(redis_client.get(keys.actor_samples_written)) == 16
+    assert TrainerRole._filtered(SimpleNamespace(leader=False)) == {}
+
+
+def test_dropped_groups_do_not_make_the_actors_wait_and_the_bound_holds(redis_server, redis_client):
+    """Actors and preprocessor in lockstep against real Redis, half the groups of every round with equal rewards.
+    Without the credit the actors would hold at the budget of version 0 forever (the trainer never gets a step
+    of documents, so no weights_ready comes; only the stall release, one group per stall period, would move it).
+    With it they sample replacements, the trainer fills its steps, and no consumed document is older than
+    maxLag versions."""
+    per_step, max_lag, n = 8, 1, 4
+    ctx = _ctx(redis_server.url, groupSize=n, samplesPerStep=per_step, maxLag=max_lag)
+    keys = ctx.keys
+    role = PreprocessorRole(ctx, redis_client, max_ahead=10_000)
+
+    async def run() -> tuple[int, int]:
+        client = aioredis.Redis.from_url(redis_server.url)
+        lag = LagCounter(client, keys, max_lag=max_lag, samples_per_step=per_step)
+        seen, version, written, worst = 0, 0, 0, 0
+        consumed: list[protocol.Document] = []
+        for step in range(6):
+            # the actors fill the budget of the newest version, every other group with equal rewards
+            while await lag.reserve(n, seen) is not None:
+                rewards = [1.0] * n if written % 2 == 0 else [1.0, 0.0, 0.0, 0.0]
+                assert await lag.write(group(rewards, f"g{written}", version=version), seen) is not None
+                written += 1
+            _drain(role, rounds=8)
+            # the trainer takes one step's documents if they are there
+            entries = redis_client.xrange(keys.documents, "-", "+")[len(consumed):len(consumed) + per_step]
+            if len(entries) < per_step:
+                break
+            docs = [protocol.decode_document(f) for _, f in entries]
+            worst = max(worst, *(version - int(d.model_version[0]) for d in docs))
+            consumed += docs
+            version, seen = version + 1, len(consumed)
+            assert await lag.on_weights_ready(f"{step + 1}-0", seen) == 0
+        await client.aclose()
+        return version, worst
+
+    steps, worst = asyncio.run(run())
+    assert steps == 6, "the trainer starved: dropped groups held the actors"
+    assert worst <= max_lag
+    assert role.filtered > 0
