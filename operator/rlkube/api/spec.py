@@ -316,6 +316,24 @@ class WeightTransferSpec(Model):
     )
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every linear layer of a Llama/Qwen decoder block (PEFT matches these against the end of module names)."""
+
+
+class LoraSpec(Model):
+    """Train a LoRA adapter instead of the full weights (PEFT; rlkube.core.lora, docs/design.md §6)."""
+
+    rank: int = Field(8, ge=1, le=4096, description="LoRA rank r of every adapted layer.")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="LoRA alpha: the update B@A is scaled by alpha / rank.")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0: the trainer's log-probs "
+        "equal the sampler's on the same weights; > 0 makes them differ by the dropout noise).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1,
+        description="Module names (suffixes of the model's Linear layers) that get an adapter; default: every "
+        "linear layer of the decoder blocks (embeddings and the LM head stay frozen).")
+
+
 # --- per-role pod template overrides (a partial Kubernetes PodTemplateSpec; merged by controller/podtemplate.py) ---
 
 
@@ -634,6 +652,12 @@ class TrainerSpec(Model):
     )
     weight_transfer: WeightTransferSpec = Field(
         default_factory=WeightTransferSpec, description="How weights are sent to the inference servers."
+    )
+    lora: LoraSpec | None = Field(
+        None,
+        description="Train a LoRA adapter on the frozen base model (backend torch without FSDP). Weight updates "
+        "carry the adapter only to the native engine (vLLM gets the merged weights) and checkpoints are PEFT "
+        "adapter directories (adapter_config.json, adapter_model.safetensors). Unset: full-weight training.",
     )
     template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
     fast_llm: FastLLMSpec = Field(default_factory=FastLLMSpec, description="Settings of backend fast-llm.")

@@ -15,6 +15,13 @@ fsynced, and only then is it renamed into place (rename is atomic on POSIX). `la
 complete directories (all files present, meta.json parses and agrees with the name), so a trainer killed
 mid-write never resumes from a torn checkpoint. Old checkpoints are first renamed out of sight, then deleted.
 
+A LoRA job's checkpoint (spec.trainer.lora) holds PEFT's adapter directory in place of the weights
+(adapter_config.json + adapter_model.safetensors, written by rlkube.core.lora; `PeftModel.from_pretrained(base,
+path)` loads it), the same optimizer.pt, meta.json (`extra.adapter`) and the model's config and tokenizer files.
+Such a checkpoint is complete once its meta.json is there (the rename makes it appear whole); an adapter missing
+from it later is not skipped as a torn write but fails the resume (rlkube.core.lora.read_adapter), so a job never
+trains a fresh adapter in silence.
+
 Loading copies the tensors into the live model and drops the loaded (possibly memory-mapped) tensors before
 returning, so that pruning old checkpoint files later never removes a file that still backs a tensor
 (docs/references.md §6.14).
@@ -126,11 +133,13 @@ def save_checkpoint(
     keep: int = DEFAULT_KEEP,
     model_dir: Path | None = None,
     dtype: str | None = None,
+    write_weights: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write `root/step-{meta.step:06d}` atomically and durably; prune to the newest `keep`. Returns its path.
 
     `model_state`: the weights under HF names; `model_dir`: the job's model directory whose config and tokenizer
-    files make the checkpoint a loadable HF directory (config.json's dtype set to `dtype`)."""
+    files make the checkpoint a loadable HF directory (config.json's dtype set to `dtype`). `write_weights(dir)`
+    writes the weights instead of `model_state` (a LoRA adapter directory, rlkube.core.lora.write_adapter)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(meta.step)
@@ -139,8 +148,11 @@ def save_checkpoint(
     try:
         if model_dir is not None:
             copy_model_files(model_dir, tmp, dtype)
-        save_torch_state_dict({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, tmp,
-                              max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
+        if write_weights is not None:
+            write_weights(tmp)
+        else:
+            save_torch_state_dict({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, tmp,
+                                  max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         # meta.json last: its presence is part of what "complete" means.
         (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
@@ -192,8 +204,6 @@ def read_meta(path: Path) -> CheckpointMeta | None:
     if not m or not path.is_dir():
         return None
     missing = [n for n in REQUIRED_FILES if not (path / n).is_file()]
-    if not weight_files(path):
-        missing.append(f"{MODEL_FILE} (or {INDEX_FILE} and its shards)")
     if missing:
         log.warning("ignoring incomplete checkpoint %s: missing %s", path, ", ".join(missing))
         return None
@@ -210,6 +220,10 @@ def read_meta(path: Path) -> CheckpointMeta | None:
         return None
     if meta.step != int(m.group(1)):
         log.warning("ignoring checkpoint %s: its meta says step %d", path, meta.step)
+        return None
+    if not meta.extra.get("adapter") and not weight_files(path):  # an adapter's absence fails the resume instead
+        log.warning("ignoring incomplete checkpoint %s: missing %s (or %s and its shards)", path, MODEL_FILE,
+                    INDEX_FILE)
         return None
     return meta
 
@@ -255,14 +269,16 @@ def load_checkpoint_state(
     path: Path,
     apply: Callable[[dict[str, torch.Tensor], dict[str, Any] | None], None],
     with_optimizer: bool = True,
+    read_weights: Callable[[Path], dict[str, torch.Tensor]] = load_weights,
 ) -> CheckpointMeta:
     """Read a complete checkpoint and hand (model state, optimizer state or None) to `apply`, which must copy
-    what it keeps (a backend's `load_state`); the loaded tensors are dropped before returning."""
+    what it keeps (a backend's `load_state`); the loaded tensors are dropped before returning. `read_weights`
+    reads the model state (a LoRA checkpoint's adapter: rlkube.core.lora.read_adapter)."""
     path = Path(path)
     meta = read_meta(path)
     if meta is None:
         raise ValueError(f"{path} is not a complete checkpoint")
-    state = load_weights(path)
+    state = read_weights(path)
     opt_state = None
     try:
         if with_optimizer:

@@ -8,7 +8,10 @@ A background thread (`WeightFollower`) follows the trainer's events stream. On `
 announced epoch's weight-update group when it is a new one (leaving the old), receives the weights (HF names,
 the transfer dtype), loads them by name into a copy of the model (converting to the served dtype) and swaps it
 in; generation keeps going meanwhile (docs/references.md §6.4: the first update must not pause generation, so
-requests are never gated on the update). /health answers 200 only once the first update arrived over the group
+requests are never gated on the update). A LoRA job's update is the adapter alone (kind "lora-adapter",
+rlkube.core.weightsync): the follower serves base + adapter by setting W = W0 + scaling x B @ A for each adapted
+weight of the copy, W0 from the base it loaded at start (rlkube.core.lora.merge_into), so sampling costs what it
+costs without LoRA and the update moves only the adapter's bytes. /health answers 200 only once the first update arrived over the group
 (so the server has joined it; the trainer's start-up push makes that happen without any training step). On
 `training_finished` it leaves the group, as the trainer does on the same event (docs/references.md §6.5), and
 the server keeps serving until SIGTERM, then exits 0.
@@ -46,6 +49,7 @@ from aiohttp import web
 from rlkube.contract import fast_llm_rendezvous, protocol, runtime, streams
 from rlkube.contract.context import RoleContext
 from rlkube.core.fast_llm_weights import FastLlmReceiver
+from rlkube.core import lora
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
@@ -61,7 +65,7 @@ from rlkube.core.openai_api import (
     sse,
 )
 from rlkube.core.sampling import EngineStopped, SamplingEngine
-from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
+from rlkube.core.weightsync import ADAPTER, StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
 
 log = logging.getLogger("rlkube.inference")
 
@@ -89,6 +93,8 @@ class WeightFollower:
         self.engine = engine
         self.template = template  # the model a received update is loaded into (a copy of it per update)
         self.aliases = hf_state.tied_aliases(template)  # received without tied duplicates: put them back
+        # The base weights W0 an adapter update is merged onto (the template is never changed: no copy needed).
+        self.base = dict(template.named_parameters())
         self.synced = threading.Event()  # set once weights arrived over the group at least once
         self.finished = threading.Event()
         self.updates = 0
@@ -172,7 +178,7 @@ class WeightFollower:
                 log.info("joining weight-update epoch %s (was %s)", epoch, self.receiver.epoch)
                 self.receiver.join(epoch)
             if not fast_llm:
-                version, state = self.receiver.receive()
+                version, state = self.receiver.receive(adapters=True)
         except StaleEpoch as exc:
             log.info("%s", exc)
             return
@@ -181,26 +187,37 @@ class WeightFollower:
             return
         received = time.monotonic()
         model = copy.deepcopy(self.template)
+        meta = (None if fast_llm else getattr(self.receiver, "last_meta", None)) or {}
+        adapter = meta.get("kind") == ADAPTER
         try:
-            # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error
-            # (docs/references.md §6.15).
-            hf_state.load_weights(model, state, self.aliases)
-        except RuntimeError as exc:
-            log.error("weights of version %d do not fit the model: %s; keeping version %d", version, exc,
-                      self.engine.policy.version)
+            if adapter:
+                lora.merge_into(model, self.base, state, float(meta["adapter"]["scaling"]))
+            else:
+                # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error
+                # (docs/references.md §6.15).
+                hf_state.load_weights(model, state, self.aliases)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            log.error("%s of version %d does not fit the model: %s; keeping version %d",
+                      "the adapter" if adapter else "weights", version, exc, self.engine.policy.version)
             return
-        # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost.
-        # /health reads the checksum and the version without a lock (another thread): the checksum is set first
-        # and the version last, so a reader that sees the new version sees its checksum too.
-        served = hf_state.named_weights(model)
-        self.served_checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items() if n in state)
+        # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost (an
+        # adapter: the adapter as received and verified). /health reads the checksum and the version without a
+        # lock (another thread): the checksum is set first and the version last, so a reader that sees the new
+        # version sees its checksum too.
+        if adapter:
+            self.served_checksum = self.receiver.last_checksum
+        else:
+            served = hf_state.named_weights(model)
+            self.served_checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items()
+                                                    if n in state)
         self.engine.set_policy(model, version)
         self.updates += 1
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
         self.synced.set()
-        log.info("weights version %d in effect (checksum %r, transfer %.3fs, load %.3fs)", version,
-                 self.served_checksum, received - t0, time.monotonic() - received)
+        log.info("%s version %d in effect (checksum %r, transfer %.3fs, load %.3fs)",
+                 "adapter" if adapter else "weights", version, self.served_checksum, received - t0,
+                 time.monotonic() - received)
 
 
 class InferenceServer:

@@ -59,6 +59,7 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core import checkpoint as ckpt
+from rlkube.core import lora
 from rlkube.contract import protocol, runtime, streams
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
@@ -287,10 +288,18 @@ class Trainer:
         if tensor_parallel_peer:
             self.last_checkpoint = (step, None)  # it took part in rank 0's checkpoint
             return None
+        extra: dict[str, Any] = {"backend": self.spec.trainer.backend}
+        write_weights = None
+        if self.spec.trainer.lora is not None:  # PEFT's adapter directory instead of the weights (core/checkpoint)
+            extra["adapter"] = "peft-lora"
+
+            def write_weights(directory: Path) -> None:
+                lora.write_adapter(directory, self.backend.model, model_state)
+
         meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
-                                   extra={"backend": self.spec.trainer.backend})
+                                   extra=extra)
         path = ckpt.save_checkpoint(self.checkpoint_dir, meta, model_state, optim_state, model_dir=self.model_dir,
-                                    dtype=self.spec.model.dtype)
+                                    dtype=self.spec.model.dtype, write_weights=write_weights)
         self.last_checkpoint = (step, path)
         return path
 
@@ -336,7 +345,9 @@ class Trainer:
             self._resume_sharded(path)
             return path
         # Weights are HF-named whatever the backend; optimizer state is the writing backend's own layout.
-        written_by = (ckpt.read_meta(path) or ckpt.CheckpointMeta(0)).extra.get("backend")
+        found = ckpt.read_meta(path) or ckpt.CheckpointMeta(0)
+        written_by = found.extra.get("backend")
+        read_weights = self._adapter_reader(path, found)
         same_backend = written_by in (None, self.spec.trainer.backend)
         if not same_backend:
             log.warning("checkpoint %s was written by the %s backend: loading its weights, not its optimizer state",
@@ -347,13 +358,39 @@ class Trainer:
             def load(model_state, optim_state):
                 self._resumed_state = ({k: v.clone() for k, v in model_state.items()}, optim_state)
                 self.backend.load_state(model_state, optim_state)
-        meta = ckpt.load_checkpoint_state(path, load, with_optimizer=same_backend)
+        meta = ckpt.load_checkpoint_state(path, load, with_optimizer=same_backend, read_weights=read_weights)
         self.step, self.documents_seen = meta.step, meta.documents_seen
         self.last_checkpoint = (meta.step, path)
         log.info("resumed from %s (step %d, %d documents seen)", path, meta.step, meta.documents_seen)
         return path
 
+    def _adapter_reader(self, path: Path, meta: ckpt.CheckpointMeta):
+        """How to read `path`'s model state: a LoRA job resumes from an adapter checkpoint only, and a full-weight
+        job from a weights checkpoint only (ConfigError naming spec.trainer.lora otherwise)."""
+        spec_lora = self.spec.trainer.lora
+        adapter = bool(meta.extra.get("adapter"))
+        if spec_lora is not None and not adapter:
+            raise ConfigError(lora.FIELD, f"checkpoint {path} holds full weights, not a LoRA adapter: resume it "
+                                          "without spec.trainer.lora, or start the LoRA job in an empty checkpoint "
+                                          "directory")
+        if spec_lora is None and adapter:
+            raise ConfigError(lora.FIELD, f"checkpoint {path} holds a LoRA adapter: resume it with the "
+                                          "spec.trainer.lora it was trained with")
+        if spec_lora is None:
+            return ckpt.load_weights
+        return lambda p: lora.read_adapter(p, spec_lora)
+
     # --- weights ---
+
+    @property
+    def sends_adapter(self) -> bool:
+        """Weight updates carry the LoRA adapter only (to the native engine, which merges it into its base copy);
+        an engine that takes full weights (vLLM) gets the merged weights instead (docs/design.md §5.6)."""
+        return self.spec.trainer.lora is not None and self.spec.inference.engine == "native"
+
+    def weight_update(self):
+        """What one publication sends: the adapter (`sends_adapter`) or the backend's full weights."""
+        return self.backend.adapter_update() if self.sends_adapter else self.backend.weights()
 
     def start_weights(self) -> None:
         """Announce (and transfer) the current weights once at start-up, as Fast-LLM does at run_begin."""
@@ -383,7 +420,7 @@ class Trainer:
         other ranks must not wait for it inside the all-gather, which fails after the collective timeout. Rank 0's
         publisher packs its snapshot from the gathered tensors (and re-sends it to a rejoining server itself)."""
         if not self.collective or self.dp is None:
-            return self.backend.weights()
+            return self.weight_update()
         self._publications += 1
         tag = f"{tag}/{self._publications}"
 

@@ -37,9 +37,15 @@ the checksum need no gather) and whose buckets the ranks gather one at a time wh
 on the wire are the same as for the packed update (`plan_buckets` decides both layouts).
 
 Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
-`{"version", "checksum", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel], ...]}`,
-then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel as a
-length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
+`{"version", "checksum", "kind", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel],
+...]}`, then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel
+as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
+
+`kind` says what the tensors are: "full" (absent in older senders: the same), every weight under its HF name; or
+"lora-adapter" (an `AdapterUpdate`, spec.trainer.lora), the adapter's A and B matrices under PEFT's names
+(rlkube.core.lora) with `adapter` in the metadata ({"format", "rank", "alpha", "scaling", "target_modules"}): the
+receiver serves base + adapter, W = W0 + scaling x B @ A on its own base copy. `WeightReceiver.receive` refuses an
+adapter update unless its caller said it serves adapters (`adapters=True`), so no engine loads one as weights.
 """
 
 from __future__ import annotations
@@ -117,6 +123,27 @@ def checksums_match(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=CHECKSUM_REL_TOL, abs_tol=1e-6)
 
 
+FULL = "full"
+ADAPTER = "lora-adapter"
+
+
+@dataclass
+class AdapterUpdate:
+    """A weight update that carries a LoRA adapter, not the weights (module docstring: `kind`): iterate it for the
+    (PEFT name, tensor) pairs; `config` goes into the metadata as `adapter`."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    config: dict[str, Any]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+
+def update_nbytes(meta: dict[str, Any]) -> int:
+    """Bytes of tensor data an update with this metadata puts on the wire (its buckets)."""
+    return sum(numel * _DTYPES[dtype].itemsize for _, _, dtype, numel in meta["buckets"])
+
+
 @dataclass
 class PackedWeights:
     """One update ready to send: the metadata object and the bucket buffers (already in the transfer dtype, on
@@ -129,7 +156,8 @@ class PackedWeights:
 def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str | torch.device | None = None) -> PackedWeights:
     """Cast floating-point tensors to `dtype` (None: keep) and flatten consecutive same-dtype tensors into buckets
-    of at most `bucket_bytes` (a larger tensor alone)."""
+    of at most `bucket_bytes` (a larger tensor alone). An AdapterUpdate is packed as kind "lora-adapter"."""
+    adapter = named_tensors.config if isinstance(named_tensors, AdapterUpdate) else None
     tensors = []
     for name, t in named_tensors:
         t = t.detach()
@@ -145,7 +173,10 @@ def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch
     # torch.cat copies: the buffers are a snapshot even when no cast happened.
     buffers = [torch.cat([tensors[i][1].reshape(-1) for i in range(first, end)])
                for first, end, _, _ in bucket_meta]
-    meta = {"tensors": specs, "buckets": bucket_meta, "checksum": weights_checksum(tensors)}
+    meta = {"tensors": specs, "buckets": bucket_meta, "checksum": weights_checksum(tensors),
+            "kind": FULL if adapter is None else ADAPTER}
+    if adapter is not None:
+        meta["adapter"] = dict(adapter)
     return PackedWeights(meta, buffers)
 
 
@@ -186,7 +217,8 @@ class StreamedWeights:
 
     def __init__(self, specs: list[list[Any]], checksum: float, gather, agree, bucket_bytes: int,
                  device: str | torch.device | None = None, rendezvous=None):
-        self.meta = {"tensors": specs, "buckets": plan_buckets(specs, bucket_bytes), "checksum": checksum}
+        self.meta = {"tensors": specs, "buckets": plan_buckets(specs, bucket_bytes), "checksum": checksum,
+                     "kind": FULL}
         self._gather, self._agree, self._rendezvous = gather, agree, rendezvous
         self.device = device
         self.passes = 0
@@ -463,6 +495,7 @@ class WeightReceiver(_Endpoint):
         super().__init__(addr, rank, world_size, timeout_s, backend, device)
         self.local_host = local_host or os.environ.get(ENV_BIND_HOST)
         self.last_checksum: float | None = None
+        self.last_meta: dict[str, Any] | None = None  # the metadata of the last update received (its kind, adapter)
 
     def join(self, epoch: str) -> None:
         """Leave the current group and join `epoch`'s. Blocks until the trainer forms it (its first send).
@@ -494,9 +527,11 @@ class WeightReceiver(_Endpoint):
     def joined(self) -> bool:
         return self.pg is not None
 
-    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def receive(self, adapters: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """Receive one update -> (version, {HF name: tensor in the transfer dtype}); its checksum, verified, is
-        `last_checksum`. On failure the group is dropped (WeightSyncError)."""
+        `last_checksum`, its metadata `last_meta`. An adapter update (kind "lora-adapter": PEFT names, see the
+        module docstring) is refused with WeightSyncError unless `adapters`. On failure the group is dropped
+        (WeightSyncError)."""
         if self.pg is None:
             raise RuntimeError("WeightReceiver.receive() before join()")
         try:
@@ -512,6 +547,10 @@ class WeightReceiver(_Endpoint):
             end = self._bcast_object(None)
             if end is not None:
                 raise WeightSyncError(f"weight-sync protocol error: expected the end sentinel, got {end!r}")
+            kind = meta.get("kind", FULL)
+            if kind not in (FULL, ADAPTER) or (kind == ADAPTER and not adapters):
+                raise WeightSyncError(f"weight-sync: version {meta['version']} is a {kind!r} update, which this "
+                                      "engine does not serve (it takes full weights)")
             state = unpack_weights(meta, buffers)
             checksum = weights_checksum(state.items())
             if not checksums_match(checksum, float(meta["checksum"])):
@@ -521,6 +560,7 @@ class WeightReceiver(_Endpoint):
             self._leave()
             raise
         self.last_checksum = checksum
+        self.last_meta = {k: v for k, v in meta.items() if k not in ("tensors", "buckets")}
         return int(meta["version"]), state
 
     def close(self) -> None:

@@ -392,7 +392,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
-    errs += loss_extension_errors(spec) + sft_errors(spec)
+    errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -454,6 +454,20 @@ def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.algorithm.offPolicyCorrection.mode", "fast-llm computes its own loss; "
                                "off-policy correction is for backends torch and megatron (use mode none)"))
     return errs
+
+
+def lora_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """LoRA (spec.trainer.lora) is built on the torch backend with PEFT, unsharded (rlkube.core.lora)."""
+    trainer = spec.trainer
+    if trainer.lora is None:
+        return []
+    if trainer.backend != "torch":
+        return [FieldError("spec.trainer.lora", f"LoRA adapters are trained by backend torch, not "
+                                                f"{trainer.backend}; unset spec.trainer.lora or use backend torch")]
+    if trainer.sharding == "fsdp":
+        return [FieldError("spec.trainer.lora", "LoRA is not implemented with sharding 'fsdp' (the adapter is "
+                                                "small: replicate it, sharding 'none'); unset one of them")]
+    return []
 
 
 def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> TrainingJobSpec:

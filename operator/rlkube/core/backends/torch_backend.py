@@ -17,6 +17,14 @@ hidden states and applies the LM head (calling the model's output-embedding subm
 FSDP2's unsharded parameters are what the full forward would use) with the log-softmax chunk by chunk under
 activation checkpointing (rlkube.core.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead of
 O(tokens x vocabulary). `logits` (the full [B, T, V]) remains for evaluation.
+
+LoRA (spec.trainer.lora, rlkube.core.lora): the model is wrapped by PEFT after loading; only the adapter's
+parameters train (Adam holds state for them alone) and the float32 base stays frozen. `state()`/`load_state()` are
+then the adapter's tensors under PEFT's names (what checkpoints and the data-parallel start-up sync carry: every
+rank loads the same base from the job's directory), `weights()` the merged full weights under the HF names (for
+an engine that takes full weights), and `adapter_update()` the adapter alone (the native engine's update). The
+reference policy of the KL term is the same model with the adapter disabled (peft's `disable_adapter`): the
+initial policy at no memory cost.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import logprob_loss, loss_config, lr_scheduler
+from rlkube.core import lora as lora_mod
 from rlkube.core.batch import Batch
 from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
 from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats, chunked_token_logprobs
+from rlkube.core.weightsync import AdapterUpdate
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -86,13 +96,17 @@ class TorchBackend:
         if spec.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.model.config.use_cache = False
-        self.model.train()
         self._aliases = hf_state.tied_aliases(self.model)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
+        self.lora = spec.trainer.lora  # None: full-weight training
+        if self.lora is not None:
+            self._hf_names = list(hf_state.named_weights(self.model))  # the base's HF names, before PEFT renames
+            self.model = lora_mod.wrap(self.model, self.lora)  # freezes the base (module docstring)
+        self.model.train()
+        self.optimizer = torch.optim.Adam(self.gradient_parameters(), lr=algo.learning_rate)
         self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
         self.loss_config = loss_config(algo)
         self.reference = None
-        if algo.kl_coef > 0:
+        if algo.kl_coef > 0 and self.lora is None:
             # Frozen, in the compute dtype (module docstring); lifecycle.validation refuses klCoef with FSDP.
             self.reference = load_model(model_dir, self.compute_dtype, self.device).requires_grad_(False)
             self.reference.config.use_cache = False
@@ -119,6 +133,11 @@ class TorchBackend:
 
     def reference_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The reference policy's log-probs of `tokens` [B, T] -> [B, T-1] (None without a reference)."""
+        if self.lora is not None and self.loss_config.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():  # the base: the initial policy
+                logprobs, _ = model_logprobs(self.model, tokens, self._autocast, self.temperature,
+                                             self.loss_chunk_tokens)
+            return logprobs
         if self.reference is None:
             return None
         with torch.no_grad():
@@ -126,8 +145,9 @@ class TorchBackend:
                                          self.loss_chunk_tokens)
         return logprobs
 
-    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
-        return self.model.parameters()
+    def gradient_parameters(self) -> list[torch.nn.Parameter]:
+        """The trained parameters (with LoRA: the adapter's only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def forward_backward(self, batch: Batch, normalizer: float) -> LossStats:
         tokens = batch.tokens.to(self.device)
@@ -138,7 +158,7 @@ class TorchBackend:
         return out.stats
 
     def optim_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.gradient_parameters(), self.grad_clip_norm)
         self.optimizer.step()
         self.scheduler.step()
         # Zero AFTER the step (docs/references.md §6.15: zeroing inside forward_backward broke accumulation).
@@ -146,14 +166,28 @@ class TorchBackend:
         return float(grad_norm)
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The full weights under their HF names (with LoRA: base + adapter merged, rlkube.core.lora)."""
+        if self.lora is not None:
+            return lora_mod.merged_weights(self.model, self._hf_names)
         return list(hf_state.named_weights(self.model).items())
 
+    def adapter_update(self) -> AdapterUpdate:
+        """LoRA: the adapter alone, as a weight update (rlkube.core.weightsync.AdapterUpdate)."""
+        if self.lora is None:
+            raise RuntimeError("adapter_update() without spec.trainer.lora")
+        return AdapterUpdate(list(lora_mod.adapter_state(self.model).items()), lora_mod.wire_config(self.lora))
+
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return (hf_state.named_weights(self.model),
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
+        """(model state: the HF weights, or with LoRA the adapter's tensors under PEFT's names; optimizer)."""
+        model_state = (lora_mod.adapter_state(self.model) if self.lora is not None
+                       else hf_state.named_weights(self.model))
+        return model_state, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
-        hf_state.load_weights(self.model, model_state, self._aliases)
+        if self.lora is not None:
+            lora_mod.load_adapter_state(self.model, model_state)
+        else:
+            hf_state.load_weights(self.model, model_state, self._aliases)
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state["optimizer"])
             self.scheduler.load_state_dict(optimizer_state["scheduler"])
