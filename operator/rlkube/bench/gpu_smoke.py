@@ -135,11 +135,12 @@ class _InProcessReceiver:
     def __init__(self) -> None:
         self.pending: tuple[int, dict] | None = None
         self.last_checksum: float | None = None
+        self.last_meta: dict = {"kind": "full"}  # the trainer here publishes full weights (no spec.trainer.lora)
 
     def join(self, epoch: str) -> None:  # pragma: no cover - the follower joins only an unknown epoch
         raise AssertionError(f"in-process update: unexpected epoch {epoch}")
 
-    def receive(self):
+    def receive(self, adapters: bool = False):
         update, self.pending = self.pending, None
         if update is None:
             raise RuntimeError("in-process update: nothing was published")
