@@ -27,7 +27,7 @@ from rlkube.controller import fastllm
 from rlkube.contract import protocol
 from rlkube.core import fast_llm_launch
 from rlkube.core.vllm_server import ENV_VLLM_PYTHON
-from serve_helpers import RoleProcesses, http_json, http_status, log_text, reserved_port, wait_until, write_config
+from serve_helpers import RoleProcesses, http_json, http_status, log_text, reserved_port, wait_for, write_config
 from test_vllm_server import LOGPROB_TOLERANCE, VLLM_PYTHON, pytestmark
 
 __all__ = ["pytestmark"]  # the vllm marker and the skip without a vLLM environment, as test_vllm_server's
@@ -103,14 +103,14 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
             stderr=subprocess.STDOUT, text=True)
         roles.procs.append(trainer)
         # /health is 503 until the first update (the stand-in cannot send one before the server joined).
-        wait_until(lambda: http_status(url + "/v1/models") == 200 or server.poll() is not None, 300, "the server")
+        wait_for(lambda: http_status(url + "/v1/models") == 200 or server.poll() is not None, 300, "the server")
         assert server.poll() is None, log_text(server)
         out, _ = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, f"{out}\n{log_text(server)[-5000:]}"
         sent = {int(line.split()[2]): float(line.split()[3]) for line in out.splitlines()
                 if line.startswith("stand-in: checksum")}
         assert sorted(sent) == list(range(STEPS + 1))
-        health = wait_until(lambda: (h := http_json(url + "/health")[1]).get("training_finished") and h, 120,
+        health = wait_for(lambda: (h := http_json(url + "/health")[1]).get("training_finished") and h, 120,
                             "the server to take every update and training_finished")
         print(f"vLLM (tensorParallel {tp}) served Fast-LLM's {STEPS + 1} updates {time.monotonic() - t0:.1f}s after it started")
         assert http_status(url + "/health") == 200

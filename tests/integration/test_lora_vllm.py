@@ -27,7 +27,7 @@ from rlkube.core.weightsync import FULL, WeightPublisher, checksums_match, trans
 from rlkube.lifecycle.validation import parse_spec
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_json, http_status, job_spec, log_text, wait_for, \
     write_config
-from test_lora import TARGETS, documents
+from test_lora_weight_updates import TARGETS, documents
 from test_vllm_server import LOGPROB_TOLERANCE, MAX_LEN, MODEL, PROMPT, VLLM_PYTHON, wait_version
 
 pytestmark = [
