@@ -30,6 +30,11 @@ def _spec_schema():
 def test_schema_is_structural_and_typed():
     def walk(node, path):
         assert "$ref" not in node and "anyOf" not in node, path
+        # OpenAPI v3.0: an exclusive bound is a boolean beside minimum/maximum (a number is JSON Schema 2020's form,
+        # which the API server refuses: it refused the whole CRD once, over spec.trainer.lora.dropout's).
+        for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if bound in node:
+                assert node[bound] is True and limit in node, (path, bound, node)
         if "properties" in node:
             assert node.get("type") == "object", path
             for name, sub in node["properties"].items():
@@ -49,6 +54,8 @@ def test_schema_carries_constraints():
     assert spec["properties"]["algorithm"]["required"] == ["maxSteps"]
     assert algo["loss"]["enum"] == ["grpo", "gspo", "ppo", "reinforce", "sft"]
     assert algo["learningRate"]["exclusiveMinimum"] is True
+    dropout = spec["properties"]["trainer"]["properties"]["lora"]["properties"]["dropout"]
+    assert (dropout["maximum"], dropout["exclusiveMaximum"]) == (1, True)
     assert spec["properties"]["actor"]["properties"]["replicas"]["minimum"] == 1
     assert spec["properties"]["trainer"]["properties"]["backend"]["default"] == "torch"
     assert spec["properties"]["model"]["required"] == ["path"]

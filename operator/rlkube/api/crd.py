@@ -1,8 +1,8 @@
 """Generates the TrainingJob CustomResourceDefinition from the pydantic types.
 
 Pydantic emits JSON Schema 2020-12 with `$ref`s and `anyOf` for optionals; Kubernetes wants a *structural*
-OpenAPI v3.0 schema (no refs, one type per node, `exclusiveMinimum` as a boolean). The conversion is small
-and specific to the shapes our types use, so it is written here rather than pulled from a library.
+OpenAPI v3.0 schema (no refs, one type per node, `exclusiveMinimum`/`exclusiveMaximum` as booleans). The
+conversion is small and specific to the shapes our types use, so it is written here rather than pulled from a library.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["additionalProperties"] = _convert(value, defs)
         elif key == "additionalProperties":
             continue  # `extra="forbid"` -> false; structural schemas prune unknown fields instead
-        elif key == "exclusiveMinimum":
-            out["minimum"] = value
-            out["exclusiveMinimum"] = True
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+            # JSON Schema 2020 gives the bound; OpenAPI v3.0 (the API server's) a boolean beside minimum/maximum.
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
         elif key == "const":
             out["enum"] = [value]
         else:
