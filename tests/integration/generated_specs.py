@@ -116,6 +116,10 @@ def _value(path: str, node: dict) -> st.SearchStrategy:
         return st.booleans()
     if kind == "string":
         return _string(path, node)
+    if kind == "array" and node.get("items", {}).get("type") == "string" and path.endswith("targetModules"):
+        # trainer.lora.targetModules: module names of the model (the schema wants at least one)
+        return st.lists(st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+                        min_size=max(node.get("minItems", 0), 1), max_size=3, unique=True)
     if kind == "array" and node.get("items", {}).get("type") == "string":
         # inference.vllm.extraEngineArgs: the operator passes them through (vLLM's own parser judges them in the
         # pod), so flags of the form users write them
@@ -175,6 +179,8 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
     _drop(spec, "task.dataset")
     _drop(spec, "task.reward")
+    if _eff(spec, "algorithm.loss") == "sft":  # it reads a dataset's completion column (validation.sft_errors)
+        _set(spec, "algorithm.loss", "grpo")
     backend = _eff(spec, "trainer.backend")
     if backend == "fast-llm":  # its own Redis and GPUs, a Hugging Face checkpoint, its losses, vLLM
         external = False
@@ -214,6 +220,16 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
             _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
     if _get(spec, "trainer.cpuOffload") and _get(spec, "trainer.sharding") != "fsdp":
         _drop(spec, "trainer.cpuOffload")  # it offloads FSDP2's shards
+    # The loss extensions and LoRA (lifecycle/validation.py: loss_extension_errors, lora_errors, sft_errors).
+    sharded = _get(spec, "trainer.sharding") == "fsdp"
+    if _eff(spec, "algorithm.offPolicyCorrection.mode") != "mis":
+        _drop(spec, "algorithm.offPolicyCorrection.lower")  # mis's lower bound
+    if backend == "fast-llm":
+        _drop(spec, "algorithm.offPolicyCorrection")  # Fast-LLM computes its own loss
+    if _eff(spec, "algorithm.klCoef") > 0 and (backend != "torch" or sharded):
+        _drop(spec, "algorithm.klCoef")  # the frozen reference: the unsharded torch backend's
+    if _get(spec, "trainer.lora") is not None and (backend != "torch" or sharded):
+        _drop(spec, "trainer.lora")  # PEFT on the unsharded torch backend
     tp = _get(spec, "trainer.megatron.tensorParallel")
     if tp is not None and tp > 1 and (backend != "megatron" or ranks % tp):
         _drop(spec, "trainer.megatron.tensorParallel")  # megatron's, and a divisor of the trainer's ranks
