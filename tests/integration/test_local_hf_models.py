@@ -123,13 +123,16 @@ def test_qwen2_bpe_on_arithmetic_with_math_verify_from_an_offline_hub_cache(tmp_
 # answer is one token of ~300, so a random policy scores ~0.003 and learning waits for the first few hits: groups
 # of 16 make them come twice as often as groups of 8 (with 4 x 8 a run stayed below 0.1 for 57 steps). Once the
 # policy answers with a digit it scores 0.25 (one of the four is right). The bar keeps headroom below that.
+# The zero-advantage filter is off here: with it, at this learning rate, a run under load collapsed at step 57 to
+# one fixed answer per prompt (two right, two wrong, every group filtered) and never filled another step, the
+# failure the next test shows is now reported.
 MIN_MARGIN = 0.10
 
 
 def test_qwen2_bpe_learns_to_repeat_a_digit_under_exact_match(tmp_path, qwen2_dir):
     dataset = write_jsonl(tmp_path / "repeat.jsonl", repeat_digit_rows("0123"))
     doc = manifest(str(qwen2_dir), dataset, maxSteps=60, groupSize=16, samplesPerStep=64, learningRate=0.01,
-                   maxNewTokens=1)
+                   maxNewTokens=1, filterZeroAdvantageGroups=False)
     doc["spec"]["task"] = {"name": "repeat-digit-jsonl", "dataset": {"path": str(dataset)}, "reward": {"type": "exact"}}
     code, summary, stderr = rlkube_local(doc, tmp_path, tmp_path / "cache")
     assert code == 0, stderr[-4000:]
@@ -139,3 +142,20 @@ def test_qwen2_bpe_learns_to_repeat_a_digit_under_exact_match(tmp_path, qwen2_di
     assert last - first >= MIN_MARGIN, summary
     assert last >= 2 * first, summary
     assert not (tmp_path / "cache").exists()  # a directory model is used where it is, never copied
+
+
+def test_a_task_whose_groups_are_all_filtered_fails_the_job_naming_the_bound(tmp_path, qwen2_dir):
+    """An exact-match answer one token can never spell: every group scores all zeros and is filtered for zero
+    advantage, so no step ever fills. The job fails with ZeroAdvantageStall naming the bound, long before the
+    event timeout, with the ordered teardown, instead of its actor sampling forever."""
+    rows = [{"prompt": f"Say {d}.", "answer": f"the digit {d} spelled out in words"} for d in "0123"]
+    dataset = write_jsonl(tmp_path / "impossible.jsonl", rows)
+    doc = manifest(str(qwen2_dir), dataset, maxSteps=5, groupSize=4, samplesPerStep=8, maxNewTokens=1,
+                   maxConsecutiveFilteredGroups=20)
+    doc["spec"]["task"] = {"name": "impossible", "dataset": {"path": str(dataset)}, "reward": {"type": "exact"}}
+    code, summary, stderr = rlkube_local(doc, tmp_path, tmp_path / "cache", timeout=200)
+    assert code == 1, stderr[-3000:]
+    assert (summary["phase"], summary["reason"]) == ("Failed", "ZeroAdvantageStall"), summary
+    assert "spec.algorithm.maxConsecutiveFilteredGroups: zero-advantage stall: 20 rollout groups" in summary["message"]
+    assert "preprocessor" in summary["message"] and "all 0" in summary["message"], summary
+    assert summary["teardown"] == ORDER, summary

@@ -1,21 +1,26 @@
 """spec.algorithm.filterZeroAdvantageGroups: groups whose rewards are all equal are dropped by the preprocessor,
 counted, reported in the trainer's metrics, and credited back to the actors' lag counters so that the actors
-sample replacements instead of holding for documents that never come (docs/design.md §7)."""
+sample replacements instead of holding for documents that never come (docs/design.md §7). Past
+spec.algorithm.maxConsecutiveFilteredGroups in a row the preprocessor fails the job (ZeroAdvantageStall)."""
 
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
 
 import specs
-from rlkube.contract import protocol
+from rlkube.contract import protocol, runtime, zero_advantage
 from rlkube.contract.context import RoleContext
+from rlkube.core.errors import ConfigError
 from rlkube.core.lag import LagCounter
 from rlkube.core.preprocessor import DocumentConfig, PreprocessorRole, documents_of, group_to_documents
 from rlkube.core.trainer import TrainerRole
+from rlkube.lifecycle.evidence import Evidence, Failure
+from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.validation import parse_spec
 
 ON = DocumentConfig(filter_zero_advantage=True)
@@ -141,3 +146,60 @@ def test_dropped_groups_do_not_make_the_actors_wait_and_the_bound_holds(redis_se
     assert steps == 6, "the trainer starved: dropped groups held the actors"
     assert worst <= max_lag
     assert role.filtered > 0
+
+
+def _spec(**algorithm):
+    task = {"task": {"dataset": {"path": "/data/sft.jsonl", "completionField": "completion"}}} if (
+        algorithm.get("loss") == "sft") else {}
+    return parse_spec(specs.spec(**{f"algorithm.{k}": v for k, v in algorithm.items()}, **task))
+
+
+def test_the_stall_bound_defaults_to_ten_steps_of_groups_at_least_200_and_0_lifts_it():
+    assert zero_advantage.limit(_spec(samplesPerStep=64, groupSize=16)) == 200  # 10 x 4 groups, floored
+    assert zero_advantage.limit(_spec(samplesPerStep=512, groupSize=8)) == 640  # 10 x 64 groups
+    assert zero_advantage.limit(_spec(samplesPerStep=50, groupSize=8)) == 200  # 7 groups a step (a partial one)
+    assert zero_advantage.limit(_spec(samplesPerStep=4096, groupSize=3)) == 13660  # ceil(4096 / 3) = 1366
+    assert zero_advantage.limit(_spec(maxConsecutiveFilteredGroups=5)) == 5
+    assert zero_advantage.limit(_spec(maxConsecutiveFilteredGroups=0)) is None
+    assert zero_advantage.limit(_spec(filterZeroAdvantageGroups=False, maxConsecutiveFilteredGroups=5)) is None
+    assert zero_advantage.limit(_spec(loss="sft", maxConsecutiveFilteredGroups=5)) is None
+    with pytest.raises(ValueError, match="maxConsecutiveFilteredGroups"):
+        _spec(maxConsecutiveFilteredGroups=-1)
+
+
+def _write(client, keys, groups) -> list[bytes]:
+    return [client.xadd(keys.rollouts, group([float(r) for r in rewards], gid).encode()) for rewards, gid in groups]
+
+
+def test_a_run_of_filtered_groups_past_the_bound_fails_the_role_naming_the_field(redis_server, redis_client):
+    """Bound 3: two filtered, one useful (the run starts over), a singleton (dropped, neither counts nor resets),
+    two filtered: no failure; the third filtered in a row raises ConfigError with the stall's message, after that
+    group was acknowledged."""
+    ctx = _ctx(redis_server.url, groupSize=4, samplesPerStep=8, maxConsecutiveFilteredGroups=3)
+    role = PreprocessorRole(ctx, redis_client, max_ahead=10_000)
+    _write(redis_client, ctx.keys, [([1, 1, 1, 1], "a"), ([0, 0, 0, 0], "b"), ([0, 1, 0, 0], "c"), ([1], "d"),
+                                    ([0, 0, 0, 0], "e"), ([1, 1, 1, 1], "f")])
+    _drain(role)
+    assert (role.filtered, role.filtered_in_a_row, role.documents) == (4, 2, 4)
+    _, after = _write(redis_client, ctx.keys, [([0, 0, 0, 0], "g"), ([1, 0, 1, 1], "h")])
+    with pytest.raises(ConfigError) as failed:
+        _drain(role)
+    message = str(failed.value)
+    assert message.startswith("spec.algorithm.maxConsecutiveFilteredGroups: zero-advantage stall: 3 rollout groups")
+    assert "the bound being 3" in message and "(4 written by this preprocessor so far)" in message
+    assert "filterZeroAdvantageGroups to false" in message and zero_advantage.is_stall(message)
+    # "g" was acknowledged; "h", read in the same batch, stays pending for a restarted replica: nothing is lost
+    pending = redis_client.xpending_range(ctx.keys.rollouts, protocol.ROLLOUTS_GROUP, "-", "+", 10)
+    assert [p["message_id"] for p in pending] == [after]
+    # the judgement: failed at once, with its own reason and the role's message
+    failure = Failure("preprocessor", "tj-preprocessor-0", runtime.EXIT_CONFIG, message)
+    o = judge(Evidence(now=datetime(2025, 1, 1, tzinfo=UTC), config_error=failure), ctx.spec).outcome
+    assert (o.phase, o.reason) == ("Failed", "ZeroAdvantageStall") and "the bound being 3" in o.message
+
+
+def test_without_a_bound_filtering_goes_on(redis_server, redis_client):
+    ctx = _ctx(redis_server.url, groupSize=4, samplesPerStep=8, maxConsecutiveFilteredGroups=0)
+    role = PreprocessorRole(ctx, redis_client, max_ahead=10_000)
+    _write(redis_client, ctx.keys, [([1, 1, 1, 1], f"g{i}") for i in range(30)])
+    _drain(role, rounds=8)
+    assert (role.filtered, role.filtered_in_a_row) == (30, 30)

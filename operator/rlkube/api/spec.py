@@ -286,6 +286,13 @@ class AlgorithmSpec(Model):
         "counted in the trainer's filtered_groups/filtered_samples metrics; the actors sample more in their place. "
         "Not applied with loss sft.",
     )
+    max_consecutive_filtered_groups: int | None = Field(
+        None, ge=0, le=10**9,
+        description="Most zero-advantage groups a preprocessor replica filters in a row (none becoming documents) "
+        "before the job fails with reason ZeroAdvantageStall: a collapsed policy or a task far too hard or easy "
+        "would otherwise sample forever while the trainer waits. Unset: 10 steps' worth of groups, at least 200. "
+        "0: no bound.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the actors.")
     max_new_tokens: int = Field(8, ge=1, description="Most tokens generated per completion.")
     grad_clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")

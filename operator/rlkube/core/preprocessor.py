@@ -12,7 +12,9 @@ Rules it keeps (the pitfalls of docs/references.md §6):
   `spec.algorithm.filterZeroAdvantageGroups` is on (the default; never for loss sft), as PipelineRL's
   filter_zero_advantage_groups (pipelinerl/preprocess.py:316-353, applied at :548-552 and counted as
   `preprocessor/filtered_out_samples` at :677) and DAPO's dynamic sampling; they are counted in Redis
-  (`StreamKeys.filtered_groups`/`filtered_samples`) and the trainer reports the counts in its metrics.
+  (`StreamKeys.filtered_groups`/`filtered_samples`) and the trainer reports the counts in its metrics. More than
+  `spec.algorithm.maxConsecutiveFilteredGroups` of them in a row and the role exits runtime.EXIT_CONFIG naming it:
+  the trainer is starved, and the job fails with reason ZeroAdvantageStall (rlkube.contract.zero_advantage).
 - Lag credit (docs/design.md §7): every sample of a group that yields no document (filtered, a singleton, too
   long, malformed) is taken off the actors' `written` and `reserved` counters in the same atomic step that
   acknowledges the group, so sample positions count only samples that reach the trainer and the actors sample
@@ -49,8 +51,9 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from rlkube.contract import protocol, streams
+from rlkube.contract import protocol, streams, zero_advantage
 from rlkube.core.advantages import group_advantages
+from rlkube.core.errors import ConfigError
 from rlkube.contract.context import RoleContext
 from rlkube.core.roles import stop_on_signals
 
@@ -205,8 +208,10 @@ class PreprocessorRole:
             normalize=algo.normalize_advantage,
             max_length=ctx.spec.model.max_sequence_length,
             drop_singletons=algo.loss != "sft",
-            filter_zero_advantage=algo.filter_zero_advantage_groups and algo.loss != "sft",
+            filter_zero_advantage=zero_advantage.filters(ctx.spec),
         )
+        self.stall_bound = zero_advantage.limit(ctx.spec)
+        self.filtered_in_a_row = 0  # filtered groups since the last group that became documents
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
         self.consumer = protocol.preprocessor_consumer(ctx.index)
         self.claim_idle_ms = claim_idle_ms
@@ -275,6 +280,19 @@ class PreprocessorRole:
                 self.too_long += too_long(group, self.cfg)
                 self.filtered += int(filtered)
                 self.credited += credit
+                self._count_stall(group, filtered, bool(docs))
+
+    def _count_stall(self, group: protocol.RolloutGroup, filtered: bool, wrote: bool) -> None:
+        """Fail the role (and so the job) once zero-advantage filtering has starved the trainer for
+        `stall_bound` groups in a row; groups dropped for other reasons (singletons, too long) neither count nor
+        reset the run."""
+        if wrote:
+            self.filtered_in_a_row = 0
+        elif filtered:
+            self.filtered_in_a_row += 1
+            if self.stall_bound is not None and self.filtered_in_a_row >= self.stall_bound:
+                raise ConfigError(zero_advantage.FIELD, zero_advantage.stall(
+                    self.filtered_in_a_row, self.stall_bound, group.samples[0].reward, self.documents))
 
     def _read_rollouts(self, count: int) -> list:
         """Up to `count` rollout entries this replica should process now: its own pending ones first, then
@@ -353,6 +371,8 @@ def main() -> int:
     try:
         ctx = RoleContext.from_env()
         return PreprocessorRole(ctx, redis.Redis.from_url(ctx.redis_url), stop).run()
+    except ConfigError:
+        raise  # run_role reports it and exits runtime.EXIT_CONFIG
     except Exception:
         log.exception("preprocessor failed")
         return 1

@@ -23,6 +23,7 @@ class Reason:
     STALLED = "Stalled"
     INVALID_SPEC = "InvalidSpec"
     CHECKPOINT_LOST = "CheckpointLost"  # a recreated trainer found no checkpoint where one was saved
+    ZERO_ADVANTAGE_STALL = "ZeroAdvantageStall"  # every group filtered for equal rewards: the trainer starves
     INTERRUPTED = "Interrupted"  # `rlkube local` stopped by the user
     RUNNER_ERROR = "RunnerError"  # `rlkube local` lost its own Redis or could not start a process
     # Phase transitions and teardown.
