@@ -21,6 +21,7 @@ def _crd(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import yaml
 
+    from rlkube.controller.names import job_name_error
     from rlkube.lifecycle.validation import SpecError, parse_manifest
 
     with open(args.file) as fh:
@@ -36,7 +37,12 @@ def _validate(args: argparse.Namespace) -> int:
             print(f"{doc.get('kind')}/{meta.get('name')}: skipped (not a TrainingJob)")
             continue
         try:
-            meta, _ = parse_manifest(doc)
+            meta, spec = parse_manifest(doc)
+            # The operator's rule for names its children can carry (the same function refuses the job there).
+            if (bad_name := job_name_error(str(meta["name"]), spec)) is not None:
+                status = 1
+                print(f"{args.file}: {bad_name}", file=sys.stderr)
+                continue
             print(f"{meta['name']}: valid")
         except SpecError as exc:
             status = 1

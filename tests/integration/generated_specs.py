@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from rlkube.api.crd import crd
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.contract.parallel import tensor_parallel_heads_error
+from rlkube.lifecycle.image_reference import reference_error
 from specs import DELETE, with_overrides
 
 SPEC_SCHEMA: dict = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -176,6 +177,11 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         parse_model_path(_eff(spec, "model.path"))
     except ValueError:  # a directory, hf://org/name[@rev] or a known builtin:// (random strings with :// are not)
         _set(spec, "model.path", "builtin://tiny-llama")
+    # Images follow the container reference grammar (lifecycle/image_reference.py); random ASCII rarely does.
+    for where in ("image", "redis.image", *(f"{role}.image" for role in ("trainer", "inference", "actor",
+                                                                         "preprocessor"))):
+        if (image := _get(spec, where)) is not None and reference_error(image) is not None:
+            _set(spec, where, "ghcr.io/rlkube/core:0.1.0")
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
     _drop(spec, "task.dataset")
     _drop(spec, "task.reward")
@@ -416,7 +422,7 @@ def edge_mutation(draw, spec: dict, redis_url: str) -> tuple[str | None, str, st
         value = draw(st.sampled_from([" ghcr.io/x:1", "ghcr.io/x:1 ", "ghcr.io/x:1\n", "a b"]))
         where = f"{role}.image" if draw(st.booleans()) else "image"
         _set(spec, where, value)
-        return None, f"{where} {value!r}", None if value == "a b" else f"spec.{where}"
+        return None, f"{where} {value!r}", f"spec.{where}"
     if kind == "mount-path":
         _set(spec, "trainer.checkpoint.path", draw(st.sampled_from(["/etc/rlkube", "/etc/rlkube/", "relative/dir"])))
         return None, f"checkpoint path {_get(spec, 'trainer.checkpoint.path')!r}", "spec.trainer.checkpoint.path"

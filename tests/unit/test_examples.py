@@ -106,3 +106,17 @@ def test_validate_skips_other_kinds_but_checks_misspelt_jobs(tmp_path):
     typo.write_text(yaml.safe_dump_all([secret, {**job, "kind": "TrainingJobs"}]))
     out = subprocess.run([sys.executable, "-m", "rlkube.cli", "validate", str(typo)], capture_output=True, text=True)
     assert out.returncode == 1 and "kind: must be TrainingJob" in out.stderr
+
+
+def test_validate_refuses_what_the_operator_refuses_before_any_child(tmp_path):
+    """An image the kubelet cannot parse, and a name too long for the job's children: `rlkube validate` refuses
+    both naming the field, as the operator does (the same rules), instead of calling the manifest valid."""
+    for overrides, says in [({"spec.actor.image": "my image:latest"}, "spec.actor.image: 'my image:latest' is not "
+                                                                      "an image reference"),
+                            ({"metadata.name": "j" * 60}, "metadata.name: '" + "j" * 60 + "' is too long")]:
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(specs.document(**overrides)))
+        out = subprocess.run([sys.executable, "-m", "rlkube.cli", "validate", str(path)], capture_output=True,
+                             text=True)
+        assert out.returncode == 1 and says in out.stderr, out.stderr
+        assert "valid" not in out.stdout

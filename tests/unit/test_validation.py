@@ -12,6 +12,7 @@ import specs
 
 from rlkube.contract import parallel
 from rlkube.lifecycle import validation
+from rlkube.lifecycle.image_reference import reference_error
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.environment import operator_env_names
 
@@ -91,6 +92,9 @@ def test_resource_errors_take_the_gpu_count_the_operator_derives():
 @pytest.mark.parametrize(("overrides", "field"), [
     ({"image": " ghcr.io/rlkube/core:0.1.0"}, "spec.image"),
     ({"trainer.image": "x:1 "}, "spec.trainer.image"),
+    ({"actor.image": "my image:latest"}, "spec.actor.image"),
+    ({"redis.image": "Redis:7"}, "spec.redis.image"),
+    ({"inference.image": "ghcr.io/rlkube/vllm:"}, "spec.inference.image"),
     ({"redis.mode": "external", "redis.url": "redis://r:6379/0", "redis.passwordSecret": {"name": "Bad_Name",
                                                                                            "key": "password"}},
      "spec.redis.passwordSecret.name"),
@@ -102,6 +106,26 @@ def test_resource_errors_take_the_gpu_count_the_operator_derives():
 ])
 def test_pod_field_errors_name_the_field(overrides, field):
     assert fields(validation.pod_field_errors(typed(**overrides))) == [field]
+
+
+@pytest.mark.parametrize("image", [
+    "redis", "redis:7-alpine", "ghcr.io/rlkube/core:0.1.0", "localhost:5000/rlkube/core", "my-registry.local:443/a/b_c",
+    "docker.io/library/python:3.11-slim-bookworm", "[::1]:5000/x:tag", "Registry.Example.com/x", "a__b/c---d:T_1.x",
+    "ghcr.io/x/y@sha256:" + "ab" * 32, "ghcr.io/x/y:1.0@sha256:" + "0f" * 32,
+])
+def test_image_references_the_kubelet_pulls_are_accepted(image):
+    assert reference_error(image) is None
+
+
+@pytest.mark.parametrize(("image", "says"), [
+    ("my image:latest", "contains whitespace"), (" redis", "leading or trailing whitespace"),
+    ("Redis:7", "must be lower case"), ("ghcr.io/RLKube/core", "must be lower case"), ("x:", "not an image"),
+    ("x:-tag", "not an image"), ("-x", "not an image"), ("a..b", "not an image"), ("x/", "not an image"),
+    ("x@sha256:abc", "not an image"), ("x:" + "t" * 129, "not an image"), ("ghcr.io//x", "not an image"),
+    ("a/" + "b" * 260, "at most 255"),
+])
+def test_image_references_that_cannot_be_pulled_are_refused_saying_why(image, says):
+    assert says in reference_error(image)
 
 
 def test_pod_field_errors_ignore_the_secret_of_a_managed_redis():

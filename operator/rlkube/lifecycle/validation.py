@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.spec import API_VERSION, GPU, KIND, TaskSpec, TrainingJobSpec
 from rlkube.lifecycle import owned
+from rlkube.lifecycle.image_reference import reference_error
 from rlkube.contract.parallel import tensor_parallel_heads_error, trainer_world_size
 from rlkube.lifecycle.environment import operator_env_names
 
@@ -132,8 +133,8 @@ def pod_field_errors(spec: TrainingJobSpec) -> list[FieldError]:
     for where, image in [("spec.image", spec.image), ("spec.redis.image", spec.redis.image),
                          *((f"spec.{r}.image", getattr(spec, r).image) for r in ("trainer", "inference", "actor",
                                                                                   "preprocessor"))]:
-        if image is not None and image != image.strip():
-            errs.append(FieldError(where, f"{image!r} must not have leading or trailing whitespace"))
+        if image is not None and (problem := reference_error(image)) is not None:
+            errs.append(FieldError(where, problem))
     secret = spec.redis.password_secret
     if secret is not None and spec.redis.mode == "external":  # (managed mode ignores it)
         if len(secret.name) > 253 or not _DNS1123_SUBDOMAIN.match(secret.name):
