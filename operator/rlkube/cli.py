@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between renewals, and between a standby's attempts")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    p.add_argument("--webhook-port", type=int, default=0,
+                   help="serve the validating admission webhook over TLS on this port (0: not served)")
+    p.add_argument("--webhook-cert-dir", default="/etc/rlkube/webhook",
+                   help="directory holding the webhook's tls.crt and tls.key (a kubernetes.io/tls Secret)")
     p.set_defaults(func=_lazy("rlkube.controller.entry:cli"))
 
     # Benchmarks live in rlkube.bench (the top floor: nothing shipped imports it). `operator` needs only the base

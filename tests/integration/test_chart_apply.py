@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from rlkube.bench import processes
+from rlkube.local.ports import free_port
 import specs
 from waiting import wait_for
 
@@ -262,7 +264,8 @@ def test_kopf_runs_with_the_chart_service_account(rbac_api, rbac_cluster, helm_i
     release, ns, team = f"kp{mode[0]}", f"rlkube-kopf-{mode}", f"team-k{mode[0]}"
     helm_config = helm_in(ns)
     _ensure_namespace(rbac_api, team)
-    values = dict(PEERING)
+    # kopf alone serves no admission webhook: the chart's would refuse every create (test_rlkube_operator_... serves it)
+    values = {**PEERING, "webhook": {"enabled": False}}
     scope = ["--all-namespaces"]
     if mode == "namespaced":
         values["watch"] = {"clusterWide": False, "namespaces": [team]}
@@ -347,8 +350,19 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
     assert not any(_allowed(rbac_api, sa, *n, ns, name="kube-controller-manager") for n in lease_verbs)
     assert not any(_allowed(rbac_api, sa, "coordination.k8s.io", "leases", v, where)
                    for v in ("get", "create", "update", "delete") for where in (team, "kube-system"))
-    # Same arguments, but the liveness endpoint on a free loopback port (the pod's 0.0.0.0:8081 may be taken).
+    # Same arguments, but the liveness endpoint on a free loopback port (the pod's 0.0.0.0:8081 may be taken), and
+    # the webhook on a free port with a certificate for 127.0.0.1: the API server here reaches no Service, so the
+    # chart's ValidatingWebhookConfiguration is pointed at that URL (its rules and policy are the chart's).
+    webhook_port, certs = free_port(), _loopback_certificate(tmp_path / "webhook")
     args = [a if not a.startswith("--liveness=") else "--liveness=http://127.0.0.1:0/healthz" for a in args]
+    args = [f"--webhook-port={webhook_port}" if a.startswith("--webhook-port=") else
+            f"--webhook-cert-dir={certs}" if a.startswith("--webhook-cert-dir=") else a for a in args]
+    admission_api = client.AdmissionregistrationV1Api(rbac_api)
+    hook_name = f"{release}-rlkube-webhook.{ns}"
+    admission_api.patch_validating_webhook_configuration(hook_name, [
+        {"op": "replace", "path": "/webhooks/0/clientConfig", "value": {
+            "url": f"https://127.0.0.1:{webhook_port}/validate-trainingjob",
+            "caBundle": base64.b64encode((certs / "tls.crt").read_bytes()).decode()}}])
     log = tmp_path / "operator.log"
     proc = None
     try:
@@ -361,6 +375,7 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
             )
         custom = client.CustomObjectsApi(rbac_api)
         core = client.CoreV1Api(rbac_api)
+        _webhook_refuses_bad_jobs_at_apply_time(custom, core, team, log)
         body = specs.document()
         custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body)
 
@@ -415,3 +430,48 @@ def test_rlkube_operator_runs_with_the_chart_service_account(rbac_api, rbac_clus
         if proc is not None:
             processes.stop(proc, timeout=30)
         helm_config.uninstall(release, wait="watcher", timeout=60)
+
+
+def _loopback_certificate(directory: Path) -> Path:
+    """A self-signed tls.crt/tls.key for 127.0.0.1 (the webhook Secret's file names)."""
+    directory.mkdir(parents=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(directory / "tls.key"),
+                    "-out", str(directory / "tls.crt")], check=True, capture_output=True)
+    return directory
+
+
+def _webhook_refuses_bad_jobs_at_apply_time(custom, core, team: str, log: Path) -> None:
+    """`kubectl apply --dry-run=server` (and a real create) of a job the operator would fail is refused by the
+    chart's webhook, served by `rlkube operator`, naming the field; nothing is stored and no child exists. A valid
+    job passes the same dry run."""
+    cross_field = specs.document(**{"spec.trainer.nodes": 4, "spec.algorithm.samplesPerStep": 2})
+    bad_image = specs.document(**{"spec.actor.image": "my image:latest"})
+    long_name = specs.document(**{"metadata.name": "j" * 60})
+    cases = [(cross_field, "spec.algorithm.samplesPerStep: must be at least the trainer's ranks"),
+             (bad_image, "spec.actor.image: 'my image:latest' is not an image reference"),
+             (long_name, "metadata.name: '" + "j" * 60 + "' is too long")]
+
+    def dry_run(body):
+        return custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body,
+                                                      dry_run="All")
+
+    def serving():  # the operator process starts the webhook before it campaigns for the Lease
+        try:
+            return dry_run(specs.document()) is not None
+        except ApiException as exc:
+            if exc.status == 500 and "failed calling webhook" in (exc.body or ""):
+                return False
+            raise
+
+    wait_for(serving, 90, lambda: "the operator's webhook to answer; its log: " + log.read_text()[-3000:], 0.2)
+    for body, says in cases:
+        for run in (dry_run, lambda b: custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team,
+                                                                             "trainingjobs", b)):
+            with pytest.raises(ApiException) as refused:
+                run(body)
+            assert refused.value.status == 422, refused.value.body
+            assert 'admission webhook \\"validate.trainingjobs.rlkube.io\\" denied the request' in refused.value.body
+            assert says in refused.value.body, refused.value.body
+    assert custom.list_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs")["items"] == []
+    assert core.list_namespaced_pod(team).items == [] and core.list_namespaced_config_map(team).items == []

@@ -4,8 +4,10 @@ line."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from helm_chart import (
 
 from rlkube.api.crd import crd_yaml
 from rlkube.cli import build_parser
+from rlkube.controller import admission
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -122,11 +125,14 @@ def test_default_render_has_the_expected_objects():
         ("Deployment", "rel-rlkube"),
         ("Role", "rel-rlkube-leader-election"),
         ("RoleBinding", "rel-rlkube-leader-election"),
+        ("Secret", "rel-rlkube-webhook"),
         ("Service", "rel-rlkube-metrics"),
+        ("Service", "rel-rlkube-webhook"),
         ("ServiceAccount", "rel-rlkube"),
+        ("ValidatingWebhookConfiguration", "rel-rlkube-webhook.rlkube-system"),
     ]
     for d in docs:
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"):
             assert d["metadata"]["namespace"] == "rlkube-system", d["kind"]
         assert d["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
 
@@ -138,6 +144,7 @@ def test_deployment_runs_the_operator_command_line():
         "operator", "--all-namespaces", "--standalone", "--leader-elect", "--lease-name=rel-rlkube",
         "--lease-namespace=rlkube-system", "--lease-duration=15", "--lease-renew-deadline=10",
         "--lease-retry-period=2", "--metrics-port=8080", "--liveness=http://0.0.0.0:8081/healthz",
+        "--webhook-port=9443", "--webhook-cert-dir=/etc/rlkube/webhook",
     ]
     # The arguments are the ones `rlkube operator` accepts.
     parsed = build_parser().parse_args(args)
@@ -153,13 +160,13 @@ def test_probes_and_ports_line_up():
     docs = render()
     container = operator_container(docs)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"metrics": 8080, "healthz": 8081}
+    assert ports == {"metrics": 8080, "healthz": 8081, "webhook": 9443}
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     parsed = build_parser().parse_args(_operator_args(docs))
     assert parsed.liveness.endswith(f":{ports['healthz']}/healthz")
-    assert parsed.metrics_port == ports["metrics"]
-    service = one(docs, "Service")
+    assert parsed.metrics_port == ports["metrics"] and parsed.webhook_port == ports["webhook"]
+    service = one(docs, "Service", "rel-rlkube-metrics")
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
@@ -330,9 +337,9 @@ def test_standalone_without_leader_election():
 
 def test_metrics_disabled():
     docs = render({"metrics": {"enabled": False}})
-    assert not find(docs, "Service")
+    assert not find(docs, "Service", "rel-rlkube-metrics")
     assert build_parser().parse_args(_operator_args(docs)).metrics_port == 0
-    assert [p["name"] for p in operator_container(docs)["ports"]] == ["healthz"]
+    assert [p["name"] for p in operator_container(docs)["ports"]] == ["healthz", "webhook"]
 
 
 def test_service_monitor():
@@ -343,7 +350,7 @@ def test_service_monitor():
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     assert monitor["spec"]["endpoints"][0]["honorLabels"] is True  # per-job series keep the job's namespace
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service")["metadata"]["labels"].items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service", "rel-rlkube-metrics")["metadata"]["labels"].items()
 
 
 def _exported_metric_names() -> set[str]:
@@ -466,8 +473,73 @@ def test_packaged_chart_renders_the_same(tmp_path):
     chart_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
     assert Path(archive).name == f"rlkube-{chart_version}.tgz"
     with helm.Chart.load(archive) as packaged, helm.Chart.load(CHART) as source:
-        assert packaged.render(values=NAMESPACED, name="rel", namespace="x") == source.render(
-            values=NAMESPACED, name="rel", namespace="x")
+        # (the webhook's certificate is generated afresh by every render)
+        assert _no_cert(packaged.render(values=NAMESPACED, name="rel", namespace="x")) == _no_cert(source.render(
+            values=NAMESPACED, name="rel", namespace="x"))
         assert {c["filename"] for c in packaged.crds} == {c["filename"] for c in source.crds}
         assert packaged.schema == source.schema
     assert helm.digest(archive).startswith("sha256:")
+
+
+def _no_cert(rendered: dict[str, str]) -> dict[str, str]:
+    return {path: re.sub(r"(ca\.crt|tls\.crt|tls\.key|caBundle): \S+", r"\1: -", text) for path, text in rendered.items()}
+
+
+# --- validating admission webhook ----------------------------------------------------------------------------
+
+
+def _openssl(*args: str, stdin: str | None = None) -> str:
+    out = subprocess.run(["openssl", *args], input=stdin, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_webhook_is_registered_served_and_trusted(tmp_path):
+    """The generated certificate is for the webhook Service's DNS names and chains to the CA the API server is
+    given; the operator serves on the port the Service targets, with the Secret mounted where it reads it."""
+    docs = render()
+    secret = one(docs, "Secret", "rel-rlkube-webhook")
+    assert secret["type"] == "kubernetes.io/tls"
+    pem = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    (tmp_path / "ca.pem").write_text(pem["ca.crt"])
+    (tmp_path / "tls.pem").write_text(pem["tls.crt"])
+    assert "tls.pem: OK" in _openssl("verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "tls.pem"))
+    text = _openssl("x509", "-noout", "-text", stdin=pem["tls.crt"])
+    for name in ("rel-rlkube-webhook", "rel-rlkube-webhook.rlkube-system", "rel-rlkube-webhook.rlkube-system.svc"):
+        assert f"DNS:{name}" in text
+    key = _openssl("pkey", "-pubout", stdin=pem["tls.key"])
+    assert key == _openssl("x509", "-noout", "-pubkey", stdin=pem["tls.crt"])  # the key is the certificate's
+    (hook,) = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert base64.b64decode(hook["clientConfig"]["caBundle"]).decode() == pem["ca.crt"]
+    assert hook["clientConfig"]["service"] == {"name": "rel-rlkube-webhook", "namespace": "rlkube-system",
+                                               "path": "/validate-trainingjob", "port": 443}
+    assert hook["rules"] == [{"apiGroups": ["rlkube.io"], "apiVersions": ["v1alpha1"], "operations": ["CREATE"],
+                              "resources": ["trainingjobs"], "scope": "Namespaced"}]
+    assert (hook["failurePolicy"], hook["sideEffects"], hook["admissionReviewVersions"]) == ("Fail", "None", ["v1"])
+    assert "namespaceSelector" not in hook  # cluster-wide: every namespace
+    service = one(docs, "Service", "rel-rlkube-webhook")
+    assert service["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    deploy = one(docs, "Deployment")
+    assert service["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    parsed = build_parser().parse_args(_operator_args(docs))
+    container = operator_container(docs)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "webhook-cert")
+    assert mount == {"name": "webhook-cert", "mountPath": parsed.webhook_cert_dir, "readOnly": True}
+    volume = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-cert")
+    assert volume["secret"] == {"secretName": "rel-rlkube-webhook"}
+    assert admission.PATH == hook["clientConfig"]["service"]["path"]
+    assert {admission.CERT_FILE, admission.KEY_FILE} <= set(secret["data"])
+
+
+def test_the_webhook_follows_the_watched_namespaces_and_can_be_turned_off():
+    (hook,) = one(render(NAMESPACED), "ValidatingWebhookConfiguration")["webhooks"]
+    assert hook["namespaceSelector"] == {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": NAMESPACED["watch"]["namespaces"]}]}
+    own = {"matchLabels": {"team": "rl"}}
+    (hook,) = one(render({"webhook": {"namespaceSelector": own, "failurePolicy": "Ignore"}}),
+                  "ValidatingWebhookConfiguration")["webhooks"]
+    assert hook["namespaceSelector"] == own and hook["failurePolicy"] == "Ignore"
+    off = render({"webhook": {"enabled": False}})
+    assert not find(off, "ValidatingWebhookConfiguration") and not find(off, "Secret")
+    assert not any(a.startswith("--webhook") for a in _operator_args(off))
+    assert "webhook" not in {p["name"] for p in operator_container(off)["ports"]}

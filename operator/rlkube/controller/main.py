@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -56,6 +57,10 @@ def cli(args: argparse.Namespace) -> int:
     # kopf logs every handler call at INFO (one line per pod event); keep its warnings and errors only.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics.serve(args.metrics_port)
+    if args.webhook_port:  # every replica answers admission reviews, standbys included (admission.py)
+        from rlkube.controller import admission
+
+        admission.serve(args.webhook_port, Path(args.webhook_cert_dir))
     gctune.tune()
     small_tls_read_buffers()
     namespaces = list(args.namespace or ())
