@@ -4,6 +4,8 @@ adapter equals the unsharded LoRA trainer's fed the union of the same documents 
 the base stays bit-for-bit the initial one; Adam holds state for the adapter alone; the checkpoint is PEFT's adapter
 directory (PeftModel.from_pretrained gives the trainer's logits); the merged weights and the adapter alone stream
 with checksums that agree; and a restart resumes from the distributed checkpoint, still equal to the unsharded run.
+The trainer role itself (python -m rlkube.core.trainer on two ranks, Redis documents) trains and checkpoints a
+LoRA adapter under FSDP too.
 
 Tolerance: float32, only the gradients' summation order differs (reduce-scatter vs one process). Adam scales each
 element's update by its own gradient's size (m / sqrt(v)), so an element whose gradient is tiny and a sum of
@@ -20,7 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_roles import make_documents
+from core_roles import (
+    add_documents,
+    keys_for,
+    make_documents,
+    read_events,
+    roles_fixture,  # noqa: F401  (fixture roles)
+)
+from rlkube.contract import protocol
 from rlkube.core import checkpoint as ckpt
 from rlkube.core import lora
 from rlkube.core.hf.loading import load_model
@@ -28,7 +37,7 @@ from rlkube.core.trainer import Trainer
 from rlkube.core.weightsync import ADAPTER, FULL, checksums_match
 from rlkube.lifecycle.validation import parse_spec
 from safetensors.torch import load_file
-from test_trainer_fsdp import fsdp_spec, run_ranks
+from test_trainer_fsdp import TIMEOUT, fsdp_spec, role_spec, run_ranks, start_role_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +135,26 @@ def test_lora_under_fsdp_equals_unsharded_lora_and_resumes(tmp_path):
     worst4 = largest_difference(resumed, lora.adapter_state(ref.model))
     print(f"resumed, steps 3-4 (moved {moved_after:.2e}): adapter's largest difference to unsharded LoRA {worst4:.2e}")
     assert moved_after > 1e-3 and worst4 < ADAPTER_TOLERANCE
+
+
+def test_the_trainer_role_trains_a_lora_adapter_over_two_fsdp_ranks(redis_client, redis_server, tmp_path, roles):
+    """Both ranks run the role (start-up resume, per-step publication as a collective, checkpoints); rank 0 reports
+    training_finished naming a PEFT adapter checkpoint whose adapter trained."""
+    steps = 2
+    spec = role_spec(steps=steps, per_step=PER_STEP)
+    spec["trainer"]["lora"] = {"rank": 4, "alpha": 8, "targetModules": TARGETS}
+    keys = keys_for("lorafsdp", spec)
+    add_documents(redis_client, keys, make_documents(steps * PER_STEP, seed=5))
+    ranks = start_role_ranks(roles, tmp_path, "lorafsdp", spec, redis_server.url)
+    for rank in ranks:
+        assert rank.wait(TIMEOUT) == 0, rank.log()[-3000:]
+    kinds = [e.type for e in read_events(redis_client, keys)]
+    assert kinds.count(protocol.WEIGHTS_READY) == steps + 1 and kinds.count(protocol.METRICS) == steps, kinds
+    (finished,) = read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+    assert finished.payload["step"] == steps and finished.payload["interrupted"] is False
+    path = Path(finished.payload["checkpoint"])
+    adapter = lora.read_adapter(path, parse_spec(spec).trainer.lora)
+    trained = max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n)  # PEFT starts B at 0
+    print(f"trainer role, LoRA on 2 FSDP ranks, {steps} steps: largest lora_B entry {trained:.2e}")
+    assert trained > 1e-3
+    assert (tmp_path / "ckpt" / ckpt.shards_name(steps)).is_dir()
