@@ -3,7 +3,8 @@ sharded trainer publishing its weights through rank 0's WeightPublisher to a Wei
 
 Every rank: start_weights() (version 0, streamed bucket by bucket), one training step, publish_weights() (version 1,
 streamed); then the same weights once more through the UNSHARDED path (rank 0 packs the gathered full state as a
-replicated trainer would) as version 101, for the receiver to compare. Rank 0 writes to `--report` what it sent:
+replicated trainer would; with LoRA and the native engine, the gathered adapter as an AdapterUpdate) as version
+101, for the receiver to compare. Rank 0 writes to `--report` what it sent:
 the streamed and the packed metadata, the stream's peak of gathered bytes, the model's bytes."""
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.contract.protocol import StreamKeys
 from rlkube.core.trainer import Trainer
-from rlkube.core.weightsync import WeightPublisher, pack_weights, transfer_dtype
+from rlkube.core.lora import wire_config
+from rlkube.core.weightsync import AdapterUpdate, WeightPublisher, pack_weights, transfer_dtype
 
 
 def main() -> int:
@@ -48,8 +50,10 @@ def main() -> int:
     stream = trainer.last_stream
     full, _ = trainer.backend.full_state()  # collective; rank 0 gets the whole model (the unsharded path)
     if dp.is_leader:
-        packed = pack_weights(full.items(), dtype, bucket_bytes)
-        publisher.publish(full.items(), version=101, step=trainer.step)
+        update = AdapterUpdate(list(full.items()), wire_config(spec.trainer.lora)) if trainer.sends_adapter \
+            else full.items()
+        packed = pack_weights(update, dtype, bucket_bytes)
+        publisher.publish(update, version=101, step=trainer.step)
         publisher.close()
         Path(args.report).write_text(json.dumps({
             "streamed": stream.meta, "packed": packed.meta, "peak_bytes": stream.peak_bytes,

@@ -1,7 +1,12 @@
 """One trainer rank with `spec.trainer.sharding: fsdp` for test_trainer_fsdp: joins the gloo group (the trainer's
 own DataParallel), optionally resumes from the shared checkpoint directory, trains `--steps` steps on its share of
 each step's documents (as the trainer role splits them), saves a checkpoint, and writes its parameter and Adam
-bytes to `--report`. Documents come from core_roles.make_documents (the same on every rank and in the test)."""
+bytes to `--report`. Documents come from core_roles.make_documents (the same on every rank and in the test).
+
+With spec.trainer.lora (test_lora_fsdp) rank 0 also writes, next to the report, the adapter it started from
+(`-initial.safetensors`, before training on a fresh start), the frozen base after training (`-base.safetensors`,
+gathered under PEFT's module names), and both weight streams (merged weights and adapter alone) as a receiver
+would unpack them (`-stream-full.safetensors`, `-stream-adapter.safetensors`) with their metadata."""
 
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ import os
 from pathlib import Path
 
 from core_roles import make_documents
+from rlkube.core.backends.fsdp_lora import full
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.core.trainer import Trainer
+from rlkube.core.weightsync import unpack_weights, weights_checksum
 from safetensors.torch import save_file
 
 
@@ -40,6 +47,11 @@ def main() -> int:
     if args.first_step:
         trainer.resume()
         assert trainer.step == args.first_step, trainer.step
+    lora = spec.trainer.lora is not None
+    if lora and not args.first_step:
+        initial, _ = trainer.backend.full_state()  # collective: the adapter, gathered on rank 0
+        if dp.is_leader:
+            save_file(initial, str(Path(args.report).with_suffix(".initial.safetensors")))
     docs = make_documents((args.first_step + args.steps) * args.per_step, seed=args.seed)
     metrics = []
     for k in range(args.first_step, args.first_step + args.steps):
@@ -54,9 +66,26 @@ def main() -> int:
             published[name] = tensor.clone()
     if dp.is_leader:
         save_file(published, str(Path(args.report).with_suffix(".safetensors")))
+    streams = {}
+    if lora:
+        base = {n: full(p.detach()).clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+        if dp.is_leader:
+            save_file(base, str(Path(args.report).with_suffix(".base.safetensors")))
+        for kind, adapter in (("full", False), ("adapter", True)):
+            stream = trainer.backend.weight_stream(None, 1 << 13, adapter=adapter)  # 8 KiB buckets: several
+            if dp.is_leader:  # what WeightSender does with it (one pass), then what a receiver unpacks
+                stream.more(True)
+                buffers = [b.clone() for b in stream.buckets()]
+                stream.more(False)
+                got = unpack_weights(stream.meta, buffers)
+                save_file({k: v.contiguous() for k, v in got.items()},
+                          str(Path(args.report).with_suffix(f".stream-{kind}.safetensors")))
+                streams[kind] = {"meta": stream.meta, "received_checksum": weights_checksum(got.items())}
+            else:
+                stream.drain()
     Path(args.report).write_text(json.dumps({"bytes": trainer.backend.local_bytes(), "metrics": metrics,
                                              "checkpoint": str(path), "rank": dp.rank,
-                                             "largest_gathered": largest}))
+                                             "largest_gathered": largest, "streams": streams}))
     dp.finish()
     return 0
 

@@ -234,8 +234,8 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         _drop(spec, "algorithm.offPolicyCorrection")  # Fast-LLM computes its own loss
     if _eff(spec, "algorithm.klCoef") > 0 and (backend != "torch" or sharded):
         _drop(spec, "algorithm.klCoef")  # the frozen reference: the unsharded torch backend's
-    if _get(spec, "trainer.lora") is not None and (backend != "torch" or sharded):
-        _drop(spec, "trainer.lora")  # PEFT on the unsharded torch backend
+    if _get(spec, "trainer.lora") is not None and backend != "torch":
+        _drop(spec, "trainer.lora")  # PEFT on the torch backend, unsharded or with FSDP
     tp = _get(spec, "trainer.megatron.tensorParallel")
     if tp is not None and tp > 1 and (backend != "megatron" or ranks % tp):
         _drop(spec, "trainer.megatron.tensorParallel")  # megatron's, and a divisor of the trainer's ranks

@@ -4,7 +4,8 @@ to a real WeightReceiver in this process, following the weights_ready announceme
 
 Shown: the receiver gets exactly the tensors and checksum it gets from the unsharded publisher (rank 0 packing the
 gathered full state), the wire metadata (names, shapes, dtypes, buckets) is identical, and the most bytes rank 0
-held at once while streaming is one bucket plus one full tensor, well below the model."""
+held at once while streaming is one bucket plus one full tensor, well below the model. With LoRA and the native
+engine the stream is the adapter alone (kind lora-adapter), the same as rank 0's packed AdapterUpdate."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ from core_roles import (
     start_trainer,
     tiny_spec,
 )
+from hf_models import builtin_dir
 from rlkube.contract import protocol, runtime
-from rlkube.core.weightsync import StaleEpoch, WeightReceiver, checksums_match
+from rlkube.core import lora
+from rlkube.core.weightsync import ADAPTER, StaleEpoch, WeightReceiver, checksums_match
+from rlkube.lifecycle.validation import parse_spec
 
 HERE = Path(__file__).parent
 TIMEOUT = 300
@@ -62,15 +66,11 @@ def next_announcement(client, last_id: str, timeout: float = TIMEOUT, keys=KEYS)
     raise TimeoutError(f"no weights_ready after {last_id} within {timeout}s")
 
 
-def test_sharded_trainer_streams_the_same_update_as_the_unsharded_path_one_bucket_at_a_time(
-        redis_client, redis_server, tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    write_model(model)
-    spec = tiny_spec(maxSteps=2, samplesPerStep=4)
-    spec["model"]["path"] = str(model)
-    spec["trainer"].update(sharding="fsdp", processesPerNode=2,
-                           weightTransfer={"dtype": "bfloat16", "bucketMegabytes": 1})
+def publish_from_ranks(redis_client, redis_server, tmp_path: Path, spec: dict, model: Path,
+                       adapters: bool = False) -> tuple[dict, dict, dict]:
+    """Two fsdp_publish_worker ranks publish versions 0 (start), 1 (after a step, streamed) and 101 (packed);
+    returns ({version: (tensors, receiver's checksum, announced checksum, metadata)}, rank 0's and rank 1's
+    reports)."""
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     addr, master = f"127.0.0.1:{free_port()}", free_port()
     procs = []
@@ -91,9 +91,10 @@ def test_sharded_trainer_streams_the_same_update_as_the_unsharded_path_one_bucke
             last, ann = next_announcement(redis_client, last)
             if rx.epoch != ann["epoch"]:
                 rx.join(ann["epoch"])
-            version, state = rx.receive()
+            version, state = rx.receive(adapters=adapters)
             assert version == ann["version"] == want
-            received[version] = ({k: v.clone() for k, v in state.items()}, rx.last_checksum, ann["checksum"])
+            received[version] = ({k: v.clone() for k, v in state.items()}, rx.last_checksum, ann["checksum"],
+                                 rx.last_meta)
         for proc, log in procs:
             assert proc.wait(TIMEOUT) == 0, Path(log.name).read_text()[-4000:]
     finally:
@@ -103,13 +104,25 @@ def test_sharded_trainer_streams_the_same_update_as_the_unsharded_path_one_bucke
                 proc.kill()
                 proc.wait()
             log.close()
-    report = json.loads((tmp_path / "report-0.json").read_text())
-    other = json.loads((tmp_path / "report-1.json").read_text())
+    return (received, json.loads((tmp_path / "report-0.json").read_text()),
+            json.loads((tmp_path / "report-1.json").read_text()))
+
+
+def test_sharded_trainer_streams_the_same_update_as_the_unsharded_path_one_bucket_at_a_time(
+        redis_client, redis_server, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    write_model(model)
+    spec = tiny_spec(maxSteps=2, samplesPerStep=4)
+    spec["model"]["path"] = str(model)
+    spec["trainer"].update(sharding="fsdp", processesPerNode=2,
+                           weightTransfer={"dtype": "bfloat16", "bucketMegabytes": 1})
+    received, report, other = publish_from_ranks(redis_client, redis_server, tmp_path, spec, model)
 
     # The same update whichever path sent it: tensors bit for bit, the receiver's checksum exactly, the trainer's
     # announced one (summed from the shards' sums on the sharded path) within the receivers' tolerance.
-    streamed, streamed_sum, announced = received[1]
-    packed, packed_sum, packed_announced = received[101]
+    streamed, streamed_sum, announced, _ = received[1]
+    packed, packed_sum, packed_announced, _ = received[101]
     assert streamed.keys() == packed.keys() and len(streamed) == len(report["packed"]["tensors"])
     for name, tensor in packed.items():
         assert tensor.dtype == torch.bfloat16 and streamed[name].dtype == tensor.dtype, name
@@ -132,6 +145,34 @@ def test_sharded_trainer_streams_the_same_update_as_the_unsharded_path_one_bucke
     assert 0 < peak <= bucket + largest
     assert peak < report["model_bytes"] / 4
     assert other["peak_bytes"] <= largest
+
+
+def test_a_sharded_lora_trainer_streams_the_adapter_alone_to_the_native_engine(redis_client, redis_server,
+                                                                              tmp_path):
+    """spec.trainer.lora under FSDP with the native engine: the trainer's publications (start_weights,
+    publish_weights) stream the adapter alone, kind lora-adapter under PEFT's names, gathered from the shards; the
+    receiver (serving adapters) gets exactly the tensors and checksum of rank 0's packed AdapterUpdate."""
+    model = builtin_dir()
+    spec = tiny_spec(maxSteps=2, samplesPerStep=4)
+    spec["model"]["path"] = str(model)
+    spec["inference"]["engine"] = "native"
+    spec["trainer"].update(sharding="fsdp", processesPerNode=2, weightTransfer={"dtype": "float32"},
+                           lora={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "down_proj", "lm_head"]})
+    received, report, _ = publish_from_ranks(redis_client, redis_server, tmp_path, spec, model, adapters=True)
+    config = lora.wire_config(parse_spec(spec).trainer.lora)
+    for version, (tensors, _, _, meta) in received.items():
+        assert meta["kind"] == ADAPTER and meta["adapter"] == config, version
+        assert lora.pairs(tensors).keys() == {"lm_head.weight"} | {f"model.layers.{i}.{m}.weight" for i in (0, 1)
+                                                                   for m in ("self_attn.q_proj", "mlp.down_proj")}
+    assert report["streamed"]["kind"] == ADAPTER
+    start, streamed, packed = (received[v][0] for v in (0, 1, 101))
+    assert all(not t.any() for n, t in start.items() if "lora_B" in n)  # PEFT's fresh adapter: B = 0
+    assert any(t.any() for n, t in streamed.items() if "lora_B" in n)  # the step trained it
+    assert streamed.keys() == packed.keys()
+    for name, tensor in packed.items():
+        assert torch.equal(streamed[name], tensor), name
+    assert received[1][1] == received[101][1]
+    assert checksums_match(received[1][2], received[101][2])
 
 
 def test_a_restarted_inference_server_gets_the_streamed_weights_again_while_the_trainer_waits(

@@ -41,13 +41,22 @@ def randomize_adapter(trainer: Trainer, seed: int = 0) -> None:
     ({"trainer.backend": "megatron"}, "backend torch, not megatron"),
     ({"trainer.backend": "fast-llm", "trainer.gpusPerNode": 1, "trainer.fastLlm.modelFormat": "llama",
       "model.path": "/models/m", "inference.engine": "vllm"}, "backend torch, not fast-llm"),
-    ({"trainer.sharding": "fsdp", "trainer.processesPerNode": 2}, "not implemented with sharding 'fsdp'"),
 ])
 def test_lora_is_refused_where_it_is_not_built_naming_the_field(overrides, says):
     with pytest.raises(SpecError) as err:
         lora_spec(**overrides)
     fields = {e.field: e.message for e in err.value.errors}
     assert says in fields["spec.trainer.lora"], fields
+
+
+def test_lora_with_fsdp_validates_and_its_reference_policy_is_still_refused():
+    """LoRA under FSDP2 is built (rlkube.core.backends.fsdp_lora; tests/integration/test_lora_fsdp.py); the KL term's
+    reference is the unsharded backend's only, with or without LoRA."""
+    spec = lora_spec(**{"trainer.sharding": "fsdp", "trainer.processesPerNode": 2})
+    assert spec.trainer.sharding == "fsdp" and spec.trainer.lora.rank == 8
+    with pytest.raises(SpecError) as err:
+        lora_spec(**{"trainer.sharding": "fsdp", "trainer.processesPerNode": 2, "algorithm.klCoef": 0.1})
+    assert {e.field for e in err.value.errors} == {"spec.algorithm.klCoef"}
 
 
 def test_defaults_and_examples_validate():

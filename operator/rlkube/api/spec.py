@@ -662,7 +662,7 @@ class TrainerSpec(Model):
     )
     lora: LoraSpec | None = Field(
         None,
-        description="Train a LoRA adapter on the frozen base model (backend torch without FSDP). Weight updates "
+        description="Train a LoRA adapter on the frozen base model (backend torch, with or without FSDP). Weight updates "
         "carry the adapter only to the native engine (vLLM gets the merged weights) and checkpoints are PEFT "
         "adapter directories (adapter_config.json, adapter_model.safetensors). Unset: full-weight training.",
     )

@@ -44,6 +44,7 @@ collectives (`Trainer.collective`, as for FSDP): every rank gathers, rank 0 alon
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -314,10 +315,16 @@ class Trainer:
         model_state, optim_state = self.backend.full_state()
         path = root / ckpt.checkpoint_name(step)
         if self.dp is None or self.dp.is_leader:
+            extra: dict[str, Any] = {"backend": self.spec.trainer.backend, "sharding": "fsdp"}
+            write_weights = None
+            if self.spec.trainer.lora is not None:  # PEFT's adapter directory from the gathered adapter
+                extra["adapter"] = "peft-lora"
+                write_weights = functools.partial(lora.write_adapter, peft_model=self.backend.model,
+                                                  state=model_state)
             meta = ckpt.CheckpointMeta(step=step, documents_seen=self.documents_seen, weights_version=self.version,
-                                       extra={"backend": self.spec.trainer.backend, "sharding": "fsdp"})
+                                       extra=extra)
             path = ckpt.save_checkpoint(root, meta, model_state, optim_state, model_dir=self.model_dir,
-                                        dtype=self.spec.model.dtype)
+                                        dtype=self.spec.model.dtype, write_weights=write_weights)
         del model_state
         self.last_checkpoint = (step, path)
         return path
@@ -325,6 +332,10 @@ class Trainer:
     def _resume_sharded(self, path: Path) -> None:
         meta = ckpt.read_meta(path)
         shards = path.parent / ckpt.shards_name(meta.step)
+        if self.spec.trainer.lora is not None or meta.extra.get("adapter"):
+            # The shards hold the adapter and its Adam state; the adapter directory beside them must be there and
+            # fit the spec as for an unsharded resume (ConfigError otherwise, never a fresh adapter in silence).
+            self._adapter_reader(path, meta)(path)
         if meta.extra.get("sharding") == "fsdp" and shards.is_dir():
             self.backend.load_distributed(shards)  # at any world size
         else:
@@ -448,7 +459,8 @@ class Trainer:
         transfer = self.spec.trainer.weight_transfer
         stream = self.backend.weight_stream(transfer_dtype(transfer.dtype, self.backend.device),
                                             transfer.bucket_megabytes * 2**20,
-                                            rendezvous=lambda n: self.dp.gather(f"{tag}/pass-{n}"))
+                                            rendezvous=lambda n: self.dp.gather(f"{tag}/pass-{n}"),
+                                            adapter=self.sends_adapter)
         self.last_stream = stream
         publisher = self.publisher
         kwargs = {"version": version, "step": self.step, "documents_seen": self.documents_seen}

@@ -42,9 +42,9 @@ Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metada
 as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
 
 `kind` says what the tensors are: "full" (absent in older senders: the same), every weight under its HF name; or
-"lora-adapter" (an `AdapterUpdate`, spec.trainer.lora), the adapter's A and B matrices under PEFT's names
-(rlkube.core.lora) with `adapter` in the metadata ({"format", "rank", "alpha", "scaling", "target_modules"}): the
-receiver serves base + adapter, W = W0 + scaling x B @ A on its own base copy. `WeightReceiver.receive` refuses an
+"lora-adapter" (an `AdapterUpdate`, or a sharded trainer's `StreamedWeights(adapter=...)`; spec.trainer.lora), the
+adapter's A and B matrices under PEFT's names (rlkube.core.lora) with `adapter` in the metadata ({"format", "rank",
+"alpha", "scaling", "target_modules"}): the receiver serves base + adapter, W = W0 + scaling x B @ A on its own base copy. `WeightReceiver.receive` refuses an
 adapter update unless its caller said it serves adapters (`adapters=True`), so no engine loads one as weights.
 """
 
@@ -216,9 +216,11 @@ class StreamedWeights:
     breaks the broadcast at once, and the retry runs in a new epoch as for the packed update."""
 
     def __init__(self, specs: list[list[Any]], checksum: float, gather, agree, bucket_bytes: int,
-                 device: str | torch.device | None = None, rendezvous=None):
+                 device: str | torch.device | None = None, rendezvous=None, adapter: dict[str, Any] | None = None):
         self.meta = {"tensors": specs, "buckets": plan_buckets(specs, bucket_bytes), "checksum": checksum,
-                     "kind": FULL}
+                     "kind": FULL if adapter is None else ADAPTER}
+        if adapter is not None:  # a LoRA adapter streamed from its shards, marked as AdapterUpdate's packing is
+            self.meta["adapter"] = dict(adapter)
         self._gather, self._agree, self._rendezvous = gather, agree, rendezvous
         self.device = device
         self.passes = 0

@@ -458,16 +458,14 @@ def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def lora_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    """LoRA (spec.trainer.lora) is built on the torch backend with PEFT, unsharded (rlkube.core.lora)."""
+    """LoRA (spec.trainer.lora) is built on the torch backend with PEFT (rlkube.core.lora), unsharded or with
+    sharding fsdp (rlkube.core.backends.fsdp_lora)."""
     trainer = spec.trainer
     if trainer.lora is None:
         return []
     if trainer.backend != "torch":
         return [FieldError("spec.trainer.lora", f"LoRA adapters are trained by backend torch, not "
                                                 f"{trainer.backend}; unset spec.trainer.lora or use backend torch")]
-    if trainer.sharding == "fsdp":
-        return [FieldError("spec.trainer.lora", "LoRA is not implemented with sharding 'fsdp' (the adapter is "
-                                                "small: replicate it, sharding 'none'); unset one of them")]
     return []
 
 

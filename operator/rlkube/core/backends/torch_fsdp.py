@@ -31,6 +31,13 @@ on every rank, one parameter all-gathered at a time (the backend never holds mor
 so rank 0 holds one bucket and one full tensor at a time, never the whole model; `full_state()` gathers a
 CPU copy on rank 0 only (the Hugging Face export), `save_distributed` / `load_distributed` write and read each
 rank's shards with torch.distributed.checkpoint (resumable at a different world size).
+
+LoRA (spec.trainer.lora, rlkube.core.backends.fsdp_lora): PEFT wraps the model before `fully_shard` and rank 0's
+adapter is broadcast first; Adam and clipping cover the adapter's shards only. `weights()` and the full
+`weight_stream` are the merged weights under the HF names (for vLLM), `weight_stream(adapter=True)` and
+`adapter_update()` the adapter alone (the native engine's update), `full_state()` the gathered adapter (rank 0 writes
+PEFT's adapter directory from it), and the distributed checkpoint holds the adapter and its Adam state only (the
+frozen base is the job's model directory, loaded by every rank).
 """
 
 from __future__ import annotations
@@ -61,10 +68,12 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from rlkube.api.spec import TrainingJobSpec
+from rlkube.core import lora as lora_mod
+from rlkube.core.backends import fsdp_lora
 from rlkube.core.backends.base import lr_scheduler
 from rlkube.core.backends.torch_backend import TorchBackend, model_logits, model_logprobs
 from rlkube.core.losses import LossStats
-from rlkube.core.weightsync import StreamedWeights, combine_sums, dtype_name
+from rlkube.core.weightsync import AdapterUpdate, StreamedWeights, combine_sums, dtype_name
 
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -86,6 +95,8 @@ class FSDPTorchBackend(TorchBackend):
         # Every rank loads the same full model from the job's directory, then keeps only its shards.
         super().__init__(spec, model_dir, device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.lora is not None:
+            fsdp_lora.broadcast_adapter(self.model)  # before sharding (rlkube.core.backends.fsdp_lora)
         if self.compute_dtype == torch.float32:
             layer_policy = MixedPrecisionPolicy()
         else:
@@ -113,9 +124,9 @@ class FSDPTorchBackend(TorchBackend):
             lambda m, tokens: model_logprobs(m, tokens, autocast, self.temperature, self.loss_chunk_tokens),
             self.model)
         register_fsdp_forward_method(self.model, "rlkube_logprobs")
-        # Adam over the sharded (DTensor) parameters: its state is sharded like them.
+        # Adam over the sharded (DTensor) parameters: its state is sharded like them (with LoRA: the adapter's).
         algo = spec.algorithm
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=algo.learning_rate)
+        self.optimizer = torch.optim.Adam(self.gradient_parameters(), lr=algo.learning_rate)
         self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -133,7 +144,7 @@ class FSDPTorchBackend(TorchBackend):
 
     def optim_step(self) -> float:
         # clip_grad_norm_ on DTensor gradients computes the global norm (an all-reduce) and clips every shard.
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.gradient_parameters(), self.grad_clip_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -145,37 +156,55 @@ class FSDPTorchBackend(TorchBackend):
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """COLLECTIVE, on every rank: (HF name, full float32 tensor), one parameter gathered at a time; ranks
-        other than 0 just drain it (`for _ in backend.weights(): pass`)."""
+        other than 0 just drain it (`for _ in backend.weights(): pass`). With LoRA: base + adapter merged."""
+        if self.lora is not None:
+            merged = fsdp_lora.MergedWeights(self.model, self._hf_names)
+            for name in merged.names:
+                yield name, merged.full(name)
+            return
         for name, tensor in self.model.state_dict().items():
             if name in self._aliases:
                 continue
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach()
 
+    def _stream_sources(self, adapter: bool) -> list[tuple[str, torch.Tensor, Any, Any]]:
+        """What a weight stream sends: (name, the sharded tensor giving its shape and dtype, this rank's share of
+        its values, its full value), the last two callables (collectives)."""
+        if self.lora is not None and adapter:
+            named = list(lora_mod.adapter_state(self.model).items())
+        elif self.lora is None:
+            named = [(n, t.detach()) for n, t in self.model.state_dict().items() if n not in self._aliases]
+        else:
+            merged = fsdp_lora.MergedWeights(self.model, self._hf_names)
+            return [(n, merged.reference(n), lambda n=n: merged.local(n), lambda n=n: merged.full(n))
+                    for n in merged.names]
+        return [(n, t, lambda t=t: fsdp_lora.local(t), lambda t=t: fsdp_lora.full(t)) for n, t in named]
+
     def weight_stream(self, dtype: torch.dtype | None, bucket_bytes: int, device: str | torch.device | None = None,
-                      rendezvous=None) -> StreamedWeights:
+                      rendezvous=None, adapter: bool = False) -> StreamedWeights:
         """COLLECTIVE, on every rank: the weights as an update streamed bucket by bucket (rlkube.core.weightsync:
         rank 0 sends, the others drain), in transfer dtype `dtype` (None: each tensor's own) with `weights()`'s
-        names and order. Shapes come from the sharded parameters and the checksum from the shards' sums (one
-        all-reduce), so nothing is gathered before the first bucket."""
-        named = [(n, t.detach()) for n, t in self.model.state_dict().items() if n not in self._aliases]
+        names and order (`adapter`, with LoRA: the adapter alone, an update of kind lora-adapter). Shapes come from
+        the sharded parameters and the checksum from the shards' sums (one all-reduce), so nothing is gathered
+        before the first bucket."""
+        sources = self._stream_sources(adapter)
         specs, sums = [], []
-        for name, t in named:
+        for name, t, local_values, _ in sources:
             out = dtype if dtype is not None and t.is_floating_point() else t.dtype
             specs.append([name, list(t.shape), dtype_name(out)])
             if isinstance(t, DTensor):
-                sums.append(t.to_local().to(out).sum(dtype=torch.float64))
+                sums.append(local_values().to(out).sum(dtype=torch.float64))
             else:  # replicated on every rank: counted once
                 sums.append(t.to(out).sum(dtype=torch.float64) if self.rank == 0
                             else torch.zeros((), dtype=torch.float64, device=t.device))
         totals = torch.stack(sums).to(self.device) if sums else torch.zeros(0, dtype=torch.float64)
         dist.all_reduce(totals)
-        checksum = combine_sums(zip((n for n, _ in named), totals.tolist(), strict=True))
+        checksum = combine_sums(zip((s[0] for s in sources), totals.tolist(), strict=True))
 
         def gather(indices):
             for i in indices:
-                t = named[i][1]
-                yield t.full_tensor() if isinstance(t, DTensor) else t
+                yield sources[i][3]()
 
         def agree(flag: bool) -> bool:
             box = torch.tensor([1.0 if flag and self.rank == 0 else 0.0], device=self.device)
@@ -183,11 +212,23 @@ class FSDPTorchBackend(TorchBackend):
             return bool(box.item())
 
         return StreamedWeights(specs, checksum, gather, agree, bucket_bytes,
-                               device=self.device if device is None else device, rendezvous=rendezvous)
+                               device=self.device if device is None else device, rendezvous=rendezvous,
+                               adapter=lora_mod.wire_config(self.lora) if adapter and self.lora else None)
+
+    def adapter_update(self) -> AdapterUpdate:
+        """COLLECTIVE (LoRA): the adapter, gathered whole on every rank, as a weight update."""
+        if self.lora is None:
+            raise RuntimeError("adapter_update() without spec.trainer.lora")
+        return AdapterUpdate(list(fsdp_lora.adapter_full(self.model).items()), lora_mod.wire_config(self.lora))
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """COLLECTIVE: (full model state on CPU under HF names on rank 0, {} elsewhere; LR schedule state). The
-        optimizer state is not gathered: it lives in the distributed checkpoint."""
+        optimizer state is not gathered: it lives in the distributed checkpoint. With LoRA: the adapter's tensors
+        under PEFT's names."""
+        if self.lora is not None:
+            adapter = fsdp_lora.adapter_full(self.model)
+            state = {k: v.detach().cpu().clone() for k, v in adapter.items()} if self.rank == 0 else {}
+            return state, {"scheduler": self.scheduler.state_dict(), "distributed": True}
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # clone: a gathered tensor can be a view into a larger buffer, which safetensors refuses to save
         state = {k: v.clone() for k, v in state.items() if k not in self._aliases}
@@ -202,7 +243,7 @@ class FSDPTorchBackend(TorchBackend):
     def save_distributed(self, directory: Path) -> None:
         """COLLECTIVE: each rank writes its shards of the weights and of Adam's state (torch.distributed.checkpoint
         into `directory`, which every rank must see: a shared volume); rank 0 also the LR schedule."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._dcp_options())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER_FILE)
@@ -210,12 +251,20 @@ class FSDPTorchBackend(TorchBackend):
 
     def load_distributed(self, directory: Path) -> None:
         """COLLECTIVE: the inverse of `save_distributed`, at any world size (DCP reshards on load)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        options = self._dcp_options()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, checkpoint_id=str(directory))  # raises on a key the checkpoint lacks
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
         self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))
+
+    def _dcp_options(self) -> StateDictOptions:
+        """LoRA: the distributed checkpoint holds the adapter only (the frozen base is the job's model directory);
+        loading is then not strict about the base's keys, while dcp.load still refuses a missing adapter key."""
+        if self.lora is None:
+            return StateDictOptions()
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def local_bytes(self) -> dict[str, int]:
         """This rank's parameter and Adam-state bytes (its shards), for memory accounting."""
