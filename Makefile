@@ -17,11 +17,13 @@ GPU_SMOKE_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.rlkube-installed
-# `make demo` needs only Redis; the tests also need etcd, the node agent's iproute2, and the Go toolchain and
-# vendored-library replacements that build kube-apiserver.
+# `make demo` needs only Redis; the tests also need etcd, the node agent's iproute2, the Go toolchain and
+# vendored-library replacements that build kube-apiserver and the kubelet (gcc: the sandbox's pause binary), and
+# the real node's containerd, runc, CNI plugins, buildah and a static busybox (tests/cluster/node.py).
 APT_DEMO = redis-server
-APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 \
-               golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
+APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 gcc libc6-dev \
+               golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev \
+               containerd runc containernetworking-plugins buildah busybox-static
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver + kube-controller-manager 1.20.2 from Debian bookworm's `kubernetes` source package
-# with Debian's Go, once, into a cache outside the repository. No registry ships these binaries, so this is
-# the only way to get a real API server on a machine without Docker or downloads.
+# Builds kube-apiserver, kube-controller-manager, kube-scheduler and kubelet 1.20.2 from Debian bookworm's
+# `kubernetes` source package with Debian's Go, once, into a cache outside the repository, and the sandbox
+# ("pause") binary from the same source. No registry ships these binaries, so this is the only way to get a real
+# API server and node on a machine without Docker or downloads.
 #
 # Cache: $RLKUBE_CACHE (default ~/.cache/rlkube)/k8s-1.20.2/bin. Re-running with the binaries present is a no-op.
 set -euo pipefail
@@ -10,7 +11,9 @@ W="$CACHE/k8s-1.20.2"
 BIN="$W/bin"
 say() { printf '[control-plane build %(%H:%M:%S)T] %s\n' -1 "$*"; }
 
-if [[ -x "$BIN/kube-apiserver" && -x "$BIN/kube-controller-manager" ]]; then
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet pause)
+cached() { for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done; }
+if cached; then
   say "cached binaries found in $BIN"; exit 0
 fi
 # One build at a time per cache: two concurrent runs (parallel `make test`s, test sessions) would delete each
@@ -20,7 +23,7 @@ exec 9>"$W/.build.lock"
 if ! flock -n 9; then
   say "another build of this cache is running; waiting for it"
   flock 9
-  if [[ -x "$BIN/kube-apiserver" && -x "$BIN/kube-controller-manager" ]]; then
+  if cached; then
     say "cached binaries found in $BIN"; exit 0
   fi
 fi
@@ -32,10 +35,10 @@ echo "deb-src $URI bookworm main" > apt/sources.list
 APT_SRC=(-o "Dir::Etc::SourceList=$W/apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
          -o "Dir::State::Lists=$W/apt/lists" -o "Dir::Cache=$W/apt/cache")
 export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -qq --no-install-recommends golang-go etcd-server rsync make dpkg-dev openssl \
-  golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev >/dev/null \
-  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends golang-go etcd-server rsync make \
-       dpkg-dev openssl golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev >/dev/null; }
+INPUTS=(golang-go etcd-server rsync make dpkg-dev openssl gcc libc6-dev golang-github-modern-go-reflect2-dev
+        golang-github-json-iterator-go-dev)
+apt-get install -y -qq --no-install-recommends "${INPUTS[@]}" >/dev/null \
+  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${INPUTS[@]}" >/dev/null; }
 say "fetching the kubernetes source package"
 apt-get "${APT_SRC[@]}" update -qq
 rm -rf src && mkdir src && cd src
@@ -49,11 +52,14 @@ for d in github.com/modern-go/reflect2 github.com/json-iterator/go; do
     -exec cp -L {} "vendor/$d/" \;
 done
 export CGO_ENABLED=0 HOME="$W/home"; mkdir -p "$HOME"; unset GOFLAGS GO111MODULE
-say "compiling kube-apiserver and kube-controller-manager (about 8 minutes on 2 cores)"
-make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$W/make.log" 2>&1 \
+say "compiling kube-apiserver, kube-controller-manager, kube-scheduler and kubelet (10-12 minutes on 2 cores)"
+make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler cmd/kubelet" >"$W/make.log" 2>&1 \
   || { tail -30 "$W/make.log"; exit 1; }
 mkdir -p "$BIN.tmp"
-cp _output/bin/kube-apiserver _output/bin/kube-controller-manager "$BIN.tmp/"
+cp _output/bin/kube-apiserver _output/bin/kube-controller-manager _output/bin/kube-scheduler _output/bin/kubelet \
+  "$BIN.tmp/"
+# The pod sandbox's process: no registry serves the pause image here, so its C source is built, statically.
+gcc -Os -static -Wall -DVERSION=v3.4.1-rlkube -o "$BIN.tmp/pause" build/pause/linux/pause.c
 rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
 cd "$W" && rm -rf src home   # the source tree and Go build cache are ~2 GB; only the binaries are kept
 say "built: $("$BIN/kube-apiserver" --version)"

@@ -59,6 +59,10 @@ class ControlPlane:
     with_controller_manager: bool = True
     # AlwaysAllow for the shared test cluster; RBAC where a test checks what a ServiceAccount may do.
     authorization_mode: str = "AlwaysAllow"
+    # A cluster with real nodes (tests/cluster/node.py) adds nodelifecycle: it lifts a new node's not-ready taint.
+    controllers: str = "garbagecollector,namespace,serviceaccount-token,serviceaccount"
+    # e.g. --kubelet-preferred-address-types=InternalIP: node names do not resolve here (logs, exec)
+    extra_apiserver_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
 
@@ -136,6 +140,7 @@ class ControlPlane:
                 "--service-cluster-ip-range=10.96.0.0/16", "--allow-privileged=true",
                 # Many jobs at once in the benchmarks: don't let the default limits throttle us.
                 "--max-requests-inflight=1000", "--max-mutating-requests-inflight=500",
+                *self.extra_apiserver_args,
             ],
         )
         self.kubeconfig.write_text(
@@ -151,7 +156,7 @@ class ControlPlane:
                 "kcm",
                 [
                     bins["kcm"], f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
-                    "--controllers=garbagecollector,namespace,serviceaccount-token,serviceaccount",
+                    f"--controllers={self.controllers}",
                     f"--service-account-private-key-file={d / 'sa.key'}",
                     "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--port=0",
                     f"--cert-dir={d / 'kcm-certs'}",

@@ -1,0 +1,284 @@
+"""A real Kubernetes node on this machine: kube-scheduler, and a kubelet on containerd + runc + the CNI bridge.
+
+Test infrastructure (not shipped). The node agent (tests/nodeagent) runs pods as host processes; this runs them
+as the real kubelet does, in containers, so what a hardened pod asks for (uid 10001, a read-only root, dropped
+capabilities), termination messages, restarts and volumes are enforced by the real parts. How it was made to
+work on this machine kind (2 cores, root, no Docker, no registry) is docs/references.md §8 and §10:
+- kubelet, kube-scheduler and the sandbox's `pause` binary come from the same Debian source as the API server
+  (tests/cluster/build-control-plane.sh); containerd, runc, the CNI plugins, buildah and busybox-static from
+  Debian's packages.
+- Images are built with buildah from scratch (no registry serves a base here), pushed to an OCI archive and
+  imported into containerd's k8s.io namespace; pods use them with imagePullPolicy Never.
+- containerd runs with its own root, state, socket and CNI configuration, so it never meets a system one.
+  `restrict_oom_score_adj` is required here: containerd gives sandboxes oom_score_adj -998, which this machine
+  refuses, and every sandbox would fail at `runc create`.
+- The kubelet runs without QoS cgroups or node allocatable enforcement (cgroupfs driver), anonymous and
+  AlwaysAllow (a test cluster only), on free ports.
+
+Every process gets its own session and `stop()` ends them, removes the pods' containers and the bridge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.control_plane import DEFAULT_BIN, TOKEN, ControlPlane, log
+from rlkube.local.ports import free_port
+
+PAUSE_IMAGE = "localhost/rlkube/pause:3.4.1"
+BUSYBOX_IMAGE = "localhost/rlkube/busybox:test"
+CNI_BIN = Path("/usr/lib/cni")
+PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static")
+
+
+def node_binaries() -> dict[str, str]:
+    """kubelet, kube-scheduler and pause from the cache (build-control-plane.sh builds them with the API server)."""
+    bins = {name: str(DEFAULT_BIN / name) for name in ("kubelet", "kube-scheduler", "pause")}
+    if not all(os.access(p, os.X_OK) for p in bins.values()):
+        log("kubelet not cached; building the control plane and node binaries (one time, several minutes)")
+        subprocess.run(["bash", str(Path(__file__).resolve().parent / "build-control-plane.sh")], check=True)
+    for tool in ("containerd", "runc", "buildah", "ctr"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} not found: apt-get install {' '.join(PACKAGES)}")
+    return bins
+
+
+@dataclass
+class Node:
+    """One node, `name`, registered with `cp` (whose controller manager must run nodelifecycle: it removes the
+    node's not-ready taint)."""
+
+    cp: ControlPlane
+    workdir: Path
+    name: str = field(default_factory=lambda: f"node-{uuid.uuid4().hex[:6]}")
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A unix socket path holds at most 107 bytes; pytest's tmp paths can be longer.
+        self.sockdir = Path(tempfile.mkdtemp(prefix="rlkube-node-", dir="/run"))
+        self.socket = self.sockdir / "containerd.sock"
+        self.bridge = f"rk{uuid.uuid4().hex[:8]}"
+        self.subnet = f"10.{88 + int(self.bridge[2:4], 16) % 8}.{int(self.bridge[4:6], 16)}.0/24"
+
+    # -- processes -------------------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        with open(self.workdir / f"{name}.log", "wb") as logf:
+            self.procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _wait(self, name: str, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{tail}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not ready after {timeout}s; see {self.workdir / (name + '.log')}")
+
+    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["ctr", "--address", str(self.socket), "--namespace", "k8s.io", *args],
+                              capture_output=True, text=True, check=check)
+
+    # -- configuration ---------------------------------------------------------------------------------------
+
+    def _containerd_config(self) -> Path:
+        d = self.workdir / "containerd"
+        (d / "cni").mkdir(parents=True, exist_ok=True)
+        (d / "cni" / "10-rlkube.conflist").write_text(json.dumps({
+            "cniVersion": "0.4.0", "name": self.bridge,
+            "plugins": [
+                {"type": "bridge", "bridge": self.bridge, "isGateway": True, "ipMasq": False,
+                 "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet}]],
+                          "dataDir": str(d / "ipam"), "routes": [{"dst": "0.0.0.0/0"}]}},
+                {"type": "loopback"},
+            ],
+        }))
+        config = d / "config.toml"
+        config.write_text(f"""version = 2
+root = "{d / 'root'}"
+state = "{self.sockdir / 'state'}"
+[grpc]
+  address = "{self.socket}"
+[ttrpc]
+  address = "{self.sockdir / 'ttrpc.sock'}"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{d / 'opt'}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_BIN}"
+    conf_dir = "{d / 'cni'}"
+""")
+        return config
+
+    def _kubelet_config(self) -> Path:
+        config = self.workdir / "kubelet.yaml"
+        config.write_text(json.dumps({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            "cgroupDriver": "cgroupfs", "failSwapOn": False, "cgroupsPerQOS": False, "enforceNodeAllocatable": [],
+            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "readOnlyPort": 0, "port": free_port(), "healthzPort": free_port(), "healthzBindAddress": "127.0.0.1",
+            "evictionHard": {}, "clusterDomain": "cluster.local",
+            # Pod status reaches the API server within a second of a container's change (the default is 10 s).
+            "nodeStatusUpdateFrequency": "4s", "syncFrequency": "2s",
+        }))
+        return config
+
+    # -- images ----------------------------------------------------------------------------------------------
+
+    def _buildah(self, *args: str) -> str:
+        storage = ["--root", str(self.workdir / "buildah"), "--runroot", str(self.sockdir / "buildah"),
+                   "--storage-driver", "vfs"]
+        out = subprocess.run(["buildah", *storage, *args], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"buildah {' '.join(args)}: {out.stderr[-2000:]}")
+        return out.stdout.strip()
+
+    def import_scratch_image(self, ref: str, files: dict[str, Path], user: str, entrypoint: list[str] | None) -> None:
+        """Build image `ref` from scratch holding `files` (path in the image -> host file), and import it."""
+        c = self._buildah("from", "scratch")
+        try:
+            for dest, src in files.items():
+                self._buildah("copy", "--chmod", "0755", c, str(src), dest)
+            config = ["config", "--user", user]
+            if entrypoint:
+                config += ["--entrypoint", json.dumps(entrypoint)]
+            self._buildah(*config, c)
+            self._buildah("commit", "--quiet", c, ref)
+        finally:
+            self._buildah("rm", c)
+        self.import_image(ref)
+
+    def import_image(self, ref: str) -> None:
+        """Import image `ref` from this node's buildah storage into containerd."""
+        archive = self.workdir / f"{ref.replace('/', '_').replace(':', '_')}.tar"
+        self._buildah("push", ref, f"oci-archive:{archive}:{ref}")
+        self.ctr("images", "import", str(archive))
+        archive.unlink()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> Node:
+        t0 = time.monotonic()
+        bins = node_binaries()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._spawn("containerd", ["containerd", "--config", str(self._containerd_config())])
+        self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
+        self.import_scratch_image(PAUSE_IMAGE, {"/pause": Path(bins["pause"])}, "65535:65535", ["/pause"])
+        busybox = Path("/bin/busybox")
+        self.import_scratch_image(BUSYBOX_IMAGE, {"/bin/busybox": busybox, "/bin/sh": busybox}, "10001:10001", None)
+        self._spawn("scheduler", [bins["kube-scheduler"], f"--kubeconfig={self.cp.kubeconfig}", "--leader-elect=false",
+                                  "--port=0", "--secure-port=0"])
+        self._spawn("kubelet", [
+            bins["kubelet"], f"--kubeconfig={self.cp.kubeconfig}", f"--config={self._kubelet_config()}",
+            "--container-runtime=remote", f"--container-runtime-endpoint=unix://{self.socket}",
+            f"--pod-infra-container-image={PAUSE_IMAGE}", f"--root-dir={self.workdir / 'kubelet'}",
+            f"--cert-dir={self.workdir / 'kubelet-pki'}", f"--hostname-override={self.name}", "--v=1",
+        ])
+        self._wait("kubelet", self._ready, 120)
+        log(f"node {self.name} ready in {time.monotonic() - t0:.1f}s (containerd {self.socket})")
+        return self
+
+    def _ready(self) -> bool:
+        """Registered, Ready, and without the not-ready/unreachable taints (nodelifecycle removes them)."""
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        req = urllib.request.Request(f"{self.cp.url}/api/v1/nodes/{self.name}",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+                node = json.loads(resp.read())
+        except OSError:
+            return False
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions", []))
+        taints = [t for t in node.get("spec", {}).get("taints", []) if t["key"].startswith("node.kubernetes.io/")]
+        return ready and not taints
+
+    def stop(self) -> None:
+        for name in ("kubelet", "scheduler"):
+            self._stop(name)
+        # The pods' containers and sandboxes (runc processes and their shims) end with containerd's tasks.
+        if "containerd" in self.procs and self.procs["containerd"].poll() is None:
+            tasks = self.ctr("tasks", "list", "-q", check=False).stdout.split()
+            for task in tasks:
+                self.ctr("tasks", "kill", "--signal", "SIGKILL", task, check=False)
+            for task in tasks:
+                self.ctr("tasks", "delete", "--force", task, check=False)
+        self._stop("containerd")
+        for shim in _processes_with(str(self.socket)):
+            with contextlib.suppress(OSError):
+                os.kill(shim, signal.SIGKILL)
+        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        # The kubelet bind-mounts its root over itself and mounts the pods' volumes (memory emptyDirs), containerd
+        # the sandboxes' /dev/shm: none outlives its process on its own.
+        _unmount_under([self.workdir, self.sockdir])
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+    def _stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _unmount_under(roots: list[Path]) -> None:
+    """Lazily unmount every mount point below `roots`, deepest first."""
+    prefixes = [str(Path(r).resolve()) for r in roots]
+    points = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point = line.split()[1].replace("\\040", " ")
+        if any(point == p or point.startswith(p + "/") for p in prefixes):
+            points.append(point)
+    for point in sorted(set(points), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def _processes_with(text: str) -> list[int]:
+    """Pids whose command line mentions `text` (containerd's shims name its socket)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(entry.name))
+    return pids
+
