@@ -16,6 +16,7 @@ import textwrap
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,11 +24,14 @@ from rlkube.contract import protocol
 from rlkube.core.calculator import calculate
 from rlkube.core.hf.builtin import char_tokenizer
 from rlkube.core.preprocessor import DocumentConfig, group_to_documents
+from rlkube.core.vllm_server import ENV_VLLM_PYTHON
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, \
     write_config
 
 KEYS = protocol.StreamKeys(PREFIX)
 TOK = char_tokenizer()
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")
 
 
 class RecordingProxy:
@@ -80,15 +84,22 @@ def stack(tmp_path, redis_server, redis_client):
     """Factory: inference server behind a recording proxy + trainer stand-in (version 0 announced)."""
     made: list[tuple[RoleProcesses, RecordingProxy]] = []
 
-    def start(environment: dict, **algorithm):
+    def start(environment: dict, engine: str = "native", **algorithm):
         spec = job_spec(**{"groupSize": 4, "samplesPerStep": 8, "maxLag": 1, "maxNewTokens": 3, **algorithm})
         spec["task"] = {"name": "calculator", "environment": environment}
-        roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
         port = free_port()
-        server = roles.start_role("inference", RLKUBE_PORT=str(port))
+        if engine == "vllm":
+            spec["inference"] = {"engine": "vllm", "replicas": 1,
+                                 "vllm": {"extraEngineArgs": ["--block-size=32", "--max-num-seqs=32"]}}
+        roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
+        if engine == "vllm":
+            server = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
+                                      **{ENV_VLLM_PYTHON: VLLM_PYTHON})
+        else:
+            server = roles.start_role("inference", RLKUBE_PORT=str(port))
         url = f"http://127.0.0.1:{port}"
         trainer = roles.start_trainer(0)
-        wait_for(lambda: http_status(url + "/health") == 200 or server.poll() is not None, 60, "inference health")
+        wait_for(lambda: http_status(url + "/health") == 200 or server.poll() is not None, 400, "inference health")
         assert server.poll() is None, log_text(server)
         proxy = RecordingProxy(url)
         made.append((roles, proxy))
@@ -104,12 +115,23 @@ def rollouts(redis_client) -> list[protocol.RolloutGroup]:
     return [protocol.RolloutGroup.decode(f) for _, f in redis_client.xrange(KEYS.rollouts)]
 
 
+def per_token(choice: dict) -> list[int]:
+    """The engine's version of each token of a choice, from its `model_versions` [[first index, version], ...]."""
+    spans = choice["model_versions"]
+    return [max((first, v) for first, v in spans if first <= i)[1] for i in range(len(choice["token_ids"]))]
+
+
 def counts(redis_client) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in redis_client.hgetall(KEYS.episodes).items()}
 
 
-def test_every_document_is_exactly_what_the_engine_sampled_plus_the_environment(stack, redis_client):
-    roles, proxy, trainer = stack({"name": "calculator", "maxTurns": 3, "params": {"callCredit": 0.5}})
+@pytest.mark.parametrize("engine", [
+    "native",
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+        not os.access(VLLM_PYTHON, os.X_OK), reason=f"no vLLM environment at {VLLM_PYTHON}")]),
+])
+def test_every_document_is_exactly_what_the_engine_sampled_plus_the_environment(stack, redis_client, engine):
+    roles, proxy, trainer = stack({"name": "calculator", "maxTurns": 3, "params": {"callCredit": 0.5}}, engine)
     actor = roles.start_role("actor", RLKUBE_INFERENCE_URLS=proxy.url, RLKUBE_INDEX="0")
     # maxLag 1, 8 samples per step: 4 groups ahead; each new version lets 2 more through, sampled across updates.
     for version in range(1, 5):
@@ -143,10 +165,10 @@ def test_every_document_is_exactly_what_the_engine_sampled_plus_the_environment(
                     if tokens[at:at + len(c["token_ids"])] == c["token_ids"]
                     and np.allclose(doc.old_log_probabilities[at:at + len(c["token_ids"])],
                                     c["logprobs"]["token_logprobs"], atol=1e-6)
-                    and (doc.model_version[at:at + len(c["token_ids"])] == r["model_version"]).all())
+                    and doc.model_version[at:at + len(c["token_ids"])].tolist() == per_token(c))
                 end = at + len(choice["token_ids"])
                 assert mask[at:end].all()
-                versions_seen.add(reply["model_version"])
+                versions_seen.update(per_token(choice))
                 at = end
                 if at < len(tokens):  # the calculator's answer, appended as ids, out of the loss
                     assert tokens[at:at + len(tool_ids)] == tool_ids and not mask[at:at + len(tool_ids)].any()

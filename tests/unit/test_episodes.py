@@ -316,3 +316,30 @@ def test_environment_loader_names_the_field(tmp_path, monkeypatch):
         with pytest.raises(TaskError) as err:
             load(**env)
         assert str(err.value).startswith(message), (env, str(err.value))
+
+
+def test_an_answer_that_is_not_messages_is_a_tool_error():
+    class Sloppy:
+        name = "sloppy"
+
+        def start(self, prompt):
+            class Episode:
+                def respond(self, reply):
+                    return "7"  # a string, not [{role, content}]
+
+                def reward(self):
+                    return 0.0
+
+            return Episode()
+
+    result = _play(Sloppy(), Limits(max_turns=3))
+    assert (result.tool_errors, result.tool_calls, result.turns, result.env_spans) == (1, 0, 1, [])
+
+
+def test_per_token_versions_from_the_engine_s_version_spans():
+    from rlkube.core.actor import token_versions
+
+    assert token_versions([[0, 3], [2, 4]], 4) == [3, 3, 4, 4]
+    assert token_versions([[0, 5]], 2) == [5, 5]
+    assert token_versions(None, 2) is None and token_versions([[1, 3]], 2) is None
+    assert token_versions([[0, 3], [5, 4]], 3) is None  # a span past the tokens: malformed, not guessed

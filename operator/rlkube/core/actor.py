@@ -328,9 +328,11 @@ class Actor:
     @staticmethod
     def _reply(choice: dict, version: int) -> Reply:
         lp = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        return Reply(token_ids=[int(t) for t in choice["token_ids"]], logprobs=[float(x) for x in lp],
-                     version=version, finished=choice.get("finish_reason") == "stop",
-                     prompt_ids=[int(t) for t in choice["prompt_token_ids"]])
+        ids = [int(t) for t in choice["token_ids"]]
+        return Reply(token_ids=ids, logprobs=[float(x) for x in lp], version=version,
+                     finished=choice.get("finish_reason") == "stop",
+                     prompt_ids=[int(t) for t in choice["prompt_token_ids"]],
+                     versions=token_versions(choice.get("model_versions"), len(ids)))
 
     async def sample_episodes(self, session: aiohttp.ClientSession, min_version: int | None
                               ) -> protocol.RolloutGroup | None:
@@ -371,9 +373,16 @@ class Actor:
             first = await self.request(session, rendered, min_version, max_tokens=max_tokens)
             version = version_of(first)
             choices = sorted(first["choices"], key=lambda c: c["index"])
-            results = await asyncio.gather(*(
-                run_episode(ep, self._reply(c, version), sample, self.encoder, self.tokenizer.decode, self.limits,
-                            self.algo.max_new_tokens) for ep, c in zip(episodes, choices, strict=True)))
+            runs = [asyncio.ensure_future(run_episode(ep, self._reply(c, version), sample, self.encoder,
+                                                      self.tokenizer.decode, self.limits, self.algo.max_new_tokens))
+                    for ep, c in zip(episodes, choices, strict=True)]
+            try:
+                results = await asyncio.gather(*runs)
+            except BaseException:
+                for run in runs:  # one stopped: the group is abandoned, its other episodes too
+                    run.cancel()
+                await asyncio.gather(*runs, return_exceptions=True)
+                raise
         except Stopped:
             return None
         except BadPrompt as exc:
@@ -576,6 +585,24 @@ class Actor:
                  self.samples, self.reward_sum / max(self.samples, 1), self.score.errors, self.score.scored,
                  self.holds, self.resampled)
         return 0
+
+
+def token_versions(spans: object, n: int) -> list[int] | None:
+    """Our engines' per-choice `model_versions` ([[first token index, version], ...], rlkube.core.openai_api) as one
+    version per token; None when absent or malformed (the reply's one `model_version` then stands for all)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    try:
+        starts = [(int(first), int(version)) for first, version in spans]
+    except (TypeError, ValueError):
+        return None
+    if starts[0][0] != 0:
+        return None
+    out = []
+    for k, (first, version) in enumerate(starts):
+        end = starts[k + 1][0] if k + 1 < len(starts) else n
+        out += [version] * max(0, end - first)
+    return out if len(out) == n else None
 
 
 async def amain() -> int:

@@ -134,9 +134,10 @@ class Reply:
 
     token_ids: list[int]
     logprobs: list[float]
-    version: int
+    version: int  # the oldest weights that sampled it
     finished: bool  # ended by a stop token (not by max_tokens)
     prompt_ids: list[int] | None = None  # the engine's ids of the prompt (the first turn's tells its ids)
+    versions: list[int] | None = None  # per token, when the engine says (an update may land mid-reply)
 
 
 @dataclass
@@ -158,11 +159,11 @@ class EpisodeResult:
     finished: bool = True
     reward_error: bool = False
 
-    def add(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None, version: int | list[int]) -> None:
         start = len(self.tokens)
         self.tokens += ids
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += [version] * len(ids)
+        self.versions += version if isinstance(version, list) else [version] * len(ids)
         if logprobs is None and ids:
             self.env_spans.append((start, len(self.tokens)))
 
@@ -183,7 +184,7 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: C
     result = EpisodeResult(prompt_ids=list(first.prompt_ids))
     reply = first
     while True:
-        result.add(reply.token_ids, reply.logprobs, reply.version)
+        result.add(reply.token_ids, reply.logprobs, reply.versions if reply.versions is not None else reply.version)
         result.turns += 1
         result.finished = reply.finished
         try:
@@ -201,14 +202,20 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: C
         if result.turns >= limits.max_turns:
             result.truncated = True
             break
-        ids = encode(answer)
+        try:
+            ids = encode(answer)
+        except Exception as exc:  # noqa: BLE001 - an answer that is not messages the template can render
+            result.tool_errors += 1
+            log.warning("episode ended: the environment's answer %r cannot be tokenized: %s: %s", answer,
+                        type(exc).__name__, exc)
+            break
         budget = limits.max_episode_tokens
         room = None if budget is None else budget - result.length - len(ids)
         if room is not None and room < 1:
             result.truncated = True  # no room for the answer and one more sampled token
             break
         result.tool_calls += 1
-        result.add(ids, None, reply.version)
+        result.add(ids, None, result.versions[-1] if result.versions else reply.version)
         try:
             reply = await sample(result.prompt_ids + result.tokens,
                                  max_new_tokens if room is None else min(max_new_tokens, room))
