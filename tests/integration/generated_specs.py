@@ -185,7 +185,7 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         if _get(spec, "task.environment.name") is None:
             _set(spec, "task.environment.name", "calculator")
         _drop(spec, "task.environment.entryPoint")
-        budget, limit = _get(spec, "task.environment.maxEpisodeTokens"), _get(spec, "model.maxSequenceLength")
+        budget, limit = _get(spec, "task.environment.maxEpisodeTokens"), _eff(spec, "model.maxSequenceLength")
         if budget is not None and limit is not None and budget > limit:
             _drop(spec, "task.environment.maxEpisodeTokens")
     backend = _eff(spec, "trainer.backend")
