@@ -283,6 +283,10 @@ def test_calculator_rewards():
     ep = calc.start(prompt)
     ep.respond("x")
     assert ep.reward() == 0.0
+    ep = calc.start(prompt)
+    ep.respond("?")
+    ep.respond("??")  # still calling when the turns ran out: never answered
+    assert ep.reward() == 0.0
     assert calculate("12*3") == "36" and calculate("7-2") == "5"
     with pytest.raises(ValueError):
         calculate("1+x")

@@ -6,7 +6,7 @@ chance a few times in a hundred, so the call is discovered); the tool answers wi
 model's next reply must repeat it. Any other reply is the final answer. Reward: 1 for the exact result; after a
 tool call, `callCredit` plus the rest scaled by per-character credit of the answer (as the digit tasks give,
 rlkube.core.tasks.char_match_reward), so that calling and then repeating are each worth learning on their own;
-without a call, exact match only.
+without a call, exact match only; 0 for an episode that never answers (it calls until its turns run out).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ class CalculatorEpisode:
         self.question, self.result = question, result
         self.call_credit, self.kind_credit = call_credit, kind_credit
         self.called = False
-        self.answer = ""
+        self.answer: str | None = ""
 
     def respond(self, reply: str) -> list[Message] | None:
         if CALL in reply:
             self.called = True
-            self.answer = ""
+            self.answer = None
             return [{"role": "tool", "content": calculate(self.question)}]
         self.answer = reply.strip()
         return None
@@ -49,7 +49,9 @@ class CalculatorEpisode:
     def reward(self) -> float:
         if self.answer == self.result:
             return 1.0
-        if not self.called:
+        if not self.called or self.answer is None:
+            # Never answered (still calling when the turns ran out) scores nothing: a policy that only calls
+            # would otherwise earn the call's credit in every episode, equal rewards that teach nothing more.
             return 0.0
         partial = char_match_reward(self.result, self.answer, DIGITS, self.kind_credit)
         return self.call_credit + (1 - self.call_credit) * partial
