@@ -106,7 +106,7 @@ def _value(path: str, node: dict) -> st.SearchStrategy:
         return st.sampled_from(node["enum"])
     if path.endswith(("resources.requests", "resources.limits")):
         return st.dictionaries(st.sampled_from(["cpu", "memory", "ephemeral-storage"]), quantities, max_size=2)
-    if path == "task.params":
+    if path in ("task.params", "task.environment.params"):
         return st.dictionaries(st.text("abcdefgh", min_size=1, max_size=5), params_values, max_size=3)
     kind = node.get("type")
     if kind == "integer":
@@ -187,6 +187,13 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     _drop(spec, "task.reward")
     if _eff(spec, "algorithm.loss") == "sft":  # it reads a dataset's completion column (validation.sft_errors)
         _set(spec, "algorithm.loss", "grpo")
+    if _get(spec, "task.environment") is not None:  # one source; a budget within maxSequenceLength
+        if _get(spec, "task.environment.name") is None:
+            _set(spec, "task.environment.name", "calculator")
+        _drop(spec, "task.environment.entryPoint")
+        budget, limit = _get(spec, "task.environment.maxEpisodeTokens"), _eff(spec, "model.maxSequenceLength")
+        if budget is not None and limit is not None and budget > limit:
+            _drop(spec, "task.environment.maxEpisodeTokens")
     backend = _eff(spec, "trainer.backend")
     if backend == "fast-llm":  # its own Redis and GPUs, a Hugging Face checkpoint, its losses, vLLM
         external = False

@@ -332,3 +332,18 @@ def test_parse_manifest_names_what_is_wrong(doc, expected):
     with pytest.raises(validation.SpecError) as err:
         validation.parse_manifest(doc)
     assert fields(err.value.errors) == expected
+
+
+@pytest.mark.parametrize("environment, overrides, field", [
+    ({"name": "calculator"}, {}, None),
+    ({"entryPoint": "pkg.envs:make", "maxEpisodeTokens": 32}, {"model.maxSequenceLength": 32}, None),
+    ({}, {}, "spec.task.environment.name"),
+    ({"name": "calculator", "entryPoint": "pkg.envs:make"}, {}, "spec.task.environment.name"),
+    ({"name": "calculator", "maxEpisodeTokens": 64}, {"model.maxSequenceLength": 32},
+     "spec.task.environment.maxEpisodeTokens"),
+])
+def test_environment_rules(environment, overrides, field):
+    spec = typed(**{"task.environment": environment, **overrides})
+    fields = [e.field for e in validation.environment_errors(spec)]
+    assert fields == ([] if field is None else [field])
+    assert [e.field for e in validation.semantic_errors(spec) if "environment" in e.field] == fields

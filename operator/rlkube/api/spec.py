@@ -211,6 +211,30 @@ class RewardSpec(Model):
     )
 
 
+class EnvironmentSpec(Model):
+    """A multi-turn environment (rlkube.core.episodes): the model replies, the environment answers (tool results),
+    the episode ends with a reward; trained on as one document of the exact tokens sampled."""
+
+    name: str | None = Field(
+        None, min_length=1, description="A built-in environment: `calculator` (arithmetic with a calculator tool)."
+    )
+    entry_point: str | None = Field(
+        None,
+        pattern=ENTRY_POINT,
+        description="Importable `package.module:factory` returning an environment (called with **params); "
+        "instead of name.",
+    )
+    params: dict[str, Scalar] = Field(default_factory=dict, description="Parameters passed to the environment.")
+    max_turns: int = Field(4, ge=1, le=1000, description="Most model replies per episode; an episode that would go "
+                           "on is truncated (and counted).")
+    max_episode_tokens: int | None = Field(
+        None, ge=2, description="Most tokens per episode, prompt and environment turns included; an episode that "
+        "would grow past it is truncated (and counted). Unset: model.maxSequenceLength when set, else no limit.")
+    tool_timeout_seconds: float = Field(
+        10.0, gt=0, le=3600, description="Seconds each environment answer (its tool calls) and the final scoring "
+        "may take; past it the episode ends, is scored and counted as a tool timeout.")
+
+
 class TaskSpec(Model):
     name: str = Field(
         "reverse-digits",
@@ -231,6 +255,10 @@ class TaskSpec(Model):
     )
     reward: RewardSpec | None = Field(
         None, description="Score completions with this reward instead of the task's own (required with dataset)."
+    )
+    environment: EnvironmentSpec | None = Field(
+        None, description="Multi-turn episodes: the model's replies answered by this environment (tools) until it "
+        "scores the episode. Its own prompts, if it draws them, else the task's."
     )
     chat_template: bool | None = Field(
         None,

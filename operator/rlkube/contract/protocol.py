@@ -100,11 +100,17 @@ class StreamKeys:
     def filtered_samples(self) -> str:
         return self.prefix + "preprocessor/filtered_samples"
 
+    # The actors' counts of multi-turn episodes (a hash: episodes, turns, tool_calls, tool_errors, tool_timeouts,
+    # truncated), whole job; the trainer reports them in its metrics.
+    @property
+    def episodes(self) -> str:
+        return self.prefix + "actor/episodes"
+
     def all(self) -> list[str]:
         """Every key any role creates (streams with their consumer groups, counters)."""
         return [self.events, self.documents, self.rollouts, self.actor_samples_reserved, self.actor_samples_written,
                 self.actor_documents_seen, self.actor_last_event, self.actor_stall_release, self.filtered_groups,
-                self.filtered_samples]
+                self.filtered_samples, self.episodes]
 
 
 # --- trainer events -------------------------------------------------------------------------------
@@ -297,11 +303,25 @@ def decode_document(fields: dict[Any, Any]) -> Document:
 
 @dataclass
 class Sample:
+    """One completion, or one multi-turn episode (rlkube.core.episodes): then `completion_tokens` is every token
+    after the prompt in order (the model's replies and the environment's answers), `env_spans` the [begin, end)
+    spans of it the environment wrote (log-prob 0, excluded from the loss), `versions` the weight version that
+    sampled each token (the group's `model_version` when None) and `episode` its counts (turns, tool_calls,
+    tool_errors, tool_timeouts, truncated)."""
+
     completion_tokens: list[int]
     logprobs: list[float]  # sampling log-prob of each completion token
     reward: float
     finished: bool = True
     reward_error: bool = False  # the reward failed on this completion: `reward` is 0, not a score
+    env_spans: list[tuple[int, int]] | None = None
+    versions: list[int] | None = None
+    episode: dict[str, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry's form: the episode fields only when set, so single-turn entries keep their shape."""
+        return {k: v for k, v in self.__dict__.items()
+                if v is not None or k not in ("env_spans", "versions", "episode")}
 
 
 @dataclass
@@ -322,7 +342,7 @@ class RolloutGroup:
                 {
                     "group_id": self.group_id,
                     "prompt_tokens": self.prompt_tokens,
-                    "samples": [s.__dict__ for s in self.samples],
+                    "samples": [s.to_json() for s in self.samples],
                     "model_version": self.model_version,
                     "expected_size": self.expected_size,
                     "actor": self.actor,
@@ -341,7 +361,7 @@ class RolloutGroup:
             return cls(
                 group_id=str(d["group_id"]),
                 prompt_tokens=[int(t) for t in d["prompt_tokens"]],
-                samples=[Sample(**s) for s in d["samples"]],
+                samples=[_sample(s) for s in d["samples"]],
                 model_version=int(d["model_version"]),
                 expected_size=int(d.get("expected_size", len(d["samples"]))),
                 actor=str(d.get("actor", "")),
@@ -349,3 +369,10 @@ class RolloutGroup:
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed rollout entry: {exc}") from None
+
+
+def _sample(d: dict[str, Any]) -> Sample:
+    sample = Sample(**d)
+    if sample.env_spans is not None:
+        sample.env_spans = [(int(b), int(e)) for b, e in sample.env_spans]
+    return sample

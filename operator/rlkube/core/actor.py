@@ -59,6 +59,10 @@ from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.hf.tokenizer import Tokenizer
+from rlkube.core.episodes import (Environment, EpisodeResult, Limits, MessageEncoder, Reply, SampleRefused,
+                                  call_with_timeout, draw_prompt, run_episode)
+from rlkube.core.environments import limits as episode_limits
+from rlkube.core.environments import load_environment
 from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
 log = logging.getLogger("rlkube.actor")
@@ -102,7 +106,8 @@ def supervised(spec) -> bool:
 class Actor:
     def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: Task,
                  stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, environment: Environment | None = None,
+                 encoder: Callable[[list[dict[str, str]]], list[int]] | None = None):
         self.supervised = supervised(ctx.spec)
         if self.supervised and tokenizer is None:
             raise ValueError("the supervised (sft) actor needs the model's tokenizer")
@@ -137,6 +142,12 @@ class Actor:
         self.failed: BaseException | None = None
         self.seen_at: dict[int, int] = {}  # version -> documents_seen announced with it
         self.resampled = 0
+        self.environment = environment
+        if environment is not None:
+            if tokenizer is None or encoder is None:
+                raise ValueError("multi-turn episodes need the model's tokenizer and a message encoder")
+            self.encoder = encoder
+            self.limits: Limits = episode_limits(ctx.spec.task.environment, ctx.spec.model.max_sequence_length)
 
     # --- stopping ------------------------------------------------------------------------------------
 
@@ -228,12 +239,12 @@ class Actor:
             return resp.status == 200
 
     async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str | list[int],
-                        min_version: int | None) -> dict:
+                        min_version: int | None, n: int | None = None, max_tokens: int | None = None) -> dict:
         body = {
             "model": self.spec.model.path,
             "prompt": prompt,
-            "n": self.algo.group_size,
-            "max_tokens": self.algo.max_new_tokens,
+            "n": self.algo.group_size if n is None else n,
+            "max_tokens": self.algo.max_new_tokens if max_tokens is None else max_tokens,
             "temperature": self.algo.temperature,
             "logprobs": 0,
             "seed": self.rng.getrandbits(62),
@@ -259,30 +270,39 @@ class Actor:
               if last <= sample_budget(seen, self.algo.max_lag, self.algo.samples_per_step)]
         return min(ok) if ok else None
 
-    async def sample_group(self, session: aiohttp.ClientSession, min_version: int | None
-                           ) -> protocol.RolloutGroup | None:
-        """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt.
-        `min_version`: the oldest weights that may sample it (passed to our native server)."""
-        prompt = self.task.prompt(self.rng)
-        text = self.render(prompt)
-        version_at_start = self.view.version or 0
+    async def request(self, session: aiohttp.ClientSession, prompt: str | list[int], min_version: int | None,
+                      n: int | None = None, max_tokens: int | None = None) -> dict:
+        """One completions request, retried on the next server (with back-off) until it succeeds. Raises Stopped
+        when the actor stops first, BadPrompt when a server refuses the prompt."""
         delay = 0.2
         while not self.stop.is_set():
             url = self.urls[next(self._servers)]
             try:
                 # A server may hold the request (min_model_version) or never answer (frozen): a stop ends it.
-                reply = await self.until_stopped(self._complete(session, url, text, min_version))
-                break
-            except Stopped:
-                return None
-            except BadPrompt as exc:
-                log.error("%s; skipping it", exc)
-                return None
+                return await self.until_stopped(self._complete(session, url, prompt, min_version, n, max_tokens))
             except InferenceError as exc:
+                if isinstance(exc, BadPrompt):
+                    raise
                 log.warning("inference request failed (%s); retrying in %.1fs", exc, delay)
                 await self.pause(delay)
                 delay = min(delay * 2, 5.0)
-        else:
+        raise Stopped
+
+    async def sample_group(self, session: aiohttp.ClientSession, min_version: int | None
+                           ) -> protocol.RolloutGroup | None:
+        """One group, retrying failed requests until it succeeds or the actor stops; None on a bad prompt.
+        `min_version`: the oldest weights that may sample it (passed to our native server)."""
+        if self.environment is not None:
+            return await self.sample_episodes(session, min_version)
+        prompt = self.task.prompt(self.rng)
+        text = self.render(prompt)
+        version_at_start = self.view.version or 0
+        try:
+            reply = await self.request(session, text, min_version)
+        except Stopped:
+            return None
+        except BadPrompt as exc:
+            log.error("%s; skipping it", exc)
             return None
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         samples = []
@@ -302,6 +322,101 @@ class Actor:
             actor=self.name,
             created_at=time.time(),
         )
+
+    # --- multi-turn episodes (rlkube.core.episodes) ---------------------------------------------------
+
+    @staticmethod
+    def _reply(choice: dict, version: int) -> Reply:
+        lp = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        ids = [int(t) for t in choice["token_ids"]]
+        return Reply(token_ids=ids, logprobs=[float(x) for x in lp], version=version,
+                     finished=choice.get("finish_reason") == "stop",
+                     prompt_ids=[int(t) for t in choice["prompt_token_ids"]],
+                     versions=token_versions(choice.get("model_versions"), len(ids)))
+
+    async def sample_episodes(self, session: aiohttp.ClientSession, min_version: int | None
+                              ) -> protocol.RolloutGroup | None:
+        """A group of groupSize episodes from one prompt: their first replies in one request, then each episode
+        on its own (token ids as prompts, rlkube.core.episodes.run_episode); None when the actor stops, a server
+        refuses the first prompt or the environment cannot start an episode."""
+        prompt = draw_prompt(self.environment, self.task, self.rng)
+        fallback = self.view.version or 0
+
+        def version_of(reply: dict) -> int:
+            v = reply.get("model_version")
+            return int(v) if isinstance(v, int) else fallback
+
+        async def sample(ids: list[int], max_tokens: int) -> Reply:
+            try:
+                reply = await self.request(session, ids, min_version, n=1, max_tokens=max_tokens)
+            except BadPrompt as exc:
+                raise SampleRefused(str(exc)) from None
+            return self._reply(reply["choices"][0], version_of(reply))
+
+        try:
+            episodes = [await call_with_timeout(self.environment.start, prompt, timeout=self.limits.tool_timeout_s)
+                        for _ in range(self.algo.group_size)]
+        except Exception as exc:  # noqa: BLE001 - the environment's code (ToolTimeout included)
+            log.error("the environment could not start an episode from %r: %s: %s; skipping it", prompt.text[:200],
+                      type(exc).__name__, exc)
+            return None
+        rendered = self.render(prompt)
+        max_tokens = self.algo.max_new_tokens
+        if self.limits.max_episode_tokens is not None:
+            length = len(rendered) if isinstance(rendered, list) else len(self.tokenizer.encode(rendered))
+            max_tokens = min(max_tokens, self.limits.max_episode_tokens - length)
+            if max_tokens < 1:
+                log.error("prompt %r is %d tokens: no room for a reply within the episode budget of %d tokens; "
+                          "skipping it", prompt.text[:200], length, self.limits.max_episode_tokens)
+                return None
+        try:
+            first = await self.request(session, rendered, min_version, max_tokens=max_tokens)
+            version = version_of(first)
+            choices = sorted(first["choices"], key=lambda c: c["index"])
+            runs = [asyncio.ensure_future(run_episode(ep, self._reply(c, version), sample, self.encoder,
+                                                      self.tokenizer.decode, self.limits, self.algo.max_new_tokens))
+                    for ep, c in zip(episodes, choices, strict=True)]
+            try:
+                results = await asyncio.gather(*runs)
+            except BaseException:
+                for run in runs:  # one stopped: the group is abandoned, its other episodes too
+                    run.cancel()
+                await asyncio.gather(*runs, return_exceptions=True)
+                raise
+        except Stopped:
+            return None
+        except BadPrompt as exc:
+            log.error("%s; skipping it", exc)
+            return None
+        return self.episode_group(results)
+
+    def episode_group(self, results: list[EpisodeResult]) -> protocol.RolloutGroup:
+        samples = [protocol.Sample(
+            completion_tokens=r.tokens, logprobs=r.logprobs, reward=r.reward, finished=r.finished and not r.truncated,
+            reward_error=r.reward_error, env_spans=r.env_spans, versions=r.versions,
+            episode={"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
+                     "tool_timeouts": r.tool_timeouts, "truncated": int(r.truncated)}) for r in results]
+        return protocol.RolloutGroup(
+            group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
+            prompt_tokens=results[0].prompt_ids,
+            samples=samples,
+            # The oldest weights any token was sampled with: the lag bound holds for every token of the group.
+            model_version=min(min(r.versions) for r in results),
+            expected_size=self.algo.group_size,
+            actor=self.name,
+            created_at=time.time(),
+        )
+
+    async def count_episodes(self, group: protocol.RolloutGroup) -> None:
+        """Add a written group's episode counts to the job's totals (the trainer reports them)."""
+        totals = {"episodes": len(group.samples)}
+        for s in group.samples:
+            for key, value in (s.episode or {}).items():
+                totals[key] = totals.get(key, 0) + value
+        pipe = self.redis.pipeline(transaction=False)
+        for key, value in totals.items():
+            pipe.hincrby(self.keys.episodes, key, value)
+        await pipe.execute()
 
     # --- supervised (sft): reference completions from the dataset ------------------------------------
 
@@ -388,6 +503,8 @@ class Actor:
                     if seen is not None and await self.lag.write(group, seen) is not None:
                         produced = True
                         self._count(group)
+                        if self.environment is not None:
+                            await self.count_episodes(group)
                         break
                     # Too old for the position it would get: the server still had older weights than announced
                     # (the transfer follows the announcement), restarted without them, or a group reserved after
@@ -470,16 +587,41 @@ class Actor:
         return 0
 
 
+def token_versions(spans: object, n: int) -> list[int] | None:
+    """Our engines' per-choice `model_versions` ([[first token index, version], ...], rlkube.core.openai_api) as one
+    version per token; None when absent or malformed (the reply's one `model_version` then stands for all)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    try:
+        starts = [(int(first), int(version)) for first, version in spans]
+    except (TypeError, ValueError):
+        return None
+    if starts[0][0] != 0:
+        return None
+    out = []
+    for k, (first, version) in enumerate(starts):
+        end = starts[k + 1][0] if k + 1 < len(starts) else n
+        out += [version] * max(0, end - first)
+    return out if len(out) == n else None
+
+
 async def amain() -> int:
     ctx = RoleContext.from_env()
-    task = load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas))
+    environment = load_environment(ctx.spec.task)
+    # An environment that draws its own prompts is the task as far as prompts go (rendering, raw text or chat).
+    own_prompts = environment is not None and callable(getattr(environment, "prompt", None))
+    task = environment if own_prompts else load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas))
     # The prompts are rendered here, not by inference, with the model's tokenizer (its chat template) unless the
     # task's prompts are raw text (the digit tasks): those go as text, tokenized by inference as vLLM does.
     chat = ctx.spec.task.chat_template
     tokenizer = None
-    if chat or (chat is None and not getattr(task, "raw_prompts", False)) or supervised(ctx.spec):
+    if (chat or (chat is None and not getattr(task, "raw_prompts", False)) or supervised(ctx.spec)
+            or environment is not None):  # episodes decode replies and encode the environment's turns
         tokenizer = load_tokenizer(materialize_model(ctx.spec.model, ctx.model_cache_dir))
     render = prompt_renderer(ctx.spec.task, task, tokenizer=tokenizer.hf if tokenizer else None)
+    encoder = None
+    if environment is not None:
+        encoder = MessageEncoder(tokenizer.hf, chat_template=bool(getattr(render, "chat_template", False)))
     if getattr(render, "chat_template", False):
         # A rendered conversation holds the special tokens its template writes (a Llama template's BOS): send its
         # ids, tokenized without adding them again (a text prompt would get a second BOS from inference).
@@ -489,7 +631,8 @@ async def amain() -> int:
             return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
     client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
-    actor = Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer)
+    actor = Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer, environment=environment,
+                  encoder=encoder)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.request_stop()))

@@ -4,6 +4,8 @@ It reads the actors' rollout groups, computes group-relative advantages, and wri
 the Fast-LLM streaming format (so the same stream feeds the torch, Megatron and Fast-LLM trainers):
 tokens = prompt + completion, `loss_masking_spans` = [[0, len(prompt)]] (the prompt is EXCLUDED from the loss),
 sampling log-probs with 0 on the prompt, the policy version per token, the scalar advantage and reward.
+A multi-turn episode (rlkube.core.episodes) is one document too: its environment spans join the prompt in
+`loss_masking_spans` (log-prob 0 there), and each token carries the version that sampled it (`Sample.versions`).
 
 Rules it keeps (the pitfalls of docs/references.md §6):
 - It stops when the trainer publishes `training_finished`, never by counting samples (§6.1, §6.2).
@@ -133,6 +135,8 @@ def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[lis
         elif len(s.logprobs) != len(s.completion_tokens):
             log.warning("group %s: sample %d has %d log-probs for %d tokens; dropped", group.group_id, i,
                         len(s.logprobs), len(s.completion_tokens))
+        elif (problem := _episode_problem(s)) is not None:
+            log.warning("group %s: sample %d %s; dropped", group.group_id, i, problem)
         elif cfg.max_length is not None and len(prompt) + len(s.completion_tokens) > cfg.max_length:
             log.warning("group %s: sample %d is %d tokens, over maxSequenceLength %d; dropped", group.group_id, i,
                         len(prompt) + len(s.completion_tokens), cfg.max_length)
@@ -155,18 +159,34 @@ def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[lis
         tokens = np.asarray(prompt + list(s.completion_tokens), dtype=np.int64)
         old = np.zeros(len(tokens), dtype=np.float32)
         old[len(prompt):] = s.logprobs
+        versions = np.full(len(tokens), group.model_version, dtype=np.int64)
+        if s.versions is not None:
+            versions[len(prompt):] = s.versions
+        # An episode's environment turns are excluded from the loss like the prompt: the model did not sample them.
+        spans = [(0, len(prompt))] + [(len(prompt) + b, len(prompt) + e) for b, e in s.env_spans or ()]
         docs.append(
             protocol.Document(
                 tokens=tokens,
-                loss_masking_spans=[(0, len(prompt))],
+                loss_masking_spans=spans,
                 advantage=float(adv),
                 reward=float(s.reward),
                 reward_error=bool(s.reward_error),
                 old_log_probabilities=old,
-                model_version=np.full(len(tokens), group.model_version, dtype=np.int64),
+                model_version=versions,
             )
         )
     return docs, False
+
+
+def _episode_problem(s: protocol.Sample) -> str | None:
+    """What is wrong with an episode's spans or versions, if anything."""
+    n = len(s.completion_tokens)
+    if s.versions is not None and len(s.versions) != n:
+        return f"has {len(s.versions)} versions for {n} tokens"
+    for b, e in s.env_spans or ():
+        if not 0 <= b <= e <= n:
+            return f"has an environment span {(b, e)} outside its {n} tokens"
+    return None
 
 
 def too_long(group: protocol.RolloutGroup, cfg: DocumentConfig) -> int:

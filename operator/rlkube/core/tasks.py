@@ -337,4 +337,7 @@ def cli(args: Any) -> int:
     print("dataset tasks: spec.task.dataset (JSONL, Parquet or a `datasets` directory) with spec.task.reward "
           "(math, exact, regex, or python `package.module:function`)")
     print("custom tasks: spec.task.entryPoint = 'package.module:factory' (called with **spec.task.params)")
+    print("multi-turn environments: spec.task.environment.name = 'calculator' (a reply with `?` calls the calculator "
+          "on the prompt's sum, the next must repeat its answer; params maxOperand, operations, callCredit, "
+          "kindCredit), or spec.task.environment.entryPoint = 'package.module:factory' (rlkube.core.episodes)")
     return 0

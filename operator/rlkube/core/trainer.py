@@ -505,6 +505,7 @@ class TrainerRole:
         # parallelism tensor-parallel rank 0 of each replica reads for it.
         self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0
+        self._episodes_last: dict[str, int] = {}  # the episode counts at the previous report
         self.document_timeout_s = document_timeout_s
         self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
         self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
@@ -809,6 +810,7 @@ class TrainerRole:
             "documents_seen": self.trainer.documents_seen,
             "documents_skipped": self.skipped,
             **self._filtered(),
+            **self._episodes(),
         }
 
     def _filtered(self) -> dict[str, int]:
@@ -818,6 +820,26 @@ class TrainerRole:
             return {}
         groups, samples = self.redis.mget(self.keys.filtered_groups, self.keys.filtered_samples)
         return {"filtered_groups": int(groups or 0), "filtered_samples": int(samples or 0)}
+
+
+    def _episodes(self) -> dict[str, float]:
+        """The actors' multi-turn episode counts (rlkube.core.episodes), whole job so far, and per episode since
+        the previous step's report (rank 0 only); nothing for single-turn jobs."""
+        if not self.leader or self.ctx.spec.task.environment is None:
+            return {}
+        raw = self.redis.hgetall(self.keys.episodes)
+        totals = {protocol.text(k): int(v) for k, v in raw.items()}
+        last = self._episodes_last
+        self._episodes_last = totals
+        out: dict[str, float] = {f"episode_{k}": totals.get(k, 0) for k in EPISODE_COUNTS}
+        new = totals.get("episodes", 0) - last.get("episodes", 0)
+        if new > 0:
+            for key in ("turns", "tool_calls"):
+                out[f"{key}_per_episode"] = (totals.get(key, 0) - last.get(key, 0)) / new
+        return out
+
+
+EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated")
 
 
 def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publisher:

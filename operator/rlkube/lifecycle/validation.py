@@ -393,7 +393,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
-    errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec)
+    errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec) + environment_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -422,6 +422,27 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
+    return errs
+
+
+def environment_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """spec.task.environment (multi-turn episodes, rlkube.core.episodes): one source, built-in name or entryPoint;
+    sampled episodes, so not with sft; and an episode budget the trainer can take whole (the preprocessor drops
+    documents over maxSequenceLength, so a larger budget would only waste episodes)."""
+    env = spec.task.environment
+    if env is None:
+        return []
+    errs: list[FieldError] = []
+    if (env.name is None) == (env.entry_point is None):
+        errs.append(FieldError("spec.task.environment.name", "set exactly one of name (a built-in environment: "
+                               "calculator) and entryPoint"))
+    if spec.algorithm.loss == "sft":
+        errs.append(FieldError("spec.task.environment", "not with spec.algorithm.loss sft (episodes are sampled from "
+                               "the policy; sft reads reference completions)"))
+    limit = spec.model.max_sequence_length
+    if env.max_episode_tokens is not None and limit is not None and env.max_episode_tokens > limit:
+        errs.append(FieldError("spec.task.environment.maxEpisodeTokens", f"{env.max_episode_tokens} is over "
+                               f"spec.model.maxSequenceLength ({limit}): longer episodes could not be trained on"))
     return errs
 
 

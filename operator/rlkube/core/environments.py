@@ -1,0 +1,58 @@
+"""Where a job's multi-turn environment comes from (spec.task.environment): a built-in by name, or a user's
+importable `package.module:factory` called with **params.
+
+An environment that cannot be built (an unknown name, a module that does not import, a factory that raises or
+returns something without `start`) raises TaskError naming the spec field: the actor exits with
+runtime.EXIT_CONFIG at start and the job fails with that message (rlkube.core.errors), rather than restarting
+an actor that can never run an episode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rlkube.api.spec import EnvironmentSpec, TaskSpec
+from rlkube.core import calculator
+from rlkube.core.episodes import Environment, Limits
+from rlkube.core.task_types import TaskError, import_attribute
+
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator.factory}
+
+
+def load_environment(spec: TaskSpec) -> Environment | None:
+    """The job's environment; None for single-turn tasks. Raises TaskError."""
+    env = spec.environment
+    if env is None:
+        return None
+    if env.entry_point:
+        field = "spec.task.environment.entryPoint"
+        factory = import_attribute(env.entry_point, field)
+    else:
+        field = "spec.task.environment.name"
+        factory = BUILTIN_ENVIRONMENTS.get(env.name or "")
+        if factory is None:
+            raise TaskError(field, f"unknown built-in environment {env.name!r} (known: {', '.join(BUILTIN_ENVIRONMENTS)})")
+    if not callable(factory):
+        raise TaskError(field, f"{env.entry_point!r} is not callable")
+    try:
+        built: Any = factory(**env.params)
+    except TaskError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory: whatever it raises fails the job, named
+        raise TaskError(field, f"the environment factory raised {type(exc).__name__}: {exc}") from None
+    if not callable(getattr(built, "start", None)):
+        raise TaskError(field, f"the factory returned {built!r}, which has no start(prompt) method")
+    if not isinstance(getattr(built, "name", None), str):
+        try:
+            built.name = env.name or env.entry_point
+        except AttributeError:
+            pass
+    return built
+
+
+def limits(env: EnvironmentSpec, max_sequence_length: int | None) -> Limits:
+    """The episode limits of the spec; the token budget defaults to maxSequenceLength (longer documents are
+    dropped by the preprocessor, so an episode past it is wasted)."""
+    budget = env.max_episode_tokens if env.max_episode_tokens is not None else max_sequence_length
+    return Limits(max_turns=env.max_turns, max_episode_tokens=budget, tool_timeout_s=env.tool_timeout_seconds)

@@ -1,0 +1,250 @@
+"""Multi-turn episodes: the model replies, an environment answers (tool results, a user's next message), and the
+episode ends with a reward. Kept as the exact token ids the engine sampled, so training sees what was sampled.
+
+An environment (`Environment`) starts an `Episode` from a task's prompt (a dataset row or a generated one), or
+draws its own prompts (`prompt(rng)`, e.g. the built-in `calculator`, rlkube.core.calculator). An episode answers
+each reply with `respond(reply)`: the messages to append ([{role, content}, ...]), or None/[] when it is over;
+`reward()` scores it at the end, however it ended (done, out of turns or tokens, a tool that hung or raised).
+
+Why token ids and not text: re-rendering the conversation between turns re-tokenizes what the model wrote, and a
+different tokenization (or a template that renders history differently) means the trainer learns on tokens the
+engine never sampled (docs/references.md §6 has the sampler/trainer mismatch). `run_episode` keeps the ids the
+engine returned, appends ONLY the environment's new messages, tokenized by the chat template applied to them alone
+(`MessageEncoder`), and sends the ids as the next prompt; the history is never rendered again.
+
+Limits (spec.task.environment): maxTurns replies, maxEpisodeTokens tokens in all (prompt included), and
+toolTimeoutSeconds for each `respond`/`reward` call. Those calls are the environment's code (tools included) and
+run on a thread of their own (`call_with_timeout`), never on the actor's event loop: a tool that hangs is abandoned
+at its timeout (its thread is a daemon and holds nothing the actor needs), the episode ends and is scored and
+counted, and the actor goes on. A call that raises ends the episode the same way (a tool error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rlkube.core.task_types import Message, Prompt
+
+log = logging.getLogger("rlkube.episodes")
+
+
+@runtime_checkable
+class Episode(Protocol):
+    def respond(self, reply: str) -> Sequence[Message] | None:
+        """The environment's answer to the model's reply: messages to append, or None/[] when the episode ends."""
+        ...
+
+    def reward(self) -> float:
+        """The episode's score, called once at its end."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+
+    def start(self, prompt: Prompt) -> Episode: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 4
+    max_episode_tokens: int | None = None  # prompt + every reply + every environment message
+    tool_timeout_s: float = 10.0
+
+
+class ToolTimeout(Exception):
+    pass
+
+
+class SampleRefused(Exception):
+    """The engine refused the next turn's prompt (say, too long for the model): the episode ends truncated."""
+
+
+async def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """fn(*args) on a daemon thread of its own; ToolTimeout after `timeout` seconds (the thread is abandoned).
+
+    Not the loop's default executor: its few threads would fill up with hung tools and every later call would
+    wait behind them."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def target() -> None:
+        try:
+            outcome = (True, fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # a call that came back after its timeout, once the loop had closed: nobody waits
+            pass
+
+    threading.Thread(target=target, name=f"tool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), timeout)
+    except TimeoutError:
+        raise ToolTimeout(f"{getattr(fn, '__qualname__', fn)} took over {timeout:g}s") from None
+
+
+class MessageEncoder:
+    """Environment messages -> the token ids to append after the model's last reply.
+
+    With a chat template: the template applied to the NEW messages only (plus the generation prompt that opens
+    the model's next turn), as the difference between rendering [anchor + new] and [anchor], where `anchor` is
+    one empty user message: a template that writes a BOS or a system prompt at the start writes it into the
+    anchor, not into the appended turn. Without one: the contents as plain text, no special tokens."""
+
+    ANCHOR = ({"role": "user", "content": ""},)
+
+    def __init__(self, hf_tokenizer: Any, chat_template: bool):
+        self.hf = hf_tokenizer
+        self.chat = chat_template and bool(getattr(hf_tokenizer, "chat_template", None))
+        if self.chat:
+            self._anchor = self._render(list(self.ANCHOR), generation=False)
+
+    def _render(self, messages: list[Message], generation: bool) -> str:
+        return self.hf.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+
+    def __call__(self, messages: Sequence[Message]) -> list[int]:
+        if self.chat:
+            full = self._render([*self.ANCHOR, *map(dict, messages)], generation=True)
+            if not full.startswith(self._anchor):
+                raise ValueError("the chat template renders the messages before the new ones differently when more "
+                                 "follow: appended turns cannot be rendered alone")
+            text = full[len(self._anchor):]
+        else:
+            text = "".join(m["content"] for m in messages)
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Reply:
+    """One sampled turn, as the engine returned it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int  # the oldest weights that sampled it
+    finished: bool  # ended by a stop token (not by max_tokens)
+    prompt_ids: list[int] | None = None  # the engine's ids of the prompt (the first turn's tells its ids)
+    versions: list[int] | None = None  # per token, when the engine says (an update may land mid-reply)
+
+
+@dataclass
+class EpisodeResult:
+    """The whole episode as token ids after the prompt: the sampled spans with their log-probs and versions, the
+    environment's spans (`env_spans`, [begin, end) into `tokens`) with log-prob 0 and the version before them."""
+
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0  # environment answers (each `respond` that returned messages)
+    tool_errors: int = 0  # `respond` or `reward` raised (or returned no finite number)
+    tool_timeouts: int = 0
+    truncated: bool = False  # ended by maxTurns or maxEpisodeTokens while the environment wanted to go on
+    finished: bool = True
+    reward_error: bool = False
+
+    def add(self, ids: list[int], logprobs: list[float] | None, version: int | list[int]) -> None:
+        start = len(self.tokens)
+        self.tokens += ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += version if isinstance(version, list) else [version] * len(ids)
+        if logprobs is None and ids:
+            self.env_spans.append((start, len(self.tokens)))
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+
+Sampler = Callable[[list[int], int], Awaitable[Reply]]
+"""(prompt ids, max_tokens) -> one reply; raises to abandon the episode (the actor is stopping)."""
+
+
+async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: Callable[[Sequence[Message]], list[int]],
+                      decode: Callable[[list[int]], str], limits: Limits, max_new_tokens: int) -> EpisodeResult:
+    """Play one episode from its first reply (sampled by the caller, often with its group in one request) to its
+    end, and score it. `first.prompt_ids` must hold the engine's ids of the prompt."""
+    assert first.prompt_ids is not None
+    result = EpisodeResult(prompt_ids=list(first.prompt_ids))
+    reply = first
+    while True:
+        result.add(reply.token_ids, reply.logprobs, reply.versions if reply.versions is not None else reply.version)
+        result.turns += 1
+        result.finished = reply.finished
+        try:
+            answer = await call_with_timeout(episode.respond, decode(reply.token_ids), timeout=limits.tool_timeout_s)
+        except ToolTimeout as exc:
+            result.tool_timeouts += 1
+            log.warning("episode ended: the environment's answer timed out (%s)", exc)
+            break
+        except Exception as exc:  # noqa: BLE001 - the environment's code: a failed tool ends the episode
+            result.tool_errors += 1
+            log.warning("episode ended: the environment failed: %s: %s", type(exc).__name__, exc)
+            break
+        if not answer:
+            break
+        if result.turns >= limits.max_turns:
+            result.truncated = True
+            break
+        try:
+            ids = encode(answer)
+        except Exception as exc:  # noqa: BLE001 - an answer that is not messages the template can render
+            result.tool_errors += 1
+            log.warning("episode ended: the environment's answer %r cannot be tokenized: %s: %s", answer,
+                        type(exc).__name__, exc)
+            break
+        budget = limits.max_episode_tokens
+        room = None if budget is None else budget - result.length - len(ids)
+        if room is not None and room < 1:
+            result.truncated = True  # no room for the answer and one more sampled token
+            break
+        result.tool_calls += 1
+        result.add(ids, None, result.versions[-1] if result.versions else reply.version)
+        try:
+            reply = await sample(result.prompt_ids + result.tokens,
+                                 max_new_tokens if room is None else min(max_new_tokens, room))
+        except SampleRefused as exc:
+            result.truncated = True
+            log.warning("episode truncated: %s", exc)
+            break
+    await _score(episode, result, limits)
+    return result
+
+
+async def _score(episode: Episode, result: EpisodeResult, limits: Limits) -> None:
+    try:
+        value = await call_with_timeout(episode.reward, timeout=limits.tool_timeout_s)
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise ValueError(f"the reward is {value!r}, not a finite number")
+        result.reward = reward
+    except ToolTimeout as exc:
+        result.tool_timeouts += 1
+        result.reward_error = True
+        log.warning("episode reward timed out (%s); scored 0", exc)
+    except Exception as exc:  # noqa: BLE001 - the environment's code
+        result.tool_errors += 1
+        result.reward_error = True
+        log.warning("episode reward failed (%s: %s); scored 0", type(exc).__name__, exc)
+
+
+def draw_prompt(environment: Any, task: Any, rng: random.Random) -> Prompt:
+    """The environment's own prompt if it draws them, else the task's."""
+    own = getattr(environment, "prompt", None)
+    return own(rng) if callable(own) else task.prompt(rng)

@@ -1,0 +1,349 @@
+"""Multi-turn episodes (rlkube.core.episodes) from the engine's replies to the trainer's documents: exact tokens,
+environment turns out of the loss, per-token versions; a hanging tool, a failing one and the limits; the built-in
+calculator; the environment loader's errors naming the spec field."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from rlkube.api.spec import EnvironmentSpec, TaskSpec
+from rlkube.contract import protocol
+from rlkube.core.batch import collate
+from rlkube.core.calculator import Calculator, calculate
+from rlkube.core.environments import load_environment
+from rlkube.core.episodes import Limits, MessageEncoder, Reply, SampleRefused, call_with_timeout, run_episode
+from rlkube.core.hf.builtin import char_tokenizer
+from rlkube.core.losses import LossConfig, policy_loss
+from rlkube.core.preprocessor import DocumentConfig, group_to_documents
+from rlkube.core.task_types import TaskError
+
+TOK = char_tokenizer()
+
+
+class FakeEngine:
+    """Samples random ids (from a few fixed replies' ids, so the calculator sees calls and answers), records every
+    request and reply, and reports a version that moves on every call (turns straddling weight updates)."""
+
+    def __init__(self, replies: list[str], seed: int = 0):
+        self.rng = random.Random(seed)
+        self.replies = replies
+        self.version = 3
+        self.log: list[tuple[list[int], Reply]] = []
+
+    def reply(self, prompt_ids: list[int], max_tokens: int) -> Reply:
+        text = self.rng.choice(self.replies)
+        ids = list(TOK(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+        if len(ids) < max_tokens:
+            ids.append(TOK.eos_token_id)
+        reply = Reply(token_ids=ids, logprobs=[-self.rng.random() - 0.01 for _ in ids], version=self.version,
+                      finished=ids[-1] == TOK.eos_token_id, prompt_ids=list(prompt_ids))
+        self.log.append((list(prompt_ids), reply))
+        self.version += self.rng.choice((0, 1))
+        return reply
+
+    async def sample(self, prompt_ids: list[int], max_tokens: int) -> Reply:
+        return self.reply(prompt_ids, max_tokens)
+
+
+def decode(ids: list[int]) -> str:
+    return TOK.decode(ids, skip_special_tokens=True)
+
+
+def play_group(env, engine: FakeEngine, limits: Limits, n: int = 6, max_new: int = 3, seed: int = 0):
+    prompt = env.prompt(random.Random(seed))
+    prompt_ids = TOK(prompt.text)["input_ids"]
+    encoder = MessageEncoder(TOK, chat_template=False)
+
+    async def play():
+        firsts = [engine.reply(prompt_ids, max_new) for _ in range(n)]
+        return await asyncio.gather(*(run_episode(env.start(prompt), f, engine.sample, encoder, decode, limits, max_new)
+                                      for f in firsts))
+
+    return prompt, asyncio.run(play())
+
+
+def as_group(results) -> protocol.RolloutGroup:
+    samples = [protocol.Sample(completion_tokens=r.tokens, logprobs=r.logprobs, reward=r.reward,
+                               env_spans=r.env_spans, versions=r.versions, episode={"turns": r.turns})
+               for r in results]
+    return protocol.RolloutGroup("g", results[0].prompt_ids, samples, min(min(r.versions) for r in results), len(samples))
+
+
+def test_documents_are_the_sampled_ids_and_the_appended_environment_ids_in_order():
+    engine = FakeEngine(["?", "?", "7", "3", "12", "?x"], seed=1)
+    prompt, results = play_group(Calculator(max_operand=4), engine, Limits(max_turns=4, max_episode_tokens=40))
+    group = protocol.RolloutGroup.decode(as_group(results).encode())  # through the wire format
+    docs = [protocol.decode_document(protocol.encode_document(d))
+            for d in group_to_documents(group, DocumentConfig())]
+    assert len(docs) == 6 and any(r.turns > 1 for r in results) and any(r.tool_calls for r in results)
+    replies: dict[tuple[int, ...], list[Reply]] = {}
+    for p, r in engine.log:
+        replies.setdefault(tuple(p), []).append(r)
+    tool_ids = TOK(calculate(prompt.meta["question"]), add_special_tokens=False)["input_ids"]
+    for doc, result in zip(docs, results, strict=True):
+        tokens = doc.tokens.tolist()
+        mask = doc.loss_mask()
+        n_prompt = len(result.prompt_ids)
+        assert tokens[:n_prompt] == TOK(prompt.text)["input_ids"] and not mask[:n_prompt].any()
+        # Walk the document: every trained span is one engine reply to exactly the tokens before it, with its
+        # log-probs and version; every span between replies is the calculator's answer, outside the loss.
+        at, sampled, env = n_prompt, 0, 0
+        while at < len(tokens):
+            # The engine's replies to these exact tokens (the group's first turns share a prompt): one is this span.
+            reply = next(r for r in replies[tuple(tokens[:at])]
+                         if tokens[at:at + len(r.token_ids)] == r.token_ids
+                         and np.allclose(doc.old_log_probabilities[at:at + len(r.token_ids)], r.logprobs, rtol=1e-6)
+                         and doc.model_version[at:at + len(r.token_ids)].tolist() == [r.version] * len(r.token_ids))
+            end = at + len(reply.token_ids)
+            assert mask[at:end].all()
+            sampled += 1
+            at = end
+            if at < len(tokens):
+                assert tokens[at:at + len(tool_ids)] == tool_ids and not mask[at:at + len(tool_ids)].any()
+                assert (doc.old_log_probabilities[at:at + len(tool_ids)] == 0).all()
+                at += len(tool_ids)
+                env += 1
+        assert (sampled, env) == (result.turns, result.tool_calls)
+
+
+def test_environment_tokens_get_no_gradient():
+    engine = FakeEngine(["?"], seed=2)  # every reply calls the tool: every episode has environment spans
+    _, results = play_group(Calculator(), engine, Limits(max_turns=3), n=2)
+    results[0].reward, results[1].reward = 1.0, 0.0
+    docs = group_to_documents(as_group(results), DocumentConfig())
+    batch = collate(docs)
+    new_logp = batch.old_logprobs.clone().requires_grad_()  # ratio 1: no token is clipped
+    out = policy_loss(new_logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
+    out.loss.backward()
+    for i, doc in enumerate(docs):
+        env = np.zeros(len(doc.tokens), dtype=bool)
+        for b, e in results[i].env_spans:
+            env[len(results[i].prompt_ids) + b:len(results[i].prompt_ids) + e] = True
+        assert env.any()
+        targets = env[1:]  # row t of the batch predicts token t + 1
+        grad = new_logp.grad[i, : len(doc.tokens) - 1].numpy()
+        assert (grad[targets] == 0).all()
+        assert (grad[~targets & batch.loss_mask[i, : len(doc.tokens) - 1].numpy()] != 0).all()
+
+
+class Hangs:
+    """The first episode's tool blocks until released; the others answer at once."""
+
+    name = "hangs"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = 0
+        self.scored = 0
+
+    def start(self, prompt):
+        self.started += 1
+        env, first = self, self.started == 1
+
+        class Episode:
+            def respond(self, reply):
+                if first:
+                    env.release.wait()
+                return None
+
+            def reward(self):
+                env.scored += 1
+                return 0.5
+
+        return Episode()
+
+
+def test_a_hanging_tool_is_timed_out_scored_and_counted_and_the_next_episode_runs():
+    env = Hangs()
+    limits = Limits(max_turns=3, tool_timeout_s=0.3)
+    encoder = MessageEncoder(TOK, chat_template=False)
+    engine = FakeEngine(["1"])
+
+    async def play():
+        prompt_ids = TOK("1+1=")["input_ids"]
+        first = await run_episode(env.start(None), engine.reply(prompt_ids, 2), engine.sample, encoder, decode,
+                                  limits, 2)
+        second = await run_episode(env.start(None), engine.reply(prompt_ids, 2), engine.sample, encoder, decode,
+                                   limits, 2)
+        return first, second
+
+    try:
+        first, second = asyncio.run(play())
+    finally:
+        env.release.set()
+    assert (first.tool_timeouts, first.reward, first.turns) == (1, 0.5, 1)
+    assert (second.tool_timeouts, second.reward) == (0, 0.5)
+    assert env.scored == 2
+
+
+def test_call_with_timeout_does_not_use_up_the_loop_s_threads():
+    release = threading.Event()
+
+    async def many():
+        hung = [call_with_timeout(release.wait, timeout=0.2) for _ in range(40)]  # more than any default pool
+        results = await asyncio.gather(*hung, return_exceptions=True)
+        return results, await call_with_timeout(lambda: 42, timeout=1)
+
+    try:
+        results, value = asyncio.run(many())
+    finally:
+        release.set()
+    assert all(type(r).__name__ == "ToolTimeout" for r in results) and value == 42
+
+
+class Chatty:
+    """Answers every reply with `words` characters; scores 1; `raises` makes respond fail."""
+
+    name = "chatty"
+
+    def __init__(self, words: int = 4, raises: bool = False):
+        self.words, self.raises = words, raises
+
+    def start(self, prompt):
+        env = self
+
+        class Episode:
+            def respond(self, reply):
+                if env.raises:
+                    raise RuntimeError("tool crashed")
+                return [{"role": "tool", "content": "a" * env.words}]
+
+            def reward(self):
+                return 1.0
+
+        return Episode()
+
+
+def _play(env, limits, max_new=2):
+    engine = FakeEngine(["12"])
+    encoder = MessageEncoder(TOK, chat_template=False)
+    prompt_ids = TOK("1+1=")["input_ids"]
+    return asyncio.run(run_episode(env.start(None), engine.reply(prompt_ids, max_new), engine.sample, encoder, decode,
+                                   limits, max_new))
+
+
+def test_an_episode_over_its_token_budget_is_truncated_and_counted():
+    result = _play(Chatty(words=4), Limits(max_turns=50, max_episode_tokens=20))
+    assert result.truncated and result.reward == 1.0
+    assert result.length <= 20
+    assert result.turns >= 2  # it ran until the next answer would not fit
+
+
+def test_an_episode_out_of_turns_is_truncated():
+    result = _play(Chatty(words=1), Limits(max_turns=3))
+    assert result.truncated and result.turns == 3 and result.tool_calls == 2
+
+
+def test_a_tool_that_raises_ends_the_episode_as_a_tool_error():
+    result = _play(Chatty(raises=True), Limits(max_turns=3))
+    assert (result.tool_errors, result.turns, result.truncated, result.reward) == (1, 1, False, 1.0)
+
+
+def test_a_refused_next_turn_truncates_the_episode():
+    engine = FakeEngine(["12"])
+
+    async def refuse(ids, max_tokens):
+        raise SampleRefused("too long")
+
+    prompt_ids = TOK("1+1=")["input_ids"]
+    result = asyncio.run(run_episode(Chatty().start(None), engine.reply(prompt_ids, 2), refuse,
+                                     MessageEncoder(TOK, False), decode, Limits(), 2))
+    assert result.truncated and result.tool_calls == 1 and result.env_spans
+
+
+def test_the_chat_template_renders_only_the_new_messages():
+    from hf_models import bpe_tokenizer
+
+    qwen = bpe_tokenizer()
+    ids = MessageEncoder(qwen, chat_template=True)([{"role": "tool", "content": "7"}])
+    assert qwen.decode(ids) == "<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    char = MessageEncoder(TOK, chat_template=True)([{"role": "tool", "content": "7"}])
+    assert char == TOK("7", add_special_tokens=False)["input_ids"]  # no second <bos>
+
+
+def test_calculator_rewards():
+    calc = Calculator(max_operand=4)
+    prompt = calc.prompt(random.Random(3))
+    result = prompt.meta["answer"]
+    assert prompt.text == prompt.meta["question"] + "=" and result == calculate(prompt.meta["question"])
+    ep = calc.start(prompt)
+    assert ep.respond("?") == [{"role": "tool", "content": result}]
+    assert ep.respond(result) is None and ep.reward() == 1.0
+    ep = calc.start(prompt)
+    ep.respond("?")
+    ep.respond("x")
+    assert ep.reward() == 0.25  # the call's credit, nothing for the answer
+    ep = calc.start(prompt)
+    ep.respond("x")
+    assert ep.reward() == 0.0
+    ep = calc.start(prompt)
+    ep.respond("?")
+    ep.respond("??")  # still calling when the turns ran out: never answered
+    assert ep.reward() == 0.0
+    assert calculate("12*3") == "36" and calculate("7-2") == "5"
+    with pytest.raises(ValueError):
+        calculate("1+x")
+
+
+def test_environment_loader_names_the_field(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(textwrap.dedent("""
+        def broken(**params):
+            raise RuntimeError("no sandbox here")
+
+        def not_an_env(**params):
+            return 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_envs", None)
+
+    def load(**env):
+        return load_environment(TaskSpec(environment=EnvironmentSpec(**env)))
+
+    assert isinstance(load(name="calculator", params={"maxOperand": 3}), Calculator)
+    cases = [
+        ({"entry_point": "my_envs:broken"}, "spec.task.environment.entryPoint: the environment factory raised "
+                                            "RuntimeError: no sandbox here"),
+        ({"entry_point": "my_envs:not_an_env"}, "spec.task.environment.entryPoint: the factory returned 3"),
+        ({"entry_point": "no_such_module_xyz:f"}, "spec.task.environment.entryPoint: cannot import"),
+        ({"name": "chess"}, "spec.task.environment.name: unknown built-in environment 'chess'"),
+        ({"name": "calculator", "params": {"maxOperand": -1}}, "spec.task.environment.params.maxOperand"),
+        ({"name": "calculator", "params": {"nope": 1}}, "spec.task.environment.params"),
+    ]
+    for env, message in cases:
+        with pytest.raises(TaskError) as err:
+            load(**env)
+        assert str(err.value).startswith(message), (env, str(err.value))
+
+
+def test_an_answer_that_is_not_messages_is_a_tool_error():
+    class Sloppy:
+        name = "sloppy"
+
+        def start(self, prompt):
+            class Episode:
+                def respond(self, reply):
+                    return "7"  # a string, not [{role, content}]
+
+                def reward(self):
+                    return 0.0
+
+            return Episode()
+
+    result = _play(Sloppy(), Limits(max_turns=3))
+    assert (result.tool_errors, result.tool_calls, result.turns, result.env_spans) == (1, 0, 1, [])
+
+
+def test_per_token_versions_from_the_engine_s_version_spans():
+    from rlkube.core.actor import token_versions
+
+    assert token_versions([[0, 3], [2, 4]], 4) == [3, 3, 4, 4]
+    assert token_versions([[0, 5]], 2) == [5, 5]
+    assert token_versions(None, 2) is None and token_versions([[1, 3]], 2) is None
+    assert token_versions([[0, 3], [5, 4]], 3) is None  # a span past the tokens: malformed, not guessed
