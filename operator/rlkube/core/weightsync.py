@@ -240,7 +240,6 @@ class StreamedWeights:
             # Rank 0 gets here only once its weight-sync group formed (minutes at start-up, waiting for the
             # inference servers): meet outside the gathers, which fail after the collective timeout.
             self._rendezvous(self.passes)
-        specs = self.meta["tensors"]
         for first, end, dtype, numel in self.meta["buckets"]:
             # A rank that sends nothing only takes part in the gathers (and drops each tensor at once).
             flat = torch.empty(numel, dtype=_DTYPES[dtype], device=self.device) if materialize else None
