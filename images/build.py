@@ -13,8 +13,8 @@ core image's torch layer comes before the COPY of operator/).
 
 `--check` runs the checks a pod would meet: the operator image has no torch; the core image runs
 `python -m rlkube.core.trainer --help` as uid 10001 on a read-only root with a writable /tmp as HOME, as the
-operator's pods have; the vLLM CPU image imports torch and vllm so (runc with its default bundle config, whose root is read-only; `buildah run` 1.28 has no
-read-only root).
+operator's pods have; the vLLM CPU image imports torch and vllm so. It uses runc with its default bundle config,
+whose root is read-only (`buildah run` 1.28 has no read-only root).
 
 Stdlib only: runs with any python3 >= 3.11 (no project virtual environment needed).
 """
