@@ -1,6 +1,7 @@
 # Fresh Debian machine with Python 3.11, root, package registries only:
 #   make demo   runs a tiny TrainingJob end to end on this machine (no GPU, no cluster)
 #   make test   runs every test tier against real Redis and a real kube-apiserver
+#   make images builds the CPU images of images/ with buildah (not part of make test)
 #   make bench  runs `rlkube bench operator` against the project's own control plane (BENCH_ARGS="-n 20 --json")
 #   make gpu-smoke  runs the training core's GPU smoke check with the python3 at hand (GPU_SMOKE_ARGS="--out f")
 # pip installs into the project's virtual environment $(VENV) (created when missing), never the system interpreter.
@@ -28,7 +29,7 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: demo test bench gpu-smoke deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
+.PHONY: images demo test bench gpu-smoke deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
@@ -94,6 +95,15 @@ $(VLLM_STAMP):
 
 control-plane:
 	bash tests/cluster/build-control-plane.sh
+
+# The CPU images (operator, core; IMAGES="operator core vllm-cpu" adds vLLM CPU) built with buildah from images/*
+# on a Debian base made with mmdebstrap, skipped when their content is unchanged (images/build.py, images/README.md).
+# Not a prerequisite of `make test`. IMAGES_ARGS="--check" also runs them as a pod would (uid 10001, read-only root).
+IMAGES ?= operator core
+IMAGES_ARGS ?= --check
+images:
+	$(MAKE) deps-apt APT_PACKAGES="buildah mmdebstrap runc"
+	$(SYSTEM_PYTHON) images/build.py $(IMAGES_ARGS) $(IMAGES)
 
 crd:
 	$(PYTHON) -m rlkube.cli crd > crds/rlkube.io_trainingjobs.yaml

@@ -292,3 +292,43 @@ def _fast_llm_spec():
     from rlkube.lifecycle.validation import parse_spec
 
     return parse_spec(yaml.safe_load((ROOT / "examples" / "fast-llm.yaml").read_text())["spec"])
+
+
+def test_make_images_content_key_follows_what_the_image_copies(tmp_path, monkeypatch):
+    # images/build.py skips an image whose key is unchanged: the key must change with a file the Dockerfile
+    # copies, its build arguments or its base, and not with a file outside its COPY (or one .dockerignore drops).
+    spec = importlib.util.spec_from_file_location("images_build", IMAGES / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "images_build", build)  # @dataclass looks its module up there
+    spec.loader.exec_module(build)
+    (tmp_path / "images" / "x").mkdir(parents=True)
+    (tmp_path / "images" / "x" / "Dockerfile").write_text(
+        "FROM base\nCOPY pyproject.toml README.md ./\nCOPY operator/ \\\n  operator/\nRUN true\n")
+    files = ("pyproject.toml", "README.md", "operator/rlkube/a.py", "operator/rlkube/__pycache__/a.pyc", "other.py")
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("1")
+    monkeypatch.setattr(build, "ROOT", tmp_path)
+    image = build.Image("x", "images/x/Dockerfile", "t", "PYTHON_IMAGE", "debian")
+    key = build.content_key(image, "base1", {"A": "1"})
+    (tmp_path / "other.py").write_text("2")
+    (tmp_path / "operator/rlkube/__pycache__/a.pyc").write_text("2")
+    assert build.content_key(image, "base1", {"A": "1"}) == key
+    assert build.content_key(image, "base2", {"A": "1"}) != key
+    assert build.content_key(image, "base1", {"A": "2"}) != key
+    (tmp_path / "operator/rlkube/a.py").write_text("2")
+    assert build.content_key(image, "base1", {"A": "1"}) != key
+
+
+def test_role_help_answers_without_a_job(monkeypatch, capsys):
+    # `make images --check` runs `python -m rlkube.core.trainer --help` in the core image: a role takes no
+    # arguments, so --help must print what it reads and exit 0 without running (or needing) a job.
+    from rlkube.core import errors
+
+    def main() -> int:
+        raise AssertionError("--help ran the role")
+
+    monkeypatch.setattr(sys, "argv", ["trainer", "--help"])
+    assert errors.run_role(main) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m ") and "RLKUBE_CONFIG" in out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 from rlkube.contract import runtime
@@ -38,8 +39,23 @@ def write_termination_message(text: str) -> None:
         pass
 
 
+def role_help(main: Callable[[], int]) -> str:
+    """`python -m rlkube.core.<role> --help`: what the role is and the environment it reads (it takes no arguments)."""
+    module = sys.modules.get(main.__module__)
+    spec = getattr(module, "__spec__", None)
+    name = spec.name if spec else main.__module__  # under `python -m` the module is __main__
+    env = sorted(v for k, v in vars(runtime).items() if k.startswith("ENV_") and isinstance(v, str))
+    return (f"usage: python -m {name}\n\n{(getattr(module, '__doc__', None) or '').strip()}\n\n"
+            "Arguments: none. The launcher (the operator's pod, or `rlkube local`) configures the role through "
+            f"the environment: {', '.join(env)}.\n")
+
+
 def run_role(main: Callable[[], int]) -> int:
     """Run a role's main(); a fatal error leaves its message where the launcher reads it."""
+    # A role takes no arguments; `--help` answers without a job (an image's smoke check runs it so).
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(role_help(main))
+        return 0
     try:
         return main()
     except ConfigError as exc:
