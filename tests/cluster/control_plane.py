@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlkube.bench import processes
 from rlkube.local.ports import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -53,6 +54,31 @@ def binaries(build: bool = True) -> dict[str, str]:
     return {"etcd": etcd, "apiserver": apiserver, "kcm": kcm}
 
 
+def spawn(workdir: Path, name: str, argv: list[str]) -> subprocess.Popen:
+    """Start a server logging to `workdir/name.log`, in its own session: a Ctrl-C in the terminal reaches us, not
+    the servers, so their owner decides the order in which they stop."""
+    return processes.spawn(argv, workdir / f"{name}.log")
+
+
+def wait_ready(proc: subprocess.Popen, logpath: Path, ready, timeout: float) -> None:
+    """Poll `ready()` until it holds; raise with the log's tail if the server exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = logpath.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{logpath.stem} exited with {proc.returncode}:\n{tail}")
+        if ready():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{logpath.stem} not ready after {timeout}s; see {logpath}")
+
+
+def stop_group(proc: subprocess.Popen | None, timeout: float = 15) -> None:
+    """SIGTERM a server's process group, SIGKILL it after `timeout` seconds (nothing for None)."""
+    if proc is not None:
+        processes.stop(proc, timeout)
+
+
 @dataclass
 class ControlPlane:
     workdir: Path
@@ -75,22 +101,10 @@ class ControlPlane:
         return self.workdir / "kubeconfig"
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        logf = open(self.workdir / f"{name}.log", "wb")
-        # Own session: a Ctrl-C in the terminal reaches us, not the servers, so stop() decides the order.
-        self.procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        logf.close()
+        self.procs[name] = spawn(self.workdir, name, argv)
 
     def _wait(self, name: str, ready, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-            if ready():
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"{name} not ready after {timeout}s; see {self.workdir / (name + '.log')}")
+        wait_ready(self.procs[name], self.workdir / f"{name}.log", ready, timeout)
 
     def _healthy(self, path: str) -> bool:
         ctx = ssl.create_default_context()
@@ -167,15 +181,7 @@ class ControlPlane:
 
     def stop(self) -> None:
         for name in ("kcm", "apiserver", "etcd"):
-            proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(self.procs.pop(name, None))
 
     def __enter__(self) -> ControlPlane:
         return self.start()

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.control_plane import DEFAULT_BIN, TOKEN, ControlPlane, log
+from cluster.control_plane import DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
 from rlkube.local.ports import free_port
 
 PAUSE_IMAGE = "localhost/rlkube/pause:3.4.1"
@@ -75,19 +75,10 @@ class Node:
     # -- processes -------------------------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        with open(self.workdir / f"{name}.log", "wb") as logf:
-            self.procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = spawn(self.workdir, name, argv)
 
     def _wait(self, name: str, ready, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{tail}")
-            if ready():
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"{name} not ready after {timeout}s; see {self.workdir / (name + '.log')}")
+        wait_ready(self.procs[name], self.workdir / f"{name}.log", ready, timeout)
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["ctr", "--address", str(self.socket), "--namespace", "k8s.io", *args],
@@ -224,7 +215,7 @@ state = "{self.sockdir / 'state'}"
 
     def stop(self) -> None:
         for name in ("kubelet", "scheduler"):
-            self._stop(name)
+            stop_group(self.procs.pop(name, None))
         # The pods' containers and sandboxes (runc processes and their shims) end with containerd's tasks.
         if "containerd" in self.procs and self.procs["containerd"].poll() is None:
             tasks = self.ctr("tasks", "list", "-q", check=False).stdout.split()
@@ -232,7 +223,7 @@ state = "{self.sockdir / 'state'}"
                 self.ctr("tasks", "kill", "--signal", "SIGKILL", task, check=False)
             for task in tasks:
                 self.ctr("tasks", "delete", "--force", task, check=False)
-        self._stop("containerd")
+        stop_group(self.procs.pop("containerd", None))
         for shim in _processes_with(str(self.socket)):
             with contextlib.suppress(OSError):
                 os.kill(shim, signal.SIGKILL)
@@ -241,17 +232,6 @@ state = "{self.sockdir / 'state'}"
         # the sandboxes' /dev/shm: none outlives its process on its own.
         _unmount_under([self.workdir, self.sockdir])
         shutil.rmtree(self.sockdir, ignore_errors=True)
-
-    def _stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
     def __enter__(self) -> Node:
         return self.start()
