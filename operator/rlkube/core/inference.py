@@ -187,7 +187,7 @@ class WeightFollower:
             return
         received = time.monotonic()
         model = copy.deepcopy(self.template)
-        meta = (None if fast_llm else getattr(self.receiver, "last_meta", None)) or {}
+        meta = (None if fast_llm else self.receiver.last_meta) or {}
         adapter = meta.get("kind") == ADAPTER
         try:
             if adapter:

@@ -154,9 +154,8 @@ class Trainer:
         # The step's gradient is the same for any budget (up to float rounding); it bounds activation memory.
         self.micro_batch_tokens = micro_batch_tokens or spec.trainer.micro_batch_tokens
         self.dp = dp  # None: one process; else gradients and counts are summed over the data-parallel ranks
-        layout = getattr(self.backend, "parallel_layout", None)
-        if dp is not None and layout is not None:
-            dp.use_layout(layout)  # model parallelism: sums over the data-parallel replicas only
+        if dp is not None and self.backend.parallel_layout is not None:
+            dp.use_layout(self.backend.parallel_layout)  # model parallelism: sums over the data-parallel replicas only
         self._resumed_state: tuple[dict, dict | None] | None = None  # collective backends: what rank 0 resumed
         self.step = 0  # optimizer steps taken; weights after step N are policy version N
         self.documents_seen = 0
@@ -169,13 +168,13 @@ class Trainer:
     @property
     def sharded(self) -> bool:
         """The backend shards the model over the ranks (FSDP): whole-model operations are collectives."""
-        return bool(getattr(self.backend, "shards_gradients", False))
+        return self.backend.shards_gradients
 
     @property
     def collective(self) -> bool:
         """Whole-model operations (weights, state, checkpoints) are collectives of every rank: a sharded backend,
         or one with tensor parallelism (megatron), whose ranks each hold a part of every weight."""
-        return self.sharded or bool(getattr(self.backend, "collective_weights", False))
+        return self.sharded or self.backend.collective_weights
 
     @property
     def version(self) -> int:

@@ -58,6 +58,15 @@ class TrainerBackend(Protocol):
     model: torch.nn.Module
     pad_id: int
     max_sequence_length: int
+    # What the Trainer must do differently for this backend, declared by each backend rather than probed:
+    shards_gradients: bool
+    """The model is sharded over the ranks (FSDP): the backend reduces gradients itself, and whole-model
+    operations (weights, state, checkpoints) are collectives of every rank."""
+    collective_weights: bool
+    """weights() and state() are collectives of every rank (megatron with tensor parallelism)."""
+    parallel_layout: Any
+    """The backend's model-parallel groups (megatron_backend.ParallelLayout), or None: the data-parallel sum of
+    gradients runs over the replicas it names instead of over every rank."""
 
     @property
     def learning_rate(self) -> float:

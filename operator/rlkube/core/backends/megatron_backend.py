@@ -106,6 +106,7 @@ def parallel_layout() -> ParallelLayout:
 
 class MegatronBackend:
     loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS  # tokens per chunk of the output layer + log-softmax in the loss
+    shards_gradients = False  # (declared capabilities; collective_weights and parallel_layout are set per instance)
 
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
         algo = spec.algorithm

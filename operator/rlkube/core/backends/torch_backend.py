@@ -78,6 +78,9 @@ def model_logprobs(model, tokens: torch.Tensor, autocast, temperature: float,
 
 
 class TorchBackend:
+    shards_gradients = False  # (rlkube.core.backends.base.TrainerBackend: declared capabilities)
+    collective_weights = False
+    parallel_layout = None
     loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS  # tokens per chunk of the LM head + log-softmax in the loss
 
     def __init__(self, spec: TrainingJobSpec, model_dir: Path, device: str = "cpu"):
