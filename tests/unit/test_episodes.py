@@ -262,8 +262,14 @@ def test_the_chat_template_renders_only_the_new_messages():
     from hf_models import bpe_tokenizer
 
     qwen = bpe_tokenizer()
-    ids = MessageEncoder(qwen, chat_template=True)([{"role": "tool", "content": "7"}])
-    assert qwen.decode(ids) == "<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    encoder = MessageEncoder(qwen, chat_template=True)
+    assert encoder.closing == "<|im_end|>\n"  # what Qwen's template writes after a reply's content
+    # After a reply that ended with its stop token <|im_end|>, the template's newline, then the new turn only:
+    ids = encoder([{"role": "tool", "content": "7"}], stop_token=qwen.eos_token_id)
+    assert qwen.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    # After a reply cut by max_tokens, the whole closing (the model never sampled <|im_end|>):
+    ids = encoder([{"role": "tool", "content": "7"}])
+    assert qwen.decode(ids) == "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
     char = MessageEncoder(TOK, chat_template=True)([{"role": "tool", "content": "7"}])
     assert char == TOK("7", add_special_tokens=False)["input_ids"]  # no second <bos>
 
@@ -347,3 +353,105 @@ def test_per_token_versions_from_the_engine_s_version_spans():
     assert token_versions([[0, 5]], 2) == [5, 5]
     assert token_versions(None, 2) is None and token_versions([[1, 3]], 2) is None
     assert token_versions([[0, 3], [5, 4]], 3) is None  # a span past the tokens: malformed, not guessed
+
+
+class OneToolCall:
+    """Answers the first reply with a tool message, then ends."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def respond(self, reply: str):
+        self.calls += 1
+        return [{"role": "tool", "content": "7"}] if self.calls == 1 else None
+
+    def reward(self) -> float:
+        return 1.0
+
+
+def _chat_episode(tok, replies: list[str], eos: bool):
+    """One episode as the actor plays it with a chat template: the prompt rendered by the template, each reply
+    the engine's ids (ending in the eos <|im_end|> when `eos`), the tool's turn appended by MessageEncoder."""
+    from rlkube.core.task_types import Prompt
+
+    prompt = Prompt("1+6=", messages=[{"role": "user", "content": "1+6="}])
+    prompt_ids = tok(tok.apply_chat_template([dict(m) for m in prompt.messages], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)["input_ids"]
+    turns = iter(replies)
+
+    def reply(ids: list[int]) -> Reply:
+        out = list(tok(next(turns), add_special_tokens=False)["input_ids"]) + ([tok.eos_token_id] if eos else [])
+        return Reply(token_ids=out, logprobs=[-0.5] * len(out), version=1, finished=eos, prompt_ids=list(ids))
+
+    async def sample(ids: list[int], max_tokens: int) -> Reply:
+        return reply(ids)
+
+    encoder = MessageEncoder(tok, chat_template=True)
+    result = asyncio.run(run_episode(OneToolCall(), reply(prompt_ids), sample, encoder,
+                                     lambda ids: tok.decode(ids, skip_special_tokens=True), Limits(), 8))
+    return encoder, prompt, result
+
+
+# A template that renders a turn the same whether more follow or not (no separator after <|im_end|>).
+PLAIN_TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_drift_is_none_where_the_whole_conversation_renders_as_sampled():
+    from hf_models import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    tok.chat_template = PLAIN_TURNS
+    encoder, prompt, result = _chat_episode(tok, ["?", "7"], eos=True)
+    assert result.tool_calls == 1 and result.turns == 2
+    assert [m["role"] for m in result.messages] == ["assistant", "tool", "assistant"]
+    assert encoder.rerender(prompt, result) == result.prompt_ids + result.tokens
+    assert not encoder.drifted(prompt, result)
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_qwen_episodes_are_the_template_s_rendering_of_the_conversation(eos):
+    """Qwen's template writes a newline after every <|im_end|>: it opens the environment's span (not trained on),
+    so the exact ids equal the whole conversation rendered at once, whether a reply stopped on <|im_end|> or was
+    cut by max_tokens (then the environment's span closes the turn)."""
+    from hf_models import bpe_tokenizer
+
+    tok = bpe_tokenizer()  # Qwen's chat template
+    encoder, prompt, result = _chat_episode(tok, ["?", "7"], eos=eos)
+    exact = result.prompt_ids + result.tokens
+    again = encoder.rerender(prompt, result)
+    # The whole rendering also closes the last reply; the episode ends where sampling ended.
+    assert again[:len(exact)] == exact and tok.decode(again[len(exact):]) == ("\n" if eos else "<|im_end|>\n")
+    assert not encoder.drifted(prompt, result)
+    (begin, end), = result.env_spans
+    assert tok.decode(result.tokens[begin:end]).startswith("\n<|im_start|>tool" if eos else "<|im_end|>\n")
+
+
+def test_a_chat_template_changed_mid_run_is_caught():
+    from hf_models import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    tok.chat_template = PLAIN_TURNS
+    encoder, prompt, result = _chat_episode(tok, ["?", "7"], eos=True)
+    assert not encoder.drifted(prompt, result)
+    tok.chat_template = PLAIN_TURNS.replace("}}\n{{", "}}: {{")  # the template changes (a new model revision)
+    assert encoder.drifted(prompt, result)
+
+
+def test_without_a_template_a_reply_s_stop_token_lost_on_re_rendering_is_drift():
+    prompt = Calculator().prompt(random.Random(0))
+    engine = FakeEngine(["?", "7"])
+
+    def episode(finish: bool):
+        first = engine.reply(TOK(prompt.text)["input_ids"], 1 if not finish else 3)
+        if not finish:
+            first.token_ids, first.finished = first.token_ids[:1], False
+        return asyncio.run(run_episode(OneToolCall(), first, engine.sample, MessageEncoder(TOK, False), decode,
+                                       Limits(), 1))
+
+    plain = MessageEncoder(TOK, chat_template=False)
+    cut = episode(finish=False)  # replies cut by max_tokens: text re-tokenizes to the same characters
+    assert not plain.drifted(prompt, cut)
+    stopped = episode(finish=True)  # the first reply ended with <eos>, which decoded text drops
+    assert TOK.eos_token_id in stopped.tokens
+    assert plain.drifted(prompt, stopped)

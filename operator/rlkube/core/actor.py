@@ -388,14 +388,26 @@ class Actor:
         except BadPrompt as exc:
             log.error("%s; skipping it", exc)
             return None
+        for r in results:
+            r.drifted = self._drifted(prompt, r)
         return self.episode_group(results)
+
+    def _drifted(self, prompt: Prompt, result: EpisodeResult) -> bool:
+        """Whether rendering the episode's conversation whole gives other ids than the exact ones (counted)."""
+        try:
+            return self.encoder.drifted(prompt, result)
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render the whole conversation
+            log.warning("the conversation cannot be re-rendered to check drift (%s: %s); counted as drifted",
+                        type(exc).__name__, exc)
+            return True
 
     def episode_group(self, results: list[EpisodeResult]) -> protocol.RolloutGroup:
         samples = [protocol.Sample(
             completion_tokens=r.tokens, logprobs=r.logprobs, reward=r.reward, finished=r.finished and not r.truncated,
             reward_error=r.reward_error, env_spans=r.env_spans, versions=r.versions,
             episode={"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
-                     "tool_timeouts": r.tool_timeouts, "truncated": int(r.truncated)}) for r in results]
+                     "tool_timeouts": r.tool_timeouts, "truncated": int(r.truncated),
+                     "drifted": int(r.drifted)}) for r in results]
         return protocol.RolloutGroup(
             group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
             prompt_tokens=results[0].prompt_ids,

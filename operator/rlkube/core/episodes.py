@@ -12,6 +12,12 @@ engine never sampled (docs/references.md §6 has the sampler/trainer mismatch). 
 engine returned, appends ONLY the environment's new messages, tokenized by the chat template applied to them alone
 (`MessageEncoder`), and sends the ids as the next prompt; the history is never rendered again.
 
+Drift: the episode also keeps the conversation as messages (the replies decoded, the environment's messages), and
+`MessageEncoder.rerender` renders it whole, as a system that re-renders history would, so the actor counts the
+episodes whose re-rendered ids differ from the exact ones (`drifted`, in the trainer's metrics): a template that
+renders history differently from what was sampled (a separator after each turn, a re-tokenized reply) is seen,
+while training stays on the exact ids.
+
 Limits (spec.task.environment): maxTurns replies, maxEpisodeTokens tokens in all (prompt included), and
 toolTimeoutSeconds for each `respond`/`reward` call. Those calls are the environment's code (tools included) and
 run on a thread of their own (`call_with_timeout`), never on the actor's event loop: a tool that hangs is abandoned
@@ -103,29 +109,67 @@ class MessageEncoder:
     With a chat template: the template applied to the NEW messages only (plus the generation prompt that opens
     the model's next turn), as the difference between rendering [anchor + new] and [anchor], where `anchor` is
     one empty user message: a template that writes a BOS or a system prompt at the start writes it into the
-    anchor, not into the appended turn. Without one: the contents as plain text, no special tokens."""
+    anchor, not into the appended turn. Before them comes what the template writes to close the model's turn
+    (`closing`, Qwen's "<|im_end|>\n") less the stop token the engine already sampled: the separator the template
+    puts after a turn is part of the environment's span, so the episode's ids are the template's rendering of
+    the conversation (no drift) while every sampled id stays as sampled. Without a template: the contents as
+    plain text, no special tokens."""
 
     ANCHOR = ({"role": "user", "content": ""},)
+    _REPLY = "RLKUBE-REPLY-MARKER"
 
     def __init__(self, hf_tokenizer: Any, chat_template: bool):
         self.hf = hf_tokenizer
         self.chat = chat_template and bool(getattr(hf_tokenizer, "chat_template", None))
         if self.chat:
             self._anchor = self._render(list(self.ANCHOR), generation=False)
+            turn = self._render([*self.ANCHOR, {"role": "assistant", "content": self._REPLY}], generation=False)
+            self.closing = turn.split(self._REPLY, 1)[1] if self._REPLY in turn else ""
 
     def _render(self, messages: list[Message], generation: bool) -> str:
         return self.hf.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
 
-    def __call__(self, messages: Sequence[Message]) -> list[int]:
+    def __call__(self, messages: Sequence[Message], stop_token: int | None = None) -> list[int]:
+        """The ids of `messages` after a reply that ended with `stop_token` (None: cut by max_tokens, or no
+        template to close the turn)."""
         if self.chat:
             full = self._render([*self.ANCHOR, *map(dict, messages)], generation=True)
             if not full.startswith(self._anchor):
                 raise ValueError("the chat template renders the messages before the new ones differently when more "
                                  "follow: appended turns cannot be rendered alone")
-            text = full[len(self._anchor):]
+            closing = self.closing
+            if stop_token is not None:
+                stop = self.hf.decode([stop_token], skip_special_tokens=False)
+                if stop and closing.startswith(stop):
+                    closing = closing[len(stop):]
+            text = closing + full[len(self._anchor):]
         else:
             text = "".join(m["content"] for m in messages)
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def rerender(self, prompt: Prompt, result: EpisodeResult) -> list[int]:
+        """The ids of the whole conversation rendered at once from its messages (the prompt's, then the episode's),
+        as a system that re-renders history between turns would train on; compare with the exact ids."""
+        if self.chat:
+            head = list(prompt.messages) if prompt.messages else [{"role": "user", "content": prompt.text}]
+            text = self.hf.apply_chat_template([*map(dict, head), *map(dict, result.messages)],
+                                               add_generation_prompt=False, tokenize=False)
+            return list(self.hf(text, add_special_tokens=False)["input_ids"])
+        # A text prompt is tokenized by the engine with the tokenizer's special tokens (a BOS), as here.
+        return list(self.hf(prompt.text + "".join(m["content"] for m in result.messages))["input_ids"])
+
+    def drifted(self, prompt: Prompt, result: EpisodeResult) -> bool:
+        """Whether the whole conversation rendered at once differs from the episode's exact ids. The rendering
+        also closes the last reply (what `closing` leaves after its stop token), which the episode, ending where
+        sampling ended, does not hold: that tail is not drift."""
+        again, exact = self.rerender(prompt, result), result.prompt_ids + result.tokens
+        if not self.chat:  # text has no stop tokens: the last reply's is not drift, an earlier one lost is
+            return again != (exact[:-1] if result.finished and result.tokens else exact)
+        rest = self.closing
+        if result.finished and result.tokens:
+            stop = self.hf.decode(result.tokens[-1:], skip_special_tokens=False)
+            rest = rest[len(stop):] if stop and rest.startswith(stop) else rest
+        return again[:len(exact)] != exact or self.hf.decode(again[len(exact):], skip_special_tokens=False) != rest
 
 
 @dataclass
@@ -158,6 +202,8 @@ class EpisodeResult:
     truncated: bool = False  # ended by maxTurns or maxEpisodeTokens while the environment wanted to go on
     finished: bool = True
     reward_error: bool = False
+    messages: list[Message] = field(default_factory=list)  # the replies (decoded) and the environment's messages
+    drifted: bool = False  # re-rendering `messages` gives other ids than the exact ones (set by the caller)
 
     def add(self, ids: list[int], logprobs: list[float] | None, version: int | list[int]) -> None:
         start = len(self.tokens)
@@ -176,7 +222,7 @@ Sampler = Callable[[list[int], int], Awaitable[Reply]]
 """(prompt ids, max_tokens) -> one reply; raises to abandon the episode (the actor is stopping)."""
 
 
-async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: Callable[[Sequence[Message]], list[int]],
+async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: MessageEncoder,
                       decode: Callable[[list[int]], str], limits: Limits, max_new_tokens: int) -> EpisodeResult:
     """Play one episode from its first reply (sampled by the caller, often with its group in one request) to its
     end, and score it. `first.prompt_ids` must hold the engine's ids of the prompt."""
@@ -187,8 +233,10 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: C
         result.add(reply.token_ids, reply.logprobs, reply.versions if reply.versions is not None else reply.version)
         result.turns += 1
         result.finished = reply.finished
+        text = decode(reply.token_ids)
+        result.messages.append({"role": "assistant", "content": text})
         try:
-            answer = await call_with_timeout(episode.respond, decode(reply.token_ids), timeout=limits.tool_timeout_s)
+            answer = await call_with_timeout(episode.respond, text, timeout=limits.tool_timeout_s)
         except ToolTimeout as exc:
             result.tool_timeouts += 1
             log.warning("episode ended: the environment's answer timed out (%s)", exc)
@@ -203,7 +251,7 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: C
             result.truncated = True
             break
         try:
-            ids = encode(answer)
+            ids = encode(answer, reply.token_ids[-1] if reply.finished and reply.token_ids else None)
         except Exception as exc:  # noqa: BLE001 - an answer that is not messages the template can render
             result.tool_errors += 1
             log.warning("episode ended: the environment's answer %r cannot be tokenized: %s: %s", answer,
@@ -215,6 +263,7 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: C
             result.truncated = True  # no room for the answer and one more sampled token
             break
         result.tool_calls += 1
+        result.messages += [dict(m) for m in answer]
         result.add(ids, None, result.versions[-1] if result.versions else reply.version)
         try:
             reply = await sample(result.prompt_ids + result.tokens,

@@ -838,7 +838,7 @@ class TrainerRole:
         return out
 
 
-EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated")
+EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated", "drifted")
 
 
 def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publisher:
