@@ -181,6 +181,7 @@ state = "{self.sockdir / 'state'}"
         t0 = time.monotonic()
         bins = node_binaries()
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._netns_before = cni_netns()
         self._spawn("containerd", ["containerd", "--config", str(self._containerd_config())])
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
         self.import_scratch_image(PAUSE_IMAGE, {"/pause": Path(bins["pause"])}, "65535:65535", ["/pause"])
@@ -228,6 +229,9 @@ state = "{self.sockdir / 'state'}"
             with contextlib.suppress(OSError):
                 os.kill(shim, signal.SIGKILL)
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        # The pods' network namespaces (the CRI plugin's cni-*), which a sandbox stopped with its runtime keeps.
+        for name in cni_netns() - getattr(self, "_netns_before", set()):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
         # The kubelet bind-mounts its root over itself and mounts the pods' volumes (memory emptyDirs), containerd
         # the sandboxes' /dev/shm: none outlives its process on its own.
         _unmount_under([self.workdir, self.sockdir])
@@ -238,6 +242,11 @@ state = "{self.sockdir / 'state'}"
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def cni_netns() -> set[str]:
+    netns = Path("/var/run/netns")
+    return {p.name for p in netns.iterdir() if p.name.startswith("cni-")} if netns.is_dir() else set()
 
 
 def _unmount_under(roots: list[Path]) -> None:
