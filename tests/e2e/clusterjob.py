@@ -333,9 +333,14 @@ class ClusterJob:
                 and (event is None or s["event"] == event)]
 
     def order(self, event: str = "deletion") -> list[str]:
-        """Roles in the order the node agent saw `event` for their pods, consecutive repeats collapsed."""
+        """Roles in the order the node agent saw `event` for their pods, consecutive repeats collapsed. Deletions
+        go in the order the API server made them (their resourceVersion), where the agent has it for all: two
+        deletions a few ms apart reach the agent in one watch batch, and its threads log them in any order."""
+        signals = self.agent_signals(event)
+        if event == "deletion" and signals and all("rv" in s for s in signals):
+            signals = sorted(signals, key=lambda s: s["rv"])
         roles: list[str] = []
-        for s in self.agent_signals(event):
+        for s in signals:
             if not roles or roles[-1] != s["role"]:
                 roles.append(s["role"])
         return roles

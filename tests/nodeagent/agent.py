@@ -337,7 +337,7 @@ class NodeAgent:
         if typ == "DELETED":
             self.pods.pop(uid, None)
             if uid in self.workers:
-                self.workers[uid].object_deleted()
+                self.workers[uid].object_deleted(meta)
             self._refresh_hosts()
             return
         self.pods[uid] = obj
@@ -504,9 +504,11 @@ class NodeAgent:
             log.debug("event %s for %s: %s", reason, meta["name"], exc)
 
     def signal_log(self, kind: str, w: PodWorker, containers: list[str], grace: float | None = None,
-                   reason: str | None = None, at: float | None = None) -> None:
+                   reason: str | None = None, at: float | None = None, rv: int | None = None) -> None:
         entry = {"time": at or time.time(), "event": kind, "namespace": w.ns, "pod": w.pod_name, "uid": w.uid,
                  "role": w.role, "containers": containers, "grace": grace, "reason": reason}
+        if rv is not None:
+            entry["rv"] = rv
         with self._log_lock, open(self.signals_path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
         log.info("%s %s/%s %s %s", kind, w.ns, w.pod_name, containers, reason or "")

@@ -69,6 +69,10 @@ class PodWorker(threading.Thread):
         # When the agent's watch first showed the deletion: the signal log's deletion time. The worker thread may
         # get to it later, and out of order with other pods' workers on a loaded machine.
         self.deletion_seen_at: float | None = None
+        # The API server's resourceVersion of the first write that deleted the pod (its deletionTimestamp, or the
+        # removal itself): it orders deletions as the API server made them, where the times the agent saw two of
+        # them may tie (one watch batch) or come out of order across the workers' threads.
+        self.deletion_rv: int | None = None
         self.grace: float | None = None  # deletionGracePeriodSeconds, shortened by later deletes
         self.gone = False  # the API object no longer exists (force-deleted)
         self.gone_at: float | None = None
@@ -103,15 +107,17 @@ class PodWorker(threading.Thread):
             if meta.get("deletionTimestamp"):
                 self.deletion_seen = True
                 self.deletion_seen_at = self.deletion_seen_at or time.time()
+                self.deletion_rv = self.deletion_rv or _rv(meta)
                 g = float(meta.get("deletionGracePeriodSeconds") or 0)
                 self.grace = g if self.grace is None else min(self.grace, g)
         self.wake.set()
 
-    def object_deleted(self) -> None:
+    def object_deleted(self, meta: dict | None = None) -> None:
         with self._lock:
             if not self.gone:
                 self.gone, self.gone_at = True, time.monotonic()
                 self.deletion_seen_at = self.deletion_seen_at or time.time()
+                self.deletion_rv = self.deletion_rv or (_rv(meta) if meta else None)
         self.wake.set()
 
     def shutdown(self, grace: float) -> None:
@@ -406,7 +412,7 @@ class PodWorker(threading.Thread):
         running = {name: p for name, p in self.procs.items() if p.poll() is None}
         self.agent.signal_log("deletion", self, containers=sorted(running), grace=requested,
                               reason="node agent stopping" if self.stop_grace is not None else "pod deleted",
-                              at=self.deletion_seen_at)
+                              at=self.deletion_seen_at, rv=self.deletion_rv)
         if running:
             sent = time.time()
             t0 = time.monotonic()
@@ -455,3 +461,11 @@ class PodWorker(threading.Thread):
         c.state, c.exit_code, c.signal, c.finished_at, c.ready = "terminated", code, sig, time.time(), False
         c.reason = "Completed" if code == 0 else "Error"
         self.procs.pop(c.name, None)
+
+
+def _rv(meta: dict) -> int | None:
+    """A pod's resourceVersion as a number (etcd's revision: the API server's write order), None if not one."""
+    try:
+        return int(meta.get("resourceVersion") or "")
+    except ValueError:
+        return None
