@@ -107,7 +107,7 @@ class Actor:
     def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: Task,
                  stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None,
                  tokenizer: Tokenizer | None = None, environment: Environment | None = None,
-                 encoder: Callable[[list[dict[str, str]]], list[int]] | None = None):
+                 encoder: MessageEncoder | None = None):
         self.supervised = supervised(ctx.spec)
         if self.supervised and tokenizer is None:
             raise ValueError("the supervised (sft) actor needs the model's tokenizer")
@@ -280,9 +280,9 @@ class Actor:
             try:
                 # A server may hold the request (min_model_version) or never answer (frozen): a stop ends it.
                 return await self.until_stopped(self._complete(session, url, prompt, min_version, n, max_tokens))
+            except BadPrompt:
+                raise  # the prompt itself is refused: no server will take it
             except InferenceError as exc:
-                if isinstance(exc, BadPrompt):
-                    raise
                 log.warning("inference request failed (%s); retrying in %.1fs", exc, delay)
                 await self.pause(delay)
                 delay = min(delay * 2, 5.0)
