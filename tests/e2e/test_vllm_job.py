@@ -1,5 +1,5 @@
 """`engine: vllm` through the operator: the inference pod runs the vLLM image's program (`python -m
-rlkube.core.inference`, handing over to rlkube.core.vllm_server), joins the trainer's weight-update group, the actors
+rlkube.core.inference`, serving rlkube.core.inference.vllm_engine), joins the trainer's weight-update group, the actors
 sample from it, the job Succeeds and is torn down in order. The node agent gives a pod whose image is a vLLM image
 the vLLM environment (RLKUBE_VLLM_PYTHON, tests/nodeagent/agent.py `image_env`), as that image would have it.
 And kill -9 of the vLLM pod's process mid-run: the container restarts in place, rejoins the weight-update group,

@@ -24,7 +24,7 @@ from rlkube.contract import protocol
 from rlkube.core.calculator import calculate
 from rlkube.core.hf.builtin import char_tokenizer
 from rlkube.core.preprocessor import DocumentConfig, group_to_documents
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, \
     write_config
 
@@ -93,7 +93,7 @@ def stack(tmp_path, redis_server, redis_client):
                                  "vllm": {"extraEngineArgs": ["--block-size=32", "--max-num-seqs=32"]}}
         roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
         if engine == "vllm":
-            server = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
+            server = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
                                       **{ENV_VLLM_PYTHON: VLLM_PYTHON})
         else:
             server = roles.start_role("inference", RLKUBE_PORT=str(port))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")

@@ -26,7 +26,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.contract import protocol
 from rlkube.core import fast_llm_launch
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from serve_helpers import RoleProcesses, http_json, http_status, log_text, reserved_port, wait_for, write_config
 from test_vllm_server import LOGPROB_TOLERANCE, VLLM_PYTHON, pytestmark
 
@@ -91,7 +91,7 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     try:
-        server = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
+        server = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
                                   **{ENV_VLLM_PYTHON: VLLM_PYTHON})
         for i in range(STEPS * (PER_STEP + OVERSHOOT)):
             redis_client.xadd(protocol.DOCUMENTS_STREAM,

@@ -19,7 +19,8 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.contract import protocol
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
-from rlkube.core.inference import WeightFollower
+from rlkube.core.inference.native_engine import NativeEngine
+from rlkube.core.inference.shell import WeightFollower
 from rlkube.core.losses import token_logprobs
 from rlkube.core.sampling import GenerationRequest, SamplingEngine
 from rlkube.core.trainer import Trainer
@@ -65,7 +66,7 @@ def test_load_train_checkpoint_reload_and_serve_after_an_in_flight_update(tmp_pa
     served = load_model(model_dir)
     engine = SamplingEngine(served, tok, version=0, seed=1)
     receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=30, local_host="127.0.0.1")
-    follower = WeightFollower(redis_client, keys, receiver, engine, copy.deepcopy(served)).start()
+    follower = WeightFollower(redis_client, keys, NativeEngine(engine, receiver, copy.deepcopy(served))).start()
     publisher = WeightPublisher(redis_client, keys, addr, 2, timeout_s=30, local_host="127.0.0.1",
                                 transfer_dtype=torch.float32)
     try:

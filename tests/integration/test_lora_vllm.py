@@ -22,7 +22,7 @@ from rlkube.contract import protocol
 from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs
 from rlkube.core.trainer import Trainer
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import FULL, WeightPublisher, checksums_match, transfer_dtype, update_nbytes
 from rlkube.lifecycle.validation import parse_spec
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_json, http_status, job_spec, log_text, wait_for, \
@@ -57,7 +57,7 @@ def test_vllm_serves_the_lora_trainers_merged_weights(tmp_path, redis_server):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0", **{ENV_VLLM_PYTHON: VLLM_PYTHON})
+    proc = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0", **{ENV_VLLM_PYTHON: VLLM_PYTHON})
     parsed = parse_spec(spec)
     trainer = Trainer(parsed)  # the job's model (builtin://tiny-llama, seed 7): the server's base weights
     assert not trainer.sends_adapter

@@ -13,7 +13,7 @@ transformers with those weights); training_finished leaves the group and serving
 and vLLM's processes within seconds.
 
 The vLLM engine lives in its own virtual environment (`make deps-vllm`, which `make test` runs): the server is
-started as every launcher starts it (`python -m rlkube.core.vllm_server`), and re-executes itself with
+started as every launcher starts it (`python -m rlkube.core.inference.vllm_engine`), and re-executes itself with
 RLKUBE_VLLM_PYTHON.
 """
 
@@ -29,7 +29,7 @@ import psutil
 import pytest
 import torch
 from rlkube.contract import protocol
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
 from serve_helpers import (
     PREFIX,
@@ -82,7 +82,7 @@ def stack(tmp_path_factory, redis_server):
     client.flushall()
     port = free_port()
     t0 = time.monotonic()
-    proc = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
+    proc = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
                             **{ENV_VLLM_PYTHON: VLLM_PYTHON})
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import psutil
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from rlkube.core.weightsync import checksums_match, weights_checksum
 from serve_helpers import RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, write_config
 from test_vllm_server import (
@@ -42,7 +42,7 @@ def test_a_tensor_parallel_server_joins_as_one_rank_per_worker_and_serves_the_up
     client.flushall()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = roles.start_role("vllm_server", RLKUBE_PORT=str(port), RLKUBE_INDEX="0", **{ENV_VLLM_PYTHON: VLLM_PYTHON})
+    proc = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0", **{ENV_VLLM_PYTHON: VLLM_PYTHON})
     children = []
     try:
         t0 = time.monotonic()

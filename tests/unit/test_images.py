@@ -155,8 +155,9 @@ def test_modules_exist_in_the_package(name):
         path = _module_file(module)
         assert path is not None, f"{name}: {module} is not in the package (operator/{module.replace('.', '/')}.py)"
         if module.startswith("rlkube.core.") and module.count(".") == 2 and module != "rlkube.contract.protocol":
-            # A role started as `python -m rlkube.core.<role>` must do something when run.
-            assert 'if __name__ == "__main__"' in path.read_text(), f"{module} has no __main__ entry"
+            # A role started as `python -m rlkube.core.<role>` must do something when run (a package: its __main__).
+            entry = path.with_name("__main__.py") if path.name == "__init__.py" else path
+            assert entry.is_file() and 'if __name__ == "__main__"' in entry.read_text(), f"{module} has no __main__ entry"
 
 
 def test_operator_cli_module_has_the_operator_subcommand():

@@ -10,7 +10,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.core.vllm_server import ENV_VLLM_PYTHON, engine_cli_args
+from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON, engine_cli_args
 from rlkube.core.vllm_worker import EXTENSION
 
 pytestmark = pytest.mark.unit
@@ -75,23 +75,23 @@ def test_without_vllm_the_role_exits_with_the_reason(tmp_path, monkeypatch):
 
     if find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    from rlkube.core import vllm_server
+    from rlkube.core.inference import vllm_engine
 
     with pytest.raises(SystemExit) as err:
-        vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: ""})
+        vllm_engine.reexec_with_vllm_python({ENV_VLLM_PYTHON: ""})
     assert "vllm is not installed" in str(err.value) and ENV_VLLM_PYTHON in str(err.value)
     with pytest.raises(SystemExit) as err:
-        vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: sys.executable, "RLKUBE_VLLM_REEXECUTED": "1"})
+        vllm_engine.reexec_with_vllm_python({ENV_VLLM_PYTHON: sys.executable, "RLKUBE_VLLM_REEXECUTED": "1"})
     assert "has no vllm either" in str(err.value)
     with pytest.raises(SystemExit) as err:
-        vllm_server.reexec_with_vllm_python({ENV_VLLM_PYTHON: str(tmp_path / "missing-python")})
+        vllm_engine.reexec_with_vllm_python({ENV_VLLM_PYTHON: str(tmp_path / "missing-python")})
     assert "is not executable" in str(err.value)
 
 
 def test_update_progress_attributes_each_choices_tokens_to_the_weights_that_sampled_them():
     import asyncio
 
-    from rlkube.core.vllm_server import VllmEngine, _Versions
+    from rlkube.core.inference.vllm_engine import VllmEngine, _Versions
 
     async def scenario():
         engine = VllmEngine(llm=None, served=None, loop=asyncio.get_running_loop())
@@ -127,7 +127,7 @@ def test_the_worker_remembers_the_requests_the_model_runner_finished():
 
 
 def test_tensor_parallel_workers_on_cpu_are_not_bound_to_numa_nodes_unless_asked():
-    from rlkube.core.vllm_server import ENV_CPU_BIND, cpu_threads_binding
+    from rlkube.core.inference.vllm_engine import ENV_CPU_BIND, cpu_threads_binding
 
     tp2 = parse_spec({**spec().model_dump(by_alias=True, exclude_none=True),
                       "inference": {"engine": "vllm", "tensorParallel": 2}})

@@ -1,6 +1,6 @@
 """The weight-update group's layout with tensor-parallel inference: one formula for its size and every rank
 (rlkube.contract.runtime), what each launcher and role derives from it, and how a vLLM server folds its workers'
-answers into one (rlkube.core.vllm_server.combine_joins / combine_receipts)."""
+answers into one (rlkube.core.inference.vllm_engine.combine_joins / combine_receipts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rlkube.contract.parallel import tensor_parallel_heads_error
 from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.contract import runtime
 from rlkube.contract.context import RoleContext
-from rlkube.core.vllm_server import combine_joins, combine_receipts
+from rlkube.core.inference.vllm_engine import combine_joins, combine_receipts
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +108,7 @@ def test_the_vllm_server_refuses_a_model_it_cannot_split_naming_the_field():
     from types import SimpleNamespace
 
     from rlkube.core.errors import ConfigError
-    from rlkube.core.vllm_server import tensor_parallel_check
+    from rlkube.core.inference.vllm_engine import tensor_parallel_check
 
     s = spec(1, 2)
     tensor_parallel_check(s, SimpleNamespace(num_attention_heads=8, num_key_value_heads=2))

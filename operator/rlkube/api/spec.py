@@ -700,7 +700,7 @@ class TrainerSpec(Model):
 
 
 class VllmSpec(Model):
-    """Engine arguments of `engine: vllm` (rlkube.core.vllm_server); the defaults serve a tiny model on CPU."""
+    """Engine arguments of `engine: vllm` (rlkube.core.inference.vllm_engine); the defaults serve a tiny model on CPU."""
 
     max_model_length: int | None = Field(
         None, ge=8, description="vLLM's max_model_len (default: spec.model.maxSequenceLength)."

@@ -128,9 +128,11 @@ def job_spec(model_dir: Path, dtype: str, sizes: dict[str, int], lr: float, cuda
 
 
 class _InProcessReceiver:
-    """What rlkube.core.inference.WeightFollower asks of its WeightReceiver, fed by InProcessPublisher."""
+    """What rlkube.core.inference.native_engine.NativeEngine asks of its WeightReceiver, fed by InProcessPublisher."""
 
     epoch = "in-process"
+    joined = True
+    rank = 1
 
     def __init__(self) -> None:
         self.pending: tuple[int, dict] | None = None
@@ -160,7 +162,7 @@ class InProcessPublisher:
 
     def __init__(self, follower) -> None:
         self.follower = follower
-        self.receiver: _InProcessReceiver = follower.receiver
+        self.receiver: _InProcessReceiver = follower.engine.receiver
         self.updates = 0
         self.bytes = 0
         self.seconds = 0.0
@@ -202,7 +204,7 @@ class InProcessPublisher:
                                        "epoch": self.receiver.epoch, "checksum": meta["checksum"]})
         before = self.follower.updates
         self.follower.handle(event)
-        if self.follower.updates != before + 1 or self.follower.engine.policy.version != int(version):
+        if self.follower.updates != before + 1 or self.follower.engine.version != int(version):
             raise RuntimeError(f"the engine did not take version {version} (see the log above)")
         self.updates += 1
         self.seconds += time.monotonic() - t0
@@ -215,7 +217,7 @@ class InProcessPublisher:
 
 
 class EngineClient:
-    """rlkube.core.inference.InferenceServer on a loopback port, in a thread of its own, and an HTTP client."""
+    """rlkube.core.inference.shell.InferenceServer on a loopback port, in a thread of its own, and an HTTP client."""
 
     def __init__(self, server) -> None:
         self.server = server
@@ -382,7 +384,8 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
     from rlkube.core import checkpoint as ckpt
     from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
     from rlkube.core.hf.loading import load_model, load_tokenizer
-    from rlkube.core.inference import InferenceServer, WeightFollower
+    from rlkube.core.inference.native_engine import NativeEngine
+    from rlkube.core.inference.shell import InferenceServer, WeightFollower
     from rlkube.core.openai_api import ServedModel
     from rlkube.core.sampling import SamplingEngine
     from rlkube.core.trainer import Trainer
@@ -428,15 +431,16 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
         log.info("trainer built: %s over %s, %d parameters, in %.1fs", result["backend"], dp.backend,
                  result["parameters"], result["trainer_build_s"])
 
-        # The engine, as the inference role builds it (build_server), but on this device.
+        # The engine, as the inference role builds it (native_engine.open_engine), but on this device.
         served_model = load_model(model_dir, dtype, device)
         tokenizer = load_tokenizer(model_dir, served_model.config)
         engine = SamplingEngine(served_model, tokenizer, version=0, seed=args.seed)
         served = ServedModel(spec.model.path, tokenizer, spec.model.max_sequence_length)
-        follower = WeightFollower(None, spec_keys(), _InProcessReceiver(), engine, copy.deepcopy(served_model))
+        native = NativeEngine(engine, _InProcessReceiver(), copy.deepcopy(served_model), served)
+        follower = WeightFollower(None, spec_keys(), native)
         trainer.publisher = InProcessPublisher(follower)
         engine.start()
-        with EngineClient(InferenceServer(engine, served, follower)) as http:
+        with EngineClient(InferenceServer(native, follower)) as http:
             status, _ = http.health()
             checks["health_503_before_update"] = status == 503
             trainer.start_weights()  # version 0, as the trainer role does at start-up

@@ -2,7 +2,7 @@
 numbers only.
 
 Starts a private Redis and a real inference server process (engine `native`, or `vllm`: then RLKUBE_VLLM_PYTHON or
-an interpreter with vllm, see rlkube.core.vllm_server) for the tiny model, joins it from this
+an interpreter with vllm, see rlkube.core.inference.vllm_engine) for the tiny model, joins it from this
 process as the trainer (WeightPublisher), then measures
 - HTTP completions/s (n=8, max_tokens=4) at several client concurrencies, with latency percentiles;
 - weight updates: the trainer's blocking time per publish (announce + transfer) and the time until the server

@@ -250,7 +250,7 @@ class Actor:
             "seed": self.rng.getrandbits(62),
         }
         if min_version is not None:
-            # An extension of our servers (both engines: rlkube.core.inference and rlkube.core.vllm_server).
+            # An extension of our servers (both engines behind rlkube.core.inference's shell).
             body["min_model_version"] = min_version
         try:
             async with session.post(url + "/v1/completions", json=body,

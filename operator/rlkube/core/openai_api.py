@@ -13,7 +13,7 @@ follows it).
 `text_completion` object with one choice's next tokens; ours also carry `token_ids` and the `model_version` of
 exactly those tokens (a chunk never spans two versions: it is split where an update landed). The native engine
 samples a request as one batch, so its stream is one chunk per choice (and version) when the batch is done; vLLM
-streams as it samples (rlkube.core.vllm_server). `StreamChunks` builds the chunks for both.
+streams as it samples (rlkube.core.inference.vllm_engine). `StreamChunks` builds the chunks for both.
 """
 
 from __future__ import annotations

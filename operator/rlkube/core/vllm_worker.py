@@ -2,7 +2,7 @@
 
 vLLM runs the model in worker processes of its own; the weights can only be replaced there. vLLM's
 `worker_extension_cls` engine argument mixes `RlkubeWorkerExtension` into every worker, and the server
-(rlkube.core.vllm_server) calls its methods with `collective_rpc`. The worker then speaks the SAME wire protocol
+(rlkube.core.inference.vllm_engine) calls its methods with `collective_rpc`. The worker then speaks the SAME wire protocol
 as the native engine (rlkube.core.weightsync: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
 checksum), so the trainer does not know which engine it feeds.
 
@@ -52,7 +52,7 @@ log = logging.getLogger("rlkube.vllm_worker")
 EXTENSION = f"{__name__}.RlkubeWorkerExtension"
 """What `--worker-extension-cls` names."""
 ENV_SERVER_PID = "RLKUBE_VLLM_SERVER_PID"
-"""Set by rlkube.core.vllm_server for the processes vLLM starts: the server they serve."""
+"""Set by rlkube.core.inference.vllm_engine for the processes vLLM starts: the server they serve."""
 WATCH_INTERVAL_S = 1.0
 
 

@@ -1,0 +1,126 @@
+"""What the inference shell (rlkube.core.inference.shell) asks of an engine: the one seam between the shell's
+weight follower and HTTP server and the engine that holds the model (native or vLLM).
+
+The shell owns everything the two engines share: following the trainer's events stream, the order of an update
+(join the announced epoch, receive, put the version in effect), what /health reports, the HTTP routes, shutdown
+and the exit code. An engine owns its model: how it joins the weight-update group (one receiver, or one per
+vLLM worker), how it receives and loads an update, how it samples, and how its processes stop.
+
+Threads: `join_fast_llm`, `join`, `receive`, `apply` and `leave` are called from the follower's thread (they may
+block in the group); `start`, `generate`, `stream`, `shutdown` and `close` on the server's event loop; `version`,
+`epoch`, `ranks` and `ready` from either (read without a lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from rlkube.core.openai_api import ServedModel, StreamChunks
+from rlkube.core.sampling import GenerationRequest, GenerationResult
+
+RECEIVE_TIMEOUT_S = 120.0  # per collective once an announcement was seen; the trainer sends right after it
+
+PARAMETERS = "parameters"
+RECEIVED = "received"
+"""Where a served checksum comes from: read back from the served parameters, or of the update as received (and
+verified against the trainer's checksum before it was loaded) where the engine cannot read its parameters."""
+
+
+class UpdateRefused(Exception):
+    """The update arrived but was not put in effect; the version served before keeps serving. `fatal`: the engine
+    may hold half-loaded weights, so the server must not go on serving them (it exits 1)."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
+
+
+@dataclass
+class Received:
+    """An update received and loaded by the engine, not yet in effect (`Engine.apply` makes it so)."""
+
+    version: int
+    adapter: bool
+    """A LoRA adapter update (rlkube.core.weightsync ADAPTER), not full weights."""
+    checksum: float | None
+    """weights_checksum of what will be served, in the dtypes it travelled in (see `checksum_source`)."""
+    checksum_source: str
+    """PARAMETERS or RECEIVED."""
+    transfer_s: float
+    load_s: float
+    loaded: Any = None
+    """What `apply` needs to put it in effect (the engine's own)."""
+
+
+class Engine(ABC):
+    """An inference engine behind the shell."""
+
+    name: ClassVar[str]
+    """spec.inference.engine's value for it; /health reports it."""
+    served: ServedModel
+    fast_llm: bool
+    """The trainer is Fast-LLM: its broadcast group is formed once, joined at start-up (`join_fast_llm`), and its
+    announcements carry no epoch (the step is the version)."""
+    epoch: str | None
+    """The weight-update epoch joined; None while in no group."""
+    ranks: list[int]
+    """The ranks this server joined the group as (one per tensor-parallel worker)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The weights version completions are stamped with from now on."""
+
+    def ready(self) -> bool:
+        """Whether it can take requests at their expected speed (vLLM warms up first)."""
+        return True
+
+    @abstractmethod
+    def join_fast_llm(self, stop: threading.Event) -> bool:
+        """Join Fast-LLM's broadcast group; False when `stop` was set first. Raises WeightSyncError (and has left
+        whatever part of the group it joined)."""
+
+    @abstractmethod
+    def join(self, epoch: str) -> None:
+        """Leave the group held and join `epoch`'s (blocks until the trainer forms it). Raises StaleEpoch (a group
+        this server cannot be part of: the trainer's next announcement will do) or WeightSyncError."""
+
+    @abstractmethod
+    def receive(self, version: int) -> Received:
+        """Receive one update and load it, without putting it in effect. `version` is the announcement's step (what
+        a Fast-LLM update is versioned by; our own wire carries its version). Raises WeightSyncError (the transfer
+        failed; the group is left) or UpdateRefused (it arrived but cannot be served)."""
+
+    @abstractmethod
+    def apply(self, update: Received) -> None:
+        """Serve `update` from now on: completions started from here on carry its version."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Leave the weight-update group (nothing when in none)."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start sampling (called on the server's running event loop, once the routes listen)."""
+
+    @abstractmethod
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        """One parsed request; raises EngineStopped (rlkube.core.sampling) once the server is shutting down."""
+
+    @abstractmethod
+    def stream(self, req: GenerationRequest, chunks: StreamChunks) -> AsyncIterator[dict[str, Any]]:
+        """The request's response as server-sent chunks (rlkube.core.openai_api.StreamChunks), usage included when
+        asked; raises EngineStopped as `generate` does, before the first chunk."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Take no more requests and refuse the waiting ones (does not block: the server's shutdown calls it)."""
+
+    @abstractmethod
+    async def close(self) -> str | None:
+        """Stop sampling and the engine's processes, within a second or two. None when all stopped, else what is
+        still running (the shell then leaves without the interpreter's teardown, as it always does)."""

@@ -1,0 +1,154 @@
+"""The native inference engine (`spec.inference.engine: native`) behind the inference shell
+(rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.sampling, a KV cache) over the job's Hugging Face model
+directory (the same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
+
+An update is received by this process's own receiver (rlkube.core.weightsync.WeightReceiver; Fast-LLM's broadcast:
+rlkube.core.fast_llm_weights.FastLlmReceiver) as HF names in the transfer dtype, loaded by name into a copy of the
+model (converted to the served dtype) and swapped in; generation keeps going meanwhile. A LoRA job's update is the
+adapter alone (kind "lora-adapter", rlkube.core.weightsync): the engine serves base + adapter by setting
+W = W0 + scaling x B @ A for each adapted weight of the copy, W0 from the base it loaded at start
+(rlkube.core.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
+bytes. The served checksum is read back from the copy's parameters (an adapter's: the adapter as received and
+verified).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from rlkube.contract import fast_llm_rendezvous
+from rlkube.contract.context import RoleContext
+from rlkube.core import lora
+from rlkube.core.fast_llm_weights import FastLlmReceiver
+from rlkube.core.hf import state as hf_state
+from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
+from rlkube.core.hf.source import materialize_model
+from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
+from rlkube.core.openai_api import ServedModel, StreamChunks
+from rlkube.core.sampling import GenerationRequest, GenerationResult, SamplingEngine
+from rlkube.core.weightsync import ADAPTER, WeightReceiver, weights_checksum
+
+STOP_WAIT_S = 0.5  # the running batch's time to finish after SIGTERM, then it is left behind
+
+
+class NativeEngine(Engine):
+    """A SamplingEngine and the receiver its updates come through."""
+
+    name = "native"
+
+    def __init__(self, sampler: SamplingEngine, receiver: WeightReceiver | FastLlmReceiver,
+                 template: torch.nn.Module, served: ServedModel | None = None):
+        self.sampler = sampler
+        self.receiver = receiver
+        self.served = served
+        self.fast_llm = isinstance(receiver, FastLlmReceiver)
+        self.template = template  # the model a received update is loaded into (a copy of it per update)
+        self.aliases = hf_state.tied_aliases(template)  # received without tied duplicates: put them back
+        # The base weights W0 an adapter update is merged onto (the template is never changed: no copy needed).
+        self.base = dict(template.named_parameters())
+        self.ranks = [receiver.rank]
+
+    @property
+    def version(self) -> int:
+        return self.sampler.policy.version
+
+    @property
+    def epoch(self) -> str | None:
+        return self.receiver.epoch if self.receiver.joined else None
+
+    def join_fast_llm(self, stop: threading.Event) -> bool:
+        self.receiver.join()
+        return True
+
+    def join(self, epoch: str) -> None:
+        self.receiver.join(epoch)
+
+    def receive(self, version: int) -> Received:
+        t0 = time.monotonic()
+        if self.fast_llm:
+            state = self.receiver.receive()
+            meta: dict[str, Any] = {}
+        else:
+            version, state = self.receiver.receive(adapters=True)
+            meta = self.receiver.last_meta or {}
+        received = time.monotonic()
+        model = copy.deepcopy(self.template)
+        adapter = meta.get("kind") == ADAPTER
+        try:
+            if adapter:
+                lora.merge_into(model, self.base, state, float(meta["adapter"]["scaling"]))
+            else:
+                # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error
+                # (docs/references.md §6.15).
+                hf_state.load_weights(model, state, self.aliases)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise UpdateRefused(f"{'the adapter' if adapter else 'weights'} of version {version} does not fit the "
+                                f"model: {exc}") from exc
+        # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost (an
+        # adapter: the adapter as received and verified).
+        if adapter:
+            checksum, source = self.receiver.last_checksum, RECEIVED
+        else:
+            served = hf_state.named_weights(model)
+            checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items() if n in state)
+            source = PARAMETERS
+        return Received(version=version, adapter=adapter, checksum=checksum, checksum_source=source,
+                        transfer_s=received - t0, load_s=time.monotonic() - received, loaded=model)
+
+    def apply(self, update: Received) -> None:
+        self.sampler.set_policy(update.loaded, update.version)
+
+    def leave(self) -> None:
+        self.receiver.close()
+
+    def start(self) -> None:
+        self.sampler.start()
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        return await asyncio.wrap_future(self.sampler.submit(req))
+
+    async def stream(self, req: GenerationRequest, chunks: StreamChunks) -> AsyncIterator[dict[str, Any]]:
+        # One batch samples the whole request: its chunks all come at the end (see rlkube.core.openai_api).
+        for chunk in chunks.of_result(await self.generate(req)):
+            yield chunk
+
+    def shutdown(self) -> None:
+        self.sampler.shutdown()
+
+    async def close(self) -> str | None:
+        done = await asyncio.to_thread(self.sampler.stop, STOP_WAIT_S)
+        return None if done else "a batch is still running"
+
+
+def open_engine(ctx: RoleContext) -> NativeEngine:
+    """The job's model loaded for sampling, and the receiver of its trainer's updates (not joined yet)."""
+    spec = ctx.spec
+    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
+    model = load_model(model_dir, spec.model.dtype)
+    tokenizer = load_tokenizer(model_dir, model.config)
+    check_sequence_length(model.config, spec.model.max_sequence_length)
+    sampler = SamplingEngine(model, tokenizer, version=0, seed=spec.model.seed * 1000 + ctx.index)
+    served = ServedModel(spec.model.path, tokenizer, spec.model.max_sequence_length)
+    if spec.trainer.backend == "fast-llm":
+        # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
+        receiver: WeightReceiver | FastLlmReceiver = FastLlmReceiver(
+            ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=fast_llm_rendezvous.world_size(spec),
+            timeout_s=fast_llm_rendezvous.RECEIVER_TIMEOUT_S, backend=fast_llm_rendezvous.broadcast_backend(spec),
+            local_host=ctx.bind_host)
+    else:
+        receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                                  world_size=ctx.weight_sync_world_size, timeout_s=RECEIVE_TIMEOUT_S,
+                                  local_host=ctx.bind_host)
+    # Three threads share the GIL (HTTP loop, sampling, weight follower). With the default 5 ms switch interval
+    # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
+    # the broadcast, waits with it.
+    sys.setswitchinterval(0.001)
+    return NativeEngine(sampler, receiver, copy.deepcopy(model), served)
