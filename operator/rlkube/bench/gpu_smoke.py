@@ -132,7 +132,7 @@ class _InProcessReceiver:
 
     epoch = "in-process"
     joined = True
-    rank = 1
+    rank, world_size = 1, 2
 
     def __init__(self) -> None:
         self.pending: tuple[int, dict] | None = None

@@ -66,9 +66,17 @@ class Engine(ABC):
     """The trainer is Fast-LLM: its broadcast group is formed once, joined at start-up (`join_fast_llm`), and its
     announcements carry no epoch (the step is the version)."""
     epoch: str | None
-    """The weight-update epoch joined; None while in no group."""
+    """The weight-update epoch /health reports: the one joined, None before (and, for our own wire, after) a
+    group."""
     ranks: list[int]
     """The ranks this server joined the group as (one per tensor-parallel worker)."""
+    world_size: int
+    """The size of the weight-update group (the trainer's rank 0 included)."""
+
+    @property
+    @abstractmethod
+    def joined(self) -> bool:
+        """Whether it holds a weight-update group now."""
 
     @property
     @abstractmethod

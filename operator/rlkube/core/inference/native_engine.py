@@ -55,6 +55,7 @@ class NativeEngine(Engine):
         # The base weights W0 an adapter update is merged onto (the template is never changed: no copy needed).
         self.base = dict(template.named_parameters())
         self.ranks = [receiver.rank]
+        self.world_size = receiver.world_size
 
     @property
     def version(self) -> int:
@@ -62,7 +63,11 @@ class NativeEngine(Engine):
 
     @property
     def epoch(self) -> str | None:
-        return self.receiver.epoch if self.receiver.joined else None
+        return self.receiver.epoch
+
+    @property
+    def joined(self) -> bool:
+        return self.receiver.joined
 
     def join_fast_llm(self, stop: threading.Event) -> bool:
         self.receiver.join()

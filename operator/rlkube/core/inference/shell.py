@@ -124,7 +124,8 @@ class WeightFollower:
             try:
                 if not self.engine.join_fast_llm(self._stop):
                     return False
-                log.info("joined Fast-LLM's weight broadcast as ranks %s", self.engine.ranks)
+                log.info("joined Fast-LLM's weight broadcast as ranks %s of %d", self.engine.ranks,
+                         self.engine.world_size)
                 return True
             except WeightSyncError as exc:
                 log.warning("joining Fast-LLM's weight broadcast: %s; retrying", exc)
@@ -161,7 +162,7 @@ class WeightFollower:
         t0 = time.monotonic()
         if self.engine.fast_llm:
             # Fast-LLM announces, then broadcasts (streaming.py:99-116); its step is the version.
-            if self.engine.epoch is None and not self._join_fast_llm():
+            if not self.engine.joined and not self._join_fast_llm():
                 return
         else:
             epoch = event.payload.get("epoch")

@@ -264,6 +264,7 @@ class VllmEngine(Engine):
         self.fast_llm = group is not None and group.fast_llm_backend is not None
         self.epoch: str | None = None
         self.ranks: list[int] = []  # the group ranks this server's workers joined as (one per tensor-parallel rank)
+        self.world_size = group.world_size if group is not None else 0
         self.version = 0
         self.warm = False
         self.stopping = False
@@ -272,6 +273,10 @@ class VllmEngine(Engine):
         self._running: dict[str, _Versions] = {}
         self._settled = asyncio.Event()
         self._settled.set()
+
+    @property
+    def joined(self) -> bool:
+        return self.epoch is not None
 
     def ready(self) -> bool:
         return self.warm
