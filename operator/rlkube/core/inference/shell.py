@@ -193,9 +193,9 @@ class WeightFollower:
         self.last_update_s = time.monotonic() - t0
         self.last_update_at = time.time()
         self.synced.set()
-        log.info("%s version %d in effect (checksum %r, transfer %.3fs, load %.3fs, total %.3fs)",
+        log.info("%s version %d in effect (checksum %r, transfer %.3fs, load %.3fs)",
                  "adapter" if update.adapter else "weights", update.version, update.checksum, update.transfer_s,
-                 update.load_s, self.last_update_s)
+                 update.load_s)
 
     def _refused(self, event: protocol.TrainerEvent, exc: Exception) -> None:
         self.rejected += 1
