@@ -68,7 +68,6 @@ EVENTS_BLOCK_MS = 200  # XREAD block of the follower: how soon it notices a stop
 # follower gets STOP_WAIT_S before it is left behind, then the engine stops its own (rlkube.core.inference.engine).
 HTTP_SHUTDOWN_S = 1.0
 STOP_WAIT_S = 0.5
-LEAVE_WAIT_S = 2.0  # how long leaving the group may take at shutdown, once the follower stopped
 
 
 def _dumps(obj: Any) -> str:

@@ -254,7 +254,7 @@ class VllmEngine(Engine):
     tokens switched weights (rlkube.core.vllm_worker)."""
 
     name = "vllm"
-    version = 0
+    version = 0  # a plain attribute, set on the event loop when an update is in effect (end_update)
 
     def __init__(self, llm, served, loop: asyncio.AbstractEventLoop, group: WeightGroup | None = None):
         self.llm = llm
@@ -267,7 +267,6 @@ class VllmEngine(Engine):
         self.world_size = group.world_size if group is not None else 0
         self.version = 0
         self.warm = False
-        self.stopping = False
         self._warm_task: asyncio.Future | None = None
         self._version_changed = asyncio.Condition()
         self._running: dict[str, _Versions] = {}
@@ -493,16 +492,15 @@ class VllmEngine(Engine):
         self.warm = True
         log.info("vLLM warmed up in %.1fs", time.monotonic() - t0)
 
-
     def start(self) -> None:
         self._warm_task = asyncio.ensure_future(self.warm_up())
 
     def shutdown(self) -> None:
-        self.stopping = True
-
-    async def close(self) -> str | None:
         if self._warm_task is not None:
             self._warm_task.cancel()
+
+    async def close(self) -> str | None:
+        self.shutdown()
         stopper = threading.Thread(target=self.llm.shutdown, daemon=True)
         stopper.start()
         await asyncio.to_thread(stopper.join, STOP_WAIT_S)
