@@ -216,7 +216,8 @@ class EnvironmentSpec(Model):
     the episode ends with a reward; trained on as one document of the exact tokens sampled."""
 
     name: str | None = Field(
-        None, min_length=1, description="A built-in environment: `calculator` (arithmetic with a calculator tool)."
+        None, min_length=1, description="A built-in environment: `calculator` (arithmetic with a calculator tool), or `verifiers` "
+        "(a verifiers taskset, params.taskset its id; the `agents` extra)."
     )
     entry_point: str | None = Field(
         None,

@@ -348,5 +348,6 @@ def cli(args: Any) -> int:
     print("custom tasks: spec.task.entryPoint = 'package.module:factory' (called with **spec.task.params)")
     print("multi-turn environments: spec.task.environment.name = 'calculator' (a reply with `?` calls the calculator "
           "on the prompt's sum, the next must repeat its answer; params maxOperand, operations, callCredit, "
-          "kindCredit), or spec.task.environment.entryPoint = 'package.module:factory' (rlkube.core.episodes)")
+          "kindCredit), 'verifiers' (params.taskset: a verifiers taskset's id, run through the episode interface; the "
+          "`agents` extra), or spec.task.environment.entryPoint = 'package.module:factory' (rlkube.core.episodes)")
     return 0

@@ -441,7 +441,7 @@ def environment_errors(spec: TrainingJobSpec) -> list[FieldError]:
     errs: list[FieldError] = []
     if (env.name is None) == (env.entry_point is None):
         errs.append(FieldError("spec.task.environment.name", "set exactly one of name (a built-in environment: "
-                               "calculator) and entryPoint"))
+                               "calculator, verifiers) and entryPoint"))
     if spec.algorithm.loss == "sft":
         errs.append(FieldError("spec.task.environment", "not with spec.algorithm.loss sft (episodes are sampled from "
                                "the policy; sft reads reference completions)"))
