@@ -192,6 +192,9 @@ def test_errors_name_the_field(taskset_id, monkeypatch):
     with pytest.raises(TaskError) as err:
         environment(taskset_id, count="many")  # the taskset's own pydantic config refuses it
     assert err.value.field == "spec.task.environment.params" and "count" in str(err.value)
+    with pytest.raises(TaskError) as err:
+        environment(taskset_id, count=0)
+    assert err.value.field == "spec.task.environment.params.taskset" and "yields no tasks" in str(err.value)
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     with pytest.raises(TaskError) as err:
         environment(taskset_id)

@@ -178,6 +178,8 @@ class VerifiersEnvironment:
         self.shared_toolsets = type(taskset).toolsets(taskset.config)  # one per actor, as verifiers shares them
         self._shared_ready = False
         self.needs_chat_template = f"{FIELD}.taskset"
+        if next(iter(taskset), None) is None:  # cycling through an empty taskset would never yield
+            raise TaskError(f"{FIELD}.taskset", f"verifiers taskset {taskset.config.id!r} yields no tasks")
         self._tasks: Iterator[Any] = itertools.chain.from_iterable(itertools.repeat(taskset))
         self._last: dict[str, Any] = {}
 
