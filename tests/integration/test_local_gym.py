@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.integration.test_local_episodes import rlkube_local
 
@@ -33,3 +34,15 @@ def test_a_reasoning_gym_task_trains_with_its_reward_every_step(tmp_path):
     assert steps[-1]["reward_errors"] == 0
     print(f"\nreasoning-gym basic_arithmetic: reward first-10 {sum(rewards[:10]) / 10:.3f}, "
           f"last-10 {sum(rewards[-10:]) / 10:.3f}")
+
+
+def test_an_unknown_reasoning_gym_task_fails_the_job_naming_the_field(tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["task"]["reasoningGym"]["name"] = "basic_arithmetc"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    code, summary, stderr = rlkube_local(manifest, tmp_path / "run", timeout=180)
+    assert code == 1, stderr[-3000:]
+    assert (summary["phase"], summary["reason"]) == ("Failed", "InvalidSpec"), summary
+    assert "spec.task.reasoningGym.name: unknown reasoning-gym task 'basic_arithmetc'; did you mean " \
+           "basic_arithmetic" in summary["message"], summary
