@@ -70,5 +70,6 @@ def test_a_verifiers_taskset_trains_unchanged_with_its_reward_every_step(tmp_pat
     assert last["episode_episodes"] >= 40 * 32 and last["episode_turns"] == last["episode_episodes"]
     assert last["episode_tool_errors"] == 0 and last["episode_tool_timeouts"] == 0
     first10, last10 = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"\nverifiers repeat taskset: reward first-10 {first10:.3f}, last-10 {last10:.3f}")
+    print(f"\nverifiers repeat taskset: reward first-10 {first10:.3f}, last-10 {last10:.3f}; "
+          f"{last['episode_drifted']} of {last['episode_episodes']} episodes drift when re-rendered")
     assert last10 >= first10 + 0.1, rewards  # measured 0.144 -> 0.497 on 2 loaded cores
