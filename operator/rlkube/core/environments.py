@@ -1,5 +1,6 @@
-"""Where a job's multi-turn environment comes from (spec.task.environment): a built-in by name, or a user's
-importable `package.module:factory` called with **params.
+"""Where a job's multi-turn environment comes from (spec.task.environment): a built-in by name (`calculator`, or
+`verifiers`: a verifiers taskset driven by rlkube.core.verifiers_env), or a user's importable
+`package.module:factory` called with **params.
 
 An environment that cannot be built (an unknown name, a module that does not import, a factory that raises or
 returns something without `start`) raises TaskError naming the spec field: the actor exits with
@@ -17,7 +18,16 @@ from rlkube.core import calculator
 from rlkube.core.episodes import Environment, Limits
 from rlkube.core.task_types import TaskError, import_attribute
 
-BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator.factory}
+
+
+def _verifiers(**params: Any) -> Environment:
+    from rlkube.core import verifiers_env  # imported here: verifiers is an optional extra (`agents`)
+
+    return verifiers_env.factory(**params)
+
+
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator.factory,
+                                                               "verifiers": _verifiers}
 
 
 def load_environment(spec: TaskSpec) -> Environment | None:

@@ -338,6 +338,12 @@ def task_errors(task: TaskSpec) -> list[FieldError]:
         ):
             errs.append(FieldError("spec.task.dataset.path", f"must lie below mountPath {ds.mount_path} where "
                                    f"claimName {ds.claim_name!r} is mounted"))
+    if task.reasoning_gym is not None:
+        for field, clash in (("spec.task.dataset", ds is not None), ("spec.task.entryPoint", bool(task.entry_point)),
+                             ("spec.task.params", bool(task.params))):
+            if clash:
+                errs.append(FieldError(field, "not with spec.task.reasoningGym (its prompts come from the "
+                                       "reasoning-gym task; its settings go in reasoningGym.config)"))
     if reward is not None:
         if reward.type == "python" and not reward.function:
             errs.append(FieldError("spec.task.reward.function", "required when spec.task.reward.type is python"))
@@ -446,7 +452,7 @@ def environment_errors(spec: TrainingJobSpec) -> list[FieldError]:
     errs: list[FieldError] = []
     if (env.name is None) == (env.entry_point is None):
         errs.append(FieldError("spec.task.environment.name", "set exactly one of name (a built-in environment: "
-                               "calculator) and entryPoint"))
+                               "calculator, verifiers) and entryPoint"))
     if spec.algorithm.loss == "sft":
         errs.append(FieldError("spec.task.environment", "not with spec.algorithm.loss sft (episodes are sampled from "
                                "the policy; sft reads reference completions)"))
