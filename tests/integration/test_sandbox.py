@@ -9,10 +9,14 @@ import asyncio
 import json
 import os
 import select
+import shutil
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
+import rlkube
 from rlkube.core.episodes import Limits, MessageEncoder, Reply, Turn, run_episode
 from rlkube.core.hf.builtin import char_tokenizer
 from rlkube.core.sandbox import Sandbox, SandboxLimits, network_namespace_available
@@ -173,4 +177,43 @@ def test_a_refused_or_killed_snippet_is_the_tool_s_answer_and_the_episode_goes_o
     assert (result.turns, result.tool_calls) == (4, 3)
     assert (result.sandbox_refusals, result.tool_errors, result.tool_timeouts) == (1, 1, 1)
     assert result.turn_rewards == [0.0, 0.0, 1.0] and result.reward == 1.5  # summed with reward()'s 0.5
+    assert no_connection(listener)
+
+
+POD_UID = 10001  # the hardened pod's user (images/: runAsUser 10001, no capabilities)
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin")
+DRIVER = """
+import json, socket, sys, types
+# The sandbox alone: its episode counter import pulls in the spec (pydantic), which this interpreter lacks.
+sys.modules["rlkube.core.episodes"] = types.SimpleNamespace(note_tool=lambda *names: None)
+from rlkube.core.sandbox import Sandbox, SandboxLimits
+port = int(sys.argv[-1])
+code = f"import socket\\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\\nprint('connected')"
+out = {"uid": __import__("os").getuid(),
+       "caps": [l for l in open("/proc/self/status") if l.startswith("CapEff")][0].split()[1]}
+for layers in (("netns", "audit"), ("netns",), ("audit",)):
+    r = Sandbox(SandboxLimits(timeout_s=10), layers=layers).run(code)
+    out["+".join(layers)] = [r.outcome, r.refused_by, r.layers, r.stdout]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON,
+                    reason="needs root, setpriv and /usr/bin/python3 to become the pod's unprivileged user")
+def test_the_network_stays_refused_as_the_pod_s_unprivileged_user_without_capabilities(listener):
+    operator_dir = Path(rlkube.__file__).resolve().parents[1]
+    proc = subprocess.run(["setpriv", f"--reuid={POD_UID}", f"--regid={POD_UID}", "--clear-groups",
+                           "--inh-caps=-all", "--bounding-set=-all", "env", "-i", f"PYTHONPATH={operator_dir}",
+                           "TMPDIR=/tmp", SYSTEM_PYTHON, "-c", DRIVER, str(listener.getsockname()[1])],
+                          capture_output=True, text=True, timeout=120, cwd="/tmp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["uid"] == POD_UID and int(out["caps"], 16) == 0
+    netns = "netns" in out["netns+audit"][2]
+    assert out["netns+audit"][:2] == ["refused", "audit hook"]
+    assert out["audit"][:2] == ["refused", "audit hook"]
+    # Without the hook the namespace refuses on its own where this kernel gives the user one; where it does not,
+    # the result says the layer is missing (and the hook is what refuses).
+    assert out["netns"][:2] == (["refused", "network namespace"] if netns else ["error", None]), out
+    assert all("connected" not in v[3] for k, v in out.items() if "+" in k or k in ("netns", "audit"))
     assert no_connection(listener)
