@@ -107,13 +107,15 @@ def test_a_snippet_allocating_past_its_memory_limit_fails_cleanly():
         == f"{512 * 2 ** 20}\n"
 
 
-def test_an_empty_environment_and_a_fresh_working_directory_removed_afterwards():
+def test_no_inherited_environment_and_a_fresh_working_directory_removed_afterwards(monkeypatch):
+    monkeypatch.setenv("REDIS_PASSWORD", "secret")  # what a role's environment holds must not reach a snippet
     code = "import os, json\nprint(json.dumps([os.getcwd(), sorted(os.listdir('.')), sorted(os.environ)]))\n" \
            "open('left.txt', 'w').write('x')"
     first, second = Sandbox().run(code), Sandbox().run(code)
     (cwd1, files1, env1), (cwd2, files2, _) = json.loads(first.stdout), json.loads(second.stdout)
     assert cwd1 != cwd2 and files1 == files2 == []
-    assert set(env1) <= {"LC_CTYPE"}  # the interpreter's own C.UTF-8 locale coercion, nothing passed in
+    # The thread counts and the interpreter's own C.UTF-8 locale coercion; nothing of this process's environment.
+    assert set(env1) <= {"LC_CTYPE", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
     assert not os.path.exists(cwd1)
 
 

@@ -213,7 +213,8 @@ class RewardSpec(Model):
 
 class SandboxSpec(Model):
     """Limits of the subprocess sandbox that code-execution tools (the built-in `python` tool) run snippets in
-    (rlkube.core.sandbox): no network, an empty environment and a fresh temporary directory, always."""
+    (rlkube.core.sandbox): no network, none of the role's environment variables and a fresh temporary directory,
+    always."""
 
     timeout_seconds: float = Field(5.0, gt=0, le=3600, description="Wall-clock seconds per snippet; past it the "
                                    "snippet is killed and the tool answers so (a tool timeout).")

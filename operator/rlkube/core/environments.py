@@ -14,14 +14,17 @@ from spec.task.environment.sandbox): its tools call `sandbox.python_tool(code)` 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from rlkube.api.spec import EnvironmentSpec, TaskSpec
 from rlkube.core import calculator
 from rlkube.core.episodes import Environment, Limits
-from rlkube.core.sandbox import Sandbox, SandboxLimits
+from rlkube.core.sandbox import Sandbox, SandboxLimits, network_namespace_available
 from rlkube.core.task_types import TaskError, import_attribute
+
+log = logging.getLogger("rlkube.environments")
 
 BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator.factory}
 
@@ -72,8 +75,12 @@ def _wants_sandbox(factory: Callable[..., Any]) -> bool:
 
 def sandbox(env: EnvironmentSpec) -> Sandbox:
     s = env.sandbox
-    return Sandbox(SandboxLimits(timeout_s=s.timeout_seconds, cpu_s=s.cpu_seconds, memory_mb=s.memory_mib,
-                                 output_bytes=s.output_bytes))
+    built = Sandbox(SandboxLimits(timeout_s=s.timeout_seconds, cpu_s=s.cpu_seconds, memory_mb=s.memory_mib,
+                                  output_bytes=s.output_bytes))
+    log.info("code-execution sandbox: %s; network refused by %s", built.limits,
+             "a network namespace and the audit hook" if network_namespace_available() else
+             "the audit hook alone (this kernel gives no unprivileged user namespace here)")
+    return built
 
 
 def limits(env: EnvironmentSpec, max_sequence_length: int | None) -> Limits:

@@ -9,14 +9,15 @@ event loop; `Sandbox.run` blocks that thread only, while the snippet runs in a c
   root, /tmp writable): a network namespace of its own (unshare(CLONE_NEWUSER|CLONE_NEWNET): only a loopback that
   is down) where the kernel allows an unprivileged user namespace, and in any case a Python audit hook installed
   before the snippet runs that refuses every socket.*, ctypes.* and new-process event;
-- an empty environment, `python -I` (no PYTHON* variables, no user site), and a fresh temporary directory as cwd
+- an environment of its own (nothing of the actor's: only CHILD_ENV's thread counts), `python -I` (no PYTHON*
+  variables, no user site), and a fresh temporary directory as cwd
   (under $TMPDIR, /tmp: the one writable place in the pod), removed afterwards.
 
 A refusal is a result, not an exception: `SandboxResult.message()` says what happened and which layer refused
 ("refused by the audit hook", "refused by the network namespace"), so the episode goes on with that as the tool's
 answer. Each run is also counted on the current episode (rlkube.core.episodes.note_tool): a refusal as a tool
-error and a sandbox refusal, a snippet past its wall or CPU time as a tool timeout, past its memory or output limit as a tool error;
-a snippet that merely raises is the model's error, not the tool's, and is not counted.
+error and a sandbox refusal, a snippet past its wall or CPU time as a tool timeout, past its memory or output
+limit as a tool error; a snippet that merely raises is the model's error, not the tool's, and is not counted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from rlkube.core.episodes import note_tool
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 LAYERS = ("netns", "audit")
+# The child's whole environment: one thread per math library, since every thread's stack and malloc arena count
+# against RLIMIT_AS (OpenBLAS starts one per core at import) and a snippet has seconds of CPU to spend anyway.
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ class Sandbox:
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 try:
                     child = subprocess.Popen([self.python, "-I", "-c", self._child, json.dumps(config)],
-                                             stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=cwd, env={},
+                                             stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=cwd, env=CHILD_ENV,
                                              pass_fds=(status_w,), start_new_session=True, close_fds=True)
                 finally:
                     os.close(status_w)
