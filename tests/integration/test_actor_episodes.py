@@ -305,6 +305,7 @@ def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_
     for key in ("sandbox_refusals", "tool_timeouts", "timed_out"):
         assert totals[key] == sum(s.episode[key] for s in samples) > 0, (key, totals)
     assert totals["tool_errors"] >= totals["sandbox_refusals"]
+    print(f"\nsandboxed episodes: {totals}")
     for s in samples:
         if s.episode["timed_out"]:  # ended by its time limit, counted as truncated, scored by the environment
             assert s.episode["truncated"] and not s.finished and not s.reward_error

@@ -136,6 +136,9 @@ class Sandbox:
                     child = subprocess.Popen([self.python, "-I", "-c", self._child, json.dumps(config)],
                                              stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=cwd, env=CHILD_ENV,
                                              pass_fds=(status_w,), start_new_session=True, close_fds=True)
+                except BaseException:
+                    os.close(status_r)
+                    raise
                 finally:
                     os.close(status_w)
                 timed_out = False
@@ -170,8 +173,8 @@ def _judge(result: SandboxResult, status: dict, timed_out: bool, returncode: int
         result.refused = [status["netns_refused"]]
     elif timed_out:
         result.outcome = "timeout"
-    elif returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not status:
-        result.outcome = "cpu"  # SIGXCPU at the soft limit, SIGKILL at the hard one
+    elif returncode == -signal.SIGXCPU and not status:
+        result.outcome = "cpu"  # at the soft limit; a snippet that handles SIGXCPU is killed at the hard one
     elif not status:
         result.outcome = "killed"
     elif status.get("outcome") in ("memory", "output"):
