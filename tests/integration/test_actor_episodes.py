@@ -125,8 +125,8 @@ def per_token(choice: dict) -> list[int]:
     return [max((first, v) for first, v in spans if first <= i)[1] for i in range(len(choice["token_ids"]))]
 
 
-def counts(redis_client) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in redis_client.hgetall(KEYS.episodes).items()}
+def counts(redis_client) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in redis_client.hgetall(KEYS.episodes).items()}
 
 
 @pytest.mark.parametrize("engine", [
@@ -256,6 +256,7 @@ def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_
     listener.listen(8)
     (tmp_path / "code_env.py").write_text(textwrap.dedent("""
         from rlkube.core.calculator import Calculator, CalculatorEpisode
+        from rlkube.core.episodes import Turn
 
 
         class Runs(CalculatorEpisode):
@@ -266,9 +267,10 @@ def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_
                     answer = SANDBOX.python_tool(
                         f"import socket\\nsocket.create_connection(('127.0.0.1', {PORT}), timeout=2)")
                 self.called = True
-                # One character per answer, so the token budget leaves room for the episode's time limit.
-                return [{"role": "tool", "content": "R" if "refused by" in answer else
-                         "T" if "wall time" in answer else "E"}]
+                # One character per answer, so the token budget leaves room for the episode's time limit; a
+                # turn's reward (reported, not summed: episodeReward final) says which it was.
+                content = "R" if "refused by" in answer else "T" if "wall time" in answer else "E"
+                return Turn([{"role": "tool", "content": content}], reward={"R": 0.25, "T": 0.5}.get(content, 0))
 
 
         class Code(Calculator):
@@ -305,6 +307,9 @@ def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_
     for key in ("sandbox_refusals", "tool_timeouts", "timed_out"):
         assert totals[key] == sum(s.episode[key] for s in samples) > 0, (key, totals)
     assert totals["tool_errors"] >= totals["sandbox_refusals"]
+    assert totals["turn_rewards"] == sum(s.episode["turn_rewards"] for s in samples) > 0
+    assert totals["turn_reward_sum"] > 0
+    assert totals["turn_reward_sum"] == pytest.approx(sum(s.episode["turn_reward_sum"] for s in samples))
     print(f"\nsandboxed episodes: {totals}")
     for s in samples:
         if s.episode["timed_out"]:  # ended by its time limit, counted as truncated, scored by the environment
