@@ -211,6 +211,20 @@ class RewardSpec(Model):
     )
 
 
+class SandboxSpec(Model):
+    """Limits of the subprocess sandbox that code-execution tools (the built-in `python` tool) run snippets in
+    (rlkube.core.sandbox): no network, none of the role's environment variables and a fresh temporary directory,
+    always."""
+
+    timeout_seconds: float = Field(5.0, gt=0, le=3600, description="Wall-clock seconds per snippet; past it the "
+                                   "snippet is killed and the tool answers so (a tool timeout).")
+    cpu_seconds: int = Field(5, ge=1, le=3600, description="CPU seconds per snippet (RLIMIT_CPU).")
+    memory_mib: int = Field(512, ge=64, le=65536, description="Address space per snippet in MiB (RLIMIT_AS); "
+                            "an allocation past it fails in the snippet (MemoryError).")
+    output_bytes: int = Field(65536, ge=1024, le=2**30, description="Most bytes of stdout, of stderr and of any "
+                              "file a snippet writes (RLIMIT_FSIZE).")
+
+
 class EnvironmentSpec(Model):
     """A multi-turn environment (rlkube.core.episodes): the model replies, the environment answers (tool results),
     the episode ends with a reward; trained on as one document of the exact tokens sampled."""
@@ -234,6 +248,15 @@ class EnvironmentSpec(Model):
     tool_timeout_seconds: float = Field(
         10.0, gt=0, le=3600, description="Seconds each environment answer (its tool calls) and the final scoring "
         "may take; past it the episode ends, is scored and counted as a tool timeout.")
+    episode_timeout_seconds: float | None = Field(
+        None, gt=0, le=86400, description="Seconds per episode, from its first reply to its last (tool calls and "
+        "later turns; the final scoring has toolTimeoutSeconds); past it the episode is ended, scored by the "
+        "environment (0 if that fails) and counted as truncated and timed out. Unset: no limit.")
+    episode_reward: Literal["final", "sum"] = Field(
+        "final", description="The episode's reward, from which its advantage is computed: `final` the "
+        "environment's reward() (per-turn rewards are reported only), `sum` the per-turn rewards plus reward().")
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="The code-execution sandbox a factory "
+                                 "gets by declaring a `sandbox` parameter (its `python_tool(code)`).")
 
 
 class ReasoningGymSpec(Model):
