@@ -233,8 +233,9 @@ class LocalJob:
         if facts.from_trainer:  # an actor's evaluation says nothing of the trainer being alive (the stall rule)
             self.last_event_at = _now()
         if facts.evaluation is not None:
+            # The payload whole (full precision; the status rounds to 4 decimals), as the metrics events are kept.
             self.evaluations.append({**(facts.evaluation_payload or {}), "version": facts.evaluation[0],
-                                     "reward_mean": facts.evaluation[1], "_t": event.time})
+                                     "_t": event.time})
         if facts.step is not None:
             self.step = max(self.step, facts.step)
         if facts.weights_version is not None:

@@ -1,0 +1,124 @@
+"""Evaluation while training through `rlkube local` (examples/tiny-cpu.yaml with spec.evaluation): the real roles over
+a real redis-server. Actor 0 reports the held-out eval set's reward at exactly the weight versions due (0, 4, 8 and,
+when the actors still run, 12), into the events stream, `evaluation.jsonl` and the summary; and not one training
+document the trainer could read (the whole documents stream, read after training_finished) holds an eval prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import redis
+import specs
+import yaml
+
+from rlkube.contract import protocol
+from rlkube.core.evaluation import build_eval_set
+from rlkube.core.hf.loading import load_tokenizer
+from rlkube.core.hf.source import materialize_model
+from rlkube.lifecycle.validation import parse_spec
+
+EVERY, STEPS, PROMPTS = 4, 12, 8
+
+
+class StreamTap(threading.Thread):
+    """Reads the job's events and documents streams (named in the runner's run.json) until its Redis is gone. A
+    documents read that follows an events read holding training_finished has every document the trainer read
+    (the stream is never trimmed)."""
+
+    def __init__(self, out: Path, proc: subprocess.Popen):
+        super().__init__(daemon=True)
+        self.out, self.proc = out, proc
+        self.events: list[protocol.TrainerEvent] = []
+        self.documents: list[protocol.Document] = []
+        self.complete = False
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        client, last_doc = None, "-"
+        while self.proc.poll() is None:
+            if client is None:
+                if not (self.out / "run.json").exists():
+                    self.done.wait(0.1)
+                    continue
+                run = json.loads((self.out / "run.json").read_text())
+                client = redis.Redis.from_url(run["redis_url"], socket_timeout=5)
+                keys = protocol.StreamKeys(run["events"][: -len(protocol.EVENTS_STREAM)])
+            try:
+                events = [protocol.decode_event(i, f) for i, f in client.xrange(keys.events)]
+                finished = any(e is not None and e.type == protocol.TRAINING_FINISHED for e in events)
+                docs = client.xrange(keys.documents, min=last_doc if last_doc == "-" else f"({last_doc}")
+            except redis.RedisError:
+                if self.complete:
+                    break  # torn down after the final read
+                self.done.wait(0.1)
+                continue
+            self.events = [e for e in events if e is not None]
+            for entry_id, fields in docs:
+                self.documents.append(protocol.decode_document(fields))
+                last_doc = entry_id.decode()
+            self.complete = self.complete or finished
+            self.done.wait(0.05)
+
+
+def test_eval_reward_every_n_versions_and_no_eval_prompt_in_training(tmp_path):
+    doc = specs.document(**{"spec.algorithm.maxSteps": STEPS,
+                            "spec.evaluation": {"everyVersions": EVERY, "prompts": PROMPTS}})
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
+                             str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    tap = StreamTap(out, proc)
+    tap.start()
+    stdout, stderr = proc.communicate(timeout=600)
+    tap.done.set()
+    tap.join(timeout=30)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    print(json.dumps({k: summary[k] for k in ("phase", "eval_versions", "eval_reward_first", "eval_reward_last",
+                                              "reward_first", "reward_last", "wall_seconds")}))
+    assert summary["phase"] == "Succeeded" and summary["steps"] == STEPS
+
+    # Every N versions, exactly: 0, 4, 8; the final version 12 only if the actor saw it before training_finished.
+    assert summary["eval_versions"] in ([0, 4, 8], [0, 4, 8, 12]), summary
+    evaluations = [e for e in tap.events if e.type == protocol.EVALUATION]
+    assert [e.payload["version"] for e in evaluations] == summary["eval_versions"]
+    for e in evaluations:
+        p = e.payload
+        assert p["prompts"] == PROMPTS and p["skipped"] == 0 and p["temperature"] == 0
+        assert p["version"] <= p["model_version"] <= p["model_version_max"] <= STEPS
+        assert 0 <= p["reward_mean"] <= 1
+    lines = [json.loads(x) for x in (out / "evaluation.jsonl").read_text().splitlines()]
+    assert [(x["version"], x["reward_mean"]) for x in lines] == [
+        (e.payload["version"], e.payload["reward_mean"]) for e in evaluations]
+    assert summary["eval_reward_last"] == lines[-1]["reward_mean"]
+    assert (out / "reward.png").stat().st_size > 1000
+
+    # No eval prompt in any training document: the prompts as inference tokenizes raw text, against every
+    # document's prompt span (loss_masking_spans[0]).
+    assert tap.complete, "the documents stream was not read after training_finished"
+    spec = parse_spec(doc["spec"])
+    tok = load_tokenizer(materialize_model(spec.model))
+    eval_set = build_eval_set(spec, None)
+    assert len(eval_set) == PROMPTS
+    held = {tuple(tok.encode(p.text)) for p in eval_set}
+    assert len(tap.documents) >= STEPS * spec.algorithm.samples_per_step
+    prompts_seen = set()
+    for d in tap.documents:
+        span = d.loss_masking_spans[0]
+        assert span[0] == 0
+        ids = tuple(int(t) for t in d.tokens[: span[1]])
+        text = tok.decode(list(ids))
+        # The comparison is on the real thing: a digit-task prompt, tokenized as inference does.
+        assert re.fullmatch(r"\d{1,2}:", text) and tuple(tok.encode(text)) == ids, text
+        assert ids not in held, f"eval prompt {text!r} in a training document"
+        prompts_seen.add(text)
+    assert len(prompts_seen) > 30  # training drew widely from the 110 prompts; only the held-out ones are missing
