@@ -185,6 +185,7 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
     _drop(spec, "task.dataset")
     _drop(spec, "task.reward")
+    _drop(spec, "evaluation.split")  # a split of task.dataset, dropped above (validation.evaluation_errors)
     if _eff(spec, "algorithm.loss") == "sft":  # it reads a dataset's completion column (validation.sft_errors)
         _set(spec, "algorithm.loss", "grpo")
     if _get(spec, "task.environment") is not None:  # one source; a budget within maxSequenceLength

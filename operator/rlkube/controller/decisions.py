@@ -250,7 +250,7 @@ def _ingest_events(p: _Pass) -> None:
             )
             # No Event: the transition it leads to (-> Draining) says it ("trained N/M steps").
         tr.last_event_id = ev.stream_id
-        if facts.from_trainer:  # an actor's evaluation says nothing of the trainer being alive (§4.3)
+        if facts.from_trainer:  # an actor's evaluation is no sign of trainer life (docs/design.md §4.3)
             tr.last_event_time = fmt_time(p.now)
     if p.obs.read_upto and stream_id_key(p.obs.read_upto) > stream_id_key(tr.last_event_id):
         tr.last_event_id = p.obs.read_upto  # only malformed/unknown entries beyond the last event: skip them
