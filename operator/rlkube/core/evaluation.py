@@ -46,6 +46,9 @@ MAX_DRAWS = 200
 """Training redraws at most this many held-out prompts in a row; the eval set's draw stops after this many draws
 per eval prompt."""
 CONCURRENT_REQUESTS = 4
+UNIFORM_TRIES = 3
+"""A set sampled by more than one weight version (an update landed mid-evaluation) is scored again, whole, with the
+newest of them, up to this many times in all: one eval, one set of weights, as far as the servers allow."""
 
 
 def prompt_key(prompt: Prompt) -> str:
@@ -217,28 +220,32 @@ class Evaluator:
                 await redis.xadd(keys.events, protocol.encode_event(protocol.EVALUATION, **event))
                 reported = True
                 self.reported.append(version)
-                log.info("evaluation of version %d: reward %.4f over %d prompts (sampled by versions %s-%s) in "
-                         "%.1fs", version, event["reward_mean"], event["prompts"], event["model_version"],
-                         event["model_version_max"], event["seconds"])
+                log.info("evaluation of version %d: reward %s over %d prompts (sampled by versions %s-%s, %d "
+                         "attempts) in %.1fs", version, event["reward_mean"], event["prompts"],
+                         event["model_version"], event["model_version_max"], event["attempts"], event["seconds"])
             finally:
                 if not reported:  # stopped first: leave the version to whoever runs next
                     with contextlib.suppress(Exception):
                         await asyncio.shield(redis.srem(keys.evaluated, version))
 
     async def evaluate(self, session: Any, version: int) -> dict[str, Any]:
-        """Score every eval prompt with weights of at least `version`; the `evaluation` event's payload. Raises
-        the actor's Stopped when it stops first."""
+        """Score every eval prompt with weights of at least `version` (all with the same weights where
+        UNIFORM_TRIES allows); the `evaluation` event's payload. Raises the actor's Stopped when it stops first."""
         t0 = time.monotonic()
         limit = asyncio.Semaphore(CONCURRENT_REQUESTS)
 
-        async def one(i: int, prompt: Prompt) -> EvalOutcome | None:
+        async def one(i: int, prompt: Prompt, at: int) -> EvalOutcome | None:
             async with limit:
-                return await self.one(session, version, i, prompt)
+                return await self.one(session, at, i, prompt)
 
-        outcomes = [o for o in await asyncio.gather(*(one(i, p) for i, p in enumerate(self.prompts)))
-                    if o is not None]
-        scored = [o for o in outcomes if o.versions]
-        versions = [v for o in scored for v in o.versions]
+        at = version
+        for attempt in range(1, UNIFORM_TRIES + 1):
+            outcomes = await asyncio.gather(*(one(i, p, at) for i, p in enumerate(self.prompts)))
+            scored = [o for o in outcomes if o is not None and o.versions]
+            versions = [v for o in scored for v in o.versions]
+            if not versions or min(versions) == max(versions):
+                break
+            at = max(versions)
         return {
             "version": version,
             "reward_mean": sum(o.reward for o in scored) / len(scored) if scored else None,
@@ -247,6 +254,7 @@ class Evaluator:
             "reward_errors": sum(o.failed for o in scored),
             "model_version": min(versions) if versions else None,
             "model_version_max": max(versions) if versions else None,
+            "attempts": attempt,
             "temperature": self.temperature,
             "seconds": round(time.monotonic() - t0, 3),
             "actor": self.actor.name,
