@@ -2,6 +2,7 @@
 a real redis-server. Actor 0 reports the held-out eval set's reward at exactly the weight versions due (0, 4, 8 and,
 when the actors still run, 12), into the events stream, `evaluation.jsonl` and the summary; and not one training
 document the trainer could read (the whole documents stream, read after training_finished) holds an eval prompt.
+The same for multi-turn episodes (examples/calculator-cpu.yaml), whose eval prompts are played as whole episodes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import specs
 import yaml
 
 from rlkube.contract import protocol
+from rlkube.core.environments import load_environment
 from rlkube.core.evaluation import build_eval_set
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
@@ -67,9 +69,7 @@ class StreamTap(threading.Thread):
             self.done.wait(0.05)
 
 
-def test_eval_reward_every_n_versions_and_no_eval_prompt_in_training(tmp_path):
-    doc = specs.document(**{"spec.algorithm.maxSteps": STEPS,
-                            "spec.evaluation": {"everyVersions": EVERY, "prompts": PROMPTS}})
+def run_job(tmp_path: Path, doc: dict) -> tuple[dict, StreamTap, Path]:
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
@@ -85,16 +85,22 @@ def test_eval_reward_every_n_versions_and_no_eval_prompt_in_training(tmp_path):
     summary = json.loads(stdout.strip().splitlines()[-1])
     print(json.dumps({k: summary[k] for k in ("phase", "eval_versions", "eval_reward_first", "eval_reward_last",
                                               "reward_first", "reward_last", "wall_seconds")}))
-    assert summary["phase"] == "Succeeded" and summary["steps"] == STEPS
+    assert summary["phase"] == "Succeeded" and summary["steps"] == doc["spec"]["algorithm"]["maxSteps"]
+    return summary, tap, out
 
-    # Every N versions, exactly: 0, 4, 8; the final version 12 only if the actor saw it before training_finished.
-    assert summary["eval_versions"] in ([0, 4, 8], [0, 4, 8, 12]), summary
+
+def check_evaluations(summary: dict, tap: StreamTap, out: Path, due: list[int], prompts: int) -> None:
+    """Evaluated at exactly the due versions (the final one only if the actor saw it before training_finished),
+    the events, evaluation.jsonl and the summary agreeing."""
+    steps = summary["max_steps"]
+    allowed = [due, [*due, steps]] if steps % EVERY == 0 else [due]
+    assert summary["eval_versions"] in allowed, summary
     evaluations = [e for e in tap.events if e.type == protocol.EVALUATION]
     assert [e.payload["version"] for e in evaluations] == summary["eval_versions"]
     for e in evaluations:
         p = e.payload
-        assert p["prompts"] == PROMPTS and p["skipped"] == 0 and p["temperature"] == 0
-        assert p["version"] <= p["model_version"] <= p["model_version_max"] <= STEPS
+        assert p["prompts"] == prompts and p["skipped"] == 0 and p["temperature"] == 0
+        assert p["version"] <= p["model_version"] <= p["model_version_max"] <= steps
         assert 0 <= p["reward_mean"] <= 1
     lines = [json.loads(x) for x in (out / "evaluation.jsonl").read_text().splitlines()]
     assert [(x["version"], x["reward_mean"]) for x in lines] == [
@@ -102,23 +108,49 @@ def test_eval_reward_every_n_versions_and_no_eval_prompt_in_training(tmp_path):
     assert summary["eval_reward_last"] == lines[-1]["reward_mean"]
     assert (out / "reward.png").stat().st_size > 1000
 
-    # No eval prompt in any training document: the prompts as inference tokenizes raw text, against every
-    # document's prompt span (loss_masking_spans[0]).
+
+def check_no_eval_prompt_trained(spec, tap: StreamTap, eval_set: list, pattern: str) -> set[str]:
+    """No training document's prompt span (loss_masking_spans[0]) is an eval prompt as inference tokenizes the raw
+    text; every span is checked to be such a prompt, so the comparison cannot pass vacuously. Returns the training
+    prompts seen."""
     assert tap.complete, "the documents stream was not read after training_finished"
-    spec = parse_spec(doc["spec"])
     tok = load_tokenizer(materialize_model(spec.model))
-    eval_set = build_eval_set(spec, None)
-    assert len(eval_set) == PROMPTS
     held = {tuple(tok.encode(p.text)) for p in eval_set}
-    assert len(tap.documents) >= STEPS * spec.algorithm.samples_per_step
-    prompts_seen = set()
+    assert len(tap.documents) >= spec.algorithm.max_steps * spec.algorithm.samples_per_step
+    seen = set()
     for d in tap.documents:
         span = d.loss_masking_spans[0]
         assert span[0] == 0
         ids = tuple(int(t) for t in d.tokens[: span[1]])
         text = tok.decode(list(ids))
-        # The comparison is on the real thing: a digit-task prompt, tokenized as inference does.
-        assert re.fullmatch(r"\d{1,2}:", text) and tuple(tok.encode(text)) == ids, text
+        assert re.fullmatch(pattern, text) and tuple(tok.encode(text)) == ids, text
         assert ids not in held, f"eval prompt {text!r} in a training document"
-        prompts_seen.add(text)
-    assert len(prompts_seen) > 30  # training drew widely from the 110 prompts; only the held-out ones are missing
+        seen.add(text)
+    return seen
+
+
+def test_eval_reward_every_n_versions_and_no_eval_prompt_in_training(tmp_path):
+    doc = specs.document(**{"spec.algorithm.maxSteps": STEPS,
+                            "spec.evaluation": {"everyVersions": EVERY, "prompts": PROMPTS}})
+    summary, tap, out = run_job(tmp_path, doc)
+    check_evaluations(summary, tap, out, [0, 4, 8], PROMPTS)
+    spec = parse_spec(doc["spec"])
+    eval_set = build_eval_set(spec, None)
+    assert len(eval_set) == PROMPTS
+    seen = check_no_eval_prompt_trained(spec, tap, eval_set, r"\d{1,2}:")
+    assert len(seen) > 30  # training drew widely from the 110 prompts; only the held-out ones are missing
+
+
+def test_multi_turn_episodes_are_evaluated_and_their_held_out_prompts_never_trained(tmp_path):
+    """examples/calculator-cpu.yaml: the environment draws its own prompts (25 sums); the held-out ones are scored
+    as whole episodes (calculator calls included) and never start a training episode."""
+    doc = yaml.safe_load((specs.ROOT / "examples" / "calculator-cpu.yaml").read_text())
+    specs.with_overrides(doc, {"spec.algorithm.maxSteps": 8, "spec.evaluation": {"everyVersions": EVERY,
+                                                                                  "prompts": PROMPTS}})
+    summary, tap, out = run_job(tmp_path, doc)
+    spec = parse_spec(doc["spec"])
+    eval_set = build_eval_set(spec, load_environment(spec.task))
+    assert 1 <= len(eval_set) < PROMPTS  # a small prompt space: the held-out part has fewer than asked
+    check_evaluations(summary, tap, out, [0, 4], len(eval_set))
+    seen = check_no_eval_prompt_trained(spec, tap, eval_set, r"\d+\+\d+=")
+    assert len(seen) + len(eval_set) <= 25 and len(seen) >= 10
