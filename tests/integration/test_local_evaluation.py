@@ -154,3 +154,25 @@ def test_multi_turn_episodes_are_evaluated_and_their_held_out_prompts_never_trai
     check_evaluations(summary, tap, out, [0, 4], len(eval_set))
     seen = check_no_eval_prompt_trained(spec, tap, eval_set, r"\d+\+\d+=")
     assert len(seen) + len(eval_set) <= 25 and len(seen) >= 10
+
+
+def test_an_eval_split_that_overlaps_training_fails_the_job_naming_the_field(tmp_path):
+    """The actor checks the split against the training split at start and exits 78: the job fails at once with
+    the field in its message, before any step is trained on prompts it would evaluate."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i:02d}:", "answer": f"{i:02d}"[::-1]}) + "\n"
+                            for i in range(100)))
+    doc = specs.document(**{"spec.algorithm.maxSteps": 5,
+                            "spec.task.dataset": {"path": str(data), "split": "train[:60]"},
+                            "spec.task.reward": {"type": "exact"},
+                            "spec.evaluation": {"everyVersions": 2, "split": "train[50:]", "prompts": 20}})
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
+                           str(tmp_path / "run")], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["phase"] == "Failed" and summary["steps"] == 0, summary
+    assert "spec.evaluation.split" in summary["message"], summary
+    assert "10 of its 20 eval prompts are also in the training split" in summary["message"], summary

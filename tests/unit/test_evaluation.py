@@ -297,3 +297,24 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
         assert min_version in (0, 8, 9) and temperature == 0
     assert all(len(seeds) == 1 for seeds in by_prompt.values())
     redis_client.delete(*keys.all())
+
+
+def test_prometheus_exposes_the_eval_reward_from_the_status_and_nothing_before_one():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rlkube.controller.jobmetrics import PREFIX, JobStatusCollector
+
+    def scrape(status: TrainingJobStatus) -> dict[str, float]:
+        c = JobStatusCollector(clock=lambda: 0.0)
+        c.observe("ns", "j", status)
+        registry = CollectorRegistry()
+        registry.register(c)
+        return {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in f.samples if s.labels.get("trainingjob") == "j"}
+
+    got = scrape(TrainingJobStatus.model_validate(
+        {"phase": "Running", "trainer": {"step": 9, "evalRewardMean": 0.40625, "evalVersion": 8}}))
+    assert got[PREFIX + "eval_reward_mean"] == 0.40625 and got[PREFIX + "eval_version"] == 8
+    none = scrape(TrainingJobStatus.model_validate({"phase": "Running", "trainer": {"step": 9}}))
+    assert PREFIX + "eval_reward_mean" not in none and PREFIX + "eval_version" not in none
