@@ -86,6 +86,7 @@ def run_job(tmp_path: Path, doc: dict) -> tuple[dict, StreamTap, Path]:
     print(json.dumps({k: summary[k] for k in ("phase", "eval_versions", "eval_reward_first", "eval_reward_last",
                                               "reward_first", "reward_last", "wall_seconds")}))
     assert summary["phase"] == "Succeeded" and summary["steps"] == doc["spec"]["algorithm"]["maxSteps"]
+    assert summary["forced"] == [], summary  # the actor, evaluation and all, stops on training_finished
     return summary, tap, out
 
 

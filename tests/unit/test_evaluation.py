@@ -239,18 +239,23 @@ def test_operator_and_local_read_evaluations_alike(tmp_path):
 def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
     """Evaluator.run against a real Redis with a stand-in for the actor's HTTP request: one `evaluation` event
     per due version, a version already claimed is skipped, a set that two weight versions sampled is scored again
-    with the newer, and the payload says which weights sampled it."""
+    with the newer, the payload says which weights sampled it, and the loop returns when the actor stops (the actor
+    waits for every worker to return before it exits)."""
     keys = protocol.StreamKeys.for_job("ns", "eval-unit")
     redis_client.delete(*keys.all())
     import redis.asyncio as aioredis
+
+    from rlkube.core.actor import Actor as RoleActor, BadPrompt, Stopped
 
     class Actor:
         task = load_task(parse_spec(specs.spec()).task)
         environment = None
         name = "actor-0"
+        until_stopped = RoleActor.until_stopped  # the actor's own: Stopped once `stop` is set
 
         def __init__(self, client):
             self.keys, self.redis, self.asked = keys, client, []
+            self.stop = asyncio.Event()
 
         def render(self, prompt):
             return prompt.text
@@ -266,7 +271,7 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
         client = aioredis.Redis(connection_pool=aioredis.ConnectionPool(**redis_client.connection_pool.connection_kwargs))
         actor = Actor(client)
         prompts = eval_prompts(spec_with(prompts=3), load_task(parse_spec(specs.spec()).task))
-        ev = Evaluator(actor, spec_with(prompts=3, temperature=0), prompts, refused=RuntimeError, stopped=KeyError)
+        ev = Evaluator(actor, spec_with(prompts=3, temperature=0), prompts, refused=BadPrompt, stopped=Stopped)
         await client.sadd(keys.evaluated, 4)  # claimed before (a restarted actor)
         run = asyncio.create_task(ev.run(None))
         for v in range(10):
@@ -277,7 +282,9 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(two_reported(), timeout=30)
-        run.cancel()
+        assert not run.done()  # waiting for the next due version
+        actor.stop.set()
+        await asyncio.wait_for(run, timeout=5)  # returns, not cancelled
         await client.aclose()
         return actor
 

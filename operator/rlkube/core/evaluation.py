@@ -211,7 +211,8 @@ class Evaluator:
     async def _loop(self, session: Any) -> None:
         keys, redis = self.actor.keys, self.actor.redis
         while True:
-            version = await self.queue.get()
+            # Ends with the actor (Stopped): its run waits for every worker, this loop included, to return.
+            version = await self.actor.until_stopped(self.queue.get())
             if not await redis.sadd(keys.evaluated, version):
                 continue  # scored already (this actor before a restart)
             reported = False
