@@ -102,7 +102,8 @@ class StreamKeys:
         return self.prefix + "preprocessor/filtered_samples"
 
     # The actors' counts of multi-turn episodes (a hash: episodes, turns, tool_calls, tool_errors, tool_timeouts,
-    # truncated), whole job; the trainer reports them in its metrics.
+    # sandbox_refusals, truncated, timed_out, drifted, turn_rewards, turn_reward_sum), whole job; the trainer
+    # reports them in its metrics.
     @property
     def episodes(self) -> str:
         return self.prefix + "actor/episodes"
@@ -314,7 +315,8 @@ class Sample:
     after the prompt in order (the model's replies and the environment's answers), `env_spans` the [begin, end)
     spans of it the environment wrote (log-prob 0, excluded from the loss), `versions` the weight version that
     sampled each token (the group's `model_version` when None) and `episode` its counts (turns, tool_calls,
-    tool_errors, tool_timeouts, truncated)."""
+    tool_errors, tool_timeouts, sandbox_refusals, truncated, timed_out, drifted, turn_rewards) and
+    turn_reward_sum, the sum of its per-turn rewards (a float)."""
 
     completion_tokens: list[int]
     logprobs: list[float]  # sampling log-prob of each completion token
@@ -323,7 +325,7 @@ class Sample:
     reward_error: bool = False  # the reward failed on this completion: `reward` is 0, not a score
     env_spans: list[tuple[int, int]] | None = None
     versions: list[int] | None = None
-    episode: dict[str, int] | None = None
+    episode: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The entry's form: the episode fields only when set, so single-turn entries keep their shape."""

@@ -421,8 +421,10 @@ class Actor:
             completion_tokens=r.tokens, logprobs=r.logprobs, reward=r.reward, finished=r.finished and not r.truncated,
             reward_error=r.reward_error, env_spans=r.env_spans, versions=r.versions,
             episode={"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
-                     "tool_timeouts": r.tool_timeouts, "truncated": int(r.truncated),
-                     "drifted": int(r.drifted)}) for r in results]
+                     "tool_timeouts": r.tool_timeouts, "sandbox_refusals": r.sandbox_refusals,
+                     "truncated": int(r.truncated), "timed_out": int(r.timed_out), "drifted": int(r.drifted),
+                     "turn_rewards": len(r.turn_rewards), "turn_reward_sum": sum(r.turn_rewards)})
+            for r in results]
         return protocol.RolloutGroup(
             group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
             prompt_tokens=results[0].prompt_ids,
@@ -436,13 +438,16 @@ class Actor:
 
     async def count_episodes(self, group: protocol.RolloutGroup) -> None:
         """Add a written group's episode counts to the job's totals (the trainer reports them)."""
-        totals = {"episodes": len(group.samples)}
+        totals: dict[str, float] = {"episodes": len(group.samples)}
         for s in group.samples:
             for key, value in (s.episode or {}).items():
                 totals[key] = totals.get(key, 0) + value
         pipe = self.redis.pipeline(transaction=False)
         for key, value in totals.items():
-            pipe.hincrby(self.keys.episodes, key, value)
+            if isinstance(value, float):  # the per-turn reward sum
+                pipe.hincrbyfloat(self.keys.episodes, key, value)
+            else:
+                pipe.hincrby(self.keys.episodes, key, value)
         await pipe.execute()
 
     # --- supervised (sft): reference completions from the dataset ------------------------------------

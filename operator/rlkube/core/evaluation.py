@@ -54,7 +54,7 @@ newest of them, up to this many times in all: one eval, one set of weights, as f
 def prompt_key(prompt: Prompt) -> str:
     """What makes two prompts the same prompt: the chat messages when it has them, else its text."""
     if prompt.messages is not None:
-        return json.dumps([dict(m) for m in prompt.messages], sort_keys=True, ensure_ascii=False)
+        return json.dumps([dict(m) for m in prompt.messages], sort_keys=True, ensure_ascii=False, default=str)
     return prompt.text
 
 
