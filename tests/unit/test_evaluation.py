@@ -239,8 +239,9 @@ def test_operator_and_local_read_evaluations_alike(tmp_path):
 def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
     """Evaluator.run against a real Redis with a stand-in for the actor's HTTP request: one `evaluation` event
     per due version, a version already claimed is skipped, a set that two weight versions sampled is scored again
-    with the newer, the payload says which weights sampled it, and the loop returns when the actor stops (the actor
-    waits for every worker to return before it exits)."""
+    with the newer, and the payload says which weights sampled it. After training_finished (actor.stop) the
+    versions already due are still scored, then the loop returns (the actor waits for every worker before it
+    exits); a signal (actor.halt) ends it at once, leaving the version it was on unclaimed."""
     keys = protocol.StreamKeys.for_job("ns", "eval-unit")
     redis_client.delete(*keys.all())
     import redis.asyncio as aioredis
@@ -255,12 +256,15 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
 
         def __init__(self, client):
             self.keys, self.redis, self.asked = keys, client, []
-            self.stop = asyncio.Event()
+            self.stop, self.halt = asyncio.Event(), asyncio.Event()
+            self.hold = asyncio.Event()  # set: requests wait until halted (a server that is slow to answer)
 
         def render(self, prompt):
             return prompt.text
 
-        async def request(self, session, prompt, min_version, n, max_tokens, temperature, seed):
+        async def request(self, session, prompt, min_version, n, max_tokens, temperature, seed, stop):
+            if self.hold.is_set():
+                await self.until_stopped(asyncio.Event().wait(), stop)
             self.asked.append((prompt, min_version, temperature, seed))
             answer = prompt[:-1][::-1]  # right answers: reward 1
             # Version 8's first attempt: an update to 9 lands after the first request.
@@ -283,14 +287,31 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
 
         await asyncio.wait_for(two_reported(), timeout=30)
         assert not run.done()  # waiting for the next due version
+        ev.on_version(12)
+        actor.stop.set()  # training_finished right after version 12's weights_ready
+        await asyncio.wait_for(run, timeout=10)  # returns, not cancelled, after scoring 12
+        assert ev.reported == [0, 8, 12]
+        # A signal while a version is being scored: it ends at once, the version not reported and unclaimed.
+        actor.stop.clear()
+        actor.hold.set()
+        run = asyncio.create_task(ev.run(None))
+        ev.on_version(16)
+
+        async def claimed():
+            while not await client.sismember(keys.evaluated, 16):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(claimed(), timeout=10)
+        actor.halt.set()
         actor.stop.set()
-        await asyncio.wait_for(run, timeout=5)  # returns, not cancelled
+        await asyncio.wait_for(run, timeout=10)
+        assert ev.reported == [0, 8, 12] and not await client.sismember(keys.evaluated, 16)
         await client.aclose()
         return actor
 
     actor = asyncio.run(main())
     got = [protocol.decode_event(i, f) for i, f in redis_client.xrange(keys.events)]
-    assert [(e.type, e.payload["version"]) for e in got] == [("evaluation", 0), ("evaluation", 8)]
+    assert [(e.type, e.payload["version"]) for e in got] == [("evaluation", 0), ("evaluation", 8), ("evaluation", 12)]
     assert got[0].payload["reward_mean"] == 1.0 and got[0].payload["prompts"] == 3
     assert (got[0].payload["model_version"], got[0].payload["model_version_max"], got[0].payload["attempts"]) == (
         0, 0, 1)
@@ -301,7 +322,7 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
     by_prompt = {}
     for prompt, min_version, temperature, seed in actor.asked:
         by_prompt.setdefault(prompt, set()).add(seed)
-        assert min_version in (0, 8, 9) and temperature == 0
+        assert min_version in (0, 8, 9, 12) and temperature == 0
     assert all(len(seeds) == 1 for seeds in by_prompt.values())
     redis_client.delete(*keys.all())
 

@@ -321,7 +321,8 @@ class EvaluationSpec(Model):
 
     every_versions: int = Field(
         ..., ge=1, le=1_000_000, description="Score the eval set with weight version 0 and every version that is a "
-        "multiple of this (the final version when the actors still run: they stop on training_finished)."
+        "multiple of this, the final one included (scored after training_finished unless the actors are stopped "
+        "first)."
     )
     prompts: int = Field(32, ge=1, le=100_000, description="Eval prompts (distinct; fewer when the held-out "
                          "part of a small prompt space has fewer).")

@@ -8,6 +8,8 @@ with the per-token sampling log-probs.
 
 Rules it keeps (the pitfalls of docs/references.md §6):
 - It stops (exit 0) on `training_finished`, NEVER by counting samples (§6.1); SIGTERM also exits 0 promptly.
+  With spec.evaluation, actor 0 first scores the eval versions already due (rlkube.core.evaluation); SIGTERM
+  cuts that short too.
   A stop interrupts every wait (an HTTP request a server holds or never answers, a back-off, the lag bound),
   never a Redis write: a reservation is either used by a written group or given back, never both or neither.
 - A group's `model_version` is the version of the weights that sampled it, stamped at the rollout's start
@@ -133,6 +135,9 @@ class Actor:
         self.view = TrainerView()
         self.changed = asyncio.Event()  # set on every weights_ready / training_finished
         self.stop = asyncio.Event()
+        # Set by a signal or a failure only, not by training_finished: evaluation (core/evaluation.py) finishes the
+        # versions already due after training_finished, and stops at once on this.
+        self.halt = asyncio.Event()
         self.rng = random.Random(ctx.spec.model.seed * 1_000_003 + 7919 * ctx.index + 1)
         self._servers = itertools.cycle(range(len(self.urls)))
         self.groups = 0
@@ -161,15 +166,16 @@ class Actor:
     # --- stopping ------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
+        self.halt.set()
         self.stop.set()
         self.changed.set()  # wakes the workers holding at the lag bound
         self.changed = asyncio.Event()
 
-    async def until_stopped(self, aw: Awaitable[T]) -> T:
-        """Await `aw` unless the actor is asked to stop first: then cancel it and raise Stopped. Only for waits
-        that may be abandoned (an HTTP request, a pause), never for a Redis write."""
+    async def until_stopped(self, aw: Awaitable[T], stop: asyncio.Event | None = None) -> T:
+        """Await `aw` unless the actor is asked to stop first (`stop`, default `self.stop`): then cancel it and
+        raise Stopped. Only for waits that may be abandoned (an HTTP request, a pause), never for a Redis write."""
         task = asyncio.ensure_future(aw)
-        stopping = asyncio.ensure_future(self.stop.wait())
+        stopping = asyncio.ensure_future((stop or self.stop).wait())
         try:
             await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -183,10 +189,10 @@ class Actor:
         await asyncio.wait({task})  # let it clean up (an HTTP request releases its connection)
         raise Stopped
 
-    async def pause(self, seconds: float) -> None:
-        """Sleep, but no longer than until the actor is asked to stop."""
+    async def pause(self, seconds: float, stop: asyncio.Event | None = None) -> None:
+        """Sleep, but no longer than until the actor is asked to stop (`stop`, default `self.stop`)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), timeout=seconds)
+            await asyncio.wait_for((stop or self.stop).wait(), timeout=seconds)
 
     # --- events --------------------------------------------------------------------------------------
 
@@ -284,22 +290,23 @@ class Actor:
 
     async def request(self, session: aiohttp.ClientSession, prompt: str | list[int], min_version: int | None,
                       n: int | None = None, max_tokens: int | None = None, temperature: float | None = None,
-                      seed: int | None = None) -> dict:
+                      seed: int | None = None, stop: asyncio.Event | None = None) -> dict:
         """One completions request, retried on the next server (with back-off) until it succeeds. Raises Stopped
-        when the actor stops first, BadPrompt when a server refuses the prompt. `temperature` and `seed` default
-        to the job's sampling (evaluation fixes its own)."""
+        when the actor stops first (`stop`, default `self.stop`), BadPrompt when a server refuses the prompt.
+        `temperature` and `seed` default to the job's sampling (evaluation fixes its own)."""
+        stop = stop or self.stop
         delay = 0.2
-        while not self.stop.is_set():
+        while not stop.is_set():
             url = self.urls[next(self._servers)]
             try:
                 # A server may hold the request (min_model_version) or never answer (frozen): a stop ends it.
                 return await self.until_stopped(self._complete(session, url, prompt, min_version, n, max_tokens,
-                                                               temperature, seed))
+                                                               temperature, seed), stop)
             except BadPrompt:
                 raise  # the prompt itself is refused: no server will take it
             except InferenceError as exc:
                 log.warning("inference request failed (%s); retrying in %.1fs", exc, delay)
-                await self.pause(delay)
+                await self.pause(delay, stop)
                 delay = min(delay * 2, 5.0)
         raise Stopped
 

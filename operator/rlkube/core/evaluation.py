@@ -17,7 +17,8 @@ Held out, never trained on:
 
 When: the newest multiple of `everyVersions` a `weights_ready` crossed since the previous one (`due_version`),
 version 0 included, each version once in the job (a Redis set claims it, so a restarted actor does not score it
-again). The eval requests ask for at least that version (`min_model_version`) and report the versions that
+again). On training_finished the actor's workers stop but it exits only once the versions already due are scored
+(the final one too: its weights_ready comes first), unless a signal stops it first. The eval requests ask for at least that version (`min_model_version`) and report the versions that
 sampled them: with a pipelined trainer the servers may already hold newer weights.
 """
 
@@ -211,8 +212,16 @@ class Evaluator:
     async def _loop(self, session: Any) -> None:
         keys, redis = self.actor.keys, self.actor.redis
         while True:
-            # Ends with the actor (Stopped): its run waits for every worker, this loop included, to return.
-            version = await self.actor.until_stopped(self.queue.get())
+            # The actor's run waits for every worker, this loop included, to return. After training_finished
+            # (actor.stop) the versions already due are still scored (the final one too, when its weights_ready
+            # came first), while inference still serves; a signal (actor.halt) ends it at once.
+            if self.queue.empty():
+                if self.actor.stop.is_set():
+                    return
+                with contextlib.suppress(self.stopped):
+                    await self.actor.until_stopped(self._next())
+                continue
+            version = self.queue.get_nowait()
             if not await redis.sadd(keys.evaluated, version):
                 continue  # scored already (this actor before a restart)
             reported = False
@@ -228,6 +237,12 @@ class Evaluator:
                 if not reported:  # stopped first: leave the version to whoever runs next
                     with contextlib.suppress(Exception):
                         await asyncio.shield(redis.srem(keys.evaluated, version))
+
+    async def _next(self) -> None:
+        """Until a version is due (the queue holds it)."""
+        version = await self.queue.get()
+        self.queue.put_nowait(version)  # back in order: nothing else takes from the queue
+        # (asyncio.Queue has no peek; a single consumer may put back what it took)
 
     async def evaluate(self, session: Any, version: int) -> dict[str, Any]:
         """Score every eval prompt with weights of at least `version` (all with the same weights where
@@ -275,7 +290,7 @@ class Evaluator:
         try:
             if actor.environment is None:
                 reply = await actor.request(session, rendered, version, n=1, max_tokens=self.max_new_tokens,
-                                            temperature=self.temperature, seed=seed)
+                                            temperature=self.temperature, seed=seed, stop=actor.halt)
                 reward, failed = self.score(prompt, reply["choices"][0]["text"])
                 return EvalOutcome(reward, failed, [version_of(reply)])
             try:
@@ -288,12 +303,12 @@ class Evaluator:
                           prompt.text[:200], type(exc).__name__, exc)
                 return None
             first = await actor.request(session, rendered, version, n=1, max_tokens=self.max_new_tokens,
-                                        temperature=self.temperature, seed=seed)
+                                        temperature=self.temperature, seed=seed, stop=actor.halt)
 
             async def sample(ids: list[int], max_tokens: int) -> Any:
                 try:
                     reply = await actor.request(session, ids, version, n=1, max_tokens=max_tokens,
-                                                temperature=self.temperature, seed=seed)
+                                                temperature=self.temperature, seed=seed, stop=actor.halt)
                 except self.refused as exc:
                     raise SampleRefused(str(exc)) from None
                 return actor._reply(reply["choices"][0], version_of(reply))
