@@ -188,6 +188,7 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
     _drop(spec, "task.dataset")
     _drop(spec, "task.reward")
+    _drop(spec, "evaluation.split")  # a split of task.dataset, dropped above (validation.evaluation_errors)
     if _get(spec, "task.reasoningGym") is not None:  # the one prompt source (validation.task_errors)
         _drop(spec, "task.entryPoint")
         _drop(spec, "task.params")

@@ -113,6 +113,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Weight versions between the trainer and the oldest rollout of its last step."},
     {"name": "Reward", "type": "number", "jsonPath": ".status.trainer.rewardMean",
      "description": "Mean reward of the last step's training documents."},
+    {"name": "Eval", "type": "number", "jsonPath": ".status.trainer.evalRewardMean", "priority": 1,
+     "description": "Mean reward over the held-out eval set at the last evaluated version (spec.evaluation)."},
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.trainer.tokensPerSecond", "priority": 1,
      "description": "Tokens trained per second in the last step."},
     {"name": "Backend", "type": "string", "jsonPath": ".spec.trainer.backend", "priority": 1,

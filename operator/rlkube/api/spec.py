@@ -315,6 +315,34 @@ class TaskSpec(Model):
     )
 
 
+class EvaluationSpec(Model):
+    """Evaluation while training: a fixed set of held-out prompts scored every `everyVersions` weight versions with
+    fixed sampling settings by actor 0, never trained on (rlkube.core.evaluation)."""
+
+    every_versions: int = Field(
+        ..., ge=1, le=1_000_000, description="Score the eval set with weight version 0 and every version that is a "
+        "multiple of this, the final one included (scored after training_finished unless the actors are stopped "
+        "first)."
+    )
+    prompts: int = Field(32, ge=1, le=100_000, description="Eval prompts (distinct; fewer when the held-out "
+                         "part of a small prompt space has fewer).")
+    held_out_fraction: float | None = Field(
+        None, gt=0, lt=1, description="Share of the task's prompts held out for evaluation, chosen by a hash of "
+        "each prompt, so the split is the same in every actor and every run (unset: 0.1). Training never draws "
+        "them. Not with split."
+    )
+    split: str | None = Field(
+        None, min_length=1, description="Evaluate on this split of spec.task.dataset instead (`test`, "
+        "`train[-100:]`); the job fails at start if any of its prompts is also in the training split."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the draw of the eval set from the held-out prompts.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation (0: greedy).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Most tokens per eval completion (per reply in episodes; unset: "
+        "spec.algorithm.maxNewTokens)."
+    )
+
+
 class OffPolicyCorrectionSpec(Model):
     """Trainer/sampler mismatch correction (definitions: rlkube.core.losses, docs/design.md §6)."""
 
@@ -879,6 +907,9 @@ class TrainingJobSpec(Model):
     )
     model: ModelSpec = Field(..., description="The model (a Hugging Face directory) every role loads.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Rollout environment and reward.")
+    evaluation: EvaluationSpec | None = Field(
+        None, description="Score held-out prompts every N weight versions while training (unset: no evaluation)."
+    )
     algorithm: AlgorithmSpec = Field(..., description="RL algorithm and its hyper-parameters.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer pods.")
     inference: InferenceSpec = Field(default_factory=InferenceSpec, description="Inference servers.")

@@ -33,7 +33,8 @@ WEIGHTS_READY = "weights_ready"
 TRAINING_FINISHED = "training_finished"
 CHECKPOINT_SAVED = "checkpoint_saved"
 METRICS = "metrics"
-EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS)
+EVALUATION = "evaluation"  # written by actor 0, not the trainer (spec.evaluation, rlkube.core.evaluation)
+EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION)
 
 
 def consumer_name(rank: int) -> str:
@@ -107,11 +108,17 @@ class StreamKeys:
     def episodes(self) -> str:
         return self.prefix + "actor/episodes"
 
+    # The weight versions whose evaluation (spec.evaluation) an actor has claimed (a set): each is scored once,
+    # also across actor restarts.
+    @property
+    def evaluated(self) -> str:
+        return self.prefix + "actor/evaluated"
+
     def all(self) -> list[str]:
         """Every key any role creates (streams with their consumer groups, counters)."""
         return [self.events, self.documents, self.rollouts, self.actor_samples_reserved, self.actor_samples_written,
                 self.actor_documents_seen, self.actor_last_event, self.actor_stall_release, self.filtered_groups,
-                self.filtered_samples, self.episodes]
+                self.filtered_samples, self.episodes, self.evaluated]
 
 
 # --- trainer events -------------------------------------------------------------------------------

@@ -411,6 +411,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
     errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec) + environment_errors(spec)
+    errs += evaluation_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -439,6 +440,25 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
+    return errs
+
+
+def evaluation_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """spec.evaluation: a split is one of spec.task.dataset's (held out by the split, not by a hash); evaluation
+    scores samples, so it needs a reward (sft reads a dataset that may have none)."""
+    ev = spec.evaluation
+    if ev is None:
+        return []
+    errs: list[FieldError] = []
+    if ev.split is not None and spec.task.dataset is None:
+        errs.append(FieldError("spec.evaluation.split", "needs spec.task.dataset (a split of the training dataset; "
+                               "without one, prompts are held out by spec.evaluation.heldOutFraction)"))
+    if ev.split is not None and ev.held_out_fraction is not None:
+        errs.append(FieldError("spec.evaluation.heldOutFraction", "not with spec.evaluation.split: the split holds "
+                               "the eval prompts out"))
+    if spec.task.reward is None and spec.task.dataset is not None:
+        errs.append(FieldError("spec.evaluation", "needs spec.task.reward: this dataset task (loss sft) scores no "
+                               "sample"))
     return errs
 
 
