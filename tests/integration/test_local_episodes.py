@@ -45,6 +45,8 @@ def test_tiny_model_learns_the_calculator_tool_task(tmp_path):
     assert last["episode_episodes"] >= 60 * 32 * 0.5 and last["episode_turns"] > last["episode_episodes"]
     assert last["episode_tool_calls"] == last["episode_turns"] - last["episode_episodes"]
     assert last["episode_tool_errors"] == 0 and last["episode_tool_timeouts"] == 0
+    # The calculator runs no snippet and answers at once: nothing refused, no episode near its time limit.
+    assert last["episode_sandbox_refusals"] == 0 and last["episode_timed_out"] == 0
     # Plain-text prompts: a reply that stopped on <eos> before a tool call loses it when the text is re-rendered
     # (tests/unit/test_episodes.py shows which episodes count); reported, never trained on.
     assert 0 <= last["episode_drifted"] <= last["episode_episodes"]

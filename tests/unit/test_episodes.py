@@ -18,7 +18,8 @@ from rlkube.contract import protocol
 from rlkube.core.batch import collate
 from rlkube.core.calculator import Calculator, calculate
 from rlkube.core.environments import load_environment
-from rlkube.core.episodes import Limits, MessageEncoder, Reply, SampleRefused, call_with_timeout, run_episode
+from rlkube.core.episodes import (Limits, MessageEncoder, Reply, SampleRefused, Turn, call_with_timeout,
+                                  run_episode)
 from rlkube.core.hf.builtin import char_tokenizer
 from rlkube.core.losses import LossConfig, policy_loss
 from rlkube.core.preprocessor import DocumentConfig, group_to_documents
@@ -455,3 +456,89 @@ def test_without_a_template_a_reply_s_stop_token_lost_on_re_rendering_is_drift()
     stopped = episode(finish=True)  # the first reply ended with <eos>, which decoded text drops
     assert TOK.eos_token_id in stopped.tokens
     assert plain.drifted(prompt, stopped)
+
+
+class Slow:
+    """Answers every reply after `delay` seconds; scores 0.25 (called even after the episode's time limit)."""
+
+    name = "slow"
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.scored = 0
+
+    def start(self, prompt):
+        env = self
+
+        class Episode:
+            def respond(self, reply):
+                threading.Event().wait(env.delay)
+                return [{"role": "tool", "content": "a"}]
+
+            def reward(self):
+                env.scored += 1
+                return 0.25
+
+        return Episode()
+
+
+def test_an_episode_over_its_time_limit_is_ended_scored_and_counted_and_the_next_runs():
+    env = Slow(delay=0.2)
+    limits = Limits(max_turns=100, tool_timeout_s=5, episode_timeout_s=0.7)
+    first = _play(env, limits)
+    assert first.timed_out and first.truncated and first.reward == 0.25 and not first.reward_error
+    assert 2 <= first.turns <= 5 and first.tool_timeouts == 0  # cut by the episode's limit, not a tool's
+    # It ends on the model's turn: an answer that no reply followed is not kept.
+    assert first.env_spans[-1][1] < len(first.tokens) and first.messages[-1]["role"] == "assistant"
+    second = _play(Chatty(words=1), Limits(max_turns=3, episode_timeout_s=30))
+    assert not second.timed_out and second.turns == 3 and env.scored == 1
+
+
+def test_per_turn_rewards_are_kept_and_summed_only_when_asked():
+    class Rewarding:
+        name = "rewarding"
+
+        def start(self, prompt):
+            class Episode:
+                n = 0
+
+                def respond(self, reply):
+                    self.n += 1
+                    return Turn([{"role": "tool", "content": "a"}] if self.n < 3 else None, reward=0.1 * self.n)
+
+                def reward(self):
+                    return 1.0
+
+            return Episode()
+
+    final = _play(Rewarding(), Limits(max_turns=10))
+    summed = _play(Rewarding(), Limits(max_turns=10, sum_turn_rewards=True))
+    assert final.turn_rewards == pytest.approx([0.1, 0.2, 0.3]) and final.reward == 1.0
+    assert summed.turn_rewards == final.turn_rewards and summed.reward == pytest.approx(1.6)
+
+
+def test_a_factory_asking_for_the_sandbox_gets_the_job_s(tmp_path, monkeypatch):
+    (tmp_path / "code_envs.py").write_text(textwrap.dedent("""
+        class Env:
+            name = "code"
+
+            def __init__(self, sandbox, level):
+                self.sandbox, self.level = sandbox, level
+
+            def start(self, prompt):
+                return None
+
+
+        def make(sandbox, level=1):
+            return Env(sandbox, level)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("code_envs", None)
+    spec = EnvironmentSpec(entry_point="code_envs:make", params={"level": 2},
+                           sandbox={"timeoutSeconds": 3, "cpuSeconds": 2, "memoryMib": 256})
+    env = load_environment(TaskSpec(environment=spec))
+    assert env.level == 2 and env.sandbox.limits.timeout_s == 3 and env.sandbox.limits.memory_mb == 256
+    with pytest.raises(TaskError) as err:
+        load_environment(TaskSpec(environment=EnvironmentSpec(entry_point="code_envs:make",
+                                                              params={"sandbox": 1})))
+    assert str(err.value).startswith("spec.task.environment.params.sandbox")

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "operator" / "rlkube"
 TRAINING_STACK = ("torch", "numpy", "safetensors", "matplotlib", "rich", "psutil", "transformers", "datasets",
-                  "math_verify")
+                  "math_verify", "reasoning_gym", "verifiers")
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("rlkube", "rlkube.gctune")),

@@ -25,6 +25,15 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+_SCALARS = {"integer", "string", "number", "boolean"}
+
+
+def _scalar(node: dict[str, Any], defs: dict[str, Any]) -> bool:
+    """A scalar type, or a union of scalar types."""
+    node = _resolve(node, defs)
+    return node.get("type") in _SCALARS or ("anyOf" in node and all(_scalar(v, defs) for v in node["anyOf"]))
+
+
 def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     node = _resolve(node, defs)
     if "anyOf" in node:
@@ -39,8 +48,10 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             return out
         if {v.get("type") for v in non_null} == {"integer", "string"}:
             return {"x-kubernetes-int-or-string": True, **_scalar_extras(rest)}
-        if {v.get("type") for v in non_null} <= {"integer", "string", "number", "boolean"}:
-            # A scalar of any of these kinds (task params): keep what the user wrote.
+        if all(_scalar(v, defs) or (v.get("type") == "array" and _scalar(v.get("items", {}), defs))
+               for v in non_null):
+            # A scalar of any of these kinds, or a list of them (task params, reasoning-gym configs): keep what
+            # the user wrote.
             return {"x-kubernetes-preserve-unknown-fields": True, **_scalar_extras(rest)}
         raise ValueError(f"unsupported union in schema: {node}")
 
@@ -102,6 +113,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Weight versions between the trainer and the oldest rollout of its last step."},
     {"name": "Reward", "type": "number", "jsonPath": ".status.trainer.rewardMean",
      "description": "Mean reward of the last step's training documents."},
+    {"name": "Eval", "type": "number", "jsonPath": ".status.trainer.evalRewardMean", "priority": 1,
+     "description": "Mean reward over the held-out eval set at the last evaluated version (spec.evaluation)."},
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.trainer.tokensPerSecond", "priority": 1,
      "description": "Tokens trained per second in the last step."},
     {"name": "Backend", "type": "string", "jsonPath": ".spec.trainer.backend", "priority": 1,

@@ -102,6 +102,10 @@ class TrainerStatus(Model):
     tokens_per_second: float | None = Field(
         None, description="Tokens trained per second of wall time in the last step the trainer reported."
     )
+    eval_reward_mean: float | None = Field(
+        None, description="Mean reward over the held-out eval set at evalVersion (spec.evaluation; 4 decimals)."
+    )
+    eval_version: int | None = Field(None, description="Weight version of the last evaluation reported.")
 
 
 class Completion(Model):

@@ -33,7 +33,8 @@ WEIGHTS_READY = "weights_ready"
 TRAINING_FINISHED = "training_finished"
 CHECKPOINT_SAVED = "checkpoint_saved"
 METRICS = "metrics"
-EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS)
+EVALUATION = "evaluation"  # written by actor 0, not the trainer (spec.evaluation, rlkube.core.evaluation)
+EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION)
 
 
 def consumer_name(rank: int) -> str:
@@ -101,16 +102,23 @@ class StreamKeys:
         return self.prefix + "preprocessor/filtered_samples"
 
     # The actors' counts of multi-turn episodes (a hash: episodes, turns, tool_calls, tool_errors, tool_timeouts,
-    # truncated), whole job; the trainer reports them in its metrics.
+    # sandbox_refusals, truncated, timed_out, drifted, turn_rewards, turn_reward_sum), whole job; the trainer
+    # reports them in its metrics.
     @property
     def episodes(self) -> str:
         return self.prefix + "actor/episodes"
+
+    # The weight versions whose evaluation (spec.evaluation) an actor has claimed (a set): each is scored once,
+    # also across actor restarts.
+    @property
+    def evaluated(self) -> str:
+        return self.prefix + "actor/evaluated"
 
     def all(self) -> list[str]:
         """Every key any role creates (streams with their consumer groups, counters)."""
         return [self.events, self.documents, self.rollouts, self.actor_samples_reserved, self.actor_samples_written,
                 self.actor_documents_seen, self.actor_last_event, self.actor_stall_release, self.filtered_groups,
-                self.filtered_samples, self.episodes]
+                self.filtered_samples, self.episodes, self.evaluated]
 
 
 # --- trainer events -------------------------------------------------------------------------------
@@ -307,7 +315,8 @@ class Sample:
     after the prompt in order (the model's replies and the environment's answers), `env_spans` the [begin, end)
     spans of it the environment wrote (log-prob 0, excluded from the loss), `versions` the weight version that
     sampled each token (the group's `model_version` when None) and `episode` its counts (turns, tool_calls,
-    tool_errors, tool_timeouts, truncated)."""
+    tool_errors, tool_timeouts, sandbox_refusals, truncated, timed_out, drifted, turn_rewards) and
+    turn_reward_sum, the sum of its per-turn rewards (a float)."""
 
     completion_tokens: list[int]
     logprobs: list[float]  # sampling log-prob of each completion token
@@ -316,7 +325,7 @@ class Sample:
     reward_error: bool = False  # the reward failed on this completion: `reward` is 0, not a score
     env_spans: list[tuple[int, int]] | None = None
     versions: list[int] | None = None
-    episode: dict[str, int] | None = None
+    episode: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The entry's form: the episode fields only when set, so single-turn entries keep their shape."""

@@ -234,6 +234,8 @@ def _ingest_events(p: _Pass) -> None:
             tr.tokens_per_second = facts.tokens_per_s
         if facts.checkpoint is not None:
             tr.last_checkpoint = CheckpointRef(step=facts.checkpoint[0], path=facts.checkpoint[1])
+        if facts.evaluation is not None:
+            tr.eval_version, tr.eval_reward_mean = facts.evaluation
         if facts.finished and outcome(p.status) is None:
             final_step = facts.step if facts.step is not None else tr.step
             previous = p.status.completion or Completion()
@@ -248,7 +250,8 @@ def _ingest_events(p: _Pass) -> None:
             )
             # No Event: the transition it leads to (-> Draining) says it ("trained N/M steps").
         tr.last_event_id = ev.stream_id
-        tr.last_event_time = fmt_time(p.now)
+        if facts.from_trainer:  # an actor's evaluation is no sign of trainer life (docs/design.md §4.3)
+            tr.last_event_time = fmt_time(p.now)
     if p.obs.read_upto and stream_id_key(p.obs.read_upto) > stream_id_key(tr.last_event_id):
         tr.last_event_id = p.obs.read_upto  # only malformed/unknown entries beyond the last event: skip them
     if p.spec is not None:

@@ -41,6 +41,8 @@ class JobSample:
     lag: int | None
     reward_mean: float | None
     tokens_per_second: float | None
+    eval_reward_mean: float | None
+    eval_version: int | None
     last_event_time: float | None
     """Epoch seconds of status.trainer.lastEventTime (when the operator read the trainer's last event)."""
     restarts: tuple[tuple[str, int], ...]
@@ -69,6 +71,8 @@ def sample(status: TrainingJobStatus) -> JobSample:
         lag=status.lag,
         reward_mean=tr.reward_mean,
         tokens_per_second=tr.tokens_per_second,
+        eval_reward_mean=tr.eval_reward_mean,
+        eval_version=tr.eval_version,
         last_event_time=_epoch(tr.last_event_time),
         restarts=tuple(sorted((role, c.restarts) for role, c in status.components.items())),
         teardown_stages=tuple(stages.items()),
@@ -113,6 +117,9 @@ class JobStatusCollector(Collector):
         lag = gauge("policy_lag", "Weight versions between the trainer and the stalest rollout of its last step")
         reward = gauge("reward_mean", "Mean reward of the last step's training documents (status.trainer.rewardMean)")
         tokens = gauge("tokens_per_second", "Tokens trained per second in the last step")
+        eval_reward = gauge("eval_reward_mean", "Mean reward over the held-out eval set at the last evaluated weight "
+                            "version (status.trainer.evalRewardMean; spec.evaluation)")
+        eval_version = gauge("eval_version", "Weight version of the last evaluation (status.trainer.evalVersion)")
         since = gauge("seconds_since_last_trainer_event",
                       "Seconds from status.trainer.lastEventTime (the operator read the trainer's last event) to now")
         restarts = gauge("component_restarts", "Restarts and replacements of a component's pods", ("component",))
@@ -132,10 +139,14 @@ class JobStatusCollector(Collector):
                 reward.add_metric(key, s.reward_mean)
             if s.tokens_per_second is not None:
                 tokens.add_metric(key, s.tokens_per_second)
+            if s.eval_reward_mean is not None and s.eval_version is not None:
+                eval_reward.add_metric(key, s.eval_reward_mean)
+                eval_version.add_metric(key, s.eval_version)
             if s.last_event_time is not None:
                 since.add_metric(key, max(0.0, now - s.last_event_time))
             for component, n in s.restarts:
                 restarts.add_metric([*key, component], n)
             for stage, seconds in s.teardown_stages:
                 stages.add_metric([*key, stage], seconds)
-        yield from (phase, step, max_steps, version, lag, reward, tokens, since, restarts, stages)
+        yield from (phase, step, max_steps, version, lag, reward, tokens, eval_reward, eval_version, since, restarts,
+                    stages)

@@ -8,6 +8,8 @@ with the per-token sampling log-probs.
 
 Rules it keeps (the pitfalls of docs/references.md §6):
 - It stops (exit 0) on `training_finished`, NEVER by counting samples (§6.1); SIGTERM also exits 0 promptly.
+  With spec.evaluation, actor 0 first scores the eval versions already due (rlkube.core.evaluation); SIGTERM
+  cuts that short too.
   A stop interrupts every wait (an HTTP request a server holds or never answers, a back-off, the lag bound),
   never a Redis write: a reservation is either used by a written group or given back, never both or neither.
 - A group's `model_version` is the version of the weights that sampled it, stamped at the rollout's start
@@ -63,6 +65,7 @@ from rlkube.core.episodes import (Environment, EpisodeResult, Limits, MessageEnc
                                   call_with_timeout, draw_prompt, run_episode)
 from rlkube.core.environments import limits as episode_limits
 from rlkube.core.environments import load_environment
+from rlkube.core.evaluation import Evaluator, TrainingPrompts, build_eval_set, held_out_fraction
 from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
 log = logging.getLogger("rlkube.actor")
@@ -107,7 +110,7 @@ class Actor:
     def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: Task,
                  stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None,
                  tokenizer: Tokenizer | None = None, environment: Environment | None = None,
-                 encoder: MessageEncoder | None = None):
+                 encoder: MessageEncoder | None = None, eval_set: list[Prompt] | None = None):
         self.supervised = supervised(ctx.spec)
         if self.supervised and tokenizer is None:
             raise ValueError("the supervised (sft) actor needs the model's tokenizer")
@@ -132,6 +135,9 @@ class Actor:
         self.view = TrainerView()
         self.changed = asyncio.Event()  # set on every weights_ready / training_finished
         self.stop = asyncio.Event()
+        # Set by a signal or a failure only, not by training_finished: evaluation (core/evaluation.py) finishes the
+        # versions already due after training_finished, and stops at once on this.
+        self.halt = asyncio.Event()
         self.rng = random.Random(ctx.spec.model.seed * 1_000_003 + 7919 * ctx.index + 1)
         self._servers = itertools.cycle(range(len(self.urls)))
         self.groups = 0
@@ -148,19 +154,28 @@ class Actor:
                 raise ValueError("multi-turn episodes need the model's tokenizer and a message encoder")
             self.encoder = encoder
             self.limits: Limits = episode_limits(ctx.spec.task.environment, ctx.spec.model.max_sequence_length)
+        # spec.evaluation: every replica trains on the task without the held-out prompts; the replica given the
+        # eval set scores it (rlkube.core.evaluation).
+        fraction = held_out_fraction(ctx.spec)
+        if fraction is not None:
+            self.task = TrainingPrompts(task, fraction)
+            if environment is not None and callable(getattr(environment, "prompt", None)):
+                self.environment = TrainingPrompts(environment, fraction)
+        self.evaluator = Evaluator(self, ctx.spec, eval_set, refused=BadPrompt, stopped=Stopped) if eval_set else None
 
     # --- stopping ------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
+        self.halt.set()
         self.stop.set()
         self.changed.set()  # wakes the workers holding at the lag bound
         self.changed = asyncio.Event()
 
-    async def until_stopped(self, aw: Awaitable[T]) -> T:
-        """Await `aw` unless the actor is asked to stop first: then cancel it and raise Stopped. Only for waits
-        that may be abandoned (an HTTP request, a pause), never for a Redis write."""
+    async def until_stopped(self, aw: Awaitable[T], stop: asyncio.Event | None = None) -> T:
+        """Await `aw` unless the actor is asked to stop first (`stop`, default `self.stop`): then cancel it and
+        raise Stopped. Only for waits that may be abandoned (an HTTP request, a pause), never for a Redis write."""
         task = asyncio.ensure_future(aw)
-        stopping = asyncio.ensure_future(self.stop.wait())
+        stopping = asyncio.ensure_future((stop or self.stop).wait())
         try:
             await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -174,10 +189,10 @@ class Actor:
         await asyncio.wait({task})  # let it clean up (an HTTP request releases its connection)
         raise Stopped
 
-    async def pause(self, seconds: float) -> None:
-        """Sleep, but no longer than until the actor is asked to stop."""
+    async def pause(self, seconds: float, stop: asyncio.Event | None = None) -> None:
+        """Sleep, but no longer than until the actor is asked to stop (`stop`, default `self.stop`)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), timeout=seconds)
+            await asyncio.wait_for((stop or self.stop).wait(), timeout=seconds)
 
     # --- events --------------------------------------------------------------------------------------
 
@@ -198,6 +213,8 @@ class Actor:
             for stale in [v for v in self.seen_at if v > version]:
                 del self.seen_at[stale]
             self.seen_at[version] = seen
+            if self.evaluator is not None:
+                self.evaluator.on_version(version)
             if len(self.seen_at) > 4096:
                 self.seen_at.pop(min(self.seen_at))
             self.view.last_event_at = time.monotonic()
@@ -239,15 +256,16 @@ class Actor:
             return resp.status == 200
 
     async def _complete(self, session: aiohttp.ClientSession, url: str, prompt: str | list[int],
-                        min_version: int | None, n: int | None = None, max_tokens: int | None = None) -> dict:
+                        min_version: int | None, n: int | None = None, max_tokens: int | None = None,
+                        temperature: float | None = None, seed: int | None = None) -> dict:
         body = {
             "model": self.spec.model.path,
             "prompt": prompt,
             "n": self.algo.group_size if n is None else n,
             "max_tokens": self.algo.max_new_tokens if max_tokens is None else max_tokens,
-            "temperature": self.algo.temperature,
+            "temperature": self.algo.temperature if temperature is None else temperature,
             "logprobs": 0,
-            "seed": self.rng.getrandbits(62),
+            "seed": self.rng.getrandbits(62) if seed is None else seed,
         }
         if min_version is not None:
             # An extension of our servers (both engines behind rlkube.core.inference's shell).
@@ -271,20 +289,24 @@ class Actor:
         return min(ok) if ok else None
 
     async def request(self, session: aiohttp.ClientSession, prompt: str | list[int], min_version: int | None,
-                      n: int | None = None, max_tokens: int | None = None) -> dict:
+                      n: int | None = None, max_tokens: int | None = None, temperature: float | None = None,
+                      seed: int | None = None, stop: asyncio.Event | None = None) -> dict:
         """One completions request, retried on the next server (with back-off) until it succeeds. Raises Stopped
-        when the actor stops first, BadPrompt when a server refuses the prompt."""
+        when the actor stops first (`stop`, default `self.stop`), BadPrompt when a server refuses the prompt.
+        `temperature` and `seed` default to the job's sampling (evaluation fixes its own)."""
+        stop = stop or self.stop
         delay = 0.2
-        while not self.stop.is_set():
+        while not stop.is_set():
             url = self.urls[next(self._servers)]
             try:
                 # A server may hold the request (min_model_version) or never answer (frozen): a stop ends it.
-                return await self.until_stopped(self._complete(session, url, prompt, min_version, n, max_tokens))
+                return await self.until_stopped(self._complete(session, url, prompt, min_version, n, max_tokens,
+                                                               temperature, seed), stop)
             except BadPrompt:
                 raise  # the prompt itself is refused: no server will take it
             except InferenceError as exc:
                 log.warning("inference request failed (%s); retrying in %.1fs", exc, delay)
-                await self.pause(delay)
+                await self.pause(delay, stop)
                 delay = min(delay * 2, 5.0)
         raise Stopped
 
@@ -406,8 +428,10 @@ class Actor:
             completion_tokens=r.tokens, logprobs=r.logprobs, reward=r.reward, finished=r.finished and not r.truncated,
             reward_error=r.reward_error, env_spans=r.env_spans, versions=r.versions,
             episode={"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
-                     "tool_timeouts": r.tool_timeouts, "truncated": int(r.truncated),
-                     "drifted": int(r.drifted)}) for r in results]
+                     "tool_timeouts": r.tool_timeouts, "sandbox_refusals": r.sandbox_refusals,
+                     "truncated": int(r.truncated), "timed_out": int(r.timed_out), "drifted": int(r.drifted),
+                     "turn_rewards": len(r.turn_rewards), "turn_reward_sum": sum(r.turn_rewards)})
+            for r in results]
         return protocol.RolloutGroup(
             group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
             prompt_tokens=results[0].prompt_ids,
@@ -421,13 +445,16 @@ class Actor:
 
     async def count_episodes(self, group: protocol.RolloutGroup) -> None:
         """Add a written group's episode counts to the job's totals (the trainer reports them)."""
-        totals = {"episodes": len(group.samples)}
+        totals: dict[str, float] = {"episodes": len(group.samples)}
         for s in group.samples:
             for key, value in (s.episode or {}).items():
                 totals[key] = totals.get(key, 0) + value
         pipe = self.redis.pipeline(transaction=False)
         for key, value in totals.items():
-            pipe.hincrby(self.keys.episodes, key, value)
+            if isinstance(value, float):  # the per-turn reward sum
+                pipe.hincrbyfloat(self.keys.episodes, key, value)
+            else:
+                pipe.hincrby(self.keys.episodes, key, value)
         await pipe.execute()
 
     # --- supervised (sft): reference completions from the dataset ------------------------------------
@@ -577,6 +604,8 @@ class Actor:
                          self.name, n, len(self.urls), self.algo.group_size, self.algo.max_lag,
                          self.algo.samples_per_step)
                 workers = [asyncio.create_task(self.worker(session), name=f"worker-{i}") for i in range(n)]
+                if self.evaluator is not None:
+                    workers.append(asyncio.create_task(self.evaluator.run(session), name="evaluation"))
                 stop_wait = asyncio.create_task(self.stop.wait())
                 await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_EXCEPTION)
                 for w in workers:
@@ -643,8 +672,10 @@ async def amain() -> int:
             return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
     client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
+    # Actor 0 scores the eval set (spec.evaluation); a split that overlaps training stops it here, naming the field.
+    eval_set = build_eval_set(ctx.spec, environment) if ctx.spec.evaluation is not None and ctx.index == 0 else None
     actor = Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer, environment=environment,
-                  encoder=encoder)
+                  encoder=encoder, eval_set=eval_set)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.request_stop()))

@@ -1,23 +1,41 @@
-"""Where a job's multi-turn environment comes from (spec.task.environment): a built-in by name, or a user's
-importable `package.module:factory` called with **params.
+"""Where a job's multi-turn environment comes from (spec.task.environment): a built-in by name (`calculator`, or
+`verifiers`: a verifiers taskset driven by rlkube.core.verifiers_env), or a user's importable
+`package.module:factory` called with **params.
 
 An environment that cannot be built (an unknown name, a module that does not import, a factory that raises or
 returns something without `start`) raises TaskError naming the spec field: the actor exits with
 runtime.EXIT_CONFIG at start and the job fails with that message (rlkube.core.errors), rather than restarting
 an actor that can never run an episode.
+
+A factory that declares a `sandbox` parameter gets the job's code-execution sandbox (rlkube.core.sandbox, limits
+from spec.task.environment.sandbox): its tools call `sandbox.python_tool(code)` (the built-in `python` tool) or
+`sandbox.run(code)`.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from rlkube.api.spec import EnvironmentSpec, TaskSpec
 from rlkube.core import calculator
 from rlkube.core.episodes import Environment, Limits
+from rlkube.core.sandbox import Sandbox, SandboxLimits, network_namespace_available
 from rlkube.core.task_types import TaskError, import_attribute
 
-BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator.factory}
+log = logging.getLogger("rlkube.environments")
+
+
+def _verifiers(**params: Any) -> Environment:
+    from rlkube.core import verifiers_env  # imported here: verifiers is an optional extra (`agents`)
+
+    return verifiers_env.factory(**params)
+
+
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator.factory,
+                                                               "verifiers": _verifiers}
 
 
 def load_environment(spec: TaskSpec) -> Environment | None:
@@ -35,8 +53,14 @@ def load_environment(spec: TaskSpec) -> Environment | None:
             raise TaskError(field, f"unknown built-in environment {env.name!r} (known: {', '.join(BUILTIN_ENVIRONMENTS)})")
     if not callable(factory):
         raise TaskError(field, f"{env.entry_point!r} is not callable")
+    kwargs: dict[str, Any] = dict(env.params)
+    if _wants_sandbox(factory):
+        if "sandbox" in kwargs:
+            raise TaskError("spec.task.environment.params.sandbox", "the factory's `sandbox` parameter is the job's "
+                            "sandbox (spec.task.environment.sandbox), not a param")
+        kwargs["sandbox"] = sandbox(env)
     try:
-        built: Any = factory(**env.params)
+        built: Any = factory(**kwargs)
     except TaskError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's factory: whatever it raises fails the job, named
@@ -51,8 +75,26 @@ def load_environment(spec: TaskSpec) -> Environment | None:
     return built
 
 
+def _wants_sandbox(factory: Callable[..., Any]) -> bool:
+    try:
+        return "sandbox" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature (a builtin): it cannot ask
+        return False
+
+
+def sandbox(env: EnvironmentSpec) -> Sandbox:
+    s = env.sandbox
+    built = Sandbox(SandboxLimits(timeout_s=s.timeout_seconds, cpu_s=s.cpu_seconds, memory_mb=s.memory_mib,
+                                  output_bytes=s.output_bytes))
+    log.info("code-execution sandbox: %s; network refused by %s", built.limits,
+             "a network namespace and the audit hook" if network_namespace_available() else
+             "the audit hook alone (this kernel gives no unprivileged user namespace here)")
+    return built
+
+
 def limits(env: EnvironmentSpec, max_sequence_length: int | None) -> Limits:
     """The episode limits of the spec; the token budget defaults to maxSequenceLength (longer documents are
     dropped by the preprocessor, so an episode past it is wasted)."""
     budget = env.max_episode_tokens if env.max_episode_tokens is not None else max_sequence_length
-    return Limits(max_turns=env.max_turns, max_episode_tokens=budget, tool_timeout_s=env.tool_timeout_seconds)
+    return Limits(max_turns=env.max_turns, max_episode_tokens=budget, tool_timeout_s=env.tool_timeout_seconds,
+                  episode_timeout_s=env.episode_timeout_seconds, sum_turn_rewards=env.episode_reward == "sum")

@@ -23,11 +23,25 @@ toolTimeoutSeconds for each `respond`/`reward` call. Those calls are the environ
 run on a thread of their own (`call_with_timeout`), never on the actor's event loop: a tool that hangs is abandoned
 at its timeout (its thread is a daemon and holds nothing the actor needs), the episode ends and is scored and
 counted, and the actor goes on. A call that raises ends the episode the same way (a tool error).
+episodeTimeoutSeconds bounds the whole episode, from its first reply to its last (tool calls and later turns;
+the final scoring has its own toolTimeoutSeconds): past it the episode is ended where it stands, scored by the
+environment's reward() (0 when that fails too) and counted as truncated and timed out (`timed_out`).
+
+Tools inside an answer: a tool that catches its own failure (the sandbox's python tool, rlkube.core.sandbox, gives
+its refusal or timeout as the tool's answer so the episode goes on) reports it with `note_tool`, which counts it on
+the episode whose `respond` is running (a context variable the tool's thread inherits).
+
+Per-turn rewards: `respond` may return `Turn(messages, reward)` instead of messages: the turn's reward is kept
+(`turn_rewards`, reported as the mean per rewarded turn, `turn_reward_mean`). The episode's reward, the one number
+its advantage is computed from (one advantage for every sampled token of the episode, as for a single-turn
+completion), is `reward()` ("final", the default) or, with episodeReward `sum`, the per-turn rewards plus
+`reward()`: per-turn rewards enter advantages only through that sum.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import random
@@ -43,8 +57,9 @@ log = logging.getLogger("rlkube.episodes")
 
 @runtime_checkable
 class Episode(Protocol):
-    def respond(self, reply: str) -> Sequence[Message] | None:
-        """The environment's answer to the model's reply: messages to append, or None/[] when the episode ends."""
+    def respond(self, reply: str) -> Sequence[Message] | Turn | None:
+        """The environment's answer to the model's reply: messages to append, or None/[] when the episode ends;
+        a `Turn` to give the turn a reward too."""
         ...
 
     def reward(self) -> float:
@@ -60,10 +75,33 @@ class Environment(Protocol):
 
 
 @dataclass(frozen=True)
+class Turn:
+    """An answer with the turn's reward: what `respond` may return instead of bare messages."""
+
+    messages: Sequence[Message] | None
+    reward: float | None = None
+
+
+@dataclass(frozen=True)
 class Limits:
     max_turns: int = 4
     max_episode_tokens: int | None = None  # prompt + every reply + every environment message
     tool_timeout_s: float = 10.0
+    episode_timeout_s: float | None = None  # from the first reply to the last; scoring excluded
+    sum_turn_rewards: bool = False  # the episode's reward: per-turn rewards + reward() (else reward() alone)
+
+
+TOOL_COUNTS = ("tool_errors", "tool_timeouts", "sandbox_refusals")
+_tally: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("rlkube_episode_tools", default=None)
+
+
+def note_tool(*counts: str) -> None:
+    """Count a tool's failure (names from TOOL_COUNTS) on the episode whose environment call is running; nothing
+    outside an episode (a tool called from a test or a script)."""
+    tally = _tally.get()
+    if tally is not None:
+        for name in counts:
+            tally[name] = tally.get(name, 0) + 1
 
 
 class ToolTimeout(Exception):
@@ -81,6 +119,7 @@ async def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout: float) 
     wait behind them."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
+    context = contextvars.copy_context()  # the episode's tally (note_tool), as asyncio.to_thread does
 
     def settle(ok: bool, value: Any) -> None:
         if not done.done():
@@ -88,7 +127,7 @@ async def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout: float) 
 
     def target() -> None:
         try:
-            outcome = (True, fn(*args))
+            outcome = (True, context.run(fn, *args))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
             outcome = (False, exc)
         try:
@@ -199,7 +238,10 @@ class EpisodeResult:
     tool_calls: int = 0  # environment answers (each `respond` that returned messages)
     tool_errors: int = 0  # `respond` or `reward` raised (or returned no finite number)
     tool_timeouts: int = 0
-    truncated: bool = False  # ended by maxTurns or maxEpisodeTokens while the environment wanted to go on
+    sandbox_refusals: int = 0  # the sandbox refused a tool's snippet (no network; counted as tool errors too)
+    truncated: bool = False  # ended by a limit (turns, tokens, time) while the environment wanted to go on
+    timed_out: bool = False  # ended by episodeTimeoutSeconds
+    turn_rewards: list[float] = field(default_factory=list)
     finished: bool = True
     reward_error: bool = False
     messages: list[Message] = field(default_factory=list)  # the replies (decoded) and the environment's messages
@@ -228,7 +270,32 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: M
     end, and score it. `first.prompt_ids` must hold the engine's ids of the prompt."""
     assert first.prompt_ids is not None
     result = EpisodeResult(prompt_ids=list(first.prompt_ids))
-    reply = first
+    tally: dict[str, int] = {}
+    token = _tally.set(tally)
+    try:
+        deadline = asyncio.timeout(limits.episode_timeout_s)
+        try:
+            async with deadline:
+                await _play(episode, first, sample, encode, decode, limits, max_new_tokens, result)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            result.timed_out = result.truncated = True
+            _drop_unanswered(result)
+            log.warning("episode ended: over its time limit of %gs (after %d turns)", limits.episode_timeout_s,
+                        result.turns)
+        await _score(episode, result, limits)
+    finally:
+        _tally.reset(token)
+    for name in TOOL_COUNTS:
+        setattr(result, name, getattr(result, name) + tally.get(name, 0))
+    return result
+
+
+async def _play(episode: Episode, reply: Reply, sample: Sampler, encode: MessageEncoder,
+                decode: Callable[[list[int]], str], limits: Limits, max_new_tokens: int,
+                result: EpisodeResult) -> None:
+    """The turns, adding to `result` as they go (an episode cut by its time limit keeps what it had)."""
     while True:
         result.add(reply.token_ids, reply.logprobs, reply.versions if reply.versions is not None else reply.version)
         result.turns += 1
@@ -240,28 +307,37 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: M
         except ToolTimeout as exc:
             result.tool_timeouts += 1
             log.warning("episode ended: the environment's answer timed out (%s)", exc)
-            break
+            return
         except Exception as exc:  # noqa: BLE001 - the environment's code: a failed tool ends the episode
             result.tool_errors += 1
             log.warning("episode ended: the environment failed: %s: %s", type(exc).__name__, exc)
-            break
+            return
+        if isinstance(answer, Turn):
+            if answer.reward is not None:
+                try:
+                    result.turn_rewards.append(_finite(answer.reward))
+                except (TypeError, ValueError) as exc:
+                    result.tool_errors += 1
+                    log.warning("episode ended: the turn's reward is unusable: %s", exc)
+                    return
+            answer = answer.messages
         if not answer:
-            break
+            return
         if result.turns >= limits.max_turns:
             result.truncated = True
-            break
+            return
         try:
             ids = encode(answer, reply.token_ids[-1] if reply.finished and reply.token_ids else None)
         except Exception as exc:  # noqa: BLE001 - an answer that is not messages the template can render
             result.tool_errors += 1
             log.warning("episode ended: the environment's answer %r cannot be tokenized: %s: %s", answer,
                         type(exc).__name__, exc)
-            break
+            return
         budget = limits.max_episode_tokens
         room = None if budget is None else budget - result.length - len(ids)
         if room is not None and room < 1:
             result.truncated = True  # no room for the answer and one more sampled token
-            break
+            return
         result.tool_calls += 1
         result.messages += [dict(m) for m in answer]
         result.add(ids, None, result.versions[-1] if result.versions else reply.version)
@@ -271,18 +347,32 @@ async def run_episode(episode: Episode, first: Reply, sample: Sampler, encode: M
         except SampleRefused as exc:
             result.truncated = True
             log.warning("episode truncated: %s", exc)
-            break
-    await _score(episode, result, limits)
-    return result
+            return
+
+
+def _drop_unanswered(result: EpisodeResult) -> None:
+    """An episode cut while its next reply was being sampled ends with the environment's answer that no reply
+    follows: dropped, so the episode ends on the model's last turn, as its conversation does."""
+    if result.env_spans and result.env_spans[-1][1] == len(result.tokens):
+        begin = result.env_spans.pop()[0]
+        del result.tokens[begin:], result.logprobs[begin:], result.versions[begin:]
+        last_reply = max(i for i, m in enumerate(result.messages) if m["role"] == "assistant")
+        del result.messages[last_reply + 1:]
+
+
+def _finite(value: Any) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
 
 
 async def _score(episode: Episode, result: EpisodeResult, limits: Limits) -> None:
+    """The episode's reward: reward(), plus the per-turn rewards with limits.sum_turn_rewards; 0 if it fails."""
     try:
         value = await call_with_timeout(episode.reward, timeout=limits.tool_timeout_s)
-        reward = float(value)
-        if not math.isfinite(reward):
-            raise ValueError(f"the reward is {value!r}, not a finite number")
-        result.reward = reward
+        reward = _finite(value)
+        result.reward = reward + (sum(result.turn_rewards) if limits.sum_turn_rewards else 0.0)
     except ToolTimeout as exc:
         result.tool_timeouts += 1
         result.reward_error = True

@@ -3,6 +3,8 @@
 The actor samples a prompt, renders it (`prompt_renderer`: plain text, or the tokenizer's chat template), asks
 inference for a group of completions, and scores each with a `Scorer` over the task's `reward`. A task is anything
 with `name`, `prompt(rng)` and `reward(prompt, completion)`. Where tasks come from (`load_task`):
+- `spec.task.reasoningGym`: a reasoning-gym procedural task, scored by its own `score_answer`
+  (rlkube.core.gym_tasks);
 - the built-ins below, tiny verifiable string tasks that a randomly initialised model can measurably learn on one
   CPU core (`rlkube tasks` lists them);
 - `spec.task.dataset`: prompts from JSONL, Parquet or a `datasets` directory (rlkube.core.prompt_dataset);
@@ -211,6 +213,11 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
             raise TaskError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)")
         task: Any = DatasetTask.load(spec.name, spec.dataset, shard)
         spec_field, where = "spec.task.dataset", f"spec.task.dataset {spec.dataset.path!r}"
+    elif spec.reasoning_gym is not None:
+        from rlkube.core import gym_tasks  # imported here: reasoning-gym is an optional extra (`agents`)
+
+        task = gym_tasks.load(spec.reasoning_gym, shard)
+        spec_field, where = "spec.task.reasoningGym", f"spec.task.reasoningGym {spec.reasoning_gym.name!r}"
     elif spec.entry_point:
         factory = import_attribute(spec.entry_point, "spec.task.entryPoint")
         task = factory(**spec.params)
@@ -336,8 +343,11 @@ def cli(args: Any) -> int:
         print(f"{name:16} {doc} e.g. {p.text!r} -> {p.meta['answer']!r}; params: {shown}")
     print("dataset tasks: spec.task.dataset (JSONL, Parquet or a `datasets` directory) with spec.task.reward "
           "(math, exact, regex, or python `package.module:function`)")
+    print("reasoning-gym tasks: spec.task.reasoningGym = {name: basic_arithmetic, config: {...}, seed} (the "
+          "`agents` extra; scored by the task's own score_answer)")
     print("custom tasks: spec.task.entryPoint = 'package.module:factory' (called with **spec.task.params)")
     print("multi-turn environments: spec.task.environment.name = 'calculator' (a reply with `?` calls the calculator "
           "on the prompt's sum, the next must repeat its answer; params maxOperand, operations, callCredit, "
-          "kindCredit), or spec.task.environment.entryPoint = 'package.module:factory' (rlkube.core.episodes)")
+          "kindCredit), 'verifiers' (params.taskset: a verifiers taskset's id, run through the episode interface; the "
+          "`agents` extra), or spec.task.environment.entryPoint = 'package.module:factory' (rlkube.core.episodes)")
     return 0

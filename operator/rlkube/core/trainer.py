@@ -504,7 +504,7 @@ class TrainerRole:
         # parallelism tensor-parallel rank 0 of each replica reads for it.
         self.consumer = protocol.consumer_name(self.dp.data_rank if self.dp is not None else ctx.index)
         self.skipped = 0
-        self._episodes_last: dict[str, int] = {}  # the episode counts at the previous report
+        self._episodes_last: dict[str, float] = {}  # the episode counts at the previous report
         self.document_timeout_s = document_timeout_s
         self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
         self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
@@ -827,18 +827,22 @@ class TrainerRole:
         if not self.leader or self.ctx.spec.task.environment is None:
             return {}
         raw = self.redis.hgetall(self.keys.episodes)
-        totals = {protocol.text(k): int(v) for k, v in raw.items()}
+        totals = {protocol.text(k): float(v) for k, v in raw.items()}
         last = self._episodes_last
         self._episodes_last = totals
-        out: dict[str, float] = {f"episode_{k}": totals.get(k, 0) for k in EPISODE_COUNTS}
+        out: dict[str, float] = {f"episode_{k}": int(totals.get(k, 0)) for k in EPISODE_COUNTS}
         new = totals.get("episodes", 0) - last.get("episodes", 0)
         if new > 0:
             for key in ("turns", "tool_calls"):
                 out[f"{key}_per_episode"] = (totals.get(key, 0) - last.get(key, 0)) / new
+        rewarded = totals.get("turn_rewards", 0) - last.get("turn_rewards", 0)
+        if rewarded > 0:  # the mean reward per rewarded turn since the previous report
+            out["turn_reward_mean"] = (totals.get("turn_reward_sum", 0) - last.get("turn_reward_sum", 0)) / rewarded
         return out
 
 
-EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "truncated", "drifted")
+EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "sandbox_refusals",
+                  "truncated", "timed_out", "drifted", "turn_rewards")
 
 
 def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publisher:

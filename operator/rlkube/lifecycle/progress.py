@@ -3,8 +3,10 @@
 The operator folds these facts into `status.trainer` (and `status.completion`), `rlkube local` into its progress
 bar and summary. Only this module knows which payload field carries what (a weights_ready's `version` falls back
 to its `step`, a checkpoint path comes as `path` or `checkpoint`, the step's worst lag as `lag_max` or `lag`, the
-step's mean reward as `reward_mean`, its throughput as `tokens_per_s`), so the two launchers cannot read the same
-event differently. Unknown types carry no facts.
+step's mean reward as `reward_mean`, its throughput as `tokens_per_s`, an evaluation's weight version and mean
+reward as `version` and `reward_mean`), so the two launchers cannot read the same event differently. Unknown types
+carry no facts. An `evaluation` comes from actor 0, not the trainer (spec.evaluation): `from_trainer` is False, so
+it never counts as the trainer being alive (the stall rule, docs/design.md §4.3).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Facts:
     tokens_per_s: float | None = None
     """Tokens the trainer consumed per second of the step's wall time (1 decimal)."""
     metrics: dict[str, Any] | None = None
+    evaluation: tuple[int, float] | None = None
+    """(weight version, mean reward over the eval set, 4 decimals) of an evaluation event."""
+    evaluation_payload: dict[str, Any] | None = None
+    from_trainer: bool = True
 
 
 def read(ev: protocol.TrainerEvent) -> Facts:
@@ -75,4 +81,8 @@ def read(ev: protocol.TrainerEvent) -> Facts:
         garbled = "step" in payload and step is None
         return Facts(step=step, checkpoint=(step, path) if step is not None and path else None, finished=True,
                      interrupted=bool(payload.get("interrupted")) or garbled)
+    if ev.type == protocol.EVALUATION:
+        version, reward = _int(payload.get("version")), _float(payload.get("reward_mean"), 4)
+        return Facts(evaluation=(version, reward) if version is not None and reward is not None else None,
+                     evaluation_payload=payload, from_trainer=False)
     return Facts()

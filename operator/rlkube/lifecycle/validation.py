@@ -20,9 +20,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
-from rlkube.api.spec import API_VERSION, GPU, KIND, TaskSpec, TrainingJobSpec
+from rlkube.api.spec import API_VERSION, GPU, KIND, PodTemplate, TaskSpec, TrainingJobSpec
 from rlkube.lifecycle import owned
 from rlkube.lifecycle.image_reference import reference_error
+from rlkube.lifecycle.label_syntax import annotation_errors, label_errors
 from rlkube.contract.parallel import tensor_parallel_heads_error, trainer_world_size
 from rlkube.lifecycle.environment import operator_env_names
 
@@ -231,6 +232,15 @@ def _owned_label(key: str) -> bool:
     return key.startswith(owned.OWNED_PREFIX) or key in (owned.LABEL_MANAGED_BY, owned.LABEL_NAME)
 
 
+def _syntax_errors(at: str, tpl: PodTemplate) -> list[FieldError]:
+    """Labels, annotations and nodeSelector entries the API server would refuse in the role's Pod (label_syntax)."""
+    errs = [FieldError(f"{at}.metadata.labels[{key}]", why) for key, why in label_errors(tpl.metadata.labels)]
+    errs += [FieldError(f"{at}.metadata.annotations" + (f"[{key}]" if key is not None else ""), why)
+             for key, why in annotation_errors(tpl.metadata.annotations)]
+    errs += [FieldError(f"{at}.spec.nodeSelector[{key}]", why) for key, why in label_errors(tpl.spec.node_selector)]
+    return errs
+
+
 def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """What a pod template may not change: the operator's labels, env, volumes and mounts, named by field
     (`spec.trainer.template.spec.containers[trainer].env[RANK]`). Fields the operator sets outright (command,
@@ -249,6 +259,7 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
                 if _owned_label(key):
                     errs.append(FieldError(f"{at}.metadata.{kind}[{key}]", "set by the operator (its own keys: "
                                            f"{owned.OWNED_PREFIX}*, {owned.LABEL_MANAGED_BY}, {owned.LABEL_NAME})"))
+        errs += _syntax_errors(at, tpl)
         pod = tpl.spec
         owned_volumes = owned.owned_volumes(role, spec)
         volumes = {v.name for v in pod.volumes} | set(owned.role_volumes(role, spec))
@@ -327,6 +338,12 @@ def task_errors(task: TaskSpec) -> list[FieldError]:
         ):
             errs.append(FieldError("spec.task.dataset.path", f"must lie below mountPath {ds.mount_path} where "
                                    f"claimName {ds.claim_name!r} is mounted"))
+    if task.reasoning_gym is not None:
+        for field, clash in (("spec.task.dataset", ds is not None), ("spec.task.entryPoint", bool(task.entry_point)),
+                             ("spec.task.params", bool(task.params))):
+            if clash:
+                errs.append(FieldError(field, "not with spec.task.reasoningGym (its prompts come from the "
+                                       "reasoning-gym task; its settings go in reasoningGym.config)"))
     if reward is not None:
         if reward.type == "python" and not reward.function:
             errs.append(FieldError("spec.task.reward.function", "required when spec.task.reward.type is python"))
@@ -394,6 +411,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
     errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec) + environment_errors(spec)
+    errs += evaluation_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -425,6 +443,25 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+def evaluation_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """spec.evaluation: a split is one of spec.task.dataset's (held out by the split, not by a hash); evaluation
+    scores samples, so it needs a reward (sft reads a dataset that may have none)."""
+    ev = spec.evaluation
+    if ev is None:
+        return []
+    errs: list[FieldError] = []
+    if ev.split is not None and spec.task.dataset is None:
+        errs.append(FieldError("spec.evaluation.split", "needs spec.task.dataset (a split of the training dataset; "
+                               "without one, prompts are held out by spec.evaluation.heldOutFraction)"))
+    if ev.split is not None and ev.held_out_fraction is not None:
+        errs.append(FieldError("spec.evaluation.heldOutFraction", "not with spec.evaluation.split: the split holds "
+                               "the eval prompts out"))
+    if spec.task.reward is None and spec.task.dataset is not None:
+        errs.append(FieldError("spec.evaluation", "needs spec.task.reward: this dataset task (loss sft) scores no "
+                               "sample"))
+    return errs
+
+
 def environment_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """spec.task.environment (multi-turn episodes, rlkube.core.episodes): one source, built-in name or entryPoint;
     sampled episodes, so not with sft; and an episode budget the trainer can take whole (the preprocessor drops
@@ -435,7 +472,7 @@ def environment_errors(spec: TrainingJobSpec) -> list[FieldError]:
     errs: list[FieldError] = []
     if (env.name is None) == (env.entry_point is None):
         errs.append(FieldError("spec.task.environment.name", "set exactly one of name (a built-in environment: "
-                               "calculator) and entryPoint"))
+                               "calculator, verifiers) and entryPoint"))
     if spec.algorithm.loss == "sft":
         errs.append(FieldError("spec.task.environment", "not with spec.algorithm.loss sft (episodes are sampled from "
                                "the policy; sft reads reference completions)"))

@@ -70,6 +70,8 @@ class RunResult:
     restarts: dict[str, int] = field(default_factory=dict)
     stalled: bool = False
     invalid: list[str] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    """Every `evaluation` event's payload (spec.evaluation), in stream order."""
 
     def reward_window(self, first: bool, n: int = 10) -> float | None:
         rewards = [m["reward_mean"] for m in self.metrics if isinstance(m.get("reward_mean"), int | float)]
@@ -86,6 +88,10 @@ class RunResult:
             "max_steps": self.max_steps,
             "reward_first": self.reward_window(first=True),
             "reward_last": self.reward_window(first=False),
+            # spec.evaluation: the held-out set's mean reward per evaluated weight version, first and last.
+            "eval_versions": [e["version"] for e in self.evaluations],
+            "eval_reward_first": self.evaluations[0]["reward_mean"] if self.evaluations else None,
+            "eval_reward_last": self.evaluations[-1]["reward_mean"] if self.evaluations else None,
             "teardown": self.teardown,
             "forced": self.forced,
             "checkpoint": self.checkpoint,
@@ -109,6 +115,7 @@ class LocalJob:
         self.procs: dict[str, list[RoleProcess]] = {r: [] for r in roles.CORE_ROLES}
         self.keys = protocol.StreamKeys.for_job(NAMESPACE, name, spec.trainer.backend)
         self.metrics: list[dict[str, Any]] = []
+        self.evaluations: list[dict[str, Any]] = []
         self.teardown: list[str] = []
         self.forced: list[str] = []
         self.step = 0
@@ -221,9 +228,14 @@ class LocalJob:
             self._ingest(event)
 
     def _ingest(self, event: protocol.TrainerEvent) -> None:
-        self.last_event_at = _now()
         self.events_seen[event.type] = self.events_seen.get(event.type, 0) + 1
         facts = progress.read(event)
+        if facts.from_trainer:  # an actor's evaluation says nothing of the trainer being alive (the stall rule)
+            self.last_event_at = _now()
+        if facts.evaluation is not None:
+            # The payload whole (full precision; the status rounds to 4 decimals), as the metrics events are kept.
+            self.evaluations.append({**(facts.evaluation_payload or {}), "version": facts.evaluation[0],
+                                     "_t": event.time})
         if facts.step is not None:
             self.step = max(self.step, facts.step)
         if facts.weights_version is not None:
@@ -370,6 +382,8 @@ class LocalJob:
             parts.append(f"lag {m['lag_max']}")
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+        if self.evaluations:
+            parts.append(f"eval {self.evaluations[-1]['reward_mean']:.3f} @v{self.evaluations[-1]['version']}")
         errors = sum(int(x.get("reward_errors") or 0) for x in self.metrics)
         if errors:
             parts.append(f"{errors} reward errors")  # samples whose reward function failed (scored 0)
@@ -403,9 +417,13 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _plot(metrics: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+def _plot(metrics: list[dict[str, Any]], path: Path, title: str,
+          evaluations: list[dict[str, Any]] = ()) -> Path | None:
+    """The steps' mean training reward and, with spec.evaluation, the eval set's mean reward at each evaluated
+    weight version (version v is the weights after step v)."""
     points = [(m["step"], m["reward_mean"]) for m in metrics if "step" in m and "reward_mean" in m]
-    if not points:
+    evals = [(e["version"], e["reward_mean"]) for e in evaluations]
+    if not points and not evals:
         return None
     import matplotlib
 
@@ -413,9 +431,12 @@ def _plot(metrics: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward of the step's samples")
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label="training samples (per step)")
+    if evals:
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="held-out eval set (per version)")
+        ax.legend(loc="best", fontsize="small")
+    ax.set_xlabel("optimizer step / weight version")
+    ax.set_ylabel("mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -496,9 +517,12 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
         events=job.events_seen,
         restarts=job.restarts,
         stalled=job.stalled,
+        evaluations=job.evaluations,
     )
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in job.metrics))
-    _plot(job.metrics, out / "reward.png", f"{name}: {spec.algorithm.loss} on {spec.task.name}")
+    if job.evaluations:
+        (out / "evaluation.jsonl").write_text("".join(json.dumps(e) + "\n" for e in job.evaluations))
+    _plot(job.metrics, out / "reward.png", f"{name}: {spec.algorithm.loss} on {spec.task.name}", job.evaluations)
     if outcome.phase != Phase.SUCCEEDED:
         for procs in job.procs.values():
             for p in procs:
@@ -530,6 +554,8 @@ def cli(args) -> int:
     console.print(
         f"[{color}]{result.phase}[/{color}] ({result.reason}: {result.message}); steps {s['steps']}/{s['max_steps']}; "
         f"reward first-10 {_fmt(s['reward_first'])}, last-10 {_fmt(s['reward_last'])}; "
+        + (f"eval reward {_fmt(s['eval_reward_first'])} (v{s['eval_versions'][0]}) -> {_fmt(s['eval_reward_last'])} "
+           f"(v{s['eval_versions'][-1]}); " if s["eval_versions"] else "") +
         f"teardown {' -> '.join(s['teardown'])}; "
         f"{s['wall_seconds']}s; output {s['output_dir']}"
     )
