@@ -155,8 +155,11 @@ def test_modules_exist_in_the_package(name):
         path = _module_file(module)
         assert path is not None, f"{name}: {module} is not in the package (operator/{module.replace('.', '/')}.py)"
         if module.startswith("rlkube.core.") and module.count(".") == 2 and module != "rlkube.contract.protocol":
-            # A role started as `python -m rlkube.core.<role>` must do something when run.
-            assert 'if __name__ == "__main__"' in path.read_text(), f"{module} has no __main__ entry"
+            # A role started as `python -m rlkube.core.<role>` must do something when run (a package: __main__.py).
+            if path.name == "__init__.py":
+                assert (path.parent / "__main__.py").is_file(), f"{module} has no __main__.py"
+            else:
+                assert 'if __name__ == "__main__"' in path.read_text(), f"{module} has no __main__ entry"
 
 
 def test_operator_cli_module_has_the_operator_subcommand():

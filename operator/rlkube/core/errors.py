@@ -44,6 +44,9 @@ def role_help(main: Callable[[], int]) -> str:
     module = sys.modules.get(main.__module__)
     spec = getattr(module, "__spec__", None)
     name = spec.name if spec else main.__module__  # under `python -m` the module is __main__
+    if name.endswith(".__main__"):  # `python -m <package>`: the package names and describes the role
+        name = name.removesuffix(".__main__")
+        module = sys.modules.get(name, module)
     env = sorted(v for k, v in vars(runtime).items() if k.startswith("ENV_") and isinstance(v, str))
     return (f"usage: python -m {name}\n\n{(getattr(module, '__doc__', None) or '').strip()}\n\n"
             "Arguments: none. The launcher (the operator's pod, or `rlkube local`) configures the role through "
