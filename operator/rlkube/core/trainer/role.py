@@ -210,7 +210,7 @@ class TrainerRole:
                       ) -> list[protocol.Document] | None:
         """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded or
         tensor parallel: returns `docs` short when the weights must be sent again first (`_republish_due`). A
-        tensor-parallel peer that does not read returns at once (it gets its reader's documents in `run`)."""
+        tensor-parallel peer that does not read returns at once (it gets its reader's documents in `_collect`)."""
         docs = [] if docs is None else docs
         if not self.parallel.reads_documents:
             return None if self._stopping() else docs
