@@ -54,7 +54,7 @@ class Single:
         return stop.is_set()
 
     def signal(self, key: str, raised: bool) -> bool:
-        """Nobody else has to gather the weights with this process: no republication to agree on."""
+        """No peers: no flag is ever up for all ranks to act on."""
         return False
 
     def check_peers(self) -> None:
