@@ -319,6 +319,7 @@ def test_data_parallel_reduces_the_ratio_extrema_by_min_and_max():
     """Two ranks: sums add over ranks, is_ratio_min / is_ratio_max are a min and a max (trainer.optim_step)."""
     from rlkube.contract import protocol
     from rlkube.core.trainer import Trainer
+    from rlkube.core.trainer.parallel import DataParallelGroup
 
     class TwoRanks:  # the other rank saw the same sums, a smaller minimum and a larger maximum
         def sum_gradients(self, params, extra):
@@ -333,7 +334,7 @@ def test_data_parallel_reduces_the_ratio_extrema_by_min_and_max():
     doc = protocol.Document(np.arange(3, 11, dtype=np.int64), [(0, 3)], advantage=1.0,
                             old_log_probabilities=old, model_version=np.zeros(8, dtype=np.int64))
     single = trainer.forward_backward([doc])
-    trainer.dp = TwoRanks()
+    trainer.parallel = DataParallelGroup(TwoRanks())
     step = trainer.optim_step()
     assert step["loss_tokens"] == 2 * single["loss_tokens"]
     assert step["is_ratio_mean"] == pytest.approx(single["is_ratio_mean"])

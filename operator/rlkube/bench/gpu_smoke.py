@@ -153,12 +153,13 @@ class _InProcessReceiver:
 
 
 class InProcessPublisher:
-    """The trainer's Publisher (rlkube.core.trainer.Publisher) for an engine in the same process: the FSDP
+    """The trainer's Publisher (rlkube.core.trainer.publishers.Publisher) for an engine in the same process: the FSDP
     trainer hands it a StreamedWeights, whose passes it runs as rlkube.core.weightsync.WeightPublisher does
     (`more(True)`, every bucket, `more(False)`), keeps the buckets instead of broadcasting them, unpacks and
     verifies them as WeightReceiver.receive does, then lets the engine's WeightFollower apply the update."""
 
     streams = True  # the trainer must not drain the stream itself: this publisher runs its passes
+    rejoin_pending = False  # the engine is in this process: it never asks to rejoin
 
     def __init__(self, follower) -> None:
         self.follower = follower

@@ -122,7 +122,7 @@ class LossStats:
     ref_kl_sum: float = 0.0  # k3 KL to the reference policy, summed over loss tokens
     ref_kl_tokens: float = 0.0
 
-    # Fields merged by min / max instead of summed (data parallelism reduces them the same way: trainer.py).
+    # Fields merged by min / max instead of summed (data parallelism reduces them the same way: trainer/parallel.py).
     EXTREMA: ClassVar[dict[str, str]] = {"is_ratio_min": "min", "is_ratio_max": "max"}
 
     def merge(self, other: LossStats) -> LossStats:

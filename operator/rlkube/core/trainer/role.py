@@ -1,0 +1,538 @@
+"""The trainer ROLE (`python -m rlkube.core.trainer`): the loop around the Trainer API (rlkube.core.trainer.api).
+
+The role reads the job's training documents from Redis (Fast-LLM's consumer-group protocol), trains
+`samplesPerStep` documents per step, and reports on the job's events stream:
+
+    weights_ready (at start, then after every step; announce BEFORE the transfer)  ->  metrics (every step)
+    checkpoint_saved (every intervalSteps and at the end)  ->  training_finished (last, see below)
+
+Each step of `TrainerRole.run` is a named step: collect (this rank's documents, agreed with the other ranks),
+train, publish (the new weights), checkpoint.
+
+`training_finished` is published only after the final checkpoint is durable and the weight-update group is
+closed; on SIGTERM the trainer finishes the current step, checkpoints, and publishes it with interrupted=true
+(like Fast-LLM); on an exception it publishes nothing and exits non-zero, so the operator never mistakes a crash
+for completion (docs/references.md §6.3).
+
+Two ways the trainer could otherwise hang past its grace period: a weight transfer waits for every inference
+rank (up to gloo's 300 s when one never joins or died), so transfers run on a worker thread that SIGTERM stops
+waiting for (the step is checkpointed and reported interrupted, the process exits without joining the thread);
+and documents that stop coming: like Fast-LLM, the trainer gives up after RLKUBE_DOCUMENT_TIMEOUT_S (600 s)
+without one, checkpoints what it trained and exits 1 without training_finished.
+
+A restarted trainer resumes from the newest checkpoint in its directory. When its launcher saw a newer one saved
+(RLKUBE_RESUME_CHECKPOINT) it exits 78 naming spec.trainer.checkpoint.claimName instead: the checkpoint volume was
+lost (an emptyDir with its pod), and starting over would silently drop the job's progress
+(rlkube.contract.checkpoint_loss).
+
+With more than one rank (spec.trainer.nodes x processes per node; torch and megatron backends) one trainer
+process runs per rank, data-parallel (several per pod through rlkube.core.launcher; see
+rlkube.core.backends.torch_distributed and rlkube.core.trainer.parallel): each rank reads its share of
+samplesPerStep documents per step as its own consumer `fast_llm_consumer_{rank}`, the gradients are summed over
+the ranks (normalised by the step's global loss-token count, so the result is single-process training on the
+union of the step's documents), and every rank steps.
+Rank 0 alone loads checkpoints (then broadcasts weights, optimizer state and counters), writes checkpoints,
+transfers weights to inference, and publishes events; the other ranks exit 0 once rank 0 has finished. SIGTERM
+(to any rank) stops all ranks after the same step; a rank that dies makes the others exit 1 within
+RLKUBE_COLLECTIVE_TIMEOUT_S, without training_finished.
+
+With megatron's tensor parallelism (spec.trainer.megatron.tensorParallel = TP) the ranks form ranks / TP data-
+parallel replicas of TP ranks each (`DataParallel.use_layout`): tensor-parallel rank 0 of replica r reads its share
+as `fast_llm_consumer_{r}` and hands the documents to its peers; counts, statistics and gradients are summed over
+the replicas only. Every rank holds a part of every weight, so weights, checkpoints and the start-up sync are
+collectives (`Trainer.collective`, as for FSDP): every rank gathers, rank 0 alone sends and writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+
+from rlkube.contract import checkpoint_loss, protocol, runtime, streams
+from rlkube.contract.context import RoleContext
+from rlkube.contract.parallel import processes_per_node, trainer_world_size
+from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
+from rlkube.core.errors import ConfigError, write_termination_message
+from rlkube.core.hf.source import materialize_model
+from rlkube.core.roles import stop_on_signals
+from rlkube.core.trainer.api import Trainer
+from rlkube.core.trainer.publishers import _make_publisher
+
+log = logging.getLogger("rlkube.trainer")
+
+READ_BLOCK_MS = 1000  # Fast-LLM's XREADGROUP block; also how often a waiting trainer checks for SIGTERM
+ENV_DOCUMENT_TIMEOUT = "RLKUBE_DOCUMENT_TIMEOUT_S"
+DEFAULT_DOCUMENT_TIMEOUT_S = 600.0  # Fast-LLM gives up after this long without a document
+
+
+def document_timeout_from_env(env) -> float:
+    """Seconds without a training document after which the trainer gives up (exit 1, no training_finished)."""
+    raw = env.get(ENV_DOCUMENT_TIMEOUT)
+    if raw is None or raw == "":
+        return DEFAULT_DOCUMENT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DOCUMENT_TIMEOUT}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{ENV_DOCUMENT_TIMEOUT}={raw!r} must be > 0 seconds")
+    return value
+
+
+class DocumentTimeout(RuntimeError):
+    """No training document arrived for the configured time (RLKUBE_DOCUMENT_TIMEOUT_S)."""
+
+
+TRANSFER_POLL_S = 0.2  # how often the main thread checks for SIGTERM while a weight transfer runs
+TRANSFER_GRACE_S = 2.0  # after SIGTERM, how much longer a running transfer may take before it is abandoned
+
+
+class TrainerRole:
+    """The trainer process's loop; `stop` is set by SIGTERM (or by a test) to finish after the current step."""
+
+    def __init__(self, ctx: RoleContext, client: redis.Redis, trainer: Trainer, stop: threading.Event | None = None,
+                 document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S):
+        self.ctx = ctx
+        self.redis = client
+        self.keys = ctx.keys
+        self.trainer = trainer
+        self.stop = stop or threading.Event()
+        self.parallel = trainer.parallel
+        self.leader = self.parallel.leader  # publishes events, checkpoints, transfers weights
+        # docs/design.md §5.4: one consumer per data-parallel trainer rank (RLKUBE_INDEX is the node rank); with tensor
+        # parallelism tensor-parallel rank 0 of each replica reads for it.
+        self.consumer = protocol.consumer_name(self.parallel.consumer_index(ctx.index))
+        self.skipped = 0
+        self._episodes_last: dict[str, float] = {}  # the episode counts at the previous report
+        self.document_timeout_s = document_timeout_s
+        self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
+        self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
+        self.published = True  # the last weight transfer finished (False: abandoned on SIGTERM)
+        # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
+        self.abandoned_transfer: threading.Thread | None = None
+
+    def _transfer(self, what: str, fn) -> bool:
+        """Run a weight publication (announce + transfer) on a worker thread and wait for it, but stop waiting on
+        SIGTERM: a transfer blocks until every inference rank joins or gloo's timeout (300 s) passes, which is
+        far beyond any teardown grace period. True when it finished; False when it was abandoned."""
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread (or logged if abandoned)
+                error.append(exc)
+                if self.abandoned_transfer is not None:
+                    log.warning("abandoned weight transfer (%s) ended with: %s", what, exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=target, name=f"weights-{what}", daemon=True)
+        thread.start()
+        while not done.wait(TRANSFER_POLL_S):
+            # A transfer that is merely slow may finish within a short grace; one waiting for a peer will not.
+            if self._stopping() and not done.wait(TRANSFER_GRACE_S):
+                log.warning("stop requested: abandoning the weight transfer (%s), which is still blocked", what)
+                self.abandoned_transfer = thread
+                return False
+        if error:
+            raise error[0]
+        return True
+
+    def share(self, samples_per_step: int) -> int:
+        """This rank's documents per step (rlkube.core.trainer.parallel)."""
+        return self.parallel.share(samples_per_step)
+
+    def _stopping(self) -> bool:
+        """SIGTERM here, or (data-parallel) on another rank: stop after the current step."""
+        return self.parallel.stopping(self.stop)
+
+    def _event(self, type_: str, **fields: Any) -> None:
+        if not self.leader:
+            return
+        self.redis.xadd(self.keys.events, protocol.encode_event(type_, **fields))
+
+    def read_documents(self, want: int) -> list[protocol.Document]:
+        """Up to `want` documents (blocks up to READ_BLOCK_MS); malformed entries are logged and skipped."""
+        try:
+            got = self.redis.xreadgroup(
+                protocol.DOCUMENTS_GROUP, self.consumer, {self.keys.documents: ">"}, count=want,
+                block=READ_BLOCK_MS, noack=True,
+            )
+        except redis.ResponseError as exc:
+            if not protocol.group_lost(exc):
+                raise
+            # A managed Redis restarted empty: the documents in it are lost either way; recreating the group lets
+            # training go on from the preprocessor's next documents. The events went too, so announce the current
+            # weights again: an actor that restarted meanwhile waits for a weights_ready before it samples.
+            log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
+                        exc, self.trainer.version)
+            streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
+            if self.trainer.collective and self.parallel.has_peers:
+                # A collective of every rank, which the other ranks may not be ready for now: rank 0 asks for it
+                # through the same agreement as a rejoining inference server (_republish_due).
+                self.announce_again = self.announce_again or self.leader
+            else:
+                self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
+            return []
+        docs = []
+        for _, entries in got or []:
+            for sid, fields in entries:
+                sid = sid.decode() if isinstance(sid, bytes) else sid
+                try:
+                    doc = protocol.decode_document(fields)
+                    self._check_length(doc)
+                except ValueError as exc:
+                    self.skipped += 1
+                    log.warning("skipping malformed document %s: %s", sid, exc)
+                    continue
+                docs.append(doc)
+        return docs
+
+    def _check_length(self, doc: protocol.Document) -> None:
+        n, limit = len(doc.tokens), self.trainer.backend.max_sequence_length
+        if n < 2:
+            raise ValueError(f"{n} tokens: a document needs at least 2")
+        if n > limit:
+            raise ValueError(f"{n} tokens exceed the model's maxSequenceLength {limit}")
+
+    def _collect_step(self, want: int, docs: list[protocol.Document] | None = None
+                      ) -> list[protocol.Document] | None:
+        """Exactly `want` documents (added to `docs`), or None when asked to stop before they arrived. Sharded or
+        tensor parallel: returns `docs` short when the weights must be sent again first (`_republish_due`). A
+        tensor-parallel peer that does not read returns at once (it gets its reader's documents in `_collect`)."""
+        docs = [] if docs is None else docs
+        if not self.parallel.reads_documents:
+            return None if self._stopping() else docs
+        # Like Fast-LLM: the timeout counts time spent WAITING without a document (not training or transfers).
+        last_document = time.monotonic()
+        while len(docs) < want:
+            if self._stopping():
+                if docs:
+                    log.info("stopping: dropping a partial step of %d/%d documents", len(docs), want)
+                return None
+            if self._republish_due():
+                return docs
+            self.parallel.check_peers()
+            got = self.read_documents(want - len(docs))
+            now = time.monotonic()
+            if got:
+                last_document = now
+            elif now - last_document > self.document_timeout_s:
+                raise DocumentTimeout(
+                    f"no training document for {self.document_timeout_s:g}s ({ENV_DOCUMENT_TIMEOUT}); "
+                    f"{len(docs)}/{want} documents of step {self.trainer.step + 1} received"
+                )
+            docs.extend(got)
+        return docs
+
+    def run(self) -> int:
+        """Step after step: collect -> train -> publish -> checkpoint, until maxSteps or a stop; then finish."""
+        t, algo = self.trainer, self.ctx.spec.algorithm
+        per_rank = self.share(algo.samples_per_step)
+        streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
+        if t.step >= algo.max_steps:
+            code = self._finish_again() if self.leader else 0
+            self.parallel.finish()
+            return code
+        self.published = self._transfer("initial weights", t.start_weights)
+        log.info("training from step %d to %d, %d documents per step (%d per rank)", t.step, algo.max_steps,
+                 algo.samples_per_step, per_rank)
+        try:
+            while t.step < algo.max_steps:
+                t0 = time.monotonic()
+                docs = self._collect(per_rank)
+                if docs is None:
+                    break
+                t1 = time.monotonic()
+                step_metrics, doc_stats = self._train(docs)
+                t2 = time.monotonic()
+                self._publish()
+                t3 = time.monotonic()
+                self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
+                self._checkpoint_if_due()
+        except (DocumentTimeout, PeerLost, torch.distributed.DistError):
+            # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
+            # are gone from the group; a step's weights change only after its collectives succeeded, so they are
+            # consistent), but publish no training_finished: this is a failure, and the operator must not read it
+            # as completion.
+            # (Sharded: saving is a collective with a peer that may be gone; the last interval's checkpoint stays.)
+            if (self.leader and not t.collective and t.step
+                    and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
+                self._checkpoint()
+            raise
+        if self.leader:
+            self._finish(interrupted=t.step < algo.max_steps)
+        elif t.collective and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step):
+            t.save_checkpoint()  # its part of rank 0's final checkpoint (a collective)
+        self.parallel.finish()  # the other ranks exit only after rank 0's final checkpoint and training_finished
+        return 0
+
+    def _collect(self, want: int) -> list[protocol.Document] | None:
+        """collect: this rank's `want` documents of the next step, or None to stop. The ranks meet and agree:
+        one rank stopping stops all of them after the same step, and weights some rank must send again
+        (`_republish_due`) are sent before the step's documents are collected on."""
+        t = self.trainer
+        docs: list[protocol.Document] | None = []
+        while True:
+            docs = None if not self.published or self._stopping() else self._collect_step(want, docs)
+            # Meet outside any collective (a peer may still wait for documents or a weight transfer).
+            self.parallel.meet(f"step/{t.step + 1}/{self.republished}", while_waiting=self._republish_due)
+            if self.parallel.any(docs is None):
+                if docs is not None:
+                    log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
+                             len(docs), t.step + 1)
+                return None
+            if not (t.collective and self.parallel.any(self._republish_due())):
+                return self.parallel.share_with_tensor_peers(docs)  # tensor parallel: the reader's documents
+            self.published = self._republish()  # then go on collecting this step's documents
+
+    def _train(self, docs: Sequence[protocol.Document]) -> tuple[dict[str, float], dict[str, float]]:
+        """train: one optimizer step on the step's documents; its metrics, and the statistics of every rank's
+        documents (a collective)."""
+        version_before = self.trainer.version
+        step_metrics = self.trainer.train_step(docs)
+        return step_metrics, self._document_stats(docs, version_before)
+
+    def _publish(self) -> None:
+        """publish: the new version's weights (sharded or tensor parallel: every rank gathers, rank 0 sends)."""
+        t = self.trainer
+        if self.leader or t.collective:
+            self.published = self._transfer(f"version {t.version}", lambda: t.publish_weights(t.version))
+
+    def _checkpoint_if_due(self) -> None:
+        """checkpoint: every spec.trainer.checkpoint.intervalSteps (a collective of every rank when sharded)."""
+        t = self.trainer
+        if (self.leader or t.collective) and t.step % self.ctx.spec.trainer.checkpoint.interval_steps == 0:
+            self._checkpoint()
+
+    def _republish_due(self) -> bool:
+        """Sharded (or tensor parallel, collective weights): an inference server restarted and asked to rejoin, and
+        rank 0 has no snapshot to send it from its watchdog (the weights are streamed from the shards), or Redis
+        lost the events (read_documents): all ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
+        while waiting for documents or for its peers, and all agree (`run`) before the collective transfer.
+        Without it a server that restarts while the trainer waits for documents (which only come once the server
+        serves again) would keep it waiting until the document timeout."""
+        if not self.trainer.collective:
+            return False
+        publisher = self.trainer.publisher
+        wanted = self.leader and (self.announce_again or (publisher is not None and publisher.rejoin_pending))
+        return self.parallel.signal(f"republish/{self.republished}", raised=wanted)
+
+    def _republish(self) -> bool:
+        log.warning("sending version %d again (every rank gathers): an inference server asked to rejoin, or the "
+                    "events were lost", self.trainer.version)
+        self.republished += 1
+        self.announce_again = False
+        return self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
+
+    def _finish(self, interrupted: bool) -> None:
+        t = self.trainer
+        if t.last_checkpoint is None or t.last_checkpoint[0] != t.step:
+            self._checkpoint()
+        if self.abandoned_transfer is None:
+            # close() first waits for a transfer still running (WeightPublisher(overlap=True)): interruptible too
+            self._transfer("close", t.close_weights)
+        if self.abandoned_transfer is not None:
+            # close() would wait for the blocked transfer; the inference servers leave the group on
+            # training_finished, and the process exits without joining the transfer thread (see main()).
+            log.warning("not closing the weight-update group: a transfer is still blocked in it")
+        self._report_finished(interrupted)
+
+    def _report_finished(self, interrupted: bool) -> None:
+        step, path = self.trainer.last_checkpoint
+        self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
+                    documents_seen=self.trainer.documents_seen)
+        log.info("training finished at step %d (interrupted=%s), checkpoint %s", step, interrupted, path)
+
+    def _finish_again(self) -> int:
+        """A restarted trainer whose checkpoint already holds every step (killed after the final checkpoint, before
+        or after training_finished): report the finish again and exit 0. It must not open the weight-update group:
+        the inference servers left it on the first training_finished, so the start-up transfer would wait for
+        ranks that never join (gloo's 300 s) and the job would hang with its work done."""
+        step, path = self.trainer.last_checkpoint  # set by resume(): only a resumed trainer starts at maxSteps
+        log.info("checkpoint %s already holds all %d steps: nothing to train, reporting training_finished again",
+                 path, step)
+        self._report_finished(interrupted=False)
+        return 0
+
+    def _checkpoint(self) -> None:
+        path = self.trainer.save_checkpoint()
+        if self.leader:
+            self._event(protocol.CHECKPOINT_SAVED, step=self.trainer.step, path=str(path))
+
+    def _document_stats(self, docs: Sequence[protocol.Document], version: int) -> dict[str, float]:
+        """The step's document statistics; with data parallelism, over every rank's share (two tiny collectives,
+        on every rank: the metrics rank 0 publishes describe the whole step)."""
+        versions = [int(d.model_version[d.loss_mask()].min()) for d in docs
+                    if d.model_version is not None and d.loss_mask().any()]
+        lags = [version - v for v in versions]
+        sums = [sum(d.reward for d in docs), len(docs), sum(len(d.tokens) for d in docs),
+                sum(1 for lag in lags if lag > self.ctx.spec.algorithm.max_lag), sum(d.reward_error for d in docs)]
+        lag_max = max(lags) if lags else 0
+        sums = self.parallel.sum(sums)
+        lag_max = self.parallel.max(lag_max)
+        reward_sum, n, tokens, stale, reward_errors = sums
+        return {"reward_mean": reward_sum / max(n, 1), "lag_max": int(lag_max), "stale_documents": int(stale),
+                "tokens": int(tokens), "reward_errors": int(reward_errors)}
+
+    def _metrics(self, d: dict[str, float], m: dict[str, float], wait_s: float, busy_s: float,
+                 publish_s: float) -> dict[str, Any]:
+        tokens = d["tokens"]
+        wall = max(wait_s + busy_s + publish_s, 1e-9)
+        return {
+            "step": self.trainer.step,
+            "version": self.trainer.version,
+            "loss": m["loss"],
+            "reward_mean": d["reward_mean"],
+            "reward_errors": d["reward_errors"],  # samples whose reward function failed (scored 0)
+            "lag_max": d["lag_max"],
+            "stale_documents": d["stale_documents"],
+            "tokens": tokens,
+            "loss_tokens": int(m["loss_tokens"]),
+            "tokens_per_s": tokens / wall,
+            "busy_s": busy_s,
+            "wait_s": wait_s,
+            "publish_s": publish_s,
+            "ratio_mean": m["ratio_mean"],
+            "clipped_fraction": m["clipped_fraction"],
+            "kl": m["kl"],
+            "entropy": m.get("entropy"),
+            # trainer vs sampler and the reference KL (rlkube.core.losses); absent when nothing measured them
+            **{k: m[k] for k in ("logprob_diff_abs", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
+                                 "is_truncated_fraction", "is_masked_fraction", "ref_kl") if k in m},
+            "grad_norm": m["grad_norm"],
+            "learning_rate": m["lr"],
+            "documents_seen": self.trainer.documents_seen,
+            "documents_skipped": self.skipped,
+            **self._filtered(),
+            **self._episodes(),
+        }
+
+    def _filtered(self) -> dict[str, int]:
+        """Zero-advantage groups (and their samples) the preprocessors dropped so far, whole job (rank 0 only:
+        it alone publishes the metrics)."""
+        if not self.leader:
+            return {}
+        groups, samples = self.redis.mget(self.keys.filtered_groups, self.keys.filtered_samples)
+        return {"filtered_groups": int(groups or 0), "filtered_samples": int(samples or 0)}
+
+
+    def _episodes(self) -> dict[str, float]:
+        """The actors' multi-turn episode counts (rlkube.core.episodes), whole job so far, and per episode since
+        the previous step's report (rank 0 only); nothing for single-turn jobs."""
+        if not self.leader or self.ctx.spec.task.environment is None:
+            return {}
+        raw = self.redis.hgetall(self.keys.episodes)
+        totals = {protocol.text(k): float(v) for k, v in raw.items()}
+        last = self._episodes_last
+        self._episodes_last = totals
+        out: dict[str, float] = {f"episode_{k}": int(totals.get(k, 0)) for k in EPISODE_COUNTS}
+        new = totals.get("episodes", 0) - last.get("episodes", 0)
+        if new > 0:
+            for key in ("turns", "tool_calls"):
+                out[f"{key}_per_episode"] = (totals.get(key, 0) - last.get(key, 0)) / new
+        rewarded = totals.get("turn_rewards", 0) - last.get("turn_rewards", 0)
+        if rewarded > 0:  # the mean reward per rewarded turn since the previous report
+            out["turn_reward_mean"] = (totals.get("turn_reward_sum", 0) - last.get("turn_reward_sum", 0)) / rewarded
+        return out
+
+
+EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "sandbox_refusals",
+                  "truncated", "timed_out", "drifted", "turn_rewards")
+
+
+def require_expected_checkpoint(trainer: Trainer, env) -> None:
+    """After resume(): a trainer whose launcher saw checkpoint N saved (runtime.ENV_RESUME_CHECKPOINT) and that
+    resumed from none, or from an older one, raises ConfigError (exit runtime.EXIT_CONFIG) instead of training on
+    from there: the job would lose its progress silently (rlkube.contract.checkpoint_loss)."""
+    resumed = trainer.last_checkpoint[0] if trainer.last_checkpoint is not None else None
+    message = checkpoint_loss.loss(env.get(runtime.ENV_RESUME_CHECKPOINT), resumed, str(trainer.checkpoint_dir))
+    if message is not None:
+        raise ConfigError(checkpoint_loss.FIELD, message)
+
+
+def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | None = None,
+               document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S, env=None) -> TrainerRole:
+    spec = ctx.spec
+    env = os.environ if env is None else env
+    world = trainer_world_size(spec)
+    if world > 1 and spec.trainer.backend not in ("torch", "megatron"):
+        raise ValueError(f"spec.trainer.backend={spec.trainer.backend}: `python -m rlkube.core.trainer` trains it "
+                         f"in one process, not {world} ranks (data parallelism: backends torch and megatron)")
+    sharded = spec.trainer.sharding == "fsdp"  # over world > 1 ranks (rlkube.lifecycle.validation)
+    cfg = DistConfig.from_env(env) if world > 1 else None
+    if cfg is not None and cfg.world_size != world:
+        raise ValueError(f"WORLD_SIZE={cfg.world_size} but the spec has {world} trainer ranks (spec.trainer.nodes "
+                         f"{spec.trainer.nodes} x {processes_per_node(spec)} processes per node)")
+    device = "cuda" if spec.trainer.gpus_per_node > 0 and torch.cuda.is_available() else "cpu"
+    if device == "cuda" and cfg is not None:
+        device = f"cuda:{cfg.local_rank}"
+        torch.cuda.set_device(device)
+    # The group first: a rank restarted alone must fail at once (DataParallel), not after loading the model.
+    dp = DataParallel(cfg, device=device) if cfg is not None else None
+    leader = dp is None or dp.is_leader
+    # Only rank 0 joins the weight-update group with the inference servers.
+    publisher = _make_publisher(ctx, client, device) if leader else None
+    model_dir = materialize_model(spec.model, ctx.model_cache_dir)
+    trainer = Trainer(spec, checkpoint_dir=ctx.checkpoint_dir, publisher=publisher, device=device, dp=dp,
+                      model_dir=model_dir)
+    if ctx.checkpoint_dir is None:
+        log.warning("RLKUBE_CHECKPOINT_DIR unset: using ./checkpoints")
+        trainer.checkpoint_dir = Path("checkpoints")
+    if sharded:
+        # Every rank writes and reads its own shards: the checkpoint directory must be one volume all ranks see
+        # (an RWX claim, or one machine). Ranks that disagree on where to resume fail here, not in a collective.
+        trainer.resume()
+        require_expected_checkpoint(trainer, env)
+        steps = dp.sum([trainer.step, 1])
+        if steps[0] != trainer.step * steps[1]:
+            raise RuntimeError(f"trainer rank {dp.rank} resumes at step {trainer.step}, not every rank does: "
+                               "spec.trainer.sharding 'fsdp' needs a checkpoint volume shared by all trainer ranks")
+    elif leader:
+        # Rank 0 alone resumes: in a cluster each trainer pod has its own checkpoint volume (unless an RWX claim
+        # is shared), and only rank 0 writes checkpoints; the others get the state by broadcast.
+        trainer.resume()
+        require_expected_checkpoint(trainer, env)
+    else:
+        trainer.checkpoint_dir = None
+    trainer.sync_from_leader()
+    return TrainerRole(ctx, client, trainer, stop, document_timeout_s=document_timeout_s)
+
+
+def main() -> int:
+    stop = stop_on_signals("trainer", log, "finishing the current step, then checkpoint and training_finished")
+    try:
+        ctx = RoleContext.from_env()
+        timeout_s = document_timeout_from_env(os.environ)
+        client = redis.Redis.from_url(ctx.redis_url)
+        code = build_role(ctx, client, stop, document_timeout_s=timeout_s).run()
+    except DocumentTimeout as exc:
+        log.error("giving up: %s (no training_finished published)", exc)
+        write_termination_message(str(exc))
+        code = 1
+    except ConfigError:
+        raise  # bad input (e.g. the model directory): run_role writes the termination message, EXIT_CONFIG
+    except Exception as exc:
+        log.exception("trainer failed (no training_finished published)")
+        write_termination_message(f"{type(exc).__name__}: {exc}")
+        code = 1
+    # Leave without the interpreter's teardown, always: an abandoned transfer thread is blocked inside gloo and
+    # process-group destructors could wait on it; a data-parallel rank that failed may have left its group
+    # mid-collective; and with torch.distributed and transformers loaded, the C++ teardown alone took 2-10 s on a
+    # busy 2-core machine, time the teardown grace period does not have. Everything that matters (checkpoint,
+    # events) is durable by now; only the logs need flushing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
