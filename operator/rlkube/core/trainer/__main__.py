@@ -10,4 +10,5 @@ def main() -> int:
     return role.main()
 
 
-sys.exit(run_role(main))
+if __name__ == "__main__":
+    sys.exit(run_role(main))
