@@ -65,6 +65,8 @@ IMAGES = {
                       "PYTHON_IMAGE", "debian"),
     "core": Image("core", "images/core/Dockerfile", f"localhost/rlkube/core:{VERSION}", "PYTHON_IMAGE", "debian",
                   {"TORCH_VARIANT": "cpu"}),
+    # The managed Redis (spec.redis.image) from Debian's package: no registry serves redis:7-alpine here.
+    "redis": Image("redis", "images/redis/Dockerfile", f"localhost/rlkube/redis:{VERSION}", "BASE_IMAGE", "debian"),
     "vllm-cpu": Image("vllm-cpu", "images/vllm/Dockerfile", f"localhost/rlkube/vllm:{VERSION}-cpu", "CORE_IMAGE",
                       "core", {"TORCH_VARIANT": "cpu"}),
 }

@@ -15,7 +15,14 @@ work on this machine kind (2 cores, root, no Docker, no registry) is docs/refere
 - The kubelet runs without QoS cgroups or node allocatable enforcement (cgroupfs driver), anonymous and
   AlwaysAllow (a test cluster only), on free ports.
 
-Every process gets its own session and `stop()` ends them, removes the pods' containers and the bridge.
+With `cluster_services`, the node also serves what pods of a real cluster rely on (docs/references.md §11):
+- kube-proxy (same source, iptables mode), so the `kubernetes` Service's ClusterIP reaches the API server
+  (started with an `advertise_address`) from pods: the operator's Deployment runs in the cluster;
+- the cluster's DNS (tests/cluster/dns.py: dnsmasq on the bridge's gateway address, the kubelet's clusterDNS);
+- the project's images from buildah's storage (`make images`), imported through OCI archives cached by image id.
+
+Every process gets its own session and `stop()` ends them, removes the pods' containers and the bridge, and
+kube-proxy's rules (`kube-proxy --cleanup`).
 """
 
 from __future__ import annotations
@@ -34,22 +41,26 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.control_plane import DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
+from cluster.control_plane import CACHE, DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
+from cluster.dns import ClusterDNS
 from rlkube.local.ports import free_port
 
 PAUSE_IMAGE = "localhost/rlkube/pause:3.4.1"
 BUSYBOX_IMAGE = "localhost/rlkube/busybox:test"
 CNI_BIN = Path("/usr/lib/cni")
-PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static")
+PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static", "dnsmasq-base")
+# OCI archives of images from buildah's storage, by image id: a node imports an unchanged image without a push.
+ARCHIVES = CACHE / "images" / "oci"
 
 
 def node_binaries() -> dict[str, str]:
-    """kubelet, kube-scheduler and pause from the cache (build-control-plane.sh builds them with the API server)."""
-    bins = {name: str(DEFAULT_BIN / name) for name in ("kubelet", "kube-scheduler", "pause")}
+    """kubelet, kube-scheduler, kube-proxy and pause from the cache (build-control-plane.sh builds them with the
+    API server)."""
+    bins = {name: str(DEFAULT_BIN / name) for name in ("kubelet", "kube-scheduler", "kube-proxy", "pause")}
     if not all(os.access(p, os.X_OK) for p in bins.values()):
         log("kubelet not cached; building the control plane and node binaries (one time, several minutes)")
         subprocess.run(["bash", str(Path(__file__).resolve().parent / "build-control-plane.sh")], check=True)
-    for tool in ("containerd", "runc", "buildah", "ctr"):
+    for tool in ("containerd", "runc", "buildah", "ctr", "dnsmasq", "iptables"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} not found: apt-get install {' '.join(PACKAGES)}")
     return bins
@@ -64,6 +75,12 @@ class Node:
     workdir: Path
     name: str = field(default_factory=lambda: f"node-{uuid.uuid4().hex[:6]}")
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # kube-proxy and the cluster's DNS (the control plane needs an advertise_address and the endpoint controller)
+    cluster_services: bool = False
+    # Images of buildah's default storage (`make images`) to import, e.g. localhost/rlkube/core:0.1.0.
+    images: tuple[str, ...] = ()
+    dns: ClusterDNS | None = None
+    import_seconds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A unix socket path holds at most 107 bytes; pytest's tmp paths can be longer.
@@ -71,6 +88,8 @@ class Node:
         self.socket = self.sockdir / "containerd.sock"
         self.bridge = f"rk{uuid.uuid4().hex[:8]}"
         self.subnet = f"10.{88 + int(self.bridge[2:4], 16) % 8}.{int(self.bridge[4:6], 16)}.0/24"
+        # The bridge plugin's gateway (the subnet's first address): the cluster DNS listens there.
+        self.gateway = self.subnet.replace(".0/24", ".1")
 
     # -- processes -------------------------------------------------------------------------------------------
 
@@ -138,6 +157,7 @@ state = "{self.sockdir / 'state'}"
             "authorization": {"mode": "AlwaysAllow"},
             "readOnlyPort": 0, "port": free_port(), "healthzPort": free_port(), "healthzBindAddress": "127.0.0.1",
             "evictionHard": {}, "clusterDomain": "cluster.local",
+            **({"clusterDNS": [self.gateway]} if self.cluster_services else {}),
             # Pod status reaches the API server within a second of a container's change (the default is 10 s).
             "nodeStatusUpdateFrequency": "4s", "syncFrequency": "2s",
         }))
@@ -168,6 +188,26 @@ state = "{self.sockdir / 'state'}"
             self._buildah("rm", c)
         self.import_image(ref)
 
+    def import_stored_image(self, ref: str) -> float:
+        """Import image `ref` from buildah's default storage (where `make images` puts it); the seconds it took."""
+        t0 = time.monotonic()
+        got = subprocess.run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref],
+                             capture_output=True, text=True)
+        if got.returncode != 0:
+            raise RuntimeError(f"image {ref} is not in buildah's storage (make images): {got.stderr.strip()}")
+        archive = ARCHIVES / f"{got.stdout.strip()}.tar"
+        if not archive.is_file():
+            ARCHIVES.mkdir(parents=True, exist_ok=True)
+            tmp = archive.with_name(f".{archive.name}.{os.getpid()}")
+            out = subprocess.run(["buildah", "push", "--quiet", ref, f"oci-archive:{tmp}:{ref}"],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"buildah push {ref}: {out.stderr[-2000:]}")
+            os.replace(tmp, archive)
+        self.ctr("images", "import", str(archive))
+        self.import_seconds[ref] = time.monotonic() - t0
+        return self.import_seconds[ref]
+
     def import_image(self, ref: str) -> None:
         """Import image `ref` from this node's buildah storage into containerd."""
         archive = self.workdir / f"{ref.replace('/', '_').replace(':', '_')}.tar"
@@ -187,6 +227,10 @@ state = "{self.sockdir / 'state'}"
         self.import_scratch_image(PAUSE_IMAGE, {"/pause": Path(bins["pause"])}, "65535:65535", ["/pause"])
         busybox = Path("/bin/busybox")
         self.import_scratch_image(BUSYBOX_IMAGE, {"/bin/busybox": busybox, "/bin/sh": busybox}, "10001:10001", None)
+        for ref in self.images:
+            log(f"imported {ref} in {self.import_stored_image(ref):.1f}s")
+        if self.cluster_services:
+            self._start_cluster_services(bins)
         self._spawn("scheduler", [bins["kube-scheduler"], f"--kubeconfig={self.cp.kubeconfig}", "--leader-elect=false",
                                   "--port=0", "--secure-port=0"])
         self._spawn("kubelet", [
@@ -198,6 +242,28 @@ state = "{self.sockdir / 'state'}"
         self._wait("kubelet", self._ready, 120)
         log(f"node {self.name} ready in {time.monotonic() - t0:.1f}s (containerd {self.socket})")
         return self
+
+    def _start_cluster_services(self, bins: dict[str, str]) -> None:
+        if not self.cp.advertise_address:
+            raise ValueError("cluster_services needs a control plane with an advertise_address")
+        # The bridge with its gateway address before any pod, so that the DNS server can listen there (the bridge
+        # plugin keeps an existing bridge and address).
+        prefix = self.subnet.split("/")[1]
+        for cmd in (["ip", "link", "add", self.bridge, "type", "bridge"],
+                    ["ip", "addr", "add", f"{self.gateway}/{prefix}", "dev", self.bridge],
+                    ["ip", "link", "set", self.bridge, "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        self.dns = ClusterDNS(self.cp.kubeconfig, self.workdir / "dns", self.gateway).start()
+        self.procs["dnsmasq"] = self.dns.proc
+        # conntrack and oom_score_adj values of 0 leave the machine's settings alone (this machine refuses a
+        # negative oom_score_adj, see the containerd note above).
+        self._spawn("kube-proxy", [
+            bins["kube-proxy"], f"--kubeconfig={self.cp.kubeconfig}", "--proxy-mode=iptables",
+            f"--cluster-cidr={self.subnet}", f"--hostname-override={self.name}", "--oom-score-adj=0",
+            "--conntrack-max-per-core=0", "--conntrack-min=0", "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0", f"--metrics-bind-address=127.0.0.1:{free_port()}",
+            f"--healthz-bind-address=127.0.0.1:{free_port()}", "--v=1",
+        ])
 
     def _ready(self) -> bool:
         """Registered, Ready, and without the not-ready/unreachable taints (nodelifecycle removes them)."""
@@ -217,6 +283,12 @@ state = "{self.sockdir / 'state'}"
     def stop(self) -> None:
         for name in ("kubelet", "scheduler"):
             stop_group(self.procs.pop(name, None))
+        if self.dns is not None:
+            self.dns.stop()
+            self.procs.pop("dnsmasq", None)
+        if self.procs.get("kube-proxy") is not None:
+            stop_group(self.procs.pop("kube-proxy"))
+            subprocess.run([str(DEFAULT_BIN / "kube-proxy"), "--cleanup"], capture_output=True)
         # The pods' containers and sandboxes (runc processes and their shims) end with containerd's tasks.
         if "containerd" in self.procs and self.procs["containerd"].poll() is None:
             tasks = self.ctr("tasks", "list", "-q", check=False).stdout.split()
