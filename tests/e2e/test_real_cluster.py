@@ -17,6 +17,7 @@ redis; content-cached) imported into containerd. What this shows, as users would
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_IMAGE = "localhost/rlkube/operator:0.1.0"
 CORE_IMAGE = "localhost/rlkube/core:0.1.0"
 REDIS_IMAGE = "localhost/rlkube/redis:0.1.0"
-RELEASE, OPERATOR_NS, JOB_NS = "rlkube", "rlkube-system", "team-a"
+RELEASE, OPERATOR_NS, JOB_NS, CHAOS_NS = "rlkube", "rlkube-system", "team-a", "team-b"
 # As tests/e2e/test_trainingjob.py: seed 0 learns by 0.15-0.19 there; no learning is ~0.
 MIN_MARGIN = 0.10
 ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
@@ -71,7 +72,7 @@ def node(tmp_path_factory):
     chains_before = _proxy_chains()
     cp = ControlPlane(tmp_path_factory.mktemp("real-cluster-cp"),
                       controllers="garbagecollector,namespace,serviceaccount-token,serviceaccount,nodelifecycle,"
-                                  "endpoint,endpointslice,deployment,replicaset",
+                                  "endpoint,endpointslice,deployment,replicaset,persistentvolume-binder",
                       extra_apiserver_args=["--kubelet-preferred-address-types=InternalIP"],
                       advertise_address=_host_ip())
     cp.start()
@@ -199,7 +200,7 @@ def _logs(core, namespace: str, pod: str) -> str:
 
 def _diagnostics(core, node: Node) -> str:
     lines = []
-    for ns in (OPERATOR_NS, JOB_NS):
+    for ns in (OPERATOR_NS, JOB_NS, CHAOS_NS):
         for p in core.list_namespaced_pod(ns).items:
             states = [(cs.name, cs.restart_count, cs.state.to_dict()) for cs in p.status.container_statuses or []]
             lines.append(f"pod {ns}/{p.metadata.name} {p.status.phase} {states}")
@@ -208,7 +209,9 @@ def _diagnostics(core, node: Node) -> str:
     return "\n".join(lines)
 
 
-def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api):
+@pytest.fixture(scope="module")
+def operator(node, api):
+    """charts/rlkube installed with the Helm SDK, as `helm install` does; its operator pod Running and leading."""
     core = client.CoreV1Api(api)
     t0 = time.monotonic()
     with helm.Config(kubeconfig_path=node.cp.kubeconfig, namespace=OPERATOR_NS) as helm_config:
@@ -216,17 +219,26 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api):
                             "pullPolicy": "Never"}}
         rel = helm_config.install(CHART, RELEASE, values, namespace=OPERATOR_NS, create_namespace=True, timeout=60)
         assert rel["status"] == "deployed"
-    operator = wait_for(lambda: _operator_pod(core), 180,
-                        lambda: f"the operator pod Running and Ready\n{_diagnostics(core, node)}", 0.5)
+    pod = wait_for(lambda: _operator_pod(core), 180,
+                   lambda: f"the operator pod Running and Ready\n{_diagnostics(core, node)}", 0.5)
     holder = wait_for(lambda: _lease_holder(api), 60, "the operator to take the Lease", 0.5)
-    assert holder.startswith(f"{operator.metadata.name}_"), holder
+    assert holder.startswith(f"{pod.metadata.name}_"), holder
+    print(f"\nchart installed, operator {pod.metadata.name} Running and leading after {time.monotonic() - t0:.1f}s")
+    return pod
+
+
+def _namespace(core, name: str) -> None:
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: core.list_namespaced_service_account(name).items, 30, f"{name}'s default ServiceAccount")
+
+
+def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, operator):
+    core = client.CoreV1Api(api)
     (container,) = operator.spec.containers
     assert container.image == OPERATOR_IMAGE and operator.spec.node_name == node.name
-    print(f"\nchart installed, operator {operator.metadata.name} Running and leading after "
-          f"{time.monotonic() - t0:.1f}s")
+    assert container.image_pull_policy == "Never"
 
-    core.create_namespace({"metadata": {"name": JOB_NS}})
-    wait_for(lambda: core.list_namespaced_service_account(JOB_NS).items, 30, "the namespace's default ServiceAccount")
+    _namespace(core, JOB_NS)
     pods = PodWatch(api, JOB_NS)
     pods.start()
     exits = ContainerExits(node)
@@ -309,3 +321,113 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api):
     stopped = [r for r in sorted(exited, key=exited.get) if r not in own]
     assert stopped == [r for r in TEARDOWN_ORDER if r in stopped], (exited, pods.deletion_seen)
     assert max(exited, key=exited.get) == "redis"
+
+
+CHAOS_STEPS = 60
+
+
+def _container_id(core, namespace: str, pod: str) -> str | None:
+    """The running container's id in containerd (None while it does not run)."""
+    try:
+        p = core.read_namespaced_pod(pod, namespace)
+    except ApiException:
+        return None
+    (cs,) = p.status.container_statuses or [None]
+    return cs.container_id.split("://", 1)[1] if cs is not None and cs.state.running and cs.container_id else None
+
+
+def _checkpoint_claim(core, node: Node, namespace: str, claim: str) -> Path:
+    """A PVC bound (by the controller manager's binder) to a hostPath PersistentVolume on this node, writable by
+    the pods' uid 10001 (hostPath is not chowned to the fsGroup)."""
+    path = node.workdir / "pv" / claim
+    path.mkdir(parents=True)
+    subprocess.run(["chown", "10001:10001", str(path)], check=True)
+    core.create_persistent_volume({
+        "metadata": {"name": f"{namespace}-{claim}"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "local",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path), "type": "Directory"},
+                 "claimRef": {"namespace": namespace, "name": claim}},
+    })
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "local", "volumeName": f"{namespace}-{claim}",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })
+    wait_for(lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound", 60,
+             f"PVC {claim} Bound")
+    return path
+
+
+def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, operator):
+    """kill -9 of the trainer's container after its first checkpoint (on a claim): the kubelet restarts it in
+    place and it resumes from the checkpoint; then kill -9 of the operator's container, its pod removed: the
+    Deployment's new pod takes the Lease once it expires and finishes the job, every step once."""
+    core = client.CoreV1Api(api)
+    _namespace(core, CHAOS_NS)
+    claim = _checkpoint_claim(core, node, CHAOS_NS, "checkpoints")
+    doc = example(**{
+        "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE, "spec.algorithm.maxSteps": CHAOS_STEPS,
+        "spec.trainer.checkpoint.intervalSteps": 5, "spec.trainer.checkpoint.claimName": "checkpoints",
+        "spec.teardown.gracePeriodSeconds": {"actor": 3, "preprocessor": 3, "inference": 3, "trainer": 10, "redis": 3},
+    })
+    name = doc["metadata"]["name"]
+    custom = client.CustomObjectsApi(api)
+    custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", CHAOS_NS, "trainingjobs", doc)
+    redis_pod, trainer_pod = f"{name}-redis", names.pod_name(name, "trainer", 0)
+    wait_for(lambda: _container_id(core, CHAOS_NS, redis_pod), 180,
+             lambda: f"{redis_pod} running\n{_diagnostics(core, node)}", 0.5)
+
+    def locate():
+        p = core.read_namespaced_pod(redis_pod, CHAOS_NS)
+        secret = core.read_namespaced_secret(names.secret_name(name), CHAOS_NS)
+        return f"redis://{p.status.pod_ip}:{runtime.REDIS_PORT}/0", secret_password(secret)
+
+    follower = EventFollower(locate, protocol.StreamKeys.for_job(CHAOS_NS, name, "torch").events)
+    follower.start()
+    wait_for(lambda: follower.checkpoints, 300, lambda: f"a first checkpoint\n{_diagnostics(core, node)}", 0.1)
+    # The actor frozen, so the trainer is surely mid-run when killed (as tests/e2e/test_chaos.py does).
+    actor = _container_id(core, CHAOS_NS, names.pod_name(name, "actor", 0))
+    trainer = _container_id(core, CHAOS_NS, trainer_pod)
+    node.ctr("tasks", "kill", "--signal", "SIGSTOP", actor)
+    try:
+        saved_before_kill = max(follower.checkpoints)
+        node.ctr("tasks", "kill", "--signal", "SIGKILL", trainer)
+    finally:
+        node.ctr("tasks", "kill", "--signal", "SIGCONT", actor)
+
+    def restarted():
+        p = core.read_namespaced_pod(trainer_pod, CHAOS_NS)
+        (cs,) = p.status.container_statuses
+        return p if cs.restart_count == 1 and cs.state.running else None
+
+    pod = wait_for(restarted, 120, lambda: f"the trainer restarted in place\n{_diagnostics(core, node)}", 0.5)
+    last = pod.status.container_statuses[0].last_state.terminated
+    assert last.exit_code == 137, last
+    # The restarted container's log, through the API server from the kubelet.
+    log = wait_for(lambda: (t := core.read_namespaced_pod_log(trainer_pod, CHAOS_NS)) if "resumed from" in t else None,
+                   120, "the trainer to resume", 0.5)
+    resumed = int(re.search(r"resumed from \S+ \(step (\d+)", log).group(1))
+    step_at_operator_kill = follower.step
+
+    # kill -9 of the operator: its container, then its pod (else the kubelet would restart it in place).
+    old = _operator_pod(core)
+    node.ctr("tasks", "kill", "--signal", "SIGKILL", _container_id(core, OPERATOR_NS, old.metadata.name))
+    core.delete_namespaced_pod(old.metadata.name, OPERATOR_NS, grace_period_seconds=0)
+    new = wait_for(lambda: (p := _operator_pod(core)) and p.metadata.name != old.metadata.name and p, 120,
+                   lambda: f"the Deployment's new operator pod\n{_diagnostics(core, node)}", 0.5)
+    holder = wait_for(lambda: (h := _lease_holder(api)) and h.startswith(f"{new.metadata.name}_") and h, 60,
+                      "the new operator pod to take the Lease", 0.5)
+
+    st = wait_for(lambda: (s := custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", CHAOS_NS, "trainingjobs",
+                                                                    name).get("status") or {}).get("phase")
+                  in ("Succeeded", "Failed") and s, 300, lambda: f"the job to end\n{_diagnostics(core, node)}", 0.5)
+    follower.stop()
+    assert st["phase"] == "Succeeded", f"{st}\n{_diagnostics(core, node)}"
+    assert st["completion"]["finalStep"] == CHAOS_STEPS and st["components"]["trainer"]["restarts"] == 1, st
+    steps = [m["step"] for m in follower.metrics]
+    assert steps[-1] == CHAOS_STEPS and set(steps) == set(range(1, CHAOS_STEPS + 1)), steps
+    print(f"\ntrainer killed after checkpoint {saved_before_kill}, resumed from step {resumed}; operator "
+          f"{old.metadata.name} killed at step {step_at_operator_kill}, {holder.split('_')[0]} took the Lease; "
+          f"checkpoints on the claim: {sorted(p.name for p in claim.iterdir())}")
+    # From the newest checkpoint on the claim: at least the one announced when it was killed, and mid-run.
+    assert saved_before_kill <= resumed < CHAOS_STEPS and resumed % 5 == 0, (saved_before_kill, resumed)
