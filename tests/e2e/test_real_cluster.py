@@ -404,7 +404,7 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     last = pod.status.container_statuses[0].last_state.terminated
     assert last.exit_code == 137, last
     # The restarted container's log, through the API server from the kubelet.
-    log = wait_for(lambda: (t := core.read_namespaced_pod_log(trainer_pod, CHAOS_NS)) if "resumed from" in t else None,
+    log = wait_for(lambda: (t := core.read_namespaced_pod_log(trainer_pod, CHAOS_NS)) and "resumed from" in t and t,
                    120, "the trainer to resume", 0.5)
     resumed = int(re.search(r"resumed from \S+ \(step (\d+)", log).group(1))
     step_at_operator_kill = follower.step
