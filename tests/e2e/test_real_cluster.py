@@ -239,12 +239,22 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     assert container.image_pull_policy == "Never"
 
     _namespace(core, JOB_NS)
+    custom = client.CustomObjectsApi(api)
+    # The chart's validating webhook, served by the operator pod, reached by the API server through its Service
+    # (kube-proxy): `kubectl apply --dry-run=server` of a bad job is refused naming the field.
+    for bad, says in ((example(**{"spec.trainer.nodes": 4, "spec.algorithm.samplesPerStep": 2}),
+                       "spec.algorithm.samplesPerStep: must be at least the trainer's ranks"),
+                      (example(**{"spec.actor.image": "my image:latest"}),
+                       "spec.actor.image: 'my image:latest' is not an image reference")):
+        with pytest.raises(ApiException) as refused:
+            custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", JOB_NS, "trainingjobs", bad, dry_run="All")
+        assert refused.value.status == 422 and says in refused.value.body, refused.value.body
+        assert 'admission webhook \\"validate.trainingjobs.rlkube.io\\" denied' in refused.value.body
     pods = PodWatch(api, JOB_NS)
     pods.start()
     exits = ContainerExits(node)
     exits.start()
     doc = example(**{"spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE})
-    custom = client.CustomObjectsApi(api)
     t1 = time.monotonic()
     custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", JOB_NS, "trainingjobs", doc)
     name = doc["metadata"]["name"]
@@ -321,6 +331,9 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     stopped = [r for r in sorted(exited, key=exited.get) if r not in own]
     assert stopped == [r for r in TEARDOWN_ORDER if r in stopped], (exited, pods.deletion_seen)
     assert max(exited, key=exited.get) == "redis"
+    errors = [line for line in core.read_namespaced_pod_log(operator.metadata.name, OPERATOR_NS).splitlines()
+              if "Traceback" in line or "ERROR" in line]
+    print(f"operator log: {len(errors)} error lines" + "".join(f"\n  {e[:300]}" for e in errors[:10]))
 
 
 CHAOS_STEPS = 60
