@@ -56,6 +56,10 @@ ARCHIVES = CACHE / "images" / "oci"
 # unchanged image is not imported again (the core image takes a minute to unpack on 2 cores); a second node at
 # the same time gets a root of its own.
 IMAGE_STORE = CACHE / "containerd"
+# One kube-proxy per machine: each rewrites the whole of the KUBE-* chains, and `--cleanup` removes them all, so a
+# second node with cluster services waits for the first one's stop.
+PROXY_LOCK = Path("/run/rlkube-kube-proxy.lock")
+ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
 
 
 def node_binaries() -> dict[str, str]:
@@ -290,6 +294,14 @@ state = "{self.sockdir / 'state'}"
                     ["ip", "addr", "add", f"{self.gateway}/{prefix}", "dev", self.bridge],
                     ["ip", "link", "set", self.bridge, "up"]):
             subprocess.run(cmd, check=True, capture_output=True)
+        self._proxy_lock = open(PROXY_LOCK, "w")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(self._proxy_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another node's kube-proxy runs on this machine; waiting for it to stop")
+            fcntl.flock(self._proxy_lock, fcntl.LOCK_EX)
+        # kube-proxy turns route_localnet on (for localhost node ports); put back as it was on stop.
+        self._route_localnet = ROUTE_LOCALNET.read_text()
         self.dns = ClusterDNS(self.cp.kubeconfig, self.workdir / "dns", self.gateway).start()
         self.procs["dnsmasq"] = self.dns.proc
         # conntrack and oom_score_adj values of 0 leave the machine's settings alone (this machine refuses a
@@ -329,6 +341,10 @@ state = "{self.sockdir / 'state'}"
             # --cleanup (1.20) leaves the canary chains its iptables monitor made.
             for table in ("mangle", "nat", "filter"):
                 subprocess.run(["iptables", "-t", table, "-X", "KUBE-PROXY-CANARY"], capture_output=True)
+            ROUTE_LOCALNET.write_text(self._route_localnet)
+        if getattr(self, "_proxy_lock", None) is not None:
+            self._proxy_lock.close()
+            self._proxy_lock = None
         # The pods' containers and sandboxes (runc processes and their shims) end with containerd's tasks.
         if "containerd" in self.procs and self.procs["containerd"].poll() is None:
             tasks = self.ctr("tasks", "list", "-q", check=False).stdout.split()

@@ -28,7 +28,7 @@ from pathlib import Path
 import helm_python as helm
 import pytest
 from cluster.control_plane import ControlPlane
-from cluster.node import Node, cni_netns
+from cluster.node import ROUTE_LOCALNET, Node, cni_netns
 from cluster.tracked import track
 from clusterjob import EventFollower, example, secret_password
 from helm_chart import CHART
@@ -70,6 +70,7 @@ def node(tmp_path_factory):
     # The images, as `make images` builds them (a no-op when their content is unchanged): never a skip.
     subprocess.run([sys.executable, str(ROOT / "images" / "build.py"), "operator", "core", "redis"], check=True)
     chains_before = _proxy_chains()
+    route_localnet = ROUTE_LOCALNET.read_text()
     cp = ControlPlane(tmp_path_factory.mktemp("real-cluster-cp"),
                       controllers="garbagecollector,namespace,serviceaccount-token,serviceaccount,nodelifecycle,"
                                   "endpoint,endpointslice,deployment,replicaset,persistentvolume-binder",
@@ -93,6 +94,7 @@ def node(tmp_path_factory):
     assert not left, f"mounts left behind by the node: {left}"
     assert not cni_netns() - netns_before, "network namespaces left behind by the node"
     assert set(_proxy_chains()) <= set(chains_before), "kube-proxy's iptables chains left behind"
+    assert ROUTE_LOCALNET.read_text() == route_localnet, "kube-proxy's route_localnet left on"
 
 
 @pytest.fixture(scope="module")
