@@ -50,7 +50,8 @@ PAUSE_IMAGE = "localhost/rlkube/pause:3.4.1"
 BUSYBOX_IMAGE = "localhost/rlkube/busybox:test"
 CNI_BIN = Path("/usr/lib/cni")
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static", "dnsmasq-base")
-# OCI archives of images from buildah's storage, by image id: a node imports an unchanged image without a push.
+# OCI archives of images from buildah's storage, by tag and image id (the latest build of each tag): a node imports
+# an unchanged image without a push.
 ARCHIVES = CACHE / "images" / "oci"
 # containerd's root (content and unpacked snapshots) kept between runs by the node that holds its lock, so an
 # unchanged image is not imported again (the core image takes a minute to unpack on 2 cores); a second node at
@@ -232,9 +233,12 @@ state = "{self.sockdir / 'state'}"
         if marker.is_file() and marker.read_text() == image_id and self.ctr("images", "list", "-q").stdout.split().count(ref):
             self.import_seconds[ref] = time.monotonic() - t0
             return self.import_seconds[ref]
-        archive = ARCHIVES / f"{image_id}.tar"
+        stem = ref.replace("/", "_").replace(":", "_")
+        archive = ARCHIVES / f"{stem}@{image_id}.tar"
         if not archive.is_file():
             ARCHIVES.mkdir(parents=True, exist_ok=True)
+            for old in ARCHIVES.glob(f"{stem}@*.tar"):  # an earlier build of the same tag
+                old.unlink(missing_ok=True)
             tmp = archive.with_name(f".{archive.name}.{os.getpid()}")
             out = subprocess.run(["buildah", "push", "--quiet", ref, f"oci-archive:{tmp}:{ref}"],
                                  capture_output=True, text=True)
