@@ -401,8 +401,11 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     follower.start()
     wait_for(lambda: follower.checkpoints, 300, lambda: f"a first checkpoint\n{_diagnostics(core, node)}", 0.1)
     # The actor frozen, so the trainer is surely mid-run when killed (as tests/e2e/test_chaos.py does).
-    actor = _container_id(core, CHAOS_NS, names.pod_name(name, "actor", 0))
-    trainer = _container_id(core, CHAOS_NS, trainer_pod)
+    actor_pod = names.pod_name(name, "actor", 0)
+    actor = wait_for(lambda: _container_id(core, CHAOS_NS, actor_pod), 60,
+                     lambda: f"{actor_pod} running\n{_diagnostics(core, node)}", 0.1)
+    trainer = wait_for(lambda: _container_id(core, CHAOS_NS, trainer_pod), 60,
+                       lambda: f"{trainer_pod} running\n{_diagnostics(core, node)}", 0.1)
     node.ctr("tasks", "kill", "--signal", "SIGSTOP", actor)
     try:
         saved_before_kill = max(follower.checkpoints)
