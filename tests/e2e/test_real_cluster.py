@@ -243,7 +243,18 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     _namespace(core, JOB_NS)
     custom = client.CustomObjectsApi(api)
     # The chart's validating webhook, served by the operator pod, reached by the API server through its Service
-    # (kube-proxy): `kubectl apply --dry-run=server` of a bad job is refused naming the field.
+    # (kube-proxy): `kubectl apply --dry-run=server` of a bad job is refused naming the field. First a valid job's
+    # dry run passes: the Service's endpoints reach kube-proxy's rules a moment after the pod is Ready.
+    def serving():
+        try:
+            return custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", JOB_NS, "trainingjobs", example(),
+                                                          dry_run="All") is not None
+        except ApiException as exc:
+            if exc.status == 500 and "failed calling webhook" in (exc.body or ""):
+                return False
+            raise
+
+    wait_for(serving, 60, lambda: f"the webhook to answer\n{_diagnostics(core, node)}", 0.2)
     for bad, says in ((example(**{"spec.trainer.nodes": 4, "spec.algorithm.samplesPerStep": 2}),
                        "spec.algorithm.samplesPerStep: must be at least the trainer's ranks"),
                       (example(**{"spec.actor.image": "my image:latest"}),
