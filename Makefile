@@ -1,7 +1,7 @@
 # Fresh Debian machine with Python 3.11, root, package registries only:
 #   make demo   runs a tiny TrainingJob end to end on this machine (no GPU, no cluster)
 #   make test   runs every test tier against real Redis and a real kube-apiserver
-#   make images builds the CPU images of images/ with buildah (not part of make test)
+#   make images builds the CPU images of images/ with buildah (make test builds operator, core and redis)
 #   make bench  runs `rlkube bench operator` against the project's own control plane (BENCH_ARGS="-n 20 --json")
 #   make gpu-smoke  runs the training core's GPU smoke check with the python3 at hand (GPU_SMOKE_ARGS="--out f")
 # pip installs into the project's virtual environment $(VENV) (created when missing), never the system interpreter.
@@ -22,11 +22,12 @@ VLLM_PYTHON = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.rlkube-installed
 # `make demo` needs only Redis; the tests also need etcd, the node agent's iproute2, the Go toolchain and
 # vendored-library replacements that build kube-apiserver and the kubelet (gcc: the sandbox's pause binary), and
-# the real node's containerd, runc, CNI plugins, buildah and a static busybox (tests/cluster/node.py).
+# the real node's containerd, runc, CNI plugins, buildah, a static busybox, iptables (kube-proxy) and dnsmasq (the
+# cluster DNS) (tests/cluster/node.py), and mmdebstrap (the images' base, images/build.py).
 APT_DEMO = redis-server
 APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 gcc libc6-dev \
                golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev \
-               containerd runc containernetworking-plugins buildah busybox-static
+               containerd runc containernetworking-plugins buildah busybox-static iptables dnsmasq-base mmdebstrap
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
@@ -42,7 +43,10 @@ demo:
 demo-cluster: deps control-plane
 	$(PYTHON) tests/e2e/demo_cluster.py
 
+# The real-node e2e test (tests/e2e/test_real_cluster.py) runs the operator, core and redis images: built first
+# (content-cached: seconds when unchanged).
 test: deps deps-vllm control-plane
+	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
 	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
@@ -100,8 +104,9 @@ control-plane:
 
 # The CPU images (operator, core; IMAGES="operator core vllm-cpu" adds vLLM CPU) built with buildah from images/*
 # on a Debian base made with mmdebstrap, skipped when their content is unchanged (images/build.py, images/README.md).
-# Not a prerequisite of `make test`. IMAGES_ARGS="--check" also runs them as a pod would (uid 10001, read-only root).
-IMAGES ?= operator core
+# `make test` builds operator, core and redis (the real-node e2e test runs them). IMAGES_ARGS="--check" also runs
+# them as a pod would (uid 10001, read-only root).
+IMAGES ?= operator core redis
 IMAGES_ARGS ?= --check
 images:
 	$(MAKE) deps-apt APT_PACKAGES="buildah mmdebstrap runc"

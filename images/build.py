@@ -13,7 +13,8 @@ core image's torch layer comes before the COPY of operator/).
 
 `--check` runs the checks a pod would meet: the operator image has no torch; the core image runs
 `python -m rlkube.core.trainer --help` as uid 10001 on a read-only root with a writable /tmp as HOME, as the
-operator's pods have; the vLLM CPU image imports torch and vllm so. It uses runc with its default bundle config,
+operator's pods have; the redis image runs `redis-server --version` so; the vLLM CPU image imports torch and
+vllm so. It uses runc with its default bundle config,
 whose root is read-only (`buildah run` 1.28 has no read-only root).
 
 Stdlib only: runs with any python3 >= 3.11 (no project virtual environment needed).
@@ -65,6 +66,8 @@ IMAGES = {
                       "PYTHON_IMAGE", "debian"),
     "core": Image("core", "images/core/Dockerfile", f"localhost/rlkube/core:{VERSION}", "PYTHON_IMAGE", "debian",
                   {"TORCH_VARIANT": "cpu"}),
+    # The managed Redis (spec.redis.image) from Debian's package: no registry serves redis:7-alpine here.
+    "redis": Image("redis", "images/redis/Dockerfile", f"localhost/rlkube/redis:{VERSION}", "BASE_IMAGE", "debian"),
     "vllm-cpu": Image("vllm-cpu", "images/vllm/Dockerfile", f"localhost/rlkube/vllm:{VERSION}-cpu", "CORE_IMAGE",
                       "core", {"TORCH_VARIANT": "cpu"}),
 }
@@ -231,6 +234,12 @@ def check(names: list[str]) -> bool:
                   and "usage:" in r.stdout)
         log(f"check core (uid 10001, read-only root): exit {r.returncode}; " + " | ".join(lines[:3])
             + f" -> {'ok' if passed else 'FAIL ' + r.stderr[-2000:]}")
+        ok &= passed
+    if "redis" in names:
+        r = run_ro(IMAGES["redis"].tag, ["redis-server", "--version"])
+        passed = r.returncode == 0 and r.stdout.startswith("Redis server v=")
+        log(f"check redis (uid 10001, read-only root): exit {r.returncode}; {r.stdout.strip()[:40]}"
+            f" -> {'ok' if passed else 'FAIL ' + r.stderr[-2000:]}")
         ok &= passed
     if "vllm-cpu" in names:
         probe = "import torch, vllm; print(torch.__version__, vllm.__version__)"

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, kube-controller-manager, kube-scheduler and kubelet 1.20.2 from Debian bookworm's
+# Builds kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy 1.20.2 from Debian bookworm's
 # `kubernetes` source package with Debian's Go, once, into a cache outside the repository, and the sandbox
 # ("pause") binary from the same source. No registry ships these binaries, so this is the only way to get a real
 # API server and node on a machine without Docker or downloads.
 #
-# Cache: $RLKUBE_CACHE (default ~/.cache/rlkube)/k8s-1.20.2/bin. Re-running with the binaries present is a no-op.
+# Cache: $RLKUBE_CACHE (default ~/.cache/rlkube)/k8s-1.20.2/bin. Re-running with the binaries present is a no-op;
+# with some missing (a cache from before one was added), only those are compiled.
 set -euo pipefail
 CACHE=${RLKUBE_CACHE:-$HOME/.cache/rlkube}
 W="$CACHE/k8s-1.20.2"
 BIN="$W/bin"
 say() { printf '[control-plane build %(%H:%M:%S)T] %s\n' -1 "$*"; }
 
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet pause)
-cached() { for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done; }
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy pause)
+missing() { for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || echo "$b"; done; }
+cached() { [[ -z "$(missing)" ]]; }
 if cached; then
   say "cached binaries found in $BIN"; exit 0
 fi
@@ -52,14 +54,22 @@ for d in github.com/modern-go/reflect2 github.com/json-iterator/go; do
     -exec cp -L {} "vendor/$d/" \;
 done
 export CGO_ENABLED=0 HOME="$W/home"; mkdir -p "$HOME"; unset GOFLAGS GO111MODULE
-say "compiling kube-apiserver, kube-controller-manager, kube-scheduler and kubelet (10-12 minutes on 2 cores)"
-make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler cmd/kubelet" >"$W/make.log" 2>&1 \
-  || { tail -30 "$W/make.log"; exit 1; }
-mkdir -p "$BIN.tmp"
-cp _output/bin/kube-apiserver _output/bin/kube-controller-manager _output/bin/kube-scheduler _output/bin/kubelet \
-  "$BIN.tmp/"
-# The pod sandbox's process: no registry serves the pause image here, so its C source is built, statically.
-gcc -Os -static -Wall -DVERSION=v3.4.1-rlkube -o "$BIN.tmp/pause" build/pause/linux/pause.c
+MISSING=($(missing))
+WHAT=$(for b in "${MISSING[@]}"; do [[ $b == pause ]] || printf 'cmd/%s ' "$b"; done)
+say "compiling ${MISSING[*]} (all of them: 10-12 minutes on 2 cores)"
+if [[ -n $WHAT ]]; then
+  make WHAT="$WHAT" >"$W/make.log" 2>&1 || { tail -30 "$W/make.log"; exit 1; }
+fi
+rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
+[[ -d $BIN ]] && cp -a "$BIN/." "$BIN.tmp/"
+for b in "${MISSING[@]}"; do
+  if [[ $b == pause ]]; then
+    # The pod sandbox's process: no registry serves the pause image here, so its C source is built, statically.
+    gcc -Os -static -Wall -DVERSION=v3.4.1-rlkube -o "$BIN.tmp/pause" build/pause/linux/pause.c
+  else
+    cp "_output/bin/$b" "$BIN.tmp/"
+  fi
+done
 rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
 cd "$W" && rm -rf src home   # the source tree and Go build cache are ~2 GB; only the binaries are kept
 say "built: $("$BIN/kube-apiserver" --version)"

@@ -89,6 +89,10 @@ class ControlPlane:
     controllers: str = "garbagecollector,namespace,serviceaccount-token,serviceaccount"
     # e.g. --kubelet-preferred-address-types=InternalIP: node names do not resolve here (logs, exec)
     extra_apiserver_args: list[str] = field(default_factory=list)
+    # Serve pods as well (tests/cluster/node.py with kube-proxy): the API server listens on every address and
+    # advertises this one (the `kubernetes` Service's endpoint), pods get ServiceAccount tokens (the admission
+    # plugin), and their token Secrets carry the API server's certificate as ca.crt (kcm's --root-ca-file).
+    advertise_address: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
 
@@ -145,8 +149,10 @@ class ControlPlane:
             [
                 bins["apiserver"], f"--etcd-servers=http://127.0.0.1:{etcd_client}",
                 f"--token-auth-file={d / 'tokens.csv'}",
-                "--bind-address=127.0.0.1", f"--secure-port={self.api_port}", f"--cert-dir={d / 'certs'}",
-                f"--authorization-mode={self.authorization_mode}", "--disable-admission-plugins=ServiceAccount",
+                *(["--bind-address=0.0.0.0", f"--advertise-address={self.advertise_address}"]
+                  if self.advertise_address else ["--bind-address=127.0.0.1", "--disable-admission-plugins=ServiceAccount"]),
+                f"--secure-port={self.api_port}", f"--cert-dir={d / 'certs'}",
+                f"--authorization-mode={self.authorization_mode}",
                 f"--service-account-key-file={d / 'sa.key'}",
                 f"--service-account-signing-key-file={d / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc",
@@ -174,6 +180,8 @@ class ControlPlane:
                     f"--service-account-private-key-file={d / 'sa.key'}",
                     "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--port=0",
                     f"--cert-dir={d / 'kcm-certs'}",
+                    # The self-signed serving certificate (with its CA) that the API server wrote at start.
+                    *([f"--root-ca-file={d / 'certs' / 'apiserver.crt'}"] if self.advertise_address else []),
                 ],
             )
         log(f"ready in {time.monotonic() - t0:.1f}s at {self.url} (KUBECONFIG={self.kubeconfig})")

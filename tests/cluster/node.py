@@ -15,12 +15,20 @@ work on this machine kind (2 cores, root, no Docker, no registry) is docs/refere
 - The kubelet runs without QoS cgroups or node allocatable enforcement (cgroupfs driver), anonymous and
   AlwaysAllow (a test cluster only), on free ports.
 
-Every process gets its own session and `stop()` ends them, removes the pods' containers and the bridge.
+With `cluster_services`, the node also serves what pods of a real cluster rely on (docs/references.md §12):
+- kube-proxy (same source, iptables mode), so the `kubernetes` Service's ClusterIP reaches the API server
+  (started with an `advertise_address`) from pods: the operator's Deployment runs in the cluster;
+- the cluster's DNS (tests/cluster/dns.py: dnsmasq on the bridge's gateway address, the kubelet's clusterDNS);
+- the project's images from buildah's storage (`make images`), imported through OCI archives cached by image id.
+
+Every process gets its own session and `stop()` ends them, removes the pods' containers and the bridge, and
+kube-proxy's rules (`kube-proxy --cleanup`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -34,22 +42,35 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.control_plane import DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
+from cluster.control_plane import CACHE, DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
+from cluster.dns import ClusterDNS
 from rlkube.local.ports import free_port
 
 PAUSE_IMAGE = "localhost/rlkube/pause:3.4.1"
 BUSYBOX_IMAGE = "localhost/rlkube/busybox:test"
 CNI_BIN = Path("/usr/lib/cni")
-PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static")
+PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static", "dnsmasq-base")
+# OCI archives of images from buildah's storage, by tag and image id (the latest build of each tag): a node imports
+# an unchanged image without a push.
+ARCHIVES = CACHE / "images" / "oci"
+# containerd's root (content and unpacked snapshots) kept between runs by the node that holds its lock, so an
+# unchanged image is not imported again (the core image takes a minute to unpack on 2 cores); a second node at
+# the same time gets a root of its own.
+IMAGE_STORE = CACHE / "containerd"
+# One kube-proxy per machine: each rewrites the whole of the KUBE-* chains, and `--cleanup` removes them all, so a
+# second node with cluster services waits for the first one's stop.
+PROXY_LOCK = Path("/run/rlkube-kube-proxy.lock")
+ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
 
 
 def node_binaries() -> dict[str, str]:
-    """kubelet, kube-scheduler and pause from the cache (build-control-plane.sh builds them with the API server)."""
-    bins = {name: str(DEFAULT_BIN / name) for name in ("kubelet", "kube-scheduler", "pause")}
+    """kubelet, kube-scheduler, kube-proxy and pause from the cache (build-control-plane.sh builds them with the
+    API server)."""
+    bins = {name: str(DEFAULT_BIN / name) for name in ("kubelet", "kube-scheduler", "kube-proxy", "pause")}
     if not all(os.access(p, os.X_OK) for p in bins.values()):
         log("kubelet not cached; building the control plane and node binaries (one time, several minutes)")
         subprocess.run(["bash", str(Path(__file__).resolve().parent / "build-control-plane.sh")], check=True)
-    for tool in ("containerd", "runc", "buildah", "ctr"):
+    for tool in ("containerd", "runc", "buildah", "ctr", "dnsmasq", "iptables"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} not found: apt-get install {' '.join(PACKAGES)}")
     return bins
@@ -64,6 +85,12 @@ class Node:
     workdir: Path
     name: str = field(default_factory=lambda: f"node-{uuid.uuid4().hex[:6]}")
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # kube-proxy and the cluster's DNS (the control plane needs an advertise_address and the endpoint controller)
+    cluster_services: bool = False
+    # Images of buildah's default storage (`make images`) to import, e.g. localhost/rlkube/core:0.1.0.
+    images: tuple[str, ...] = ()
+    dns: ClusterDNS | None = None
+    import_seconds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A unix socket path holds at most 107 bytes; pytest's tmp paths can be longer.
@@ -71,6 +98,8 @@ class Node:
         self.socket = self.sockdir / "containerd.sock"
         self.bridge = f"rk{uuid.uuid4().hex[:8]}"
         self.subnet = f"10.{88 + int(self.bridge[2:4], 16) % 8}.{int(self.bridge[4:6], 16)}.0/24"
+        # The bridge plugin's gateway (the subnet's first address): the cluster DNS listens there.
+        self.gateway = self.subnet.replace(".0/24", ".1")
 
     # -- processes -------------------------------------------------------------------------------------------
 
@@ -86,6 +115,29 @@ class Node:
 
     # -- configuration ---------------------------------------------------------------------------------------
 
+    def _take_root(self) -> None:
+        """containerd's root: the shared image store when no other node holds it, else one in the workdir."""
+        self.root = self.workdir / "containerd" / "root"
+        if not self.images:
+            return
+        IMAGE_STORE.mkdir(parents=True, exist_ok=True)
+        lock = open(IMAGE_STORE / ".lock", "w")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            log(f"{IMAGE_STORE} is in use by another node: importing into a root of this node's own")
+            return
+        self._store_lock = lock
+        self.root = IMAGE_STORE / "root"
+
+    def _remove_containers(self) -> None:
+        """Every container (and its snapshot) of the k8s.io namespace: a kept root starts and ends with images
+        only, whatever a previous node left in it."""
+        ids = self.ctr("containers", "list", "-q", check=False).stdout.split()
+        if ids:
+            self.ctr("containers", "delete", *ids, check=False)
+
     def _containerd_config(self) -> Path:
         d = self.workdir / "containerd"
         (d / "cni").mkdir(parents=True, exist_ok=True)
@@ -100,7 +152,7 @@ class Node:
         }))
         config = d / "config.toml"
         config.write_text(f"""version = 2
-root = "{d / 'root'}"
+root = "{self.root}"
 state = "{self.sockdir / 'state'}"
 [grpc]
   address = "{self.socket}"
@@ -138,6 +190,7 @@ state = "{self.sockdir / 'state'}"
             "authorization": {"mode": "AlwaysAllow"},
             "readOnlyPort": 0, "port": free_port(), "healthzPort": free_port(), "healthzBindAddress": "127.0.0.1",
             "evictionHard": {}, "clusterDomain": "cluster.local",
+            **({"clusterDNS": [self.gateway]} if self.cluster_services else {}),
             # Pod status reaches the API server within a second of a container's change (the default is 10 s).
             "nodeStatusUpdateFrequency": "4s", "syncFrequency": "2s",
         }))
@@ -168,6 +221,36 @@ state = "{self.sockdir / 'state'}"
             self._buildah("rm", c)
         self.import_image(ref)
 
+    def import_stored_image(self, ref: str) -> float:
+        """Import image `ref` from buildah's default storage (where `make images` puts it); the seconds it took."""
+        t0 = time.monotonic()
+        got = subprocess.run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref],
+                             capture_output=True, text=True)
+        if got.returncode != 0:
+            raise RuntimeError(f"image {ref} is not in buildah's storage (make images): {got.stderr.strip()}")
+        image_id = got.stdout.strip()
+        marker = self.root / "rlkube-imported" / ref.replace("/", "_").replace(":", "_")
+        if marker.is_file() and marker.read_text() == image_id and self.ctr("images", "list", "-q").stdout.split().count(ref):
+            self.import_seconds[ref] = time.monotonic() - t0
+            return self.import_seconds[ref]
+        stem = ref.replace("/", "_").replace(":", "_")
+        archive = ARCHIVES / f"{stem}@{image_id}.tar"
+        if not archive.is_file():
+            ARCHIVES.mkdir(parents=True, exist_ok=True)
+            for old in ARCHIVES.glob(f"{stem}@*.tar"):  # an earlier build of the same tag
+                old.unlink(missing_ok=True)
+            tmp = archive.with_name(f".{archive.name}.{os.getpid()}")
+            out = subprocess.run(["buildah", "push", "--quiet", ref, f"oci-archive:{tmp}:{ref}"],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"buildah push {ref}: {out.stderr[-2000:]}")
+            os.replace(tmp, archive)
+        self.ctr("images", "import", str(archive))
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(image_id)
+        self.import_seconds[ref] = time.monotonic() - t0
+        return self.import_seconds[ref]
+
     def import_image(self, ref: str) -> None:
         """Import image `ref` from this node's buildah storage into containerd."""
         archive = self.workdir / f"{ref.replace('/', '_').replace(':', '_')}.tar"
@@ -182,11 +265,17 @@ state = "{self.sockdir / 'state'}"
         bins = node_binaries()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._netns_before = cni_netns()
+        self._take_root()
         self._spawn("containerd", ["containerd", "--config", str(self._containerd_config())])
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
+        self._remove_containers()
         self.import_scratch_image(PAUSE_IMAGE, {"/pause": Path(bins["pause"])}, "65535:65535", ["/pause"])
         busybox = Path("/bin/busybox")
         self.import_scratch_image(BUSYBOX_IMAGE, {"/bin/busybox": busybox, "/bin/sh": busybox}, "10001:10001", None)
+        for ref in self.images:
+            log(f"imported {ref} in {self.import_stored_image(ref):.1f}s")
+        if self.cluster_services:
+            self._start_cluster_services(bins)
         self._spawn("scheduler", [bins["kube-scheduler"], f"--kubeconfig={self.cp.kubeconfig}", "--leader-elect=false",
                                   "--port=0", "--secure-port=0"])
         self._spawn("kubelet", [
@@ -198,6 +287,36 @@ state = "{self.sockdir / 'state'}"
         self._wait("kubelet", self._ready, 120)
         log(f"node {self.name} ready in {time.monotonic() - t0:.1f}s (containerd {self.socket})")
         return self
+
+    def _start_cluster_services(self, bins: dict[str, str]) -> None:
+        if not self.cp.advertise_address:
+            raise ValueError("cluster_services needs a control plane with an advertise_address")
+        # The bridge with its gateway address before any pod, so that the DNS server can listen there (the bridge
+        # plugin keeps an existing bridge and address).
+        prefix = self.subnet.split("/")[1]
+        for cmd in (["ip", "link", "add", self.bridge, "type", "bridge"],
+                    ["ip", "addr", "add", f"{self.gateway}/{prefix}", "dev", self.bridge],
+                    ["ip", "link", "set", self.bridge, "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        self._proxy_lock = open(PROXY_LOCK, "w")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(self._proxy_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another node's kube-proxy runs on this machine; waiting for it to stop")
+            fcntl.flock(self._proxy_lock, fcntl.LOCK_EX)
+        # kube-proxy turns route_localnet on (for localhost node ports); put back as it was on stop.
+        self._route_localnet = ROUTE_LOCALNET.read_text()
+        self.dns = ClusterDNS(self.cp.kubeconfig, self.workdir / "dns", self.gateway).start()
+        self.procs["dnsmasq"] = self.dns.proc
+        # conntrack and oom_score_adj values of 0 leave the machine's settings alone (this machine refuses a
+        # negative oom_score_adj, see the containerd note above).
+        self._spawn("kube-proxy", [
+            bins["kube-proxy"], f"--kubeconfig={self.cp.kubeconfig}", "--proxy-mode=iptables",
+            f"--cluster-cidr={self.subnet}", f"--hostname-override={self.name}", "--oom-score-adj=0",
+            "--conntrack-max-per-core=0", "--conntrack-min=0", "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0", f"--metrics-bind-address=127.0.0.1:{free_port()}",
+            f"--healthz-bind-address=127.0.0.1:{free_port()}", "--v=1",
+        ])
 
     def _ready(self) -> bool:
         """Registered, Ready, and without the not-ready/unreachable taints (nodelifecycle removes them)."""
@@ -217,6 +336,19 @@ state = "{self.sockdir / 'state'}"
     def stop(self) -> None:
         for name in ("kubelet", "scheduler"):
             stop_group(self.procs.pop(name, None))
+        if self.dns is not None:
+            self.dns.stop()
+            self.procs.pop("dnsmasq", None)
+        if self.procs.get("kube-proxy") is not None:
+            stop_group(self.procs.pop("kube-proxy"))
+            subprocess.run([str(DEFAULT_BIN / "kube-proxy"), "--cleanup"], capture_output=True)
+            # --cleanup (1.20) leaves the canary chains its iptables monitor made.
+            for table in ("mangle", "nat", "filter"):
+                subprocess.run(["iptables", "-t", table, "-X", "KUBE-PROXY-CANARY"], capture_output=True)
+            ROUTE_LOCALNET.write_text(self._route_localnet)
+        if getattr(self, "_proxy_lock", None) is not None:
+            self._proxy_lock.close()
+            self._proxy_lock = None
         # The pods' containers and sandboxes (runc processes and their shims) end with containerd's tasks.
         if "containerd" in self.procs and self.procs["containerd"].poll() is None:
             tasks = self.ctr("tasks", "list", "-q", check=False).stdout.split()
@@ -224,7 +356,11 @@ state = "{self.sockdir / 'state'}"
                 self.ctr("tasks", "kill", "--signal", "SIGKILL", task, check=False)
             for task in tasks:
                 self.ctr("tasks", "delete", "--force", task, check=False)
+            self._remove_containers()
         stop_group(self.procs.pop("containerd", None))
+        if getattr(self, "_store_lock", None) is not None:
+            self._store_lock.close()
+            self._store_lock = None
         for shim in _processes_with(str(self.socket)):
             with contextlib.suppress(OSError):
                 os.kill(shim, signal.SIGKILL)
