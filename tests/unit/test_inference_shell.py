@@ -145,3 +145,14 @@ def test_training_finished_leaves_the_group_and_a_stopped_follower_takes_no_upda
     follower.request_stop()
     follower.handle(ready("e1", 0))
     assert engine.calls == [("leave",)]
+
+
+def test_the_join_is_logged_as_each_engine_logged_it_before_the_shell():
+    # tests/e2e/test_fast_llm_job.py reads these lines: one rank for the native engine's one process, the list of
+    # the workers' ranks for vLLM (the interface's default).
+    from types import SimpleNamespace
+
+    from rlkube.core.inference.native_engine import NativeEngine
+
+    assert NativeEngine.ranks_text(SimpleNamespace(ranks=[1])) == "rank 1"
+    assert RecordingEngine().ranks_text() == "ranks [1]"

@@ -73,6 +73,10 @@ class Engine(ABC):
     world_size: int
     """The size of the weight-update group (the trainer's rank 0 included)."""
 
+    def ranks_text(self) -> str:
+        """How the join is logged (`joined ... as <this> of <world_size>`): the ranks, one per worker."""
+        return f"ranks {self.ranks}"
+
     @property
     @abstractmethod
     def joined(self) -> bool:

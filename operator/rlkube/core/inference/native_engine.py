@@ -57,6 +57,9 @@ class NativeEngine(Engine):
         self.ranks = [receiver.rank]
         self.world_size = receiver.world_size
 
+    def ranks_text(self) -> str:
+        return f"rank {self.ranks[0]}"  # one process, one rank (the log line e2e tests and users read)
+
     @property
     def version(self) -> int:
         return self.sampler.policy.version

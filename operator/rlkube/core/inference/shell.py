@@ -123,7 +123,7 @@ class WeightFollower:
             try:
                 if not self.engine.join_fast_llm(self._stop):
                     return False
-                log.info("joined Fast-LLM's weight broadcast as ranks %s of %d", self.engine.ranks,
+                log.info("joined Fast-LLM's weight broadcast as %s of %d", self.engine.ranks_text(),
                          self.engine.world_size)
                 return True
             except WeightSyncError as exc:
