@@ -39,11 +39,13 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.control_plane import CACHE, DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
 from cluster.dns import ClusterDNS
+from cluster.tracked import track
 from rlkube.local.ports import free_port
 
 PAUSE_IMAGE = "localhost/rlkube/pause:3.4.1"
@@ -378,6 +380,29 @@ state = "{self.sockdir / 'state'}"
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running(cp: ControlPlane, workdir: Path, **node_args) -> Iterator[Node]:
+    """`cp` started and a Node of it (with `node_args`) running on `workdir`, both tracked for the session's
+    process check; at the end both are stopped, and after a clean end nothing of the node may be left: no mount
+    under its directory, no pod network namespace."""
+    cp.start()
+    for name, proc in cp.procs.items():
+        track(name, proc.pid)
+    n = Node(cp, workdir, **node_args)
+    netns_before = cni_netns()
+    try:
+        n.start()
+        for name, proc in n.procs.items():
+            track(name, proc.pid)
+        yield n
+    finally:
+        n.stop()
+        cp.stop()
+    left = [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(n.workdir) in line]
+    assert not left, f"mounts left behind by the node: {left}"
+    assert not cni_netns() - netns_before, "network namespaces left behind by the node"
 
 
 def cni_netns() -> set[str]:

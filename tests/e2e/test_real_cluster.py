@@ -28,8 +28,7 @@ from pathlib import Path
 import helm_python as helm
 import pytest
 from cluster.control_plane import ControlPlane
-from cluster.node import ROUTE_LOCALNET, Node, cni_netns
-from cluster.tracked import track
+from cluster.node import ROUTE_LOCALNET, Node, running
 from clusterjob import EventFollower, example, secret_password
 from helm_chart import CHART
 from kubernetes import client, config, watch
@@ -76,23 +75,9 @@ def node(tmp_path_factory):
                                   "endpoint,endpointslice,deployment,replicaset,persistentvolume-binder",
                       extra_apiserver_args=["--kubelet-preferred-address-types=InternalIP"],
                       advertise_address=_host_ip())
-    cp.start()
-    for name, proc in cp.procs.items():
-        track(name, proc.pid)
-    n = Node(cp, tmp_path_factory.mktemp("real-cluster-node"), cluster_services=True,
-             images=(OPERATOR_IMAGE, CORE_IMAGE, REDIS_IMAGE))
-    netns_before = cni_netns()
-    try:
-        n.start()
-        for name, proc in n.procs.items():
-            track(name, proc.pid)
+    with running(cp, tmp_path_factory.mktemp("real-cluster-node"), cluster_services=True,
+                 images=(OPERATOR_IMAGE, CORE_IMAGE, REDIS_IMAGE)) as n:
         yield n
-    finally:
-        n.stop()
-        cp.stop()
-    left = [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(n.workdir) in line]
-    assert not left, f"mounts left behind by the node: {left}"
-    assert not cni_netns() - netns_before, "network namespaces left behind by the node"
     assert set(_proxy_chains()) <= set(chains_before), "kube-proxy's iptables chains left behind"
     assert ROUTE_LOCALNET.read_text() == route_localnet, "kube-proxy's route_localnet left on"
 

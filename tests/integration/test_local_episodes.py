@@ -29,6 +29,12 @@ def rlkube_local(manifest: Path, out: Path, timeout: float = 300, **env: str):
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+def step_metrics(out: Path) -> list[dict]:
+    """The trainer's per-step metrics events of a run's metrics.jsonl (`rlkube local --output-dir out`)."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if m.get("type") == "metrics"]
+
+
 def test_tiny_model_learns_the_calculator_tool_task(tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
@@ -39,7 +45,7 @@ def test_tiny_model_learns_the_calculator_tool_task(tmp_path):
     assert summary["phase"] == "Succeeded" and summary["steps"] == 60, summary
     assert summary["reward_last"] - summary["reward_first"] >= MIN_MARGIN, summary
     assert wall < 300, f"took {wall:.0f}s"  # ~26 s on an idle 2-core machine; the bound allows a loaded one
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_metrics(out)
     last = metrics[-1]
     # The episode counts reach the trainer's metrics: every written episode counted, multi-turn ones among them.
     assert last["episode_episodes"] >= 60 * 32 * 0.5 and last["episode_turns"] > last["episode_episodes"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.test_local_episodes import rlkube_local
+from tests.integration.test_local_episodes import rlkube_local, step_metrics
 
 pytest.importorskip("reasoning_gym")  # the `agents` extra
 
@@ -24,8 +24,7 @@ def test_a_reasoning_gym_task_trains_with_its_reward_every_step(tmp_path):
     assert code == 0, stderr[-3000:]
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40, summary
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if m.get("type") == "metrics"]
+    steps = step_metrics(out)
     assert [m["step"] for m in steps] == list(range(1, 41))
     rewards = [m["reward_mean"] for m in steps]
     # The scorer ran on every sample of every step (none failed) and gave more than one value: partial credit

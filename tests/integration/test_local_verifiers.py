@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.test_local_episodes import rlkube_local
+from tests.integration.test_local_episodes import rlkube_local, step_metrics
 
 pytest.importorskip("verifiers")  # the `agents` extra
 
@@ -60,8 +60,7 @@ def test_a_verifiers_taskset_trains_unchanged_with_its_reward_every_step(tmp_pat
     assert code == 0, stderr[-3000:]
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40, summary
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if m.get("type") == "metrics"]
+    steps = step_metrics(out)
     assert [m["step"] for m in steps] == list(range(1, 41))
     rewards = [m["reward_mean"] for m in steps]
     assert all(0.0 <= r <= 1.0 for r in rewards) and steps[-1]["reward_errors"] == 0, rewards

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import specs
 from cluster.control_plane import ControlPlane
-from cluster.node import BUSYBOX_IMAGE, Node, cni_netns
-from cluster.tracked import track
+from cluster.node import BUSYBOX_IMAGE, Node, running
 from kubernetes import client, config
 from rlkube.contract import runtime
 from rlkube.controller import builders, names
@@ -49,22 +48,8 @@ def node(tmp_path_factory):
     cp = ControlPlane(tmp_path_factory.mktemp("real-node-cp"),
                       controllers="garbagecollector,namespace,serviceaccount-token,serviceaccount,nodelifecycle",
                       extra_apiserver_args=["--kubelet-preferred-address-types=InternalIP"])
-    cp.start()
-    for name, proc in cp.procs.items():
-        track(name, proc.pid)
-    n = Node(cp, tmp_path_factory.mktemp("real-node"))
-    netns_before = cni_netns()
-    try:
-        n.start()
-        for name, proc in n.procs.items():
-            track(name, proc.pid)
+    with running(cp, tmp_path_factory.mktemp("real-node")) as n:
         yield n
-    finally:
-        n.stop()
-        cp.stop()
-    left = [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(n.workdir) in line]
-    assert not left, f"mounts left behind by the node: {left}"
-    assert not cni_netns() - netns_before, "network namespaces left behind by the node"
 
 
 @pytest.fixture(scope="module")
