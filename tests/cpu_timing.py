@@ -2,7 +2,9 @@
 
 A test whose CPU/wall ratio is low waits on the clock (a polling interval, a backoff, a grace period) rather than
 computing, and is the first place to look when the suite is slow. Opt-in: `RLKUBE_TEST_CPU=path.jsonl pytest ...`
-appends one JSON line per phase (setup, call, teardown) and prints the slowest tests with their ratio at the end.
+appends one JSON line per phase (setup, call, teardown; with the fixtures that took 0.2 s or more to set up or tear
+down, a session-scoped server's start and stop included) and one per session mark (start, collected, finish), and
+prints the slowest tests with their ratio at the end. With pytest-xdist each worker appends to the same file.
 
 CPU time is the pytest process's own (RUSAGE_SELF), its reaped children's (RUSAGE_CHILDREN) and, since fixtures keep
 servers running across tests and a child is only counted once reaped, the growth of every live descendant's
