@@ -7,6 +7,7 @@
 - `namespace`: a fresh namespace per test, deleted afterwards.
 - `wheel` (session): a wheel of this repository, built offline as `pip install .` builds it.
 Every server process started here is checked at session end; one still alive fails the run.
+RLKUBE_TEST_CPU=path.jsonl records each test's wall and CPU time (tests/cpu_timing.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from cluster.control_plane import ControlPlane  # noqa: E402
 from cluster.tracked import STARTED_PIDS, track  # noqa: E402
 
 from rlkube.local.redis_server import RedisServer  # noqa: E402
+
+import cpu_timing  # noqa: E402
+
+
+def pytest_configure(config):
+    cpu_timing.register(config)
+
 
 def pytest_collection_modifyitems(items):
     # The tier marker follows the directory, so `-m unit` etc. select by tier without decorating every test.

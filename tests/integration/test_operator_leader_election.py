@@ -41,7 +41,10 @@ from rlkube.lifecycle.roles import TEARDOWN_ORDER
 pytestmark = pytest.mark.timeout(240)
 
 LEASE = "rlkube-operator"
-TIMING = Timing()  # the defaults `rlkube operator --leader-elect` and the chart run with: 15 s / 10 s / 2 s
+# Shorter than the defaults `rlkube operator --leader-elect` and the chart run with (15 s / 10 s / 2 s), through the
+# same flags: two tests wait out a whole lease. The retry period stays (it bounds how soon a leader notices), and
+# the renew deadline still leaves the leader more than two renewals before it gives up.
+TIMING = Timing(lease_duration=8.0, renew_deadline=5.0, retry_period=2.0)
 
 
 @dataclass
@@ -148,7 +151,9 @@ async def wait_gauge(operator: OperatorProcess, value: float, timeout: float = 2
 async def ha(kapi, cluster, tmp_path):
     """A namespace with two `rlkube operator --leader-elect` processes (operator-a, operator-b) started together."""
     namespace = f"ha-{uuid.uuid4().hex[:8]}"
-    args = ("--leader-elect", "--lease-name", LEASE, "--lease-namespace", namespace)
+    args = ("--leader-elect", "--lease-name", LEASE, "--lease-namespace", namespace,
+            "--lease-duration", str(TIMING.lease_duration), "--lease-renew-deadline", str(TIMING.renew_deadline),
+            "--lease-retry-period", str(TIMING.retry_period))
     async with Env(kapi, cluster, namespace, tmp_path, operator_args=args, replicas=2) as env:
         yield env
 

@@ -30,6 +30,7 @@ BLOCK_MS = 5000
 """XREAD block time. The socket timeout is longer, so a silent Redis shows up as a timeout error."""
 RETRY_MAX = 5.0  # the longest wait between reconnect attempts
 STOP_TIMEOUT = 2.0
+CANCEL_AGAIN_S = 0.05
 CATCH_UP_BATCH = 500
 
 
@@ -109,8 +110,12 @@ class EventWatcher:
         ConnectionError, so the reader also checks its stop event, and this never waits long for it."""
         self.reader.stop.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT)
+            # A cancellation that lands while redis-py is checking out a connection can be swallowed, and the XREAD
+            # then blocks its whole BLOCK_MS: cancel again until the task is done.
+            deadline = asyncio.get_running_loop().time() + STOP_TIMEOUT
+            while not self._task.done() and (left := deadline - asyncio.get_running_loop().time()) > 0:
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=min(CANCEL_AGAIN_S, left))
             self._task = None
         if self._client is not None:
             self._client = None
