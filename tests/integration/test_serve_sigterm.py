@@ -24,7 +24,7 @@ import time
 
 import pytest
 from rlkube.contract import protocol
-from rlkube.core.lag import LagKeys
+from rlkube.core.actor.lag import LagKeys
 from rlkube.core.weightsync import WeightSender
 from serve_helpers import (
     PREFIX,

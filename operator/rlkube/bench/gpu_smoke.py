@@ -292,7 +292,7 @@ def rollouts_to_documents(responses: list[dict], version: int):
     import numpy as np
 
     from rlkube.contract import protocol
-    from rlkube.core.advantages import leave_one_out
+    from rlkube.core.preprocessor.advantages import leave_one_out
 
     docs = []
     for resp in responses:
