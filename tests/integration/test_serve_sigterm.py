@@ -25,7 +25,7 @@ import time
 import pytest
 from rlkube.contract import protocol
 from rlkube.core.actor.lag import LagKeys
-from rlkube.core.weightsync import WeightSender
+from rlkube.core.weights.group import WeightSender
 from serve_helpers import (
     PREFIX,
     RoleProcesses,
