@@ -19,7 +19,7 @@ from rlkube.core.batch import collate
 from rlkube.core.actor.calculator import Calculator, calculate
 from rlkube.core.actor.environments import load_environment
 from rlkube.core.actor.episodes import (Limits, MessageEncoder, Reply, SampleRefused, Turn, call_with_timeout,
-                                  run_episode)
+                                        run_episode)
 from rlkube.core.hf.builtin import char_tokenizer
 from rlkube.core.losses import LossConfig, policy_loss
 from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents

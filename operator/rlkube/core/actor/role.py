@@ -63,7 +63,7 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.actor.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.hf.tokenizer import Tokenizer
 from rlkube.core.actor.episodes import (Environment, EpisodeResult, Limits, MessageEncoder, Reply, SampleRefused,
-                                  call_with_timeout, draw_prompt, run_episode)
+                                        call_with_timeout, draw_prompt, run_episode)
 from rlkube.core.actor.environments import limits as episode_limits
 from rlkube.core.actor.environments import load_environment
 from rlkube.core.actor.evaluation import Evaluator, TrainingPrompts, build_eval_set, held_out_fraction
