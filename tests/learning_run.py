@@ -15,8 +15,8 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.hf.tokenizer import Tokenizer
-from rlkube.core.preprocessor import DocumentConfig, documents_of
-from rlkube.core.tasks import load_task
+from rlkube.core.preprocessor.documents import DocumentConfig, documents_of
+from rlkube.core.actor.tasks import load_task
 from rlkube.core.trainer import Trainer
 import specs
 

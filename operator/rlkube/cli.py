@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("tasks", help="list the built-in rollout tasks")
-    p.set_defaults(func=_lazy("rlkube.core.tasks:cli"))
+    p.set_defaults(func=_lazy("rlkube.core.actor.tasks:cli"))
 
     p = sub.add_parser("local", help="run a TrainingJob manifest as local processes")
     p.add_argument("file", help="TrainingJob manifest (YAML)")

@@ -99,7 +99,7 @@ def model_weights(model_dir: str | None) -> dict[str, torch.Tensor]:
 
 
 def checksum(named: dict[str, torch.Tensor]) -> float:
-    from rlkube.core.weightsync import weights_checksum
+    from rlkube.core.weights.wire import weights_checksum
 
     return weights_checksum(sorted(named.items()))
 

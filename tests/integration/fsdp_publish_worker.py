@@ -22,7 +22,8 @@ from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.contract.protocol import StreamKeys
 from rlkube.core.trainer import Trainer
 from rlkube.core.lora import wire_config
-from rlkube.core.weightsync import AdapterUpdate, WeightPublisher, pack_weights, transfer_dtype
+from rlkube.core.weights.publication import WeightPublisher
+from rlkube.core.weights.wire import AdapterUpdate, pack_weights, transfer_dtype
 
 
 def main() -> int:

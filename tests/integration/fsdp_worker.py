@@ -20,7 +20,7 @@ from rlkube.core.backends.fsdp_lora import full
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.core.trainer import Trainer
-from rlkube.core.weightsync import unpack_weights, weights_checksum
+from rlkube.core.weights.wire import unpack_weights, weights_checksum
 from safetensors.torch import save_file
 
 

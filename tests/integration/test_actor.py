@@ -16,7 +16,7 @@ import signal
 
 import pytest
 from rlkube.contract import protocol, runtime
-from rlkube.core.lag import LagKeys
+from rlkube.core.actor.lag import LagKeys
 from serve_helpers import (
     PREFIX,
     RoleProcesses,
@@ -76,7 +76,7 @@ def reserved(redis_client) -> int:
 
 def settled(redis_client, want: int, written_too: bool = True) -> None:
     """Wait until the reserved counter (and the written one) is `want`. A holding actor reserves optimistically
-    (INCRBY, then DECRBY when over the bound: core/lag.py), so one read may catch a reservation in flight."""
+    (INCRBY, then DECRBY when over the bound: core/actor/lag.py), so one read may catch a reservation in flight."""
     wait_for(lambda: reserved(redis_client) == want and (not written_too or written(redis_client) == want), 10,
                f"reserved{' and written' if written_too else ''} == {want}")
 

@@ -6,7 +6,7 @@ would receive (the preprocessor's, from the rollouts the actor wrote) are checke
 sampled: tokens = its sampled ids and the appended environment ids in order, environment tokens out of the loss,
 each sampled token's log-prob and weight version as the engine reported them. Also: a tool that hangs is timed out,
 the episode scored and counted, the actor goes on; an episode over its token budget is truncated and counted;
-sandboxed tools (rlkube.core.sandbox) refused the network and killed at their timeout, an episode over its time
+sandboxed tools (rlkube.core.actor.sandbox) refused the network and killed at their timeout, an episode over its time
 limit ended, all counted, while the actor goes on.
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rlkube.contract import protocol
-from rlkube.core.calculator import calculate
+from rlkube.core.actor.calculator import calculate
 from rlkube.core.hf.builtin import char_tokenizer
-from rlkube.core.preprocessor import DocumentConfig, group_to_documents
+from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, \
     write_config
@@ -192,7 +192,7 @@ def test_a_hanging_tool_and_a_spent_token_budget_end_episodes_that_are_scored_an
     (tmp_path / "hanging_env.py").write_text(textwrap.dedent("""
         import threading
 
-        from rlkube.core.calculator import Calculator, CalculatorEpisode
+        from rlkube.core.actor.calculator import Calculator, CalculatorEpisode
 
         NEVER = threading.Event()
 
@@ -255,8 +255,8 @@ def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     (tmp_path / "code_env.py").write_text(textwrap.dedent("""
-        from rlkube.core.calculator import Calculator, CalculatorEpisode
-        from rlkube.core.episodes import Turn
+        from rlkube.core.actor.calculator import Calculator, CalculatorEpisode
+        from rlkube.core.actor.episodes import Turn
 
 
         class Runs(CalculatorEpisode):

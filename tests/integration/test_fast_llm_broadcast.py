@@ -18,7 +18,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.contract import fast_llm_rendezvous, runtime
 from rlkube.core.fast_llm_weights import FastLlmReceiver, unpickle_metadata
-from rlkube.core.weightsync import WeightSyncError
+from rlkube.core.weights.group import WeightSyncError
 
 TIMEOUT = datetime.timedelta(seconds=30)
 

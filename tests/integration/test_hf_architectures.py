@@ -24,7 +24,9 @@ from rlkube.core.inference.shell import WeightFollower
 from rlkube.core.losses import token_logprobs
 from rlkube.core.sampling import GenerationRequest, SamplingEngine
 from rlkube.core.trainer import Trainer
-from rlkube.core.weightsync import WeightPublisher, WeightReceiver, checksums_match, weights_checksum
+from rlkube.core.weights.group import WeightReceiver
+from rlkube.core.weights.publication import WeightPublisher
+from rlkube.core.weights.wire import checksums_match, weights_checksum
 from waiting import wait_for
 
 CASES = [("llama", "char", "LlamaForCausalLM"), ("qwen2", "bpe", "Qwen2ForCausalLM"),

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 from rlkube.contract import protocol
-from rlkube.core.lag import LagCounter
+from rlkube.core.actor.lag import LagCounter
 from rlkube.contract.protocol import RolloutGroup, Sample, StreamKeys
 from rlkube.contract.streams import ensure_group
 

@@ -20,8 +20,8 @@ import specs
 import yaml
 
 from rlkube.contract import protocol
-from rlkube.core.environments import load_environment
-from rlkube.core.evaluation import build_eval_set
+from rlkube.core.actor.environments import load_environment
+from rlkube.core.actor.evaluation import build_eval_set
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.lifecycle.validation import parse_spec

@@ -1,5 +1,5 @@
 """`rlkube local` trains the tiny model on a verifiers (0.4.0) taskset, written here against verifiers' public API
-and run unchanged (rlkube.core.verifiers_env): verifiers' loader finds it by id in the actor, its @vf.reward
+and run unchanged (rlkube.core.actor.verifiers_env): verifiers' loader finds it by id in the actor, its @vf.reward
 scores every episode, and the reward is reported every step. Real roles as processes over a real redis-server."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from rlkube.core import checkpoint as ckpt
 from rlkube.core import lora
 from rlkube.core.hf.loading import load_model
 from rlkube.core.trainer import Trainer
-from rlkube.core.weightsync import ADAPTER, FULL, checksums_match
+from rlkube.core.weights.wire import ADAPTER, FULL, checksums_match
 from rlkube.lifecycle.validation import parse_spec
 from safetensors.torch import load_file
 from test_trainer_fsdp import TIMEOUT, fsdp_spec, role_spec, run_ranks, start_role_ranks

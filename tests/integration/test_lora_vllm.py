@@ -23,7 +23,8 @@ from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs
 from rlkube.core.trainer import Trainer
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
-from rlkube.core.weightsync import FULL, WeightPublisher, checksums_match, transfer_dtype, update_nbytes
+from rlkube.core.weights.publication import WeightPublisher
+from rlkube.core.weights.wire import FULL, checksums_match, transfer_dtype, update_nbytes
 from rlkube.lifecycle.validation import parse_spec
 from serve_helpers import PREFIX, RoleProcesses, free_port, http_json, http_status, job_spec, log_text, wait_for, \
     write_config

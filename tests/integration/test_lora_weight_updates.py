@@ -24,15 +24,9 @@ from rlkube.core.inference.shell import WeightFollower
 from rlkube.core.losses import token_logprobs
 from rlkube.core.sampling import GenerationRequest, SamplingEngine
 from rlkube.core.trainer import Trainer
-from rlkube.core.weightsync import (
-    ADAPTER,
-    WeightPublisher,
-    WeightReceiver,
-    WeightSender,
-    WeightSyncError,
-    checksums_match,
-    update_nbytes,
-)
+from rlkube.core.weights.group import WeightReceiver, WeightSender, WeightSyncError
+from rlkube.core.weights.publication import WeightPublisher
+from rlkube.core.weights.wire import ADAPTER, checksums_match, update_nbytes
 from rlkube.lifecycle.validation import parse_spec
 from waiting import wait_for
 import specs

@@ -23,7 +23,7 @@ from core_roles import (
     wait_for,
 )
 from rlkube.contract import protocol
-from rlkube.core.preprocessor import PreprocessorRole
+from rlkube.core.preprocessor.role import PreprocessorRole
 from rlkube.contract.context import RoleContext
 from rlkube.contract.streams import ensure_group
 

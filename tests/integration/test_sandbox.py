@@ -1,4 +1,4 @@
-"""The code-execution sandbox (rlkube.core.sandbox) with real child processes: the network refused by each layer
+"""The code-execution sandbox (rlkube.core.actor.sandbox) with real child processes: the network refused by each layer
 on its own (a listener the test opens sees no connection), a snippet that loops forever killed at its wall or CPU
 limit, one that allocates past its memory limit failing cleanly, the empty environment and fresh cwd, and the
 episode going on with the refusal as the tool's answer, counted."""
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import rlkube
-from rlkube.core.episodes import Limits, MessageEncoder, Reply, Turn, run_episode
+from rlkube.core.actor.episodes import Limits, MessageEncoder, Reply, Turn, run_episode
 from rlkube.core.hf.builtin import char_tokenizer
-from rlkube.core.sandbox import Sandbox, SandboxLimits, network_namespace_available
+from rlkube.core.actor.sandbox import Sandbox, SandboxLimits, network_namespace_available
 
 pytestmark = pytest.mark.integration
 
@@ -187,8 +187,8 @@ SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin")
 DRIVER = """
 import json, socket, sys, types
 # The sandbox alone: its episode counter import pulls in the spec (pydantic), which this interpreter lacks.
-sys.modules["rlkube.core.episodes"] = types.SimpleNamespace(note_tool=lambda *names: None)
-from rlkube.core.sandbox import Sandbox, SandboxLimits
+sys.modules["rlkube.core.actor.episodes"] = types.SimpleNamespace(note_tool=lambda *names: None)
+from rlkube.core.actor.sandbox import Sandbox, SandboxLimits
 port = int(sys.argv[-1])
 code = f"import socket\\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\\nprint('connected')"
 out = {"uid": __import__("os").getuid(),

@@ -24,8 +24,8 @@ import time
 
 import pytest
 from rlkube.contract import protocol
-from rlkube.core.lag import LagKeys
-from rlkube.core.weightsync import WeightSender
+from rlkube.core.actor.lag import LagKeys
+from rlkube.core.weights.group import WeightSender
 from serve_helpers import (
     PREFIX,
     RoleProcesses,

@@ -22,7 +22,7 @@ from core_roles import (
 from rlkube.core import checkpoint as ckpt
 from rlkube.contract import protocol, runtime
 from rlkube.core.trainer import ENV_DOCUMENT_TIMEOUT, document_timeout_from_env
-from rlkube.core.weightsync import WeightReceiver
+from rlkube.core.weights.group import WeightReceiver
 
 START_TIMEOUT = 60
 GRACE = 10  # well inside the trainer's default teardown grace period (30 s); gloo's own timeout is 300 s

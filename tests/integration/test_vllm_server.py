@@ -30,7 +30,7 @@ import pytest
 import torch
 from rlkube.contract import protocol
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
-from rlkube.core.weightsync import checksums_match, weights_checksum
+from rlkube.core.weights.wire import checksums_match, weights_checksum
 from serve_helpers import (
     PREFIX,
     RoleProcesses,

@@ -13,7 +13,7 @@ import time
 
 import psutil
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
-from rlkube.core.weightsync import checksums_match, weights_checksum
+from rlkube.core.weights.wire import checksums_match, weights_checksum
 from serve_helpers import RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, write_config
 from test_vllm_server import (
     LOGPROB_TOLERANCE,

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from rlkube.contract import protocol
-from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, checksums_match, weights_checksum
+from rlkube.core.weights.group import StaleEpoch, WeightReceiver, WeightSyncError
+from rlkube.core.weights.wire import checksums_match, weights_checksum
 from rlkube.local.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -27,7 +27,8 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
 from rlkube.contract.protocol import StreamKeys
-from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, WeightPublisher, pack_weights
+from rlkube.core.weights.publication import WeightPublisher
+from rlkube.core.weights.wire import DEFAULT_BUCKET_BYTES, pack_weights
 
 
 BF16_SCALE = 0.5

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlkube.core.advantages import group_advantages, leave_one_out, mean_std
+from rlkube.core.preprocessor.advantages import group_advantages, leave_one_out, mean_std
 
 
 def test_leave_one_out_by_hand():

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rlkube.core.episodes) from the engine's replies to the trainer's documents: exact tokens,
+"""Multi-turn episodes (rlkube.core.actor.episodes) from the engine's replies to the trainer's documents: exact tokens,
 environment turns out of the loss, per-token versions; a hanging tool, a failing one and the limits; the built-in
 calculator; the environment loader's errors naming the spec field."""
 
@@ -16,14 +16,14 @@ import pytest
 from rlkube.api.spec import EnvironmentSpec, TaskSpec
 from rlkube.contract import protocol
 from rlkube.core.batch import collate
-from rlkube.core.calculator import Calculator, calculate
-from rlkube.core.environments import load_environment
-from rlkube.core.episodes import (Limits, MessageEncoder, Reply, SampleRefused, Turn, call_with_timeout,
-                                  run_episode)
+from rlkube.core.actor.calculator import Calculator, calculate
+from rlkube.core.actor.environments import load_environment
+from rlkube.core.actor.episodes import (Limits, MessageEncoder, Reply, SampleRefused, Turn, call_with_timeout,
+                                        run_episode)
 from rlkube.core.hf.builtin import char_tokenizer
 from rlkube.core.losses import LossConfig, policy_loss
-from rlkube.core.preprocessor import DocumentConfig, group_to_documents
-from rlkube.core.task_types import TaskError
+from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
+from rlkube.core.actor.task_types import TaskError
 
 TOK = char_tokenizer()
 
@@ -348,7 +348,7 @@ def test_an_answer_that_is_not_messages_is_a_tool_error():
 
 
 def test_per_token_versions_from_the_engine_s_version_spans():
-    from rlkube.core.actor import token_versions
+    from rlkube.core.actor.role import token_versions
 
     assert token_versions([[0, 3], [2, 4]], 4) == [3, 3, 4, 4]
     assert token_versions([[0, 5]], 2) == [5, 5]
@@ -373,7 +373,7 @@ class OneToolCall:
 def _chat_episode(tok, replies: list[str], eos: bool):
     """One episode as the actor plays it with a chat template: the prompt rendered by the template, each reply
     the engine's ids (ending in the eos <|im_end|> when `eos`), the tool's turn appended by MessageEncoder."""
-    from rlkube.core.task_types import Prompt
+    from rlkube.core.actor.task_types import Prompt
 
     prompt = Prompt("1+6=", messages=[{"role": "user", "content": "1+6="}])
     prompt_ids = tok(tok.apply_chat_template([dict(m) for m in prompt.messages], add_generation_prompt=True,

@@ -1,4 +1,4 @@
-"""spec.evaluation's pure parts (rlkube.core.evaluation, validation, the event's reading): when a version is due,
+"""spec.evaluation's pure parts (rlkube.core.actor.evaluation, validation, the event's reading): when a version is due,
 the hash split that keeps eval prompts out of training, the eval set, a dataset split that overlaps training refused
 naming the field, bad input refused naming the field, and both launchers reading an `evaluation` event alike (eval
 reward into the status and `rlkube local`'s summary, never as a sign of trainer life).
@@ -23,10 +23,10 @@ from rlkube.contract import protocol
 from rlkube.controller.decisions import JobView, decide
 from rlkube.controller.observed import EventSource, Observed
 from rlkube.controller.times import fmt_time
-from rlkube.core import evaluation
-from rlkube.core.evaluation import Evaluator, TrainingPrompts, due_version, eval_prompts, held_out, prompt_key
-from rlkube.core.tasks import load_task
-from rlkube.core.task_types import Prompt, TaskError
+from rlkube.core.actor import evaluation
+from rlkube.core.actor.evaluation import Evaluator, TrainingPrompts, due_version, eval_prompts, held_out, prompt_key
+from rlkube.core.actor.tasks import load_task
+from rlkube.core.actor.task_types import Prompt, TaskError
 from rlkube.lifecycle import progress
 from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.local.runner import LocalJob, RunResult
@@ -246,7 +246,7 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
     redis_client.delete(*keys.all())
     import redis.asyncio as aioredis
 
-    from rlkube.core.actor import Actor as RoleActor, BadPrompt, Stopped
+    from rlkube.core.actor.role import Actor as RoleActor, BadPrompt, Stopped
 
     class Actor:
         task = load_task(parse_spec(specs.spec()).task)

@@ -1,4 +1,4 @@
-"""reasoning-gym tasks (spec.task.reasoningGym, rlkube.core.gym_tasks): prompts from the real generators, rewards
+"""reasoning-gym tasks (spec.task.reasoningGym, rlkube.core.actor.gym_tasks): prompts from the real generators, rewards
 from their own score_answer, replicas drawing disjoint questions, and errors that name the spec field."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from rlkube.api.spec import TaskSpec, TrainingJobSpec
-from rlkube.core.tasks import Scorer, load_task
-from rlkube.core.task_types import TaskError
+from rlkube.core.actor.tasks import Scorer, load_task
+from rlkube.core.actor.task_types import TaskError
 from rlkube.lifecycle.validation import task_errors
 
 reasoning_gym = pytest.importorskip("reasoning_gym")  # the `agents` extra

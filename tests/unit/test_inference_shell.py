@@ -11,7 +11,7 @@ import pytest
 from rlkube.contract import protocol
 from rlkube.core.inference.engine import PARAMETERS, Engine, Received, UpdateRefused
 from rlkube.core.inference.shell import WeightFollower
-from rlkube.core.weightsync import StaleEpoch, WeightSyncError
+from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
 pytestmark = pytest.mark.unit
 

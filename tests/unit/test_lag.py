@@ -7,7 +7,7 @@ import math
 
 import pytest
 from rlkube.contract import protocol
-from rlkube.core.lag import documents_seen_of, sample_budget
+from rlkube.core.actor.lag import documents_seen_of, sample_budget
 
 
 @pytest.mark.parametrize("max_lag", [0, 1, 2, 5])
@@ -80,6 +80,6 @@ def test_fast_llm_overshoot_keeps_the_actors_within_the_lag_bound(per_step, over
     assert worst_lag <= max_lag
     # The old rule (credit = step x samplesPerStep) loses `overshoot` documents of credit per step: the
     # trainer starves within (maxLag + 1) x samplesPerStep / overshoot steps, and from then on only the actors'
-    # stall release (one group per stall period, rlkube.core.lag) would move it.
+    # stall release (one group per stall period, rlkube.core.actor.lag) would move it.
     old, _ = _run(per_step, overshoot, max_lag, steps, reports_documents_seen=False)
     assert old[-1] is None and len(old) <= (max_lag + 1) * per_step // overshoot + 1

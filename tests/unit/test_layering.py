@@ -228,7 +228,7 @@ def drawing(graph: Graph, floors=FLOORS) -> str:
 
 def test_no_import_circle():
     graph = _graph()
-    assert "rlkube.core.tasks" in graph and "rlkube.lifecycle.validation" in graph
+    assert "rlkube.core.actor.tasks" in graph and "rlkube.lifecycle.validation" in graph
     assert cycles(graph) == []
 
 

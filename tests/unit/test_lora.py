@@ -15,7 +15,7 @@ from rlkube.core.errors import ConfigError
 from rlkube.core.hf.loading import load_model
 from rlkube.core.losses import token_logprobs
 from rlkube.core.trainer import Trainer
-from rlkube.core.weightsync import ADAPTER, FULL, pack_weights, unpack_weights, update_nbytes
+from rlkube.core.weights.wire import ADAPTER, FULL, pack_weights, unpack_weights, update_nbytes
 from rlkube.lifecycle.validation import SpecError, parse_spec
 import specs
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rlkube.contract import protocol
-from rlkube.core.preprocessor import DocumentConfig, group_to_documents
+from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
 
 
 def group(rewards, expected=4, version=3, completions=None):

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlkube.api.spec import DatasetSpec, TaskSpec
-from rlkube.core.prompt_dataset import DatasetTask, resolve_format
-from rlkube.core.tasks import Scorer, TaskError, load_task
+from rlkube.core.actor.prompt_dataset import DatasetTask, resolve_format
+from rlkube.core.actor.tasks import Scorer, TaskError, load_task
 
 ROWS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i), "id": i} for i in range(10)]
 

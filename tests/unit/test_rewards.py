@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from rlkube.api.spec import RewardSpec, TaskSpec
-from rlkube.core.rewards import ExactReward, MathReward, RegexReward, RewardError, build_reward, normalize
-from rlkube.core.tasks import Prompt, Scorer, TaskError, load_task
+from rlkube.core.actor.rewards import ExactReward, MathReward, RegexReward, RewardError, build_reward, normalize
+from rlkube.core.actor.tasks import Prompt, Scorer, TaskError, load_task
 
 
 def p(answer=None, **meta) -> Prompt:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import rlkube.core
 from rlkube.contract import protocol
-from rlkube.core.lag import LagKeys
+from rlkube.core.actor.lag import LagKeys
 
 CORE = Path(rlkube.core.__file__).parent
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from rlkube.api.spec import TaskSpec
-from rlkube.core.tasks import (
+from rlkube.core.actor.tasks import (
     BUILTIN_TASKS,
     Prompt,
     Task,
@@ -67,7 +67,7 @@ def test_rewards_stay_in_unit_interval():
 
 def test_entry_point_task(tmp_path, monkeypatch):
     (tmp_path / "my_tasks.py").write_text(textwrap.dedent("""
-        from rlkube.core.tasks import Prompt
+        from rlkube.core.actor.tasks import Prompt
 
         class Echo:
             name = "echo"

@@ -1,5 +1,5 @@
 """A verifiers (0.4.0) taskset, written here against verifiers' public API, runs unchanged through rlkube's episode
-interface (rlkube.core.verifiers_env): verifiers' loader finds it by id, its tools answer the model's tool calls,
+interface (rlkube.core.actor.verifiers_env): verifiers' loader finds it by id, its tools answer the model's tool calls,
 its @vf.stop hook ends episodes, its @vf.reward/@vf.metric score the vf.Trace the replies were committed to; the
 episode is the engine's ids and the tool turns' ids in order, with no drift against the chat template."""
 
@@ -15,11 +15,11 @@ import pytest
 
 from rlkube.api.spec import EnvironmentSpec, TaskSpec
 from rlkube.contract import protocol
-from rlkube.core.environments import load_environment
-from rlkube.core.episodes import Limits, MessageEncoder, Reply, run_episode
-from rlkube.core.preprocessor import DocumentConfig, group_to_documents
-from rlkube.core.task_types import TaskError
-from rlkube.core.tasks import render_prompt
+from rlkube.core.actor.environments import load_environment
+from rlkube.core.actor.episodes import Limits, MessageEncoder, Reply, run_episode
+from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
+from rlkube.core.actor.task_types import TaskError
+from rlkube.core.actor.tasks import render_prompt
 
 pytest.importorskip("verifiers")  # the `agents` extra
 
@@ -177,7 +177,7 @@ def test_stop_hooks_bad_calls_and_a_raising_tool(taskset_id):
     errors = [m.content for m in episode.trace.tool_messages]
     assert errors[0].startswith("Error: unknown tool 'adder_mul'") and errors[1].startswith("Error: not a tool call")
     assert errors[2] == "5" and result.reward == 1.0 and result.tool_calls == 3 and result.tool_errors == 0
-    # A tool that raises ends the episode as a tool error (rlkube.core.episodes), scored by the taskset.
+    # A tool that raises ends the episode as a tool error (rlkube.core.actor.episodes), scored by the taskset.
     _, episode, result, _, _ = play(env, tok, [call(-1, 4)])
     assert result.tool_errors == 1 and result.turns == 1 and result.reward == 0.0
 

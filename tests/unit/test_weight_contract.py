@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlkube.core.weightsync import checksums_match, pack_weights, transfer_dtype, unpack_weights, weights_checksum
+from rlkube.core.weights.wire import checksums_match, pack_weights, transfer_dtype, unpack_weights, weights_checksum
 
 
 def weights() -> dict[str, torch.Tensor]:

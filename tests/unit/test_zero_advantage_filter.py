@@ -16,8 +16,9 @@ import specs
 from rlkube.contract import protocol, runtime, zero_advantage
 from rlkube.contract.context import RoleContext
 from rlkube.core.errors import ConfigError
-from rlkube.core.lag import LagCounter
-from rlkube.core.preprocessor import DocumentConfig, PreprocessorRole, documents_of, group_to_documents
+from rlkube.core.actor.lag import LagCounter
+from rlkube.core.preprocessor.documents import DocumentConfig, documents_of, group_to_documents
+from rlkube.core.preprocessor.role import PreprocessorRole
 from rlkube.core.trainer import TrainerRole
 from rlkube.lifecycle.evidence import Evidence, Failure
 from rlkube.lifecycle.judgement import judge

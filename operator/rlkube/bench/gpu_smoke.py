@@ -17,7 +17,7 @@ What it runs, through the project's own code paths (nothing here re-implements t
 3. the native inference engine (rlkube.core.sampling.SamplingEngine behind rlkube.core.inference's HTTP server,
    the model in the served dtype on the same device), which takes the trainer's weights by an in-process
    update: the trainer publishes them exactly as it does for inference servers (the FSDP weight stream of
-   rlkube.core.weightsync in the transfer dtype, bucket by bucket, with its checksum), and the engine's
+   rlkube.core.weights in the transfer dtype, bucket by bucket, with its checksum), and the engine's
    WeightFollower loads them as it does an update received over the weight-sync group. The group itself
    (NCCL between two processes) needs a GPU per side, so this one-GPU check does not cross it;
 4. a PipelineRL-shaped loop: the engine samples groups of completions over HTTP (`/v1/completions`, with
@@ -154,7 +154,7 @@ class _InProcessReceiver:
 
 class InProcessPublisher:
     """The trainer's Publisher (rlkube.core.trainer.publishers.Publisher) for an engine in the same process: the FSDP
-    trainer hands it a StreamedWeights, whose passes it runs as rlkube.core.weightsync.WeightPublisher does
+    trainer hands it a StreamedWeights, whose passes it runs as rlkube.core.weights.publication.WeightPublisher does
     (`more(True)`, every bucket, `more(False)`), keeps the buckets instead of broadcasting them, unpacks and
     verifies them as WeightReceiver.receive does, then lets the engine's WeightFollower apply the update."""
 
@@ -173,13 +173,8 @@ class InProcessPublisher:
 
     def publish(self, weights, version: int, step: int, documents_seen: int = 0, **extra) -> None:
         from rlkube.contract import protocol
-        from rlkube.core.weightsync import (
-            StreamedWeights,
-            checksums_match,
-            pack_weights,
-            unpack_weights,
-            weights_checksum,
-        )
+        from rlkube.core.weights.wire import (StreamedWeights, checksums_match, pack_weights, unpack_weights,
+                                              weights_checksum)
 
         t0 = time.monotonic()
         if isinstance(weights, StreamedWeights):
@@ -292,7 +287,7 @@ def rollouts_to_documents(responses: list[dict], version: int):
     import numpy as np
 
     from rlkube.contract import protocol
-    from rlkube.core.advantages import leave_one_out
+    from rlkube.core.preprocessor.advantages import leave_one_out
 
     docs = []
     for resp in responses:
@@ -537,11 +532,11 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
             served_on = {p.device.type for p in engine.policy.model.parameters()}
             checks["engine_on_device"] = served_on == {device.type}
             from rlkube.core.hf.loading import DTYPES
-            from rlkube.core.weightsync import checksums_match, transfer_dtype, weights_checksum
+            from rlkube.core.weights.wire import checksums_match, transfer_dtype, weights_checksum
 
             # What the engine holds: the masters in the transfer dtype, converted to the served dtype; its
             # checksum (in the transfer dtype) equals the trainer's whenever the served dtype holds the transfer
-            # dtype exactly (rlkube.core.weightsync), as bfloat16 does on CUDA.
+            # dtype exactly (rlkube.core.weights), as bfloat16 does on CUDA.
             sent = transfer_dtype(spec.trainer.weight_transfer.dtype, device)
             held = weights_checksum((n, w.to(sent).to(DTYPES[dtype]).to(sent)) for n, w in final)
             result["weight_transfer_dtype"] = str(sent).removeprefix("torch.")

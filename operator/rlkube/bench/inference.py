@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from rlkube.bench.serve import SPEC, serving, timed_updates
 from rlkube.core.hf import state as hf_state
-from rlkube.core.weightsync import DEFAULT_BUCKET_BYTES, pack_weights
+from rlkube.core.weights.wire import DEFAULT_BUCKET_BYTES, pack_weights
 from rlkube.local.ports import free_port
 
 MB = 2**20
@@ -80,7 +80,7 @@ def _gloo_group(port: int, rank: int) -> dist.ProcessGroup:
 
 
 def _broadcast_all(pg: dist.ProcessGroup, buffers: list[torch.Tensor]) -> None:
-    """As the weight sender does (rlkube.core.weightsync): every bucket issued from rank 0, then all waited for."""
+    """As the weight sender does (rlkube.core.weights): every bucket issued from rank 0, then all waited for."""
     for work in [pg.broadcast(buf, 0) for buf in buffers]:
         work.wait()
 

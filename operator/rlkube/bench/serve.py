@@ -35,7 +35,7 @@ from rlkube.contract.protocol import StreamKeys
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.weightsync import WeightPublisher
+from rlkube.core.weights.publication import WeightPublisher
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer

@@ -33,7 +33,7 @@ WEIGHTS_READY = "weights_ready"
 TRAINING_FINISHED = "training_finished"
 CHECKPOINT_SAVED = "checkpoint_saved"
 METRICS = "metrics"
-EVALUATION = "evaluation"  # written by actor 0, not the trainer (spec.evaluation, rlkube.core.evaluation)
+EVALUATION = "evaluation"  # written by actor 0, not the trainer (spec.evaluation, rlkube.core.actor.evaluation)
 EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION)
 
 
@@ -70,7 +70,7 @@ class StreamKeys:
     def rollouts(self) -> str:
         return self.prefix + ROLLOUTS_STREAM
 
-    # The actors' lag counters (rlkube.core.lag), shared by every actor replica.
+    # The actors' lag counters (rlkube.core.actor.lag), shared by every actor replica.
     @property
     def actor_samples_reserved(self) -> str:
         return self.prefix + "actor/samples_reserved"
@@ -311,7 +311,7 @@ def decode_document(fields: dict[Any, Any]) -> Document:
 
 @dataclass
 class Sample:
-    """One completion, or one multi-turn episode (rlkube.core.episodes): then `completion_tokens` is every token
+    """One completion, or one multi-turn episode (rlkube.core.actor.episodes): then `completion_tokens` is every token
     after the prompt in order (the model's replies and the environment's answers), `env_spans` the [begin, end)
     spans of it the environment wrote (log-prob 0, excluded from the loss), `versions` the weight version that
     sampled each token (the group's `model_version` when None) and `episode` its counts (turns, tool_calls,

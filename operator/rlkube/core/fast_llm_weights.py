@@ -1,6 +1,6 @@
 """The inference side of Fast-LLM's weight broadcast (`trainer.backend: fast-llm`).
 
-A Fast-LLM trainer does not speak our weight-sync protocol (rlkube.core.weightsync: epochs, JSON metadata,
+A Fast-LLM trainer does not speak our weight-sync protocol (rlkube.core.weights: epochs, JSON metadata,
 buckets, a checksum); it broadcasts the way its streaming callback does, and both engines receive exactly that.
 Every fact below is Fast-LLM's at the commit rlkube.controller.fastllm.FAST_LLM_COMMIT (d3d20226, the one
 tests/fixtures/fast_llm_config_fields.json records), cited file:line; PipelineRL's receiver on its `fast-llm`
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlkube.contract.fast_llm_rendezvous import EPOCH, WEIGHTS_SHARD, store_prefix
-from rlkube.core.weightsync import WeightSyncError, _check_backend, _drop_group, _make_group, parse_addr
+from rlkube.core.weights.group import WeightSyncError, _check_backend, _drop_group, _make_group, parse_addr
 
 log = logging.getLogger(__name__)
 

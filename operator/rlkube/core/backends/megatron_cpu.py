@@ -27,7 +27,7 @@ CUDA tracker is seeded.
 megatron-core also needs torch.distributed and its model-parallel groups even for one rank: `initialize` starts
 a one-rank group on an in-process HashStore (no port; gloo on CPU, NCCL on CUDA) unless the process already has
 one (the trainer's ranks, rlkube.core.backends.torch_distributed), and builds megatron's tensor- and data-parallel
-groups over it with `parallel_state.initialize_model_parallel`. The weight-update group (rlkube.core.weightsync)
+groups over it with `parallel_state.initialize_model_parallel`. The weight-update group (rlkube.core.weights)
 is built by hand and does not touch the default group.
 """
 

@@ -44,7 +44,7 @@ from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
 from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats, chunked_token_logprobs
-from rlkube.core.weightsync import AdapterUpdate
+from rlkube.core.weights.wire import AdapterUpdate
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -175,7 +175,7 @@ class TorchBackend:
         return list(hf_state.named_weights(self.model).items())
 
     def adapter_update(self) -> AdapterUpdate:
-        """LoRA: the adapter alone, as a weight update (rlkube.core.weightsync.AdapterUpdate)."""
+        """LoRA: the adapter alone, as a weight update (rlkube.core.weights.wire.AdapterUpdate)."""
         if self.lora is None:
             raise RuntimeError("adapter_update() without spec.trainer.lora")
         return AdapterUpdate(list(lora_mod.adapter_state(self.model).items()), lora_mod.wire_config(self.lora))

@@ -26,7 +26,7 @@ rank must run the same number of forward/backward passes: the trainer pads a ran
 
 Every method that touches whole tensors is a COLLECTIVE (all ranks call it, in the same order): `weights()` yields
 on every rank, one parameter all-gathered at a time (the backend never holds more than one full tensor);
-`weight_stream()` is what weight publishing uses: the update of rlkube.core.weightsync streamed bucket by bucket
+`weight_stream()` is what weight publishing uses: the update of rlkube.core.weights streamed bucket by bucket
 (every rank gathers one bucket's parameters, rank 0 casts them into the bucket's buffer and sends it, then the next),
 so rank 0 holds one bucket and one full tensor at a time, never the whole model; `full_state()` gathers a
 CPU copy on rank 0 only (the Hugging Face export), `save_distributed` / `load_distributed` write and read each
@@ -73,7 +73,7 @@ from rlkube.core.backends import fsdp_lora
 from rlkube.core.backends.base import lr_scheduler
 from rlkube.core.backends.torch_backend import TorchBackend, model_logits, model_logprobs
 from rlkube.core.losses import LossStats
-from rlkube.core.weightsync import AdapterUpdate, StreamedWeights, combine_sums, dtype_name
+from rlkube.core.weights.wire import AdapterUpdate, StreamedWeights, combine_sums, dtype_name
 
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -183,7 +183,7 @@ class FSDPTorchBackend(TorchBackend):
 
     def weight_stream(self, dtype: torch.dtype | None, bucket_bytes: int, device: str | torch.device | None = None,
                       rendezvous=None, adapter: bool = False) -> StreamedWeights:
-        """COLLECTIVE, on every rank: the weights as an update streamed bucket by bucket (rlkube.core.weightsync:
+        """COLLECTIVE, on every rank: the weights as an update streamed bucket by bucket (rlkube.core.weights:
         rank 0 sends, the others drain), in transfer dtype `dtype` (None: each tensor's own) with `weights()`'s
         names and order (`adapter`, with LoRA: the adapter alone, an update of kind lora-adapter). Shapes come from
         the sharded parameters and the checksum from the shards' sums (one all-reduce), so nothing is gathered

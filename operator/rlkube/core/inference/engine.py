@@ -45,7 +45,7 @@ class Received:
 
     version: int
     adapter: bool
-    """A LoRA adapter update (rlkube.core.weightsync ADAPTER), not full weights."""
+    """A LoRA adapter update (rlkube.core.weights ADAPTER), not full weights."""
     checksum: float | None
     """weights_checksum of what will be served, in the dtypes it travelled in (see `checksum_source`)."""
     checksum_source: str

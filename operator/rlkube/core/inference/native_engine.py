@@ -2,10 +2,10 @@
 (rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.sampling, a KV cache) over the job's Hugging Face model
 directory (the same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
 
-An update is received by this process's own receiver (rlkube.core.weightsync.WeightReceiver; Fast-LLM's broadcast:
+An update is received by this process's own receiver (rlkube.core.weights.group.WeightReceiver; Fast-LLM's broadcast:
 rlkube.core.fast_llm_weights.FastLlmReceiver) as HF names in the transfer dtype, loaded by name into a copy of the
 model (converted to the served dtype) and swapped in; generation keeps going meanwhile. A LoRA job's update is the
-adapter alone (kind "lora-adapter", rlkube.core.weightsync): the engine serves base + adapter by setting
+adapter alone (kind "lora-adapter", rlkube.core.weights): the engine serves base + adapter by setting
 W = W0 + scaling x B @ A for each adapted weight of the copy, W0 from the base it loaded at start
 (rlkube.core.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
 bytes. The served checksum is read back from the copy's parameters (an adapter's: the adapter as received and
@@ -34,7 +34,8 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
 from rlkube.core.openai_api import ServedModel, StreamChunks
 from rlkube.core.sampling import GenerationRequest, GenerationResult, SamplingEngine
-from rlkube.core.weightsync import ADAPTER, WeightReceiver, weights_checksum
+from rlkube.core.weights.group import WeightReceiver
+from rlkube.core.weights.wire import ADAPTER, weights_checksum
 
 STOP_WAIT_S = 0.5  # the running batch's time to finish after SIGTERM, then it is left behind
 

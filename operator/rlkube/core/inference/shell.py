@@ -58,7 +58,7 @@ from rlkube.core.openai_api import (
     sse,
 )
 from rlkube.core.sampling import EngineStopped
-from rlkube.core.weightsync import StaleEpoch, WeightSyncError
+from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
 log = logging.getLogger("rlkube.inference")
 

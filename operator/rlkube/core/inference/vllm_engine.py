@@ -65,7 +65,7 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
 from rlkube.core.openai_api import ServedModel
 from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
-from rlkube.core.weightsync import StaleEpoch, WeightSyncError
+from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
 # The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
 # build-time import check (images/vllm, MODULES) cover it.

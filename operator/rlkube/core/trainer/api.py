@@ -33,7 +33,7 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.losses import LossStats
 from rlkube.core.trainer.parallel import Parallel, choose
 from rlkube.core.trainer.publishers import Publisher
-from rlkube.core.weightsync import transfer_dtype
+from rlkube.core.weights.wire import transfer_dtype
 
 log = logging.getLogger("rlkube.trainer")
 
@@ -328,7 +328,7 @@ class Trainer:
             pass
 
     def _publish_stream(self, tag: str, start: bool, version: int) -> None:
-        """Sharded (COLLECTIVE, every rank): the weights streamed bucket by bucket (rlkube.core.weightsync.
+        """Sharded (COLLECTIVE, every rank): the weights streamed bucket by bucket (rlkube.core.weights.wire.
         StreamedWeights): rank 0's publisher sends each bucket as the ranks gather it; the other ranks (and rank 0
         when it transfers nothing) take part in the gathers. First the ranks meet in the alive-checked rendezvous:
         building the stream is a collective, and a rank may still be loading its model at start-up."""

@@ -1,5 +1,5 @@
 """Weight publication as the trainer sees it: the `Publisher` interface with its declared capabilities, the
-announce-only publisher, and the choice between it and rlkube.core.weightsync.WeightPublisher for a role.
+announce-only publisher, and the choice between it and rlkube.core.weights.publication.WeightPublisher for a role.
 
 The capabilities are attributes of the interface, read as such: `streams` (the publisher runs the passes of a
 sharded trainer's StreamedWeights itself, so the trainer must not drain it) and `rejoin_pending` (an inference
@@ -17,13 +17,15 @@ import torch
 
 from rlkube.contract import protocol
 from rlkube.contract.context import RoleContext
-from rlkube.core.weightsync import WeightPublisher, transfer_dtype
+from rlkube.core.weights.publication import WeightPublisher
+from rlkube.core.weights.wire import transfer_dtype
 
 log = logging.getLogger("rlkube.trainer")
 
 
 class Publisher(Protocol):
-    """What the trainer needs from weight publication (rlkube.core.weightsync.WeightPublisher has this shape)."""
+    """What the trainer needs from weight publication (rlkube.core.weights.publication.WeightPublisher has this
+    shape and declares both capabilities on its class)."""
 
     streams: bool = False
     """`start`/`publish` take a StreamedWeights and run its passes (a sharded trainer's weights)."""

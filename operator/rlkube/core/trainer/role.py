@@ -429,7 +429,7 @@ class TrainerRole:
 
 
     def _episodes(self) -> dict[str, float]:
-        """The actors' multi-turn episode counts (rlkube.core.episodes), whole job so far, and per episode since
+        """The actors' multi-turn episode counts (rlkube.core.actor.episodes), whole job so far, and per episode since
         the previous step's report (rank 0 only); nothing for single-turn jobs."""
         if not self.leader or self.ctx.spec.task.environment is None:
             return {}

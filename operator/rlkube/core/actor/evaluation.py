@@ -36,9 +36,9 @@ from typing import Any
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import protocol
-from rlkube.core.episodes import SampleRefused, call_with_timeout, run_episode
-from rlkube.core.tasks import Scorer, load_task
-from rlkube.core.task_types import Prompt, TaskError
+from rlkube.core.actor.episodes import SampleRefused, call_with_timeout, run_episode
+from rlkube.core.actor.tasks import Scorer, load_task
+from rlkube.core.actor.task_types import Prompt, TaskError
 
 log = logging.getLogger("rlkube.evaluation")
 
@@ -138,7 +138,7 @@ def eval_prompts(spec: TrainingJobSpec, source: Any) -> list[Prompt]:
 def split_prompts(spec: TrainingJobSpec) -> list[Prompt]:
     """The first `prompts` rows of spec.evaluation.split of the training dataset, after checking that none of them
     is a prompt of the training split."""
-    from rlkube.core.prompt_dataset import DatasetTask  # numpy and datasets: only dataset tasks pay for them
+    from rlkube.core.actor.prompt_dataset import DatasetTask  # numpy and datasets: only dataset tasks pay for them
 
     ev, ds = spec.evaluation, spec.task.dataset
     assert ev is not None and ev.split is not None and ds is not None
@@ -174,7 +174,7 @@ class EvalOutcome:
 
 
 class Evaluator:
-    """Actor 0's evaluation loop. `actor` is the rlkube.core.actor.Actor it runs in (its requests, rendering,
+    """Actor 0's evaluation loop. `actor` is the rlkube.core.actor.role.Actor it runs in (its requests, rendering,
     tokenizer, environment and Redis); `refused` the error its requests raise for a prompt a server refuses,
     `stopped` the one they raise when the actor stops (the actor's own classes, handed over: the actor imports
     this module)."""

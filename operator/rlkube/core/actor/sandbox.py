@@ -1,8 +1,8 @@
 """A subprocess sandbox for code-execution tools: the built-in `python` tool runs a model's snippet here.
 
-An environment's tools run on a thread of their own (rlkube.core.episodes.call_with_timeout), never on the actor's
+An environment's tools run on a thread of their own (rlkube.core.actor.episodes.call_with_timeout), never on the actor's
 event loop; `Sandbox.run` blocks that thread only, while the snippet runs in a child process
-(rlkube.core.sandbox_child) with:
+(rlkube.core.actor.sandbox_child) with:
 - a wall timeout (the child's process group is killed), CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS) and
   the size of any file it writes (RLIMIT_FSIZE, its output included), set in the child before the snippet runs;
 - no network, refused in layers that work as root and in the hardened pod (uid 10001, no capabilities, read-only
@@ -15,7 +15,7 @@ event loop; `Sandbox.run` blocks that thread only, while the snippet runs in a c
 
 A refusal is a result, not an exception: `SandboxResult.message()` says what happened and which layer refused
 ("refused by the audit hook", "refused by the network namespace"), so the episode goes on with that as the tool's
-answer. Each run is also counted on the current episode (rlkube.core.episodes.note_tool): a refusal as a tool
+answer. Each run is also counted on the current episode (rlkube.core.actor.episodes.note_tool): a refusal as a tool
 error and a sandbox refusal, a snippet past its wall or CPU time as a tool timeout, past its memory or output
 limit as a tool error; a snippet that merely raises is the model's error, not the tool's, and is not counted.
 """
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlkube.core.episodes import note_tool
+from rlkube.core.actor.episodes import note_tool
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 LAYERS = ("netns", "audit")
@@ -106,7 +106,7 @@ class Sandbox:
 
     def run(self, code: str) -> SandboxResult:
         """Run `code` to its end or its limits; blocks the calling thread (a tool's), never raises for the
-        snippet's behaviour. Counted on the current episode (rlkube.core.episodes.note_tool)."""
+        snippet's behaviour. Counted on the current episode (rlkube.core.actor.episodes.note_tool)."""
         result = self._run(code)
         if result.outcome == "refused":
             note_tool("tool_errors", "sandbox_refusals")

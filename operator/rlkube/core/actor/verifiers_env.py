@@ -6,7 +6,7 @@ hooks, `@vf.reward`/`@vf.metric` scoring, judges, Toolsets of `@vf.tool` methods
 program verifiers starts as a subprocess (a `uv` script) that talks to the model through an HTTP interception
 server. That harness is what rlkube replaces: it installs its program with `uv` (a download, which a pod must not
 do) and it re-renders the conversation on every call, which is the token drift rlkube exists to avoid
-(rlkube.core.episodes). Everything that is the environment's runs as verifiers runs it:
+(rlkube.core.actor.episodes). Everything that is the environment's runs as verifiers runs it:
 - tasks come from verifiers' own loader (`load_taskset`, a taskset id: an installed package exporting its Taskset
   subclass, as `vf-eval` takes it), with its config type and the config-layer system prompt;
 - each reply is committed to a real `vf.Trace` through verifiers' message graph (`prepare_turn(...).commit`),
@@ -20,8 +20,8 @@ do) and it re-renders the conversation on every call, which is the token drift r
 Tool calls are written as Hermes/Qwen chat templates write them, `<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`; the tools are listed in the system prompt. A call the model gets wrong (not JSON, an unknown tool,
 bad arguments) is answered with the error, as an MCP server answers it; a tool that raises ends the episode as a
-tool error (rlkube.core.episodes). Verifiers' coroutines run on an event loop of each episode's own, on the
-episode's thread (rlkube.core.episodes.call_with_timeout), never on the actor's loop.
+tool error (rlkube.core.actor.episodes). Verifiers' coroutines run on an event loop of each episode's own, on the
+episode's thread (rlkube.core.actor.episodes.call_with_timeout), never on the actor's loop.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from rlkube.core.task_types import Message, Prompt, TaskError
+from rlkube.core.actor.task_types import Message, Prompt, TaskError
 
 FIELD = "spec.task.environment.params"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -1,5 +1,5 @@
 """Where a job's multi-turn environment comes from (spec.task.environment): a built-in by name (`calculator`, or
-`verifiers`: a verifiers taskset driven by rlkube.core.verifiers_env), or a user's importable
+`verifiers`: a verifiers taskset driven by rlkube.core.actor.verifiers_env), or a user's importable
 `package.module:factory` called with **params.
 
 An environment that cannot be built (an unknown name, a module that does not import, a factory that raises or
@@ -7,7 +7,7 @@ returns something without `start`) raises TaskError naming the spec field: the a
 runtime.EXIT_CONFIG at start and the job fails with that message (rlkube.core.errors), rather than restarting
 an actor that can never run an episode.
 
-A factory that declares a `sandbox` parameter gets the job's code-execution sandbox (rlkube.core.sandbox, limits
+A factory that declares a `sandbox` parameter gets the job's code-execution sandbox (rlkube.core.actor.sandbox, limits
 from spec.task.environment.sandbox): its tools call `sandbox.python_tool(code)` (the built-in `python` tool) or
 `sandbox.run(code)`.
 """
@@ -20,16 +20,16 @@ from collections.abc import Callable
 from typing import Any
 
 from rlkube.api.spec import EnvironmentSpec, TaskSpec
-from rlkube.core import calculator
-from rlkube.core.episodes import Environment, Limits
-from rlkube.core.sandbox import Sandbox, SandboxLimits, network_namespace_available
-from rlkube.core.task_types import TaskError, import_attribute
+from rlkube.core.actor import calculator
+from rlkube.core.actor.episodes import Environment, Limits
+from rlkube.core.actor.sandbox import Sandbox, SandboxLimits, network_namespace_available
+from rlkube.core.actor.task_types import TaskError, import_attribute
 
 log = logging.getLogger("rlkube.environments")
 
 
 def _verifiers(**params: Any) -> Environment:
-    from rlkube.core import verifiers_env  # imported here: verifiers is an optional extra (`agents`)
+    from rlkube.core.actor import verifiers_env  # imported here: verifiers is an optional extra (`agents`)
 
     return verifiers_env.factory(**params)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlkube.api.spec import RewardSpec
-from rlkube.core.task_types import Prompt, TaskError, import_attribute
+from rlkube.core.actor.task_types import Prompt, TaskError, import_attribute
 
 RewardFn = Callable[[Prompt, str], float]
 

@@ -1,10 +1,11 @@
-"""The preprocessor ROLE (`python -m rlkube.core.preprocessor`): rollout groups -> training documents.
+"""The preprocessor ROLE (`python -m rlkube.core.preprocessor`): rollout groups -> training documents
+(documents.py, the pure conversion), on the job's streams.
 
 It reads the actors' rollout groups, computes group-relative advantages, and writes one document per sample in
 the Fast-LLM streaming format (so the same stream feeds the torch, Megatron and Fast-LLM trainers):
 tokens = prompt + completion, `loss_masking_spans` = [[0, len(prompt)]] (the prompt is EXCLUDED from the loss),
 sampling log-probs with 0 on the prompt, the policy version per token, the scalar advantage and reward.
-A multi-turn episode (rlkube.core.episodes) is one document too: its environment spans join the prompt in
+A multi-turn episode (rlkube.core.actor.episodes) is one document too: its environment spans join the prompt in
 `loss_masking_spans` (log-prob 0 there), and each token carries the version that sampled it (`Sample.versions`).
 
 Rules it keeps (the pitfalls of docs/references.md §6):
@@ -45,16 +46,13 @@ replica must see training_finished, including one published while it was down.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import redis
 
 from rlkube.contract import protocol, streams, zero_advantage
-from rlkube.core.advantages import group_advantages
+from rlkube.core.preprocessor.documents import DocumentConfig, documents_of, too_long
 from rlkube.core.errors import ConfigError
 from rlkube.contract.context import RoleContext
 from rlkube.core.roles import stop_on_signals
@@ -97,104 +95,6 @@ end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return 1
 """
-
-
-@dataclass(frozen=True)
-class DocumentConfig:
-    estimator: str = "leave-one-out"
-    normalize: bool = False
-    max_length: int | None = None  # spec.model.maxSequenceLength: longer samples are dropped (and counted)
-    drop_singletons: bool = True  # SFT keeps them: its loss does not use the advantage
-    # Drop groups whose usable samples all have the same reward (spec.algorithm.filterZeroAdvantageGroups; the
-    # role turns it off for sft). Off here so that the pure function keeps every group unless asked.
-    filter_zero_advantage: bool = False
-
-
-EQUAL_REWARDS = 1e-6  # rewards closer than this count as equal (PipelineRL's epsilon, pipelinerl/preprocess.py:316)
-
-
-def equal_rewards(samples: list[protocol.Sample]) -> bool:
-    """Whether a group's rewards are all equal: every group-relative advantage is then zero."""
-    rewards = [s.reward for s in samples]
-    return max(rewards) - min(rewards) <= EQUAL_REWARDS
-
-
-def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> list[protocol.Document]:
-    """Documents of one rollout group (pure). Samples that are malformed or too long are dropped with a log
-    line; the advantages are computed over the samples that remain."""
-    return documents_of(group, cfg)[0]
-
-
-def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[list[protocol.Document], bool]:
-    """group_to_documents, and whether the group was filtered for zero advantage (cfg.filter_zero_advantage)."""
-    prompt = list(group.prompt_tokens)
-    samples = []
-    for i, s in enumerate(group.samples):
-        if not s.completion_tokens:
-            log.warning("group %s: sample %d has an empty completion; dropped", group.group_id, i)
-        elif len(s.logprobs) != len(s.completion_tokens):
-            log.warning("group %s: sample %d has %d log-probs for %d tokens; dropped", group.group_id, i,
-                        len(s.logprobs), len(s.completion_tokens))
-        elif (problem := _episode_problem(s)) is not None:
-            log.warning("group %s: sample %d %s; dropped", group.group_id, i, problem)
-        elif cfg.max_length is not None and len(prompt) + len(s.completion_tokens) > cfg.max_length:
-            log.warning("group %s: sample %d is %d tokens, over maxSequenceLength %d; dropped", group.group_id, i,
-                        len(prompt) + len(s.completion_tokens), cfg.max_length)
-        else:
-            samples.append(s)
-    if not samples:
-        return [], False
-    if len(samples) == 1 and cfg.drop_singletons:
-        log.info("group %s has a single usable sample (no baseline, advantage 0); dropped", group.group_id)
-        return [], False
-    if cfg.filter_zero_advantage and equal_rewards(samples):
-        log.debug("group %s: all %d rewards equal %.4g (zero advantage); filtered", group.group_id, len(samples),
-                  samples[0].reward)
-        return [], True
-    if len(samples) < group.expected_size:
-        log.info("group %s is partial: %d of %d samples", group.group_id, len(samples), group.expected_size)
-    advantages = group_advantages([s.reward for s in samples], cfg.estimator, cfg.normalize)  # type: ignore[arg-type]
-    docs = []
-    for s, adv in zip(samples, advantages, strict=True):
-        tokens = np.asarray(prompt + list(s.completion_tokens), dtype=np.int64)
-        old = np.zeros(len(tokens), dtype=np.float32)
-        old[len(prompt):] = s.logprobs
-        versions = np.full(len(tokens), group.model_version, dtype=np.int64)
-        if s.versions is not None:
-            versions[len(prompt):] = s.versions
-        # An episode's environment turns are excluded from the loss like the prompt: the model did not sample them.
-        spans = [(0, len(prompt))] + [(len(prompt) + b, len(prompt) + e) for b, e in s.env_spans or ()]
-        docs.append(
-            protocol.Document(
-                tokens=tokens,
-                loss_masking_spans=spans,
-                advantage=float(adv),
-                reward=float(s.reward),
-                reward_error=bool(s.reward_error),
-                old_log_probabilities=old,
-                model_version=versions,
-            )
-        )
-    return docs, False
-
-
-def _episode_problem(s: protocol.Sample) -> str | None:
-    """What is wrong with an episode's spans or versions, if anything."""
-    n = len(s.completion_tokens)
-    if s.versions is not None and len(s.versions) != n:
-        return f"has {len(s.versions)} versions for {n} tokens"
-    for b, e in s.env_spans or ():
-        if not 0 <= b <= e <= n:
-            return f"has an environment span {(b, e)} outside its {n} tokens"
-    return None
-
-
-def too_long(group: protocol.RolloutGroup, cfg: DocumentConfig) -> int:
-    """Samples of `group` that group_to_documents drops for exceeding cfg.max_length."""
-    if cfg.max_length is None:
-        return 0
-    prompt = len(group.prompt_tokens)
-    return sum(1 for s in group.samples if prompt + len(s.completion_tokens) > cfg.max_length)
 
 
 def trainer_lag(client: redis.Redis, keys: protocol.StreamKeys) -> int:
@@ -396,9 +296,3 @@ def main() -> int:
     except Exception:
         log.exception("preprocessor failed")
         return 1
-
-
-if __name__ == "__main__":
-    from rlkube.core.errors import run_role
-
-    sys.exit(run_role(main))

@@ -6,9 +6,9 @@ answers from a seed, so nothing is downloaded: entry `i` of a dataset built with
 every pod. Each task knows how to score its answers (partial credit, numeric tolerance, several right answers),
 which a string comparison with the reference answer would not; `score_answer(completion, entry)` is that scorer.
 
-Prompts are drawn as the dataset tasks draw rows (rlkube.core.prompt_dataset): actor replica i of R takes positions
-i, i+R, i+2R, ... of one sequence, so replicas never draw the same question. A pass over `size` questions is one
-dataset; pass p is built with seed `seed + p * size`, a fresh set of questions (most generators seed entry i with
+Prompts are drawn as the dataset tasks draw rows (rlkube.core.actor.prompt_dataset): actor replica i of R takes
+positions i, i+R, i+2R, ... of one sequence, so replicas never draw the same question. A pass over `size` questions is
+one dataset; pass p is built with seed `seed + p * size`, a fresh set of questions (most generators seed entry i with
 seed + i, so consecutive passes do not overlap).
 
 A missing package, an unknown task name and a config the task refuses raise TaskError naming the spec field, when
@@ -23,7 +23,7 @@ import random
 from typing import Any
 
 from rlkube.api.spec import ReasoningGymSpec
-from rlkube.core.task_types import Prompt, TaskError
+from rlkube.core.actor.task_types import Prompt, TaskError
 
 log = logging.getLogger("rlkube.tasks")
 

@@ -2,7 +2,7 @@
 episode ends with a reward. Kept as the exact token ids the engine sampled, so training sees what was sampled.
 
 An environment (`Environment`) starts an `Episode` from a task's prompt (a dataset row or a generated one), or
-draws its own prompts (`prompt(rng)`, e.g. the built-in `calculator`, rlkube.core.calculator). An episode answers
+draws its own prompts (`prompt(rng)`, e.g. the built-in `calculator`, rlkube.core.actor.calculator). An episode answers
 each reply with `respond(reply)`: the messages to append ([{role, content}, ...]), or None/[] when it is over;
 `reward()` scores it at the end, however it ended (done, out of turns or tokens, a tool that hung or raised).
 
@@ -27,7 +27,7 @@ episodeTimeoutSeconds bounds the whole episode, from its first reply to its last
 the final scoring has its own toolTimeoutSeconds): past it the episode is ended where it stands, scored by the
 environment's reward() (0 when that fails too) and counted as truncated and timed out (`timed_out`).
 
-Tools inside an answer: a tool that catches its own failure (the sandbox's python tool, rlkube.core.sandbox, gives
+Tools inside an answer: a tool that catches its own failure (the sandbox's python tool, rlkube.core.actor.sandbox, gives
 its refusal or timeout as the tool's answer so the episode goes on) reports it with `note_tool`, which counts it on
 the episode whose `respond` is running (a context variable the tool's thread inherits).
 
@@ -50,7 +50,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rlkube.core.task_types import Message, Prompt
+from rlkube.core.actor.task_types import Message, Prompt
 
 log = logging.getLogger("rlkube.episodes")
 

@@ -1,14 +1,16 @@
 """The actor role (`python -m rlkube.core.actor`): samples rollout groups from inference and scores them.
 
 It waits until every inference server (RLKUBE_INFERENCE_URLS) answers /health, then runs a few concurrent
-workers, each looping: reserve a group's samples within the lag bound (core/lag.py) -> a task prompt, rendered
-as text, or through the model's chat template as token ids (core/tasks.prompt_renderer) -> POST /v1/completions with
+workers, each looping: reserve a group's samples within the lag bound (lag.py) -> a task prompt, rendered as text,
+or through the model's chat template as token ids (tasks.prompt_renderer) -> POST /v1/completions with
 n = groupSize (round robin over the servers) -> the task's reward per completion -> XADD one `RolloutGroup` entry
-with the per-token sampling log-probs.
+with the per-token sampling log-probs. The steps are named: `build_actor` (task, environment, tokenizer,
+rendering, eval set), `Actor.run` (events -> inference health -> workers -> report), `Actor.worker` (reserve ->
+`sample_and_write` or `write_reference` -> count, or give the reservation back).
 
 Rules it keeps (the pitfalls of docs/references.md §6):
 - It stops (exit 0) on `training_finished`, NEVER by counting samples (§6.1); SIGTERM also exits 0 promptly.
-  With spec.evaluation, actor 0 first scores the eval versions already due (rlkube.core.evaluation); SIGTERM
+  With spec.evaluation, actor 0 first scores the eval versions already due (rlkube.core.actor.evaluation); SIGTERM
   cuts that short too.
   A stop interrupts every wait (an HTTP request a server holds or never answers, a back-off, the lag bound),
   never a Redis write: a reservation is either used by a written group or given back, never both or neither.
@@ -44,7 +46,6 @@ import logging
 import os
 import random
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -59,14 +60,14 @@ from rlkube.core import errors
 from rlkube.contract.context import RoleContext
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.lag import LagCounter, documents_seen_of, sample_budget
+from rlkube.core.actor.lag import LagCounter, documents_seen_of, sample_budget
 from rlkube.core.hf.tokenizer import Tokenizer
-from rlkube.core.episodes import (Environment, EpisodeResult, Limits, MessageEncoder, Reply, SampleRefused,
-                                  call_with_timeout, draw_prompt, run_episode)
-from rlkube.core.environments import limits as episode_limits
-from rlkube.core.environments import load_environment
-from rlkube.core.evaluation import Evaluator, TrainingPrompts, build_eval_set, held_out_fraction
-from rlkube.core.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
+from rlkube.core.actor.episodes import (Environment, EpisodeResult, Limits, MessageEncoder, Reply, SampleRefused,
+                                        call_with_timeout, draw_prompt, run_episode)
+from rlkube.core.actor.environments import limits as episode_limits
+from rlkube.core.actor.environments import load_environment
+from rlkube.core.actor.evaluation import Evaluator, TrainingPrompts, build_eval_set, held_out_fraction
+from rlkube.core.actor.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
 
 log = logging.getLogger("rlkube.actor")
 T = TypeVar("T")
@@ -135,7 +136,7 @@ class Actor:
         self.view = TrainerView()
         self.changed = asyncio.Event()  # set on every weights_ready / training_finished
         self.stop = asyncio.Event()
-        # Set by a signal or a failure only, not by training_finished: evaluation (core/evaluation.py) finishes the
+        # Set by a signal or a failure only, not by training_finished: evaluation (evaluation.py) finishes the
         # versions already due after training_finished, and stops at once on this.
         self.halt = asyncio.Event()
         self.rng = random.Random(ctx.spec.model.seed * 1_000_003 + 7919 * ctx.index + 1)
@@ -155,7 +156,7 @@ class Actor:
             self.encoder = encoder
             self.limits: Limits = episode_limits(ctx.spec.task.environment, ctx.spec.model.max_sequence_length)
         # spec.evaluation: every replica trains on the task without the held-out prompts; the replica given the
-        # eval set scores it (rlkube.core.evaluation).
+        # eval set scores it (rlkube.core.actor.evaluation).
         fraction = held_out_fraction(ctx.spec)
         if fraction is not None:
             self.task = TrainingPrompts(task, fraction)
@@ -345,7 +346,7 @@ class Actor:
             created_at=time.time(),
         )
 
-    # --- multi-turn episodes (rlkube.core.episodes) ---------------------------------------------------
+    # --- multi-turn episodes (rlkube.core.actor.episodes) ---------------------------------------------------
 
     @staticmethod
     def _reply(choice: dict, version: int) -> Reply:
@@ -359,7 +360,7 @@ class Actor:
     async def sample_episodes(self, session: aiohttp.ClientSession, min_version: int | None
                               ) -> protocol.RolloutGroup | None:
         """A group of groupSize episodes from one prompt: their first replies in one request, then each episode
-        on its own (token ids as prompts, rlkube.core.episodes.run_episode); None when the actor stops, a server
+        on its own (token ids as prompts, rlkube.core.actor.episodes.run_episode); None when the actor stops, a server
         refuses the first prompt or the environment cannot start an episode."""
         prompt = draw_prompt(self.environment, self.task, self.rng)
         fallback = self.view.version or 0
@@ -534,24 +535,11 @@ class Actor:
             try:
                 if self.supervised:
                     produced = await self.write_reference()
-                    continue
-                group = await self.sample_group(session, self.min_version(last))
-                retry = 0
-                while group is not None and not self.stop.is_set():
-                    seen = self.documents_seen_for(group.model_version)
-                    if seen is not None and await self.lag.write(group, seen) is not None:
-                        produced = True
-                        self._count(group)
-                        if self.environment is not None:
-                            await self.count_episodes(group)
-                        break
-                    # Too old for the position it would get: the server still had older weights than announced
-                    # (the transfer follows the announcement), restarted without them, or a group reserved after
-                    # this one was written first. Sample again with the newest weights.
-                    self.resampled += 1
-                    retry += 1
-                    await self.pause(min(0.01 * 2**retry, 1.0))
-                    group = await self.sample_group(session, self.view.version)
+                elif (group := await self.sample_and_write(session, last)) is not None:
+                    produced = True
+                    self._count(group)
+                    if self.environment is not None:
+                        await self.count_episodes(group)
             finally:
                 self.inflight -= self.group_n
                 if not produced:
@@ -560,6 +548,24 @@ class Actor:
                         await asyncio.shield(self.lag.give_back(self.group_n))
                     except Exception as exc:  # noqa: BLE001 - Redis may be gone already at shutdown
                         log.debug("could not give back a reservation: %s", exc)
+
+    async def sample_and_write(self, session: aiohttp.ClientSession, last: int) -> protocol.RolloutGroup | None:
+        """Sample a group for the reservation ending at sample `last` and write it: the group written, or None (the
+        actor stopped, or the prompt was refused)."""
+        group = await self.sample_group(session, self.min_version(last))
+        retry = 0
+        while group is not None and not self.stop.is_set():
+            seen = self.documents_seen_for(group.model_version)
+            if seen is not None and await self.lag.write(group, seen) is not None:
+                return group
+            # Too old for the position it would get: the server still had older weights than announced
+            # (the transfer follows the announcement), restarted without them, or a group reserved after
+            # this one was written first. Sample again with the newest weights.
+            self.resampled += 1
+            retry += 1
+            await self.pause(min(0.01 * 2**retry, 1.0))
+            group = await self.sample_group(session, self.view.version)
+        return None
 
     def documents_seen_for(self, version: int) -> int | None:
         """documents_seen announced with `version`; None when it is older than anything we remember."""
@@ -591,6 +597,8 @@ class Actor:
             self.request_stop()
 
     async def run(self) -> int:
+        """The role's steps: follow the trainer's events -> wait for inference -> the workers (and evaluation)
+        until the stop -> report."""
         events = asyncio.create_task(self.follow_events(), name="events")
         events.add_done_callback(self._events_done)
         try:
@@ -599,33 +607,40 @@ class Actor:
                     await self.wait_for_inference(session)
                 if self.stop.is_set():
                     return 0
-                n = self.worker_count()
-                log.info("%s: %d workers over %d inference servers (group %d, maxLag %d, %d samples/step)",
-                         self.name, n, len(self.urls), self.algo.group_size, self.algo.max_lag,
-                         self.algo.samples_per_step)
-                workers = [asyncio.create_task(self.worker(session), name=f"worker-{i}") for i in range(n)]
-                if self.evaluator is not None:
-                    workers.append(asyncio.create_task(self.evaluator.run(session), name="evaluation"))
-                stop_wait = asyncio.create_task(self.stop.wait())
-                await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_EXCEPTION)
-                for w in workers:
-                    w.cancel()
-                results = await asyncio.gather(*workers, return_exceptions=True)
-                stop_wait.cancel()
-                errors = [r for r in results if isinstance(r, BaseException)
-                          and not isinstance(r, asyncio.CancelledError)]
-                if errors:
-                    raise errors[0]
+                await self._run_workers(session)
         finally:
             events.cancel()
             await asyncio.gather(events, return_exceptions=True)
         if self.failed is not None:
             raise self.failed
+        self._report()
+        return 0
+
+    async def _run_workers(self, session: aiohttp.ClientSession) -> None:
+        """The workers, and actor 0's evaluation, until the actor stops or one fails (its error is raised)."""
+        n = self.worker_count()
+        log.info("%s: %d workers over %d inference servers (group %d, maxLag %d, %d samples/step)",
+                 self.name, n, len(self.urls), self.algo.group_size, self.algo.max_lag,
+                 self.algo.samples_per_step)
+        workers = [asyncio.create_task(self.worker(session), name=f"worker-{i}") for i in range(n)]
+        if self.evaluator is not None:
+            workers.append(asyncio.create_task(self.evaluator.run(session), name="evaluation"))
+        stop_wait = asyncio.create_task(self.stop.wait())
+        await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_EXCEPTION)
+        for w in workers:
+            w.cancel()
+        results = await asyncio.gather(*workers, return_exceptions=True)
+        stop_wait.cancel()
+        errors = [r for r in results if isinstance(r, BaseException)
+                  and not isinstance(r, asyncio.CancelledError)]
+        if errors:
+            raise errors[0]
+
+    def _report(self) -> None:
         log.info("%s stopped: %d groups, %d samples, mean reward %.3f, %d reward errors in %d completions scored, "
                  "held %d times, %d groups sampled again (too old for their stream position)", self.name, self.groups,
                  self.samples, self.reward_sum / max(self.samples, 1), self.score.errors, self.score.scored,
                  self.holds, self.resampled)
-        return 0
 
 
 def token_versions(spans: object, n: int) -> list[int] | None:
@@ -646,8 +661,9 @@ def token_versions(spans: object, n: int) -> list[int] | None:
     return out if len(out) == n else None
 
 
-async def amain() -> int:
-    ctx = RoleContext.from_env()
+def build_actor(ctx: RoleContext, client: aioredis.Redis) -> Actor:
+    """The actor of this replica from its spec: the environment or task, the tokenizer and prompt rendering it
+    needs, and (actor 0 with spec.evaluation) the eval set."""
     environment = load_environment(ctx.spec.task)
     # An environment that draws its own prompts is the task as far as prompts go (rendering, raw text or chat).
     own_prompts = environment is not None and callable(getattr(environment, "prompt", None))
@@ -671,11 +687,16 @@ async def amain() -> int:
         def render(prompt: Prompt) -> list[int]:
             return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
-    client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
     # Actor 0 scores the eval set (spec.evaluation); a split that overlaps training stops it here, naming the field.
     eval_set = build_eval_set(ctx.spec, environment) if ctx.spec.evaluation is not None and ctx.index == 0 else None
-    actor = Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer, environment=environment,
-                  encoder=encoder, eval_set=eval_set)
+    return Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer, environment=environment,
+                 encoder=encoder, eval_set=eval_set)
+
+
+async def amain() -> int:
+    ctx = RoleContext.from_env()
+    client = aioredis.Redis.from_url(ctx.redis_url, socket_timeout=30)
+    actor = build_actor(ctx, client)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (log.info("signal %d: stopping", s), actor.request_stop()))
@@ -690,9 +711,3 @@ def main() -> int:
     # A task that cannot work (a missing dataset or column, ...) is a TaskError, a ConfigError: exit EXIT_CONFIG
     # with its message, which names the spec field, as the termination message.
     return errors.run_role(lambda: asyncio.run(amain()))
-
-
-if __name__ == "__main__":
-    from rlkube.core.errors import run_role
-
-    sys.exit(run_role(main))

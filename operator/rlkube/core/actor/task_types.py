@@ -1,7 +1,7 @@
 """The types a task is made of, shared by the task loader and the task sources it loads.
 
-`rlkube.core.tasks` builds a job's task from a dataset (`rlkube.core.prompt_dataset`), with a reward from
-`spec.task.reward` (`rlkube.core.rewards`); those two need the prompt type, the task error and the entry-point
+`rlkube.core.actor.tasks` builds a job's task from a dataset (`rlkube.core.actor.prompt_dataset`), with a reward from
+`spec.task.reward` (`rlkube.core.actor.rewards`); those two need the prompt type, the task error and the entry-point
 import as much as the loader does. They live here, below all three, so the loader can import its sources without
 an import circle (tests/unit/test_layering.py).
 """

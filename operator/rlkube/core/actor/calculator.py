@@ -5,7 +5,7 @@ The prompt is a sum of two small numbers, `"3+4="`. A reply containing `?` calls
 chance a few times in a hundred, so the call is discovered); the tool answers with the result (`"7"`), and the
 model's next reply must repeat it. Any other reply is the final answer. Reward: 1 for the exact result; after a
 tool call, `callCredit` plus the rest scaled by per-character credit of the answer (as the digit tasks give,
-rlkube.core.tasks.char_match_reward), so that calling and then repeating are each worth learning on their own;
+rlkube.core.actor.tasks.char_match_reward), so that calling and then repeating are each worth learning on their own;
 without a call, exact match only; 0 for an episode that never answers (it calls until its turns run out).
 """
 
@@ -15,8 +15,8 @@ import operator
 import random
 from typing import Any
 
-from rlkube.core.task_types import Message, Prompt, TaskError
-from rlkube.core.tasks import DIGITS, _camel_to_snake, char_match_reward
+from rlkube.core.actor.task_types import Message, Prompt, TaskError
+from rlkube.core.actor.tasks import DIGITS, _camel_to_snake, char_match_reward
 
 CALL = "?"
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -87,7 +87,7 @@ class Calculator:
     def start(self, prompt: Prompt) -> CalculatorEpisode:
         return CalculatorEpisode(prompt.meta["question"], prompt.meta["answer"], self.call_credit, self.kind_credit)
 
-    # A Task too (rlkube.core.tasks.Task): `rlkube tasks` and the single-turn paths can name it.
+    # A Task too (rlkube.core.actor.tasks.Task): `rlkube tasks` and the single-turn paths can name it.
     def reward(self, prompt: Prompt, completion: str) -> float:
         episode = self.start(prompt)
         episode.respond(completion)

@@ -4,12 +4,12 @@ The actor samples a prompt, renders it (`prompt_renderer`: plain text, or the to
 inference for a group of completions, and scores each with a `Scorer` over the task's `reward`. A task is anything
 with `name`, `prompt(rng)` and `reward(prompt, completion)`. Where tasks come from (`load_task`):
 - `spec.task.reasoningGym`: a reasoning-gym procedural task, scored by its own `score_answer`
-  (rlkube.core.gym_tasks);
+  (rlkube.core.actor.gym_tasks);
 - the built-ins below, tiny verifiable string tasks that a randomly initialised model can measurably learn on one
   CPU core (`rlkube tasks` lists them);
-- `spec.task.dataset`: prompts from JSONL, Parquet or a `datasets` directory (rlkube.core.prompt_dataset);
+- `spec.task.dataset`: prompts from JSONL, Parquet or a `datasets` directory (rlkube.core.actor.prompt_dataset);
 - `spec.task.entryPoint` (`package.module:factory`, called with `**spec.task.params`): any other.
-`spec.task.reward` (rlkube.core.rewards: math-verify, exact match, regex, a `module:function`) replaces the task's
+`spec.task.reward` (rlkube.core.actor.rewards: math-verify, exact match, regex, a `module:function`) replaces the task's
 own reward, comparing with the prompt's `meta["answer"]`.
 
 The digit tasks give PARTIAL credit (per character, with a little credit for the right kind of character): with an
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rlkube.api.spec import TaskSpec
-from rlkube.core.rewards import build_reward, needs_answer
-from rlkube.core.task_types import Prompt, TaskError, import_attribute
+from rlkube.core.actor.rewards import build_reward, needs_answer
+from rlkube.core.actor.task_types import Prompt, TaskError, import_attribute
 
 log = logging.getLogger("rlkube.tasks")
 
@@ -207,14 +207,14 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
     if spec.dataset is not None:
         # Imported here: it needs numpy (and `datasets` for a directory), which `rlkube tasks` on the base
         # install (no training stack) and tasks without a dataset do without.
-        from rlkube.core.prompt_dataset import DatasetTask
+        from rlkube.core.actor.prompt_dataset import DatasetTask
 
         if spec.reward is None and spec.dataset.completion_field is None:  # sft reads completions, scores none
             raise TaskError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)")
         task: Any = DatasetTask.load(spec.name, spec.dataset, shard)
         spec_field, where = "spec.task.dataset", f"spec.task.dataset {spec.dataset.path!r}"
     elif spec.reasoning_gym is not None:
-        from rlkube.core import gym_tasks  # imported here: reasoning-gym is an optional extra (`agents`)
+        from rlkube.core.actor import gym_tasks  # imported here: reasoning-gym is an optional extra (`agents`)
 
         task = gym_tasks.load(spec.reasoning_gym, shard)
         spec_field, where = "spec.task.reasoningGym", f"spec.task.reasoningGym {spec.reasoning_gym.name!r}"
@@ -349,5 +349,6 @@ def cli(args: Any) -> int:
     print("multi-turn environments: spec.task.environment.name = 'calculator' (a reply with `?` calls the calculator "
           "on the prompt's sum, the next must repeat its answer; params maxOperand, operations, callCredit, "
           "kindCredit), 'verifiers' (params.taskset: a verifiers taskset's id, run through the episode interface; the "
-          "`agents` extra), or spec.task.environment.entryPoint = 'package.module:factory' (rlkube.core.episodes)")
+          "`agents` extra), or spec.task.environment.entryPoint = 'package.module:factory' "
+          "(rlkube.core.actor.episodes)")
     return 0

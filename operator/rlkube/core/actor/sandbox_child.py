@@ -1,4 +1,4 @@
-"""The sandbox's child side (rlkube.core.sandbox): run as `python -I -c <this file's source> <config>`, never
+"""The sandbox's child side (rlkube.core.actor.sandbox): run as `python -I -c <this file's source> <config>`, never
 imported by rlkube, so it imports nothing of it and runs before any user code.
 
 In order: leave the network (a new user + network namespace where the kernel allows an unprivileged one: only a

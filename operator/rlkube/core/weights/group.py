@@ -1,0 +1,339 @@
+"""The weight-update group (docs/design.md §5.6): trainer rank 0 and the inference servers' ranks in a
+torch.distributed group of their own (join, form, broadcast, leave), over which rlkube.core.weights.wire's updates
+travel.
+
+Why a group of its own (TCPStore + PrefixStore + ProcessGroupGloo/NCCL built by hand) and not the default
+process group: the trainer may already use the default group for its own ranks, the inference servers are not
+part of the training job, and the group has to be rebuilt when either side restarts. A hand-built group can be
+dropped and rebuilt any number of times inside one process; the default group cannot.
+
+Ranks: the trainer is rank 0 and hosts the TCPStore at RLKUBE_WEIGHT_SYNC_ADDR; inference server i is rank 1+i.
+
+Epochs: every group lives under its own store prefix (an epoch id). The trainer `open()`s an epoch, announces it
+in its `weights_ready` event BEFORE the transfer, and the group is formed by the first `send()` of that epoch
+(which waits until every inference server has joined). A restarted trainer opens a new epoch on a new store; an
+inference server that sees an unknown epoch in `weights_ready` leaves its old group and joins the new one. When
+an inference server dies, the trainer's next `send()` fails (`WeightSyncError`): the trainer opens a new epoch
+and announces it again, and the restarted server (which skips epochs whose group is already formed) joins it.
+A restarted server that finds the current epoch already formed also files a rejoin request in the store, so the
+trainer re-announces without waiting for its next step (which may never come while that server is missing).
+`WeightPublisher` (rlkube.core.weights.publication) does that announce/send/reopen dance for the trainer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from rlkube.contract.runtime import ENV_BIND_HOST
+from rlkube.core.weights.wire import (ADAPTER, DEFAULT_BUCKET_BYTES, DTYPES, FULL, PackedWeights,
+                                      StreamedWeights, checksums_match, pack_weights, unpack_weights,
+                                      weights_checksum)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+_FORMED = "formed"  # store key (under the epoch prefix) set by the trainer once the group is complete
+_REJOIN = "rejoin"  # store key (under the epoch prefix) a restarted inference server adds to ask for a new epoch
+_CURRENT = "weights/current_epoch"  # store key: the epoch the trainer is using now
+
+
+class WeightSyncError(RuntimeError):
+    """The group broke (a peer died, a timeout): the trainer reopens a new epoch, a receiver waits for one."""
+
+
+class StaleEpoch(WeightSyncError):
+    """The announced epoch's group was already formed without us (we restarted): wait for the next epoch."""
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"weight-sync address {addr!r} is not host:port (RLKUBE_WEIGHT_SYNC_ADDR)")
+    return host.strip("[]"), int(port)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-sync backend {backend!r} is not one of {BACKENDS}")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ValueError("weight-sync backend `nccl` needs a CUDA build of torch (this one has no NCCL); use gloo")
+
+
+def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta,
+                host: str | None) -> dist.ProcessGroup:
+    """Form the group; blocks until all `world_size` ranks have called this with the same store."""
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # Advertise an address the peers can reach: the host we were told about (a pod's DNS name or IP), not
+        # whatever the local hostname resolves to (often 127.0.1.1 inside containers).
+        if host and host not in ("0.0.0.0", "::", ""):
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def _drop_group(pg: dist.ProcessGroup | None) -> None:
+    if pg is None:
+        return
+    try:
+        # What makes a peer blocked in a collective fail at once is the group's destruction (it closes the
+        # connections) when the caller drops its reference; gloo's abort() does nothing (torch 2.13), NCCL's
+        # aborts the communicators. The destructor waits for a collective still running in this process, so
+        # never drop a group another thread is blocked in (the inference server leaves such a one alone).
+        pg.abort()
+    except Exception as exc:  # noqa: BLE001 - best effort on a group that is already broken
+        log.debug("weight-sync group abort: %s", exc)
+
+
+class _Endpoint:
+    """What sender and receiver share: the group of the current epoch and the object/tensor broadcasts."""
+
+    def __init__(self, addr: str, rank: int, world_size: int, timeout_s: float, backend: str, device: str):
+        _check_backend(backend)
+        if world_size < 2:
+            raise ValueError(f"weight-sync world size {world_size} < 2: there must be at least one inference rank")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"weight-sync rank {rank} outside world size {world_size}")
+        self.host, self.port = parse_addr(addr)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.backend = backend
+        self.device = torch.device(device if backend == "gloo" else (device if device != "cpu" else "cuda"))
+        self.epoch: str | None = None
+        self.pg: dist.ProcessGroup | None = None
+
+    def _bcast(self, tensor: torch.Tensor) -> None:
+        self._bcast_all([tensor])
+
+    def _bcast_all(self, tensors: list[torch.Tensor]) -> None:
+        """One broadcast per tensor, in order, all issued before the first wait: the backend runs them back to
+        back, and this thread does not need the GIL between two tensors (on an inference server busy
+        generating, each GIL hand-over can cost the 5 ms switch interval)."""
+        try:
+            works = [self.pg.broadcast([t], dist.BroadcastOptions()) for t in tensors]  # root rank 0 (default)
+            for work in works:
+                work.wait()
+        except Exception as exc:
+            raise WeightSyncError(f"weight-sync broadcast failed in epoch {self.epoch}: {exc}") from exc
+
+    def _bcast_object(self, obj: Any) -> Any:
+        """Broadcast a JSON-able object from rank 0 (other ranks pass None and get the object back)."""
+        if self.rank == 0:
+            payload = orjson.dumps(obj)
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._bcast(size)
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._bcast(data)
+        return obj if self.rank == 0 else orjson.loads(data.cpu().numpy().tobytes())
+
+    def _leave(self) -> None:
+        _drop_group(self.pg)
+        self.pg = None
+        self.epoch = None
+
+
+class WeightSender(_Endpoint):
+    """The trainer's side (rank 0). Hosts the TCPStore; one group per epoch."""
+
+    def __init__(self, addr: str, world_size: int, timeout_s: float = 300, backend: str = "gloo",
+                 device: str = "cpu", local_host: str | None = None, transfer_dtype: torch.dtype | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        super().__init__(addr, 0, world_size, timeout_s, backend, device)
+        self._store: dist.TCPStore | None = None
+        self.transfer_dtype = transfer_dtype
+        self.bucket_bytes = bucket_bytes
+        # The address inference servers reach us at: RLKUBE_BIND_HOST (the pod IP) rather than the store's DNS
+        # name, which a headless Service may not publish before the pod is Ready.
+        self.local_host = local_host or os.environ.get(ENV_BIND_HOST) or self.host
+
+    def open(self) -> str:
+        """Start a NEW epoch (dropping the current group, if any); returns the epoch id to announce."""
+        self._leave()
+        if self._store is None:
+            # Bound once per process and kept: the port must stay ours across epochs. The server listens on
+            # every interface, so inference pods reach it through the trainer's Service name.
+            self._store = dist.TCPStore(
+                "0.0.0.0", self.port, None, True, timeout=self.timeout, wait_for_workers=False, use_libuv=True
+            )
+        self.epoch = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+        self._store.set(_CURRENT, self.epoch)
+        return self.epoch
+
+    def _prefixed(self) -> dist.PrefixStore:
+        return dist.PrefixStore(f"weights/{self.epoch}/", self._store)
+
+    def rejoin_requested(self) -> bool:
+        """True when an inference server found the current epoch formed without it (it restarted)."""
+        return self.epoch is not None and self._store is not None and self._prefixed().check([_REJOIN])
+
+    def form(self) -> None:
+        """Form the current epoch's group now (send() does it on first use); blocks until every rank joined."""
+        if self.epoch is None:
+            raise RuntimeError("WeightSender.form() before open()")
+        if self.pg is None:
+            self._form()
+
+    def _form(self) -> None:
+        store = self._prefixed()
+        t0 = time.monotonic()
+        try:
+            self.pg = _make_group(store, 0, self.world_size, self.backend, self.timeout, self.local_host)
+        except Exception as exc:
+            raise WeightSyncError(f"forming weight-sync group of epoch {self.epoch} failed: {exc}") from exc
+        store.set(_FORMED, "1")
+        log.info("weight-sync epoch %s formed with %d ranks in %.2fs", self.epoch, self.world_size,
+                 time.monotonic() - t0)
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
+        """The update's snapshot in this sender's transfer dtype and buckets, on its device."""
+        return pack_weights(named_tensors, self.transfer_dtype, self.bucket_bytes, self.device)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]] | PackedWeights, version: int) -> None:
+        """Broadcast one update (named tensors, or what `pack` made of them). The first send of an epoch waits
+        until every inference rank has joined.
+
+        On failure the group is dropped and WeightSyncError raised: call open(), announce, send again.
+        """
+        if self.epoch is None:
+            raise RuntimeError("WeightSender.send() before open(): open an epoch and announce it first")
+        if isinstance(weights, StreamedWeights):
+            return self._send_streamed(weights, version)
+        packed = weights if isinstance(weights, PackedWeights) else self.pack(weights)
+        try:
+            if self.pg is None:
+                self._form()
+            self._bcast_object({"version": int(version), **packed.meta})
+            self._bcast_all(packed.buffers)
+            self._bcast_object(None)
+        except WeightSyncError:
+            self._leave()
+            raise
+
+    def _send_streamed(self, weights: StreamedWeights, version: int) -> None:
+        """The same wire format, each bucket sent as soon as the trainer ranks gathered it. The pass runs to its
+        end even after a failed broadcast: the other trainer ranks are in its gathers (collectives)."""
+        buckets = None
+        try:
+            if self.pg is None:
+                self._form()
+            self._bcast_object({"version": int(version), **weights.meta})
+            buckets = iter(weights.buckets())
+            for flat in buckets:
+                self._bcast(flat)
+                del flat
+            self._bcast_object(None)
+        except WeightSyncError:
+            self._leave()
+            if buckets is None:  # the pass never started: run it for the other ranks
+                buckets = iter(weights.buckets())
+            for _ in buckets:
+                pass
+            raise
+
+    def close(self) -> None:
+        """Leave the group (on training_finished; the inference servers leave on the same event)."""
+        self._leave()
+        self._store = None
+
+
+class WeightReceiver(_Endpoint):
+    """An inference server's side (rank 1+i)."""
+
+    def __init__(self, addr: str, rank: int, world_size: int, timeout_s: float = 300, backend: str = "gloo",
+                 device: str = "cpu", local_host: str | None = None):
+        if rank < 1:
+            raise ValueError(f"inference weight-sync rank must be >= 1 (rank 0 is the trainer), got {rank}")
+        super().__init__(addr, rank, world_size, timeout_s, backend, device)
+        self.local_host = local_host or os.environ.get(ENV_BIND_HOST)
+        self.last_checksum: float | None = None
+        self.last_meta: dict[str, Any] | None = None  # the metadata of the last update received (its kind, adapter)
+
+    def join(self, epoch: str) -> None:
+        """Leave the current group and join `epoch`'s. Blocks until the trainer forms it (its first send).
+
+        Raises StaleEpoch when that group was formed already (this server restarted after the announcement).
+        """
+        self._leave()
+        try:
+            store = dist.TCPStore(self.host, self.port, None, False, timeout=self.timeout, wait_for_workers=False)
+        except Exception as exc:
+            raise WeightSyncError(f"cannot reach the trainer's weight-sync store at {self.host}:{self.port}: {exc}") \
+                from exc
+        current = store.get(_CURRENT).decode() if store.check([_CURRENT]) else None
+        if current != epoch:
+            # The trainer restarted (a new store) or moved on; its announcement of `current` is on its way.
+            raise StaleEpoch(f"weight-sync epoch {epoch} is not the trainer's current one ({current})")
+        prefixed = dist.PrefixStore(f"weights/{epoch}/", store)
+        if prefixed.check([_FORMED]):
+            # We restarted after the group formed: ask the trainer for a new epoch (WeightPublisher's watchdog).
+            prefixed.add(_REJOIN, 1)
+            raise StaleEpoch(f"weight-sync epoch {epoch} was formed without this server; asked for a new one")
+        try:
+            self.pg = _make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
+        except Exception as exc:
+            raise WeightSyncError(f"joining weight-sync epoch {epoch} failed: {exc}") from exc
+        self.epoch = epoch
+
+    @property
+    def joined(self) -> bool:
+        return self.pg is not None
+
+    def receive(self, adapters: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
+        """Receive one update -> (version, {HF name: tensor in the transfer dtype}); its checksum, verified, is
+        `last_checksum`, its metadata `last_meta`. An adapter update (kind "lora-adapter": PEFT names, see the
+        module docstring) is refused with WeightSyncError unless `adapters`. On failure the group is dropped
+        (WeightSyncError)."""
+        if self.pg is None:
+            raise RuntimeError("WeightReceiver.receive() before join()")
+        try:
+            meta = self._bcast_object(None)
+            if not isinstance(meta, dict) or "tensors" not in meta or "buckets" not in meta:
+                raise WeightSyncError(f"weight-sync protocol error: expected metadata, got {meta!r}")
+            buffers = []
+            for first, end, dtype, numel in meta["buckets"]:
+                if dtype not in DTYPES:
+                    raise WeightSyncError(f"weight-sync: tensors {first}..{end - 1} have unsupported dtype {dtype}")
+                buffers.append(torch.empty(numel, dtype=DTYPES[dtype], device=self.device))
+            self._bcast_all(buffers)
+            end = self._bcast_object(None)
+            if end is not None:
+                raise WeightSyncError(f"weight-sync protocol error: expected the end sentinel, got {end!r}")
+            kind = meta.get("kind", FULL)
+            if kind not in (FULL, ADAPTER) or (kind == ADAPTER and not adapters):
+                raise WeightSyncError(f"weight-sync: version {meta['version']} is a {kind!r} update, which this "
+                                      "engine does not serve (it takes full weights)")
+            state = unpack_weights(meta, buffers)
+            checksum = weights_checksum(state.items())
+            if not checksums_match(checksum, float(meta["checksum"])):
+                raise WeightSyncError(f"weight-sync: version {meta['version']} arrived with checksum {checksum!r}, "
+                                      f"the trainer sent {meta['checksum']!r}")
+        except WeightSyncError:
+            self._leave()
+            raise
+        self.last_checksum = checksum
+        self.last_meta = {k: v for k, v in meta.items() if k not in ("tensors", "buckets")}
+        return int(meta["version"]), state
+
+    def close(self) -> None:
+        self._leave()

@@ -1,0 +1,243 @@
+"""The weight update's wire format (docs/design.md §5.6): what one update is (header, buckets, checksum), whatever
+carries it (rlkube.core.weights.group broadcasts it).
+
+The weight contract (docs/design.md §5.6), whatever the trainer backend:
+- names: the Hugging Face parameter names of the job's model directory, each tied weight once (the backend's
+  `weights()`, see rlkube.core.backends.base), so any engine that loads the directory can apply an update by name;
+- dtype: the trainer casts every floating-point tensor to the transfer dtype (`spec.trainer.weightTransfer.dtype`:
+  bfloat16 on GPUs, float32 on CPU by default; None keeps each tensor's own dtype) and the receiver converts to the
+  dtype it serves (load_state_dict copies with conversion). Non-float tensors (integer buffers) keep theirs.
+- buckets: consecutive tensors of one dtype are flattened into one buffer of at most `bucket_bytes`
+  (`weightTransfer.bucketMegabytes`; a larger tensor gets a bucket of its own), one broadcast per bucket rather
+  than one per tensor;
+- checksum: the sender puts `weights_checksum()` of what it sends into the metadata; the receiver recomputes it on
+  what arrived and refuses an update that differs, and an engine can report the checksum of what it serves
+  (`weights_checksum` of its weights cast to the transfer dtype: equal to the trainer's whenever the served dtype
+  holds the transfer dtype exactly, e.g. float32 or bfloat16 served from a bfloat16 transfer).
+
+Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
+`{"version", "checksum", "kind", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel],
+...]}`, then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel
+as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
+
+`kind` says what the tensors are: "full" (absent in older senders: the same), every weight under its HF name; or
+"lora-adapter" (an `AdapterUpdate`, or a sharded trainer's `StreamedWeights(adapter=...)`; spec.trainer.lora), the
+adapter's A and B matrices under PEFT's names (rlkube.core.lora) with `adapter` in the metadata ({"format", "rank",
+"alpha", "scaling", "target_modules"}): the receiver serves base + adapter, W = W0 + scaling x B @ A on its own base
+copy. `WeightReceiver.receive` (rlkube.core.weights.group) refuses an adapter update unless its caller said it
+serves adapters (`adapters=True`), so no engine loads one as weights.
+
+A trainer that shards its weights (FSDP) cannot pack a snapshot without holding the whole model on rank 0: it
+publishes a `StreamedWeights` instead, which every trainer rank builds from its shards (names, shapes, dtypes and
+the checksum need no gather) and whose buckets the ranks gather one at a time while rank 0 sends each; the bytes
+on the wire are the same as for the packed update (`plan_buckets` decides both layouts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+CHECKSUM_REL_TOL = 1e-9  # float64 sums of the same values in another order differ in the last bits only
+
+
+def transfer_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """`spec.trainer.weightTransfer.dtype` as a torch dtype (`auto`: bfloat16 on GPUs, float32 on CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> float:
+    """A cheap fingerprint of a set of weights: per tensor, the float64 sum of its values (cast to `dtype`
+    first, when given), combined as sum over tensors sorted by name of (position + 1) x that sum, so a tensor
+    under the wrong name changes it too. Values in the transfer dtype are exact in float64, so trainer and engine
+    agree up to summation order (compare with CHECKSUM_REL_TOL)."""
+    sums = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        sums.append((name, float(t.sum(dtype=torch.float64))))
+    return combine_sums(sums)
+
+
+def combine_sums(sums: Iterable[tuple[str, float]]) -> float:
+    """`weights_checksum` from each tensor's float64 sum (a sharded trainer sums its shards' sums)."""
+    return math.fsum((i + 1) * s for i, (_, s) in enumerate(sorted(sums)))
+
+
+def checksums_match(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=CHECKSUM_REL_TOL, abs_tol=1e-6)
+
+
+FULL = "full"
+ADAPTER = "lora-adapter"
+
+
+@dataclass
+class AdapterUpdate:
+    """A weight update that carries a LoRA adapter, not the weights (module docstring: `kind`): iterate it for the
+    (PEFT name, tensor) pairs; `config` goes into the metadata as `adapter`."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    config: dict[str, Any]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+
+def update_nbytes(meta: dict[str, Any]) -> int:
+    """Bytes of tensor data an update with this metadata puts on the wire (its buckets)."""
+    return sum(numel * DTYPES[dtype].itemsize for _, _, dtype, numel in meta["buckets"])
+
+
+@dataclass
+class PackedWeights:
+    """One update ready to send: the metadata object and the bucket buffers (already in the transfer dtype, on
+    the sending device). Packing is also the snapshot: the trainer may change its weights once it returns."""
+
+    meta: dict[str, Any]
+    buffers: list[torch.Tensor]
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str | torch.device | None = None) -> PackedWeights:
+    """Cast floating-point tensors to `dtype` (None: keep) and flatten consecutive same-dtype tensors into buckets
+    of at most `bucket_bytes` (a larger tensor alone). An AdapterUpdate is packed as kind "lora-adapter"."""
+    adapter = named_tensors.config if isinstance(named_tensors, AdapterUpdate) else None
+    tensors = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if device is not None:
+            t = t.to(device)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if dtype_name(t.dtype) not in DTYPES:
+            raise ValueError(f"weight {name}: dtype {t.dtype} cannot be transferred")
+        tensors.append((name, t))
+    specs = [[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors]
+    bucket_meta = plan_buckets(specs, bucket_bytes)
+    # torch.cat copies: the buffers are a snapshot even when no cast happened.
+    buffers = [torch.cat([tensors[i][1].reshape(-1) for i in range(first, end)])
+               for first, end, _, _ in bucket_meta]
+    meta = {"tensors": specs, "buckets": bucket_meta, "checksum": weights_checksum(tensors),
+            "kind": FULL if adapter is None else ADAPTER}
+    if adapter is not None:
+        meta["adapter"] = dict(adapter)
+    return PackedWeights(meta, buffers)
+
+
+def plan_buckets(specs: list[list[Any]], bucket_bytes: int) -> list[list[Any]]:
+    """The buckets ([first, end, dtype, numel]) of tensors `specs` ([name, shape, dtype name], in the transfer
+    dtype): consecutive tensors of one dtype up to `bucket_bytes` together, a larger tensor alone. Shared by the
+    packed and the streamed update, so both put the same bytes on the wire."""
+    buckets: list[list[Any]] = []  # [first, end, dtype, numel, bytes]
+    for i, (_, shape, dtype) in enumerate(specs):
+        numel = math.prod(shape)
+        size = numel * DTYPES[dtype].itemsize
+        last = buckets[-1] if buckets else None
+        if last is not None and last[2] == dtype and last[4] + size <= bucket_bytes:
+            last[1], last[3], last[4] = i + 1, last[3] + numel, last[4] + size
+        else:
+            buckets.append([i, i + 1, dtype, numel, size])
+    return [b[:4] for b in buckets]
+
+
+class StreamedWeights:
+    """One update produced bucket by bucket, for a trainer whose weights are sharded over its ranks (FSDP): no
+    rank ever holds the whole model. Every trainer rank builds it (a COLLECTIVE, like all its methods) from its
+    shards: `specs` ([name, shape, dtype] of what is sent), `checksum` (summed from the shards' sums, so it may
+    differ from `weights_checksum` of the full tensors in the last bits: CHECKSUM_REL_TOL), `gather(indices)`
+    yields the full tensors of those specs one at a time (all ranks take part), and `agree(flag)` returns rank 0's
+    flag on every rank.
+
+    Rank 0's WeightPublisher runs passes: `more(True)`, then `buckets()` (each bucket gathered, cast into one flat
+    buffer in the transfer dtype, sent, dropped), and `more(False)` once done (after a failed pass `more(True)`
+    again, for the retry in a new epoch). Every other rank, and rank 0 when it transfers nothing, calls `drain()`,
+    which runs as many passes as rank 0 announces. `peak_bytes` counts the most bytes of gathered tensors and
+    bucket buffers this rank held at once (one bucket plus one full tensor).
+
+    The price of streaming: the other ranks wait for rank 0's broadcast of a bucket inside their next gather, so
+    a broadcast that blocks (an inference server that neither receives nor dies) fails them after the trainer's
+    collective timeout (RLKUBE_COLLECTIVE_TIMEOUT_S, 120 s) rather than the weight-sync timeout; a dead server
+    breaks the broadcast at once, and the retry runs in a new epoch as for the packed update."""
+
+    def __init__(self, specs: list[list[Any]], checksum: float, gather, agree, bucket_bytes: int,
+                 device: str | torch.device | None = None, rendezvous=None, adapter: dict[str, Any] | None = None):
+        self.meta = {"tensors": specs, "buckets": plan_buckets(specs, bucket_bytes), "checksum": checksum,
+                     "kind": FULL if adapter is None else ADAPTER}
+        if adapter is not None:  # a LoRA adapter streamed from its shards, marked as AdapterUpdate's packing is
+            self.meta["adapter"] = dict(adapter)
+        self._gather, self._agree, self._rendezvous = gather, agree, rendezvous
+        self.device = device
+        self.passes = 0
+        self.peak_bytes = 0
+
+    def more(self, flag: bool) -> bool:
+        """COLLECTIVE: rank 0's `flag` (another pass follows) on every rank."""
+        return bool(self._agree(flag))
+
+    def buckets(self) -> Iterable[torch.Tensor]:
+        """COLLECTIVE: one pass, every bucket's flat buffer in order (consume it fully)."""
+        return self._pass(materialize=True)
+
+    def _pass(self, materialize: bool) -> Iterable[torch.Tensor | None]:
+        self.passes += 1
+        if self._rendezvous is not None:
+            # Rank 0 gets here only once its weight-sync group formed (minutes at start-up, waiting for the
+            # inference servers): meet outside the gathers, which fail after the collective timeout.
+            self._rendezvous(self.passes)
+        for first, end, dtype, numel in self.meta["buckets"]:
+            # A rank that sends nothing only takes part in the gathers (and drops each tensor at once).
+            flat = torch.empty(numel, dtype=DTYPES[dtype], device=self.device) if materialize else None
+            offset, flat_bytes = 0, numel * DTYPES[dtype].itemsize if materialize else 0
+            for full in self._gather(range(first, end)):
+                n = full.numel()
+                self.peak_bytes = max(self.peak_bytes, flat_bytes + n * full.element_size())
+                if flat is not None:
+                    flat[offset:offset + n].copy_(full.reshape(-1))  # casts to the transfer dtype
+                offset += n
+                del full
+            if offset != numel:
+                raise RuntimeError(f"weight stream: tensors {first}..{end - 1} gave {offset} values, not {numel}")
+            yield flat
+            del flat
+
+    def drain(self) -> None:
+        """COLLECTIVE: take part in every pass rank 0 runs, sending nothing."""
+        while self.more(False):
+            for _ in self._pass(materialize=False):
+                pass
+
+
+def unpack_weights(meta: dict[str, Any], buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The named tensors (views into the buffers) of a received update."""
+    specs = meta["tensors"]
+    state: dict[str, torch.Tensor] = {}
+    for (first, end, _dtype, _numel), flat in zip(meta["buckets"], buffers, strict=True):
+        offset = 0
+        for name, shape, _ in specs[first:end]:
+            n = math.prod(shape)
+            state[name] = flat[offset:offset + n].view(shape)
+            offset += n
+    return state
