@@ -76,9 +76,9 @@ def learning_run(spec: TrainingJobSpec, seed: int, steps: int, served: bool = Fa
                 step_rewards += [s.reward for s in samples]
             group = protocol.RolloutGroup(f"{step}-{g}", ids, samples, model_version=trainer.version,
                                           expected_size=algo.group_size)
-            group_docs, dropped = documents_of(group, cfg)
+            group_docs, filtered_reward = documents_of(group, cfg)
             docs += group_docs
-            filtered += dropped
+            filtered += filtered_reward is not None
         if not docs:
             rewards.append(sum(step_rewards) / len(step_rewards))
             continue

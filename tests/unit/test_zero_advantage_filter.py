@@ -33,24 +33,25 @@ def group(rewards, gid="g", version=0, prompt=(1, 5, 6)):
 
 
 def test_equal_rewards_are_filtered_and_others_kept():
-    assert documents_of(group([1.0, 1.0, 1.0, 1.0]), ON) == ([], True)
-    assert documents_of(group([0.0, 0.0]), ON) == ([], True)
-    assert documents_of(group([0.3, 0.3 + 1e-9, 0.3]), ON) == ([], True)  # within PipelineRL's epsilon
-    docs, filtered = documents_of(group([0.0, 0.0, 1.0, 0.0]), ON)
-    assert len(docs) == 4 and not filtered and any(d.advantage != 0 for d in docs)
+    assert documents_of(group([1.0, 1.0, 1.0, 1.0]), ON) == ([], 1.0)
+    assert documents_of(group([0.0, 0.0]), ON) == ([], 0.0)
+    assert documents_of(group([0.3, 0.3 + 1e-9, 0.3]), ON) == ([], 0.3)  # within PipelineRL's epsilon
+    docs, filtered_reward = documents_of(group([0.0, 0.0, 1.0, 0.0]), ON)
+    assert len(docs) == 4 and filtered_reward is None and any(d.advantage != 0 for d in docs)
     # off (the pure default): equal groups become documents of advantage 0, as before
     docs = group_to_documents(group([1.0, 1.0, 1.0]), DocumentConfig())
     assert len(docs) == 3 and all(d.advantage == 0 for d in docs)
     # a singleton is dropped for having no baseline, not counted as filtered
-    assert documents_of(group([1.0]), ON) == ([], False)
+    assert documents_of(group([1.0]), ON) == ([], None)
 
 
 def test_the_equality_is_over_the_usable_samples():
-    # the one sample that differs is too long: the remaining ones are all equal
-    g = group([1.0, 1.0, 0.0])
-    g.samples[2].completion_tokens = list(range(40))
-    g.samples[2].logprobs = [-1.0] * 40
-    assert documents_of(g, DocumentConfig(max_length=10, filter_zero_advantage=True)) == ([], True)
+    # the one sample that differs is too long and comes first: the remaining ones are all equal, and their reward
+    # (not the dropped sample's) is the filtered group's
+    g = group([0.0, 1.0, 1.0])
+    g.samples[0].completion_tokens = list(range(40))
+    g.samples[0].logprobs = [-1.0] * 40
+    assert documents_of(g, DocumentConfig(max_length=10, filter_zero_advantage=True)) == ([], 1.0)
 
 
 def _ctx(redis_url: str, **algorithm) -> RoleContext:

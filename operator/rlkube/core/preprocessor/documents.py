@@ -47,8 +47,10 @@ def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> lis
     return documents_of(group, cfg)[0]
 
 
-def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[list[protocol.Document], bool]:
-    """group_to_documents, and whether the group was filtered for zero advantage (cfg.filter_zero_advantage)."""
+def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[list[protocol.Document], float | None]:
+    """group_to_documents, and the reward its usable samples all had when the group was filtered for zero advantage
+    (cfg.filter_zero_advantage; None when it was not filtered). The reward is a kept sample's: a dropped sample (too
+    long, empty) may have had another."""
     prompt = list(group.prompt_tokens)
     samples = []
     for i, s in enumerate(group.samples):
@@ -65,14 +67,14 @@ def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[lis
         else:
             samples.append(s)
     if not samples:
-        return [], False
+        return [], None
     if len(samples) == 1 and cfg.drop_singletons:
         log.info("group %s has a single usable sample (no baseline, advantage 0); dropped", group.group_id)
-        return [], False
+        return [], None
     if cfg.filter_zero_advantage and equal_rewards(samples):
         log.debug("group %s: all %d rewards equal %.4g (zero advantage); filtered", group.group_id, len(samples),
                   samples[0].reward)
-        return [], True
+        return [], samples[0].reward
     if len(samples) < group.expected_size:
         log.info("group %s is partial: %d of %d samples", group.group_id, len(samples), group.expected_size)
     advantages = group_advantages([s.reward for s in samples], cfg.estimator, cfg.normalize)  # type: ignore[arg-type]
@@ -97,7 +99,7 @@ def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[lis
                 model_version=versions,
             )
         )
-    return docs, False
+    return docs, None
 
 
 def _episode_problem(s: protocol.Sample) -> str | None:

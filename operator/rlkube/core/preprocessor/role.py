@@ -184,7 +184,8 @@ class PreprocessorRole:
                     group = protocol.RolloutGroup.decode(fields)
                 except ValueError as exc:
                     problem = str(exc)
-            docs, filtered = documents_of(group, self.cfg) if group is not None else ([], False)
+            docs, filtered_reward = documents_of(group, self.cfg) if group is not None else ([], None)
+            filtered = filtered_reward is not None
             # Samples the actors counted (lag.write advanced `written` by all of them) that reach no trainer.
             credit = len(group.samples) - len(docs) if group is not None else 0
             # A skipped entry is acknowledged too (with no documents), or it would be re-read forever.
@@ -200,19 +201,19 @@ class PreprocessorRole:
                 self.too_long += too_long(group, self.cfg)
                 self.filtered += int(filtered)
                 self.credited += credit
-                self._count_stall(group, filtered, bool(docs))
+                self._count_stall(filtered_reward, bool(docs))
 
-    def _count_stall(self, group: protocol.RolloutGroup, filtered: bool, wrote: bool) -> None:
+    def _count_stall(self, filtered_reward: float | None, wrote: bool) -> None:
         """Fail the role (and so the job) once zero-advantage filtering has starved the trainer for
         `stall_bound` groups in a row; groups dropped for other reasons (singletons, too long) neither count nor
         reset the run."""
         if wrote:
             self.filtered_in_a_row = 0
-        elif filtered:
+        elif filtered_reward is not None:
             self.filtered_in_a_row += 1
             if self.stall_bound is not None and self.filtered_in_a_row >= self.stall_bound:
                 raise ConfigError(zero_advantage.FIELD, zero_advantage.stall(
-                    self.filtered_in_a_row, self.stall_bound, group.samples[0].reward, self.documents))
+                    self.filtered_in_a_row, self.stall_bound, filtered_reward, self.documents))
 
     def _read_rollouts(self, count: int) -> list:
         """Up to `count` rollout entries this replica should process now: its own pending ones first, then
