@@ -146,6 +146,24 @@ def install_chart(node: Node, api_client):
     return pod
 
 
+def webhook_serving(api_client, namespace: str, doc: dict, node: Node) -> None:
+    """Waits until the chart's validating webhook answers: a dry run of `doc` passes (the Service's endpoints reach
+    kube-proxy's rules a moment after the operator pod is Ready; until then the API server refuses every
+    TrainingJob with "failed calling webhook")."""
+    custom = client.CustomObjectsApi(api_client)
+
+    def serving():
+        try:
+            return custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", namespace, "trainingjobs", doc,
+                                                          dry_run="All") is not None
+        except ApiException as exc:
+            if exc.status == 500 and "failed calling webhook" in (exc.body or ""):
+                return False
+            raise
+
+    wait_for(serving, 60, lambda: f"the webhook to answer\n{diagnostics(client.CoreV1Api(api_client), node)}", 0.2)
+
+
 def create_namespace(core, name: str) -> None:
     core.create_namespace({"metadata": {"name": name}})
     wait_for(lambda: core.list_namespaced_service_account(name).items, 30, f"{name}'s default ServiceAccount")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster.release import IMAGES, OPERATOR_NS, create_namespace, diagnostics, exec_in, inside, install_chart, logs, real_node
+from cluster.release import (IMAGES, OPERATOR_NS, create_namespace, diagnostics, exec_in, inside, install_chart, logs,
+                             real_node, webhook_serving)
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from rlkube.contract import runtime
@@ -86,6 +87,7 @@ def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api)
                                "spec.redis.image": IMAGES["redis"], **ON_TWO_CORES})
     name, steps = doc["metadata"]["name"], doc["spec"]["algorithm"]["maxSteps"]
     custom = client.CustomObjectsApi(api)
+    webhook_serving(api, NS, doc, node)
     t0 = time.monotonic()
     custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", NS, "trainingjobs", doc)
 
