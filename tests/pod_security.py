@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 
-WRITABLE_ROOT = {("inference", "vllm"), ("trainer", "fast-llm")}
-"""(role, engine/backend) whose root filesystem stays writable (controller/builders.writable_root)."""
+WRITABLE_ROOT = {("inference", "vllm-gpu"), ("trainer", "fast-llm")}
+"""(role, engine/backend) whose root filesystem stays writable (controller/builders.writable_root): vLLM only with
+GPUs (a GPU trainer gives the vLLM servers GPUs, TrainingJobSpec.gpus_per_pod)."""
 
 
 def assert_hardened_pod(pod: dict, spec: dict) -> None:
@@ -21,7 +22,10 @@ def assert_hardened_pod(pod: dict, spec: dict) -> None:
     assert not ps.get("hostNetwork") and not ps.get("hostPID") and not ps.get("hostIPC"), name
     for v in ps.get("volumes") or []:
         assert "hostPath" not in v, (name, v)
-    kind = {"inference": (spec.get("inference") or {}).get("engine", "vllm"),
+    engine = (spec.get("inference") or {}).get("engine", "vllm")
+    if engine == "vllm" and ((spec.get("trainer") or {}).get("gpusPerNode") or 0) > 0:
+        engine = "vllm-gpu"
+    kind = {"inference": engine,
             "trainer": (spec.get("trainer") or {}).get("backend", "torch")}.get(role)
     for c in [*(ps.get("initContainers") or []), *ps["containers"]]:
         sc = c.get("securityContext") or {}

@@ -10,8 +10,9 @@ code. Each pod is then merged with the role's `spec.<role>.template` (controller
 Hardened by default (Pod Security Standards "restricted"): every pod runs as the images' non-root user 10001
 with seccomp RuntimeDefault, no privilege escalation and every capability dropped, and a read-only root
 filesystem where the role allows it; what a role writes goes to volumes: /tmp (an emptyDir, also HOME), the
-checkpoints, and a memory-backed /dev/shm for the trainer and inference. vLLM inference and Fast-LLM trainer
-pods keep a writable root: they run third-party code whose JIT and kernel caches write where we do not control.
+checkpoints, and a memory-backed /dev/shm for the trainer and inference. vLLM inference pods with GPUs and
+Fast-LLM trainer pods keep a writable root: they run third-party code whose JIT and kernel caches write where we do
+not control (vLLM on CPU writes only under HOME: writable_root).
 The model is ready before a role starts: every pod that loads it (lifecycle.roles.MODEL_ROLES) has an init
 container that materializes spec.model.path into the model cache volume (emptyDir, or spec.model.cacheClaimName
 shared by the job's pods) with rlkube.core.hf.fetch; the role then runs with HF_HUB_OFFLINE=1. spec.model.claimName
@@ -116,8 +117,10 @@ def _resources(spec: TrainingJobSpec, role: str) -> dict:
 
 
 def writable_root(spec: TrainingJobSpec, role: str) -> bool:
-    """Roles whose root filesystem stays writable: third-party servers with caches we do not control."""
-    return (role == "inference" and spec.inference.engine == "vllm") or (
+    """Roles whose root filesystem stays writable: third-party servers with caches we do not control. vLLM on CPU
+    is not one: its caches follow HOME onto /tmp (VLLM_CACHE_ROOT, torch's inductor directory), shown on a real
+    kubelet by tests/e2e/test_vllm_image.py; vLLM on GPUs (JIT and kernel caches) has not been run on one here."""
+    return (role == "inference" and spec.inference.engine == "vllm" and spec.gpus_per_pod("inference") > 0) or (
         role == "trainer" and spec.trainer.backend == "fast-llm"
     )
 
