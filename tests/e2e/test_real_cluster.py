@@ -2,7 +2,9 @@
 
 A control plane, kube-scheduler, a kubelet on containerd + runc + the CNI bridge, kube-proxy and the cluster DNS
 (tests/cluster/node.py, tests/cluster/dns.py); the images `make images` builds (images/build.py: operator, core,
-redis; content-cached) imported into containerd. What this shows, as users would meet it:
+redis; content-cached) imported into containerd. The cluster and the chart's install are the session's, shared with
+the other real-node modules (tests/e2e/realnode.py, fixtures in tests/e2e/conftest.py). What this shows, as users
+would meet it:
 - charts/rlkube installed with the Helm SDK as `helm install` does (CRDs, then the templates): the operator's
   Deployment runs from localhost/rlkube/operator with its ServiceAccount and RBAC, reaches the API server through
   the `kubernetes` Service (kube-proxy), and holds the leader-election Lease;
@@ -16,154 +18,40 @@ redis; content-cached) imported into containerd. What this shows, as users would
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-import threading
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-import helm_python as helm
 import pytest
-from cluster.control_plane import ControlPlane
-from cluster.node import ROUTE_LOCALNET, Node, running
 from clusterjob import EventFollower, example, secret_password
-from helm_chart import CHART
-from kubernetes import client, config, watch
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.stream import stream
+from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, ContainerExits, PodWatch,
+                      checkpoint_claim, container_id, create_namespace, diagnostics, lease_holder, operator_pod)
 from rlkube.contract import protocol, runtime
 from rlkube.controller import builders, names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-OPERATOR_IMAGE = "localhost/rlkube/operator:0.1.0"
-CORE_IMAGE = "localhost/rlkube/core:0.1.0"
-REDIS_IMAGE = "localhost/rlkube/redis:0.1.0"
-RELEASE, OPERATOR_NS, JOB_NS, CHAOS_NS = "rlkube", "rlkube-system", "team-a", "team-b"
+JOB_NS, CHAOS_NS = "team-a", "team-b"
 # As tests/e2e/test_trainingjob.py: seed 0 learns by 0.15-0.19 there; no learning is ~0.
 MIN_MARGIN = 0.10
 ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
 
 
-def _host_ip() -> str:
-    """The machine's own address (the default route's source): the API server's advertised address."""
-    out = subprocess.run(["ip", "-4", "-json", "route", "get", "192.0.2.123"], capture_output=True, text=True,
-                         check=True).stdout
-    return json.loads(out)[0]["prefsrc"]
-
-
-def _proxy_chains() -> list[str]:
-    """kube-proxy's own iptables chains (the kubelet makes KUBE-FIREWALL, KUBE-MARK-* and KUBE-KUBELET-CANARY)."""
-    out = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
-    chains = {line.split()[0][1:] for line in out.splitlines() if line.startswith(":KUBE-")}
-    return sorted(c for c in chains if c.startswith(("KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-SVC-", "KUBE-SEP-",
-                                                     "KUBE-FORWARD", "KUBE-PROXY-CANARY")))
+@pytest.fixture(scope="module")
+def node(real_node):
+    return real_node
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    # The images, as `make images` builds them (a no-op when their content is unchanged): never a skip.
-    subprocess.run([sys.executable, str(ROOT / "images" / "build.py"), "operator", "core", "redis"], check=True)
-    chains_before = _proxy_chains()
-    route_localnet = ROUTE_LOCALNET.read_text()
-    cp = ControlPlane(tmp_path_factory.mktemp("real-cluster-cp"),
-                      controllers="garbagecollector,namespace,serviceaccount-token,serviceaccount,nodelifecycle,"
-                                  "endpoint,endpointslice,deployment,replicaset,persistentvolume-binder",
-                      extra_apiserver_args=["--kubelet-preferred-address-types=InternalIP"],
-                      advertise_address=_host_ip())
-    with running(cp, tmp_path_factory.mktemp("real-cluster-node"), cluster_services=True,
-                 images=(OPERATOR_IMAGE, CORE_IMAGE, REDIS_IMAGE)) as n:
-        yield n
-    assert set(_proxy_chains()) <= set(chains_before), "kube-proxy's iptables chains left behind"
-    assert ROUTE_LOCALNET.read_text() == route_localnet, "kube-proxy's route_localnet left on"
+def api(real_api):
+    return real_api
 
 
 @pytest.fixture(scope="module")
-def api(node):
-    api = config.new_client_from_config(config_file=str(node.cp.kubeconfig))
-    yield api
-    api.close()
-
-
-class ContainerExits(threading.Thread):
-    """containerd's task exit events (`ctr events`), with the time containerd gives each."""
-
-    def __init__(self, node: Node):
-        super().__init__(daemon=True, name="container-exits")
-        self.proc = subprocess.Popen(["ctr", "--address", str(node.socket), "events"], stdout=subprocess.PIPE,
-                                     text=True)
-        self.exits: dict[str, datetime] = {}
-
-    def run(self) -> None:
-        for line in self.proc.stdout:
-            if " /tasks/exit " in line:
-                ev = json.loads(line.split(" /tasks/exit ", 1)[1])
-                # exited_at has nanoseconds; fromisoformat takes microseconds.
-                stamp = ev["exited_at"]
-                head, _, frac = stamp.rstrip("Z").partition(".")
-                self.exits[ev["container_id"]] = datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        self.join(timeout=10)
-
-
-class PodWatch(threading.Thread):
-    """Every version of the namespace's pods: container ids per pod, the resourceVersion of each pod's first
-    version with a deletionTimestamp (the API server's order of the deletions) and when this watch saw it, and
-    each pod's last terminated container state (exit code, reason) as the kubelet reported it."""
-
-    def __init__(self, api_client, namespace: str):
-        super().__init__(daemon=True, name="pod-watch")
-        self.core = client.CoreV1Api(api_client)
-        self.namespace = namespace
-        self.containers: dict[str, set[str]] = {}
-        self.deleted_at_rv: dict[str, int] = {}
-        self.deletion_seen: dict[str, datetime] = {}
-        self.terminated: dict[str, tuple[int, str]] = {}
-        self._watch = watch.Watch()
-
-    def run(self) -> None:
-        while not self._watch._stop:
-            try:
-                for ev in self._watch.stream(self.core.list_namespaced_pod, self.namespace, timeout_seconds=30):
-                    pod = ev["object"]
-                    name = pod.metadata.name
-                    for cs in pod.status.container_statuses or []:
-                        if cs.container_id:
-                            self.containers.setdefault(name, set()).add(cs.container_id.split("://", 1)[1])
-                        if cs.state.terminated:
-                            self.terminated[name] = (cs.state.terminated.exit_code, cs.state.terminated.reason)
-                    if pod.metadata.deletion_timestamp and name not in self.deleted_at_rv:
-                        self.deleted_at_rv[name] = int(pod.metadata.resource_version)
-                        self.deletion_seen[name] = datetime.now(timezone.utc).replace(tzinfo=None)
-            except Exception:  # noqa: BLE001 - a dropped watch: list again
-                time.sleep(0.5)
-
-    def stop(self) -> None:
-        self._watch.stop()
-
-
-def _operator_pod(core):
-    pods = core.list_namespaced_pod(OPERATOR_NS, label_selector="app.kubernetes.io/component=operator").items
-    running = [p for p in pods if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
-               and all(cs.ready for cs in p.status.container_statuses or [])]
-    return running[0] if len(running) == 1 else None
-
-
-def _lease_holder(api_client) -> str | None:
-    try:
-        lease = client.CoordinationV1Api(api_client).read_namespaced_lease(RELEASE, OPERATOR_NS)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return lease.spec.holder_identity
+def operator(chart_operator):
+    return chart_operator
 
 
 INSIDE = ("echo uid=$(id -u) gid=$(id -g); awk '/^Uid/ {print \"pid1-uid=\" $2}' /proc/1/status; "
@@ -178,54 +66,13 @@ def _inside(core, pod: str, container: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.split() if "=" in line)
 
 
-def _logs(core, namespace: str, pod: str) -> str:
-    try:
-        return core.read_namespaced_pod_log(pod, namespace, tail_lines=30)
-    except ApiException as exc:
-        return f"(no log: {exc.status})"
-
-
-def _diagnostics(core, node: Node) -> str:
-    lines = []
-    for ns in (OPERATOR_NS, JOB_NS, CHAOS_NS):
-        for p in core.list_namespaced_pod(ns).items:
-            states = [(cs.name, cs.restart_count, cs.state.to_dict()) for cs in p.status.container_statuses or []]
-            lines.append(f"pod {ns}/{p.metadata.name} {p.status.phase} {states}")
-            lines.append(_logs(core, ns, p.metadata.name)[-1500:])
-    lines.append("kubelet: " + (node.workdir / "kubelet.log").read_text(errors="replace")[-1500:])
-    return "\n".join(lines)
-
-
-@pytest.fixture(scope="module")
-def operator(node, api):
-    """charts/rlkube installed with the Helm SDK, as `helm install` does; its operator pod Running and leading."""
-    core = client.CoreV1Api(api)
-    t0 = time.monotonic()
-    with helm.Config(kubeconfig_path=node.cp.kubeconfig, namespace=OPERATOR_NS) as helm_config:
-        values = {"image": {"repository": OPERATOR_IMAGE.rsplit(":", 1)[0], "tag": OPERATOR_IMAGE.rsplit(":", 1)[1],
-                            "pullPolicy": "Never"}}
-        rel = helm_config.install(CHART, RELEASE, values, namespace=OPERATOR_NS, create_namespace=True, timeout=60)
-        assert rel["status"] == "deployed"
-    pod = wait_for(lambda: _operator_pod(core), 180,
-                   lambda: f"the operator pod Running and Ready\n{_diagnostics(core, node)}", 0.5)
-    holder = wait_for(lambda: _lease_holder(api), 60, "the operator to take the Lease", 0.5)
-    assert holder.startswith(f"{pod.metadata.name}_"), holder
-    print(f"\nchart installed, operator {pod.metadata.name} Running and leading after {time.monotonic() - t0:.1f}s")
-    return pod
-
-
-def _namespace(core, name: str) -> None:
-    core.create_namespace({"metadata": {"name": name}})
-    wait_for(lambda: core.list_namespaced_service_account(name).items, 30, f"{name}'s default ServiceAccount")
-
-
 def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, operator):
     core = client.CoreV1Api(api)
     (container,) = operator.spec.containers
     assert container.image == OPERATOR_IMAGE and operator.spec.node_name == node.name
     assert container.image_pull_policy == "Never"
 
-    _namespace(core, JOB_NS)
+    create_namespace(core, JOB_NS)
     custom = client.CustomObjectsApi(api)
     # The chart's validating webhook, served by the operator pod, reached by the API server through its Service
     # (kube-proxy): `kubectl apply --dry-run=server` of a bad job is refused naming the field. First a valid job's
@@ -239,7 +86,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
                 return False
             raise
 
-    wait_for(serving, 60, lambda: f"the webhook to answer\n{_diagnostics(core, node)}", 0.2)
+    wait_for(serving, 60, lambda: f"the webhook to answer\n{diagnostics(core, node)}", 0.2)
     for bad, says in ((example(**{"spec.trainer.nodes": 4, "spec.algorithm.samplesPerStep": 2}),
                        "spec.algorithm.samplesPerStep: must be at least the trainer's ranks"),
                       (example(**{"spec.actor.image": "my image:latest"}),
@@ -268,7 +115,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
         return p if p.status.phase == "Running" else None
 
     redis_pod = f"{name}-redis"
-    wait_for(lambda: running(redis_pod), 120, lambda: f"{redis_pod} running\n{_diagnostics(core, node)}", 0.5)
+    wait_for(lambda: running(redis_pod), 120, lambda: f"{redis_pod} running\n{diagnostics(core, node)}", 0.5)
 
     def locate():
         p = running(redis_pod)
@@ -284,7 +131,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     inside = {}
     for role in ROLES:
         pod = redis_pod if role == "redis" else names.pod_name(name, role, 0)
-        wait_for(lambda: running(pod), 180, lambda: f"{pod} running\n{_diagnostics(core, node)}", 0.5)
+        wait_for(lambda: running(pod), 180, lambda: f"{pod} running\n{diagnostics(core, node)}", 0.5)
         inside[role] = _inside(core, pod, role)
     print("inside the containers: " + "; ".join(f"{r}: {v}" for r, v in inside.items()))
     for role, said in inside.items():
@@ -292,9 +139,9 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
         assert said == {"uid": uid, "gid": uid, "pid1-uid": uid, "root": "ro", "write": "refused"}, (role, said)
 
     st = wait_for(lambda: (s := job().get("status") or {}).get("phase") in ("Succeeded", "Failed") and s, 300,
-                  lambda: f"the job to end: {job().get('status')}\n{_diagnostics(core, node)}", 0.5)
+                  lambda: f"the job to end: {job().get('status')}\n{diagnostics(core, node)}", 0.5)
     wall = time.monotonic() - t1
-    assert st["phase"] == "Succeeded", f"{st}\n{_diagnostics(core, node)}"
+    assert st["phase"] == "Succeeded", f"{st}\n{diagnostics(core, node)}"
     assert st["completion"]["finalStep"] == 40 and st["completion"]["trainerExitCode"] == 0
     follower.stop()
     margin, rewards = follower.reward_margin(), follower.rewards()
@@ -337,45 +184,13 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
 CHAOS_STEPS = 60
 
 
-def _container_id(core, namespace: str, pod: str) -> str | None:
-    """The running container's id in containerd (None while it does not run)."""
-    try:
-        p = core.read_namespaced_pod(pod, namespace)
-    except ApiException:
-        return None
-    (cs,) = p.status.container_statuses or [None]
-    return cs.container_id.split("://", 1)[1] if cs is not None and cs.state.running and cs.container_id else None
-
-
-def _checkpoint_claim(core, node: Node, namespace: str, claim: str) -> Path:
-    """A PVC bound (by the controller manager's binder) to a hostPath PersistentVolume on this node, writable by
-    the pods' uid 10001 (hostPath is not chowned to the fsGroup)."""
-    path = node.workdir / "pv" / claim
-    path.mkdir(parents=True)
-    subprocess.run(["chown", "10001:10001", str(path)], check=True)
-    core.create_persistent_volume({
-        "metadata": {"name": f"{namespace}-{claim}"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "local",
-                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path), "type": "Directory"},
-                 "claimRef": {"namespace": namespace, "name": claim}},
-    })
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "metadata": {"name": claim},
-        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "local", "volumeName": f"{namespace}-{claim}",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })
-    wait_for(lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound", 60,
-             f"PVC {claim} Bound")
-    return path
-
-
 def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, operator):
     """kill -9 of the trainer's container after its first checkpoint (on a claim): the kubelet restarts it in
     place and it resumes from the checkpoint; then kill -9 of the operator's container, its pod removed: the
     Deployment's new pod takes the Lease once it expires and finishes the job, every step once."""
     core = client.CoreV1Api(api)
-    _namespace(core, CHAOS_NS)
-    claim = _checkpoint_claim(core, node, CHAOS_NS, "checkpoints")
+    create_namespace(core, CHAOS_NS)
+    claim = checkpoint_claim(core, node, CHAOS_NS, "checkpoints")
     doc = example(**{
         "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE, "spec.algorithm.maxSteps": CHAOS_STEPS,
         "spec.trainer.checkpoint.intervalSteps": 5, "spec.trainer.checkpoint.claimName": "checkpoints",
@@ -385,8 +200,8 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     custom = client.CustomObjectsApi(api)
     custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", CHAOS_NS, "trainingjobs", doc)
     redis_pod, trainer_pod = f"{name}-redis", names.pod_name(name, "trainer", 0)
-    wait_for(lambda: _container_id(core, CHAOS_NS, redis_pod), 180,
-             lambda: f"{redis_pod} running\n{_diagnostics(core, node)}", 0.5)
+    wait_for(lambda: container_id(core, CHAOS_NS, redis_pod), 180,
+             lambda: f"{redis_pod} running\n{diagnostics(core, node)}", 0.5)
 
     def locate():
         p = core.read_namespaced_pod(redis_pod, CHAOS_NS)
@@ -395,13 +210,13 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
 
     follower = EventFollower(locate, protocol.StreamKeys.for_job(CHAOS_NS, name, "torch").events)
     follower.start()
-    wait_for(lambda: follower.checkpoints, 300, lambda: f"a first checkpoint\n{_diagnostics(core, node)}", 0.1)
+    wait_for(lambda: follower.checkpoints, 300, lambda: f"a first checkpoint\n{diagnostics(core, node)}", 0.1)
     # The actor frozen, so the trainer is surely mid-run when killed (as tests/e2e/test_chaos.py does).
     actor_pod = names.pod_name(name, "actor", 0)
-    actor = wait_for(lambda: _container_id(core, CHAOS_NS, actor_pod), 60,
-                     lambda: f"{actor_pod} running\n{_diagnostics(core, node)}", 0.1)
-    trainer = wait_for(lambda: _container_id(core, CHAOS_NS, trainer_pod), 60,
-                       lambda: f"{trainer_pod} running\n{_diagnostics(core, node)}", 0.1)
+    actor = wait_for(lambda: container_id(core, CHAOS_NS, actor_pod), 60,
+                     lambda: f"{actor_pod} running\n{diagnostics(core, node)}", 0.1)
+    trainer = wait_for(lambda: container_id(core, CHAOS_NS, trainer_pod), 60,
+                       lambda: f"{trainer_pod} running\n{diagnostics(core, node)}", 0.1)
     node.ctr("tasks", "kill", "--signal", "SIGSTOP", actor)
     try:
         saved_before_kill = max(follower.checkpoints)
@@ -414,7 +229,7 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
         (cs,) = p.status.container_statuses
         return p if cs.restart_count == 1 and cs.state.running else None
 
-    pod = wait_for(restarted, 120, lambda: f"the trainer restarted in place\n{_diagnostics(core, node)}", 0.5)
+    pod = wait_for(restarted, 120, lambda: f"the trainer restarted in place\n{diagnostics(core, node)}", 0.5)
     last = pod.status.container_statuses[0].last_state.terminated
     assert last.exit_code == 137, last
     # The restarted container's log, through the API server from the kubelet.
@@ -424,19 +239,19 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     step_at_operator_kill = follower.step
 
     # kill -9 of the operator: its container, then its pod (else the kubelet would restart it in place).
-    old = _operator_pod(core)
-    node.ctr("tasks", "kill", "--signal", "SIGKILL", _container_id(core, OPERATOR_NS, old.metadata.name))
+    old = operator_pod(core)
+    node.ctr("tasks", "kill", "--signal", "SIGKILL", container_id(core, OPERATOR_NS, old.metadata.name))
     core.delete_namespaced_pod(old.metadata.name, OPERATOR_NS, grace_period_seconds=0)
-    new = wait_for(lambda: (p := _operator_pod(core)) and p.metadata.name != old.metadata.name and p, 120,
-                   lambda: f"the Deployment's new operator pod\n{_diagnostics(core, node)}", 0.5)
-    holder = wait_for(lambda: (h := _lease_holder(api)) and h.startswith(f"{new.metadata.name}_") and h, 60,
+    new = wait_for(lambda: (p := operator_pod(core)) and p.metadata.name != old.metadata.name and p, 120,
+                   lambda: f"the Deployment's new operator pod\n{diagnostics(core, node)}", 0.5)
+    holder = wait_for(lambda: (h := lease_holder(api)) and h.startswith(f"{new.metadata.name}_") and h, 60,
                       "the new operator pod to take the Lease", 0.5)
 
     st = wait_for(lambda: (s := custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", CHAOS_NS, "trainingjobs",
                                                                     name).get("status") or {}).get("phase")
-                  in ("Succeeded", "Failed") and s, 300, lambda: f"the job to end\n{_diagnostics(core, node)}", 0.5)
+                  in ("Succeeded", "Failed") and s, 300, lambda: f"the job to end\n{diagnostics(core, node)}", 0.5)
     follower.stop()
-    assert st["phase"] == "Succeeded", f"{st}\n{_diagnostics(core, node)}"
+    assert st["phase"] == "Succeeded", f"{st}\n{diagnostics(core, node)}"
     assert st["completion"]["finalStep"] == CHAOS_STEPS and st["components"]["trainer"]["restarts"] == 1, st
     steps = [m["step"] for m in follower.metrics]
     assert steps[-1] == CHAOS_STEPS and set(steps) == set(range(1, CHAOS_STEPS + 1)), steps
