@@ -4,7 +4,7 @@ The real node (tests/e2e/realnode.py), shared by every module that runs on it:
 - `real_node` (session): a control plane and a kubelet on containerd with kube-proxy and the cluster DNS, the
   project's images imported; at the end nothing of it is left;
 - `real_api` (session): an API client for it; `chart_operator` (session): charts/rlkube installed, its operator
-  pod Running and leading.
+  pod Running and leading; `real_job`: a job handle in a fresh namespace, deleted afterwards.
 
 The test node agent (tests/nodeagent/, for what the real node cannot run here; see its docstring):
 - `node_agent` (session): one agent process for the session. At the end it must stop cleanly and leave no
@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 from nodeagent.harness import AgentProcess
+from waiting import wait_for
 
 AGENT_LABEL = "rlkube.io/node-agent"
 
@@ -45,6 +46,25 @@ def chart_operator(real_node, real_api):
     from realnode import install_operator
 
     return install_operator(real_node, real_api)
+
+
+@pytest.fixture
+def real_job(real_node, real_api, chart_operator):
+    """A realnode.RealJob in a fresh namespace of the real node; at the end the job is deleted (its operator
+    releases the finalizer), then the namespace."""
+    from kubernetes import client
+    from realnode import RealJob, create_namespace
+
+    core = client.CoreV1Api(real_api)
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    create_namespace(core, ns)
+    j = RealJob(real_api, real_node, ns)
+    yield j
+    j.close()
+    if j.name and j.get() is not None:
+        j.custom.delete_namespaced_custom_object("rlkube.io", "v1alpha1", ns, "trainingjobs", j.name)
+        wait_for(lambda: j.get() is None, 120, "the TrainingJob deleted after the test")
+    core.delete_namespace(ns)
 
 
 SESSION_TOKEN = uuid.uuid4().hex[:12]

@@ -22,10 +22,14 @@ from pathlib import Path
 
 import helm_python as helm
 from cluster.control_plane import ControlPlane
-from cluster.node import ROUTE_LOCALNET, Node, running
+from cluster.node import ROUTE_LOCALNET, Node, running, stored_image_id
+from clusterjob import EventFollower, secret_password
 from helm_chart import CHART
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
+from kubernetes.stream import stream
+from rlkube.contract import protocol, runtime
+from rlkube.controller import names
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +61,8 @@ def real_cluster(workdir: Path, images: tuple[str, ...] = (OPERATOR_IMAGE, CORE_
     # The images, as `make images` builds them (a no-op when their content is unchanged): never a skip.
     built = sorted({ref.rsplit("/", 1)[1].split(":", 1)[0] for ref in images})
     subprocess.run([sys.executable, str(ROOT / "images" / "build.py"), *built], check=True)
+    # Pinned at once: another checkout on this machine may build the same tags from its own sources.
+    ids = {ref: stored_image_id(ref) for ref in images}
     chains_before = _proxy_chains()
     route_localnet = ROUTE_LOCALNET.read_text()
     cp = ControlPlane(workdir / "cp",
@@ -65,7 +71,7 @@ def real_cluster(workdir: Path, images: tuple[str, ...] = (OPERATOR_IMAGE, CORE_
                       extra_apiserver_args=["--kubelet-preferred-address-types=InternalIP"],
                       advertise_address=_host_ip())
     (workdir / "node").mkdir(parents=True, exist_ok=True)
-    with running(cp, workdir / "node", cluster_services=True, images=images) as n:
+    with running(cp, workdir / "node", cluster_services=True, images=images, image_ids=ids) as n:
         yield n
     assert set(_proxy_chains()) <= set(chains_before), "kube-proxy's iptables chains left behind"
     assert ROUTE_LOCALNET.read_text() == route_localnet, "kube-proxy's route_localnet left on"
@@ -224,3 +230,100 @@ class PodWatch(threading.Thread):
 
     def stop(self) -> None:
         self._watch.stop()
+
+
+class RealJob:
+    """One TrainingJob in a namespace of the real node: apply, read, wait, follow its trainer's events from its
+    Redis pod (by pod IP: this process is on the node), and what is left of it."""
+
+    def __init__(self, api_client, node: Node, namespace: str):
+        self.api_client, self.node, self.namespace = api_client, node, namespace
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.name = ""
+        self.follower: EventFollower | None = None
+
+    def apply(self, manifest: dict) -> RealJob:
+        self.name = manifest["metadata"]["name"]
+        self.custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", self.namespace, "trainingjobs", manifest)
+        return self
+
+    def get(self) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", self.namespace, "trainingjobs",
+                                                            self.name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def status(self) -> dict:
+        return (self.get() or {}).get("status") or {}
+
+    def diagnostics(self) -> str:
+        return f"status {json.dumps(self.status())[:3000]}\n{diagnostics(self.core, self.node)}"
+
+    def wait_phase(self, phases: tuple[str, ...] = ("Succeeded", "Failed"), timeout: float = 300) -> dict:
+        return wait_for(lambda: (tj := self.get()) and (tj.get("status") or {}).get("phase") in phases and tj,
+                        timeout, lambda: f"{self.name} in {phases}\n{self.diagnostics()}", 0.5)
+
+    def pod(self, role: str, index: int = 0) -> str:
+        return names.pod_name(self.name, role, index)
+
+    def container(self, role: str, index: int = 0) -> str:
+        """The id in containerd of the role's running container, once it runs."""
+        pod = self.pod(role, index)
+        return wait_for(lambda: container_id(self.core, self.namespace, pod, role), 180,
+                        lambda: f"{pod} running\n{self.diagnostics()}", 0.2)
+
+    def follow(self) -> EventFollower:
+        def locate():
+            p = self.core.read_namespaced_pod(self.pod("redis"), self.namespace)
+            if not p.status.pod_ip:
+                raise ConnectionError(f"{p.metadata.name} has no IP yet")
+            secret = self.core.read_namespaced_secret(names.secret_name(self.name), self.namespace)
+            return f"redis://{p.status.pod_ip}:{runtime.REDIS_PORT}/0", secret_password(secret)
+
+        self.follower = EventFollower(locate, protocol.StreamKeys.for_job(self.namespace, self.name, "torch").events)
+        self.follower.start()
+        return self.follower
+
+    def wait_step(self, step: int, timeout: float = 300) -> None:
+        wait_for(lambda: self.follower.step >= step, timeout,
+                 lambda: f"step {step}: {self.follower.describe()}\n{self.diagnostics()}", 0.1)
+
+    def children_left(self) -> list[str]:
+        sel = f"{names.LABEL_JOB}={self.name}"
+        left = [f"pod/{p.metadata.name}" for p in self.core.list_namespaced_pod(self.namespace, label_selector=sel).items]
+        left += [f"service/{s.metadata.name}"
+                 for s in self.core.list_namespaced_service(self.namespace, label_selector=sel).items]
+        left += [f"secret/{s.metadata.name}"
+                 for s in self.core.list_namespaced_secret(self.namespace, label_selector=sel).items]
+        return left
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+
+
+def exec_in(core, namespace: str, pod: str, container: str, script: str) -> str:
+    """What `sh -c script` prints inside the running container (exec through the API server and the kubelet)."""
+    return stream(core.connect_get_namespaced_pod_exec, pod, namespace, container=container,
+                  command=["sh", "-c", script], stderr=True, stdin=False, stdout=True, tty=False)
+
+
+class LogFollower(threading.Thread):
+    """A container's log as the kubelet serves it (`kubectl logs -f`), kept after its pod is deleted."""
+
+    def __init__(self, core, namespace: str, pod: str, container: str):
+        super().__init__(daemon=True, name=f"log-{pod}")
+        self.core, self.namespace, self.pod, self.container = core, namespace, pod, container
+        self.text = ""
+
+    def run(self) -> None:
+        wait_for(lambda: container_id(self.core, self.namespace, self.pod, self.container), 180,
+                 f"{self.pod} running", 0.2)
+        resp = self.core.read_namespaced_pod_log(self.pod, self.namespace, container=self.container, follow=True,
+                                                 _preload_content=False)
+        for chunk in resp.stream(4096):
+            self.text += chunk.decode(errors="replace")
