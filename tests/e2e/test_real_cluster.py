@@ -9,7 +9,7 @@ would meet it:
   Deployment runs from localhost/rlkube/operator with its ServiceAccount and RBAC, reaches the API server through
   the `kubernetes` Service (kube-proxy), and holds the leader-election Lease;
 - the TrainingJob, applied through the API server (and the chart's validating webhook), with its images pointed
-  at the local builds, Succeeds at its last step and learns (reward margin, as tests/e2e/test_trainingjob.py);
+  at the local builds, Succeeds at its last step and learns (reward margin: clusterjob.MIN_MARGIN);
 - every role's container runs as uid 10001 on a read-only root, shown from inside it (exec through the API
   server and the kubelet);
 - the pods are deleted in the teardown order of docs/design.md §4.4, and the containers that were still running
@@ -22,7 +22,7 @@ import re
 import time
 
 import pytest
-from clusterjob import EventFollower, example, secret_password
+from clusterjob import MIN_MARGIN, EventFollower, example, secret_password
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.stream import stream
@@ -34,8 +34,6 @@ from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from waiting import wait_for
 
 JOB_NS, CHAOS_NS = "team-a", "team-b"
-# As tests/e2e/test_trainingjob.py: seed 0 learns by 0.15-0.19 there; no learning is ~0.
-MIN_MARGIN = 0.10
 ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
 
 
