@@ -1,6 +1,7 @@
 """Failures on the real node (kubelet + containerd, the operator installed by its chart), where the real kubelet's
 behaviour is what is under test: its termination messages and crash-loop back-off, its grace period and SIGKILL,
-its restart in place. Processes are killed and frozen through containerd (`ctr task kill`), as an OOM killer or a
+its restart in place. Each job costs about a minute here (pods in containers on 2 shared CPUs), so what one job
+can show together is shown by one. Processes are killed and frozen through containerd (`ctr task kill`), as an OOM killer or a
 stuck process would. Moved here from the node agent (tests/nodeagent's docstring lists what stays there).
 
 Each test ends with a status that tells the truth and every child of the job gone. The cluster and the operator
@@ -70,37 +71,6 @@ def test_crash_looping_inference_fails_the_job_within_its_budget(job):
     assert_clean_end(job, st)
 
 
-def test_pod_ignoring_sigterm_is_killed_after_its_grace_period(job, real_node, real_api):
-    """Two actors; one is frozen through containerd (SIGSTOP: SIGTERM stays pending) while the other keeps the
-    job going. At teardown the kubelet gives it its grace period and then SIGKILL: containerd records its exit
-    no sooner than the grace after the pod's deletion, and the kubelet reports exit code 137."""
-    pods = PodWatch(real_api, job.namespace)
-    pods.start()
-    exits = ContainerExits(real_node)
-    exits.start()
-    try:
-        job.apply(chaos_example(**{"spec.actor.replicas": 2}))
-        job.follow()
-        job.wait_step(3)
-        stuck = job.container("actor", 1)
-        real_node.ctr("tasks", "kill", "--signal", "SIGSTOP", stuck)
-        tj = job.wait_phase(TERMINAL, 300)
-        assert_succeeded_with_every_step(job, tj)
-        pod = job.pod("actor", 1)
-        wait_for(lambda: stuck in exits.exits and pod in pods.deletion_seen, 60,
-                 lambda: f"{pod}'s exit in containerd's events and its deletion seen")
-    finally:
-        pods.stop()
-        exits.stop()
-    waited = (exits.exits[stuck] - pods.deletion_seen[pod]).total_seconds()
-    print(f"\nstuck actor: exited {waited:.1f}s after its deletion was seen (grace {GRACE['actor']}s), "
-          f"kubelet: {pods.terminated.get(pod)}")
-    # deletion_seen is when the watch saw it, a little after the API server stored it: a small slack.
-    assert waited >= GRACE["actor"] - 0.5, waited
-    assert pods.terminated.get(pod, (None,))[0] == 137, pods.terminated
-    assert_clean_end(job, tj["status"])
-
-
 def test_redis_killed_mid_run_ends_in_a_truthful_state(job, real_node):
     """kill -9 of redis-server through containerd at step 3: the kubelet restarts it in place, empty; the job
     must end (no hang), and Succeeded only with every step the trainer reported."""
@@ -146,41 +116,51 @@ def test_actor_killed_mid_run_restarts_in_place_and_the_job_continues(job, real_
     assert_clean_end(job, st)
 
 
-def test_trainingjob_deleted_mid_run_stops_every_container_in_order(job, real_node, real_api):
-    """The TrainingJob deleted at step 3: the operator deletes its pods in the order of docs/design.md §4.4 and
-    the kubelet stops every container (SIGTERM, then SIGKILL past its grace), as containerd recorded the exits;
-    the finalizer is released once all are gone."""
+def test_job_deleted_mid_run_stops_every_container_in_order_and_a_pod_ignoring_sigterm_after_its_grace(
+        job, real_node, real_api):
+    """Two actors, one frozen through containerd (SIGSTOP: SIGTERM stays pending, as in a process that ignores
+    it); the TrainingJob deleted at step 3. The operator deletes the pods in the order of docs/design.md §4.4; the
+    kubelet stops every container, as containerd recorded the exits: each after its pod's deletion, in that
+    order, and the frozen actor only by SIGKILL once its grace period ran out (exit code 137, no sooner than the
+    grace); the finalizer is released once all are gone. One job for both (each job costs a minute here)."""
     pods = PodWatch(real_api, job.namespace)
     pods.start()
     exits = ContainerExits(real_node)
     exits.start()
     try:
-        job.apply(chaos_example(**{"spec.algorithm.maxSteps": 100}))
+        job.apply(chaos_example(**{"spec.algorithm.maxSteps": 100, "spec.actor.replicas": 2}))
         job.follow()
         job.wait_step(3)
+        stuck = job.container("actor", 1)
+        real_node.ctr("tasks", "kill", "--signal", "SIGSTOP", stuck)
         job.custom.delete_namespaced_custom_object("rlkube.io", "v1alpha1", job.namespace, "trainingjobs", job.name)
         wait_for(lambda: job.get() is None, 120, lambda: f"the TrainingJob removed\n{job.diagnostics()}", 0.5)
         wait_for(lambda: not job.children_left(), 120, lambda: f"children removed: {job.children_left()}")
+        wait_for(lambda: stuck in exits.exits, 30, "the frozen actor's exit in containerd's events")
     finally:
         pods.stop()
         exits.stop()
-    roles = {job.pod(r): r for r in FULL_ORDER if r != "redis"} | {f"{job.name}-redis": "redis"}
-    deleted = [roles[p] for p in sorted(pods.deleted_at_rv, key=pods.deleted_at_rv.get)]
-    assert deleted == FULL_ORDER, pods.deleted_at_rv
-    exited = {}
+    role_of = {job.pod(r, i): r for r in FULL_ORDER if r != "redis" for i in range(2 if r == "actor" else 1)}
+    role_of[f"{job.name}-redis"] = "redis"
+    deleted = [role_of[p] for p in sorted(pods.deleted_at_rv, key=pods.deleted_at_rv.get)]
+    assert deleted == sorted(role_of.values(), key=FULL_ORDER.index), pods.deleted_at_rv
+    exited, waited = {}, {}
     for pod, ids in pods.containers.items():
         times = [exits.exits[i] for i in ids if i in exits.exits]
         assert times, f"no exit of {pod}'s containers {ids} in containerd's events"
-        exited[roles[pod]] = max(times)
-    print("\ndeleted mid-run at step {}: exits {}".format(job.follower.step, ", ".join(
-        f"{r} +{(t - pods.deletion_seen[p]).total_seconds():.1f}s {pods.terminated.get(p)}"
-        for p, r in roles.items() if (t := exited.get(r)))))
-    assert sorted(exited, key=exited.get) == FULL_ORDER, exited
-    for pod, role in roles.items():
-        # Every container ran until its pod's deletion (none ended on its own first), and none was SIGKILLed
-        # before its grace ran out (exit 137 only after the grace).
-        waited = (exited[role] - pods.deletion_seen[pod]).total_seconds()
-        assert waited > -0.5, (role, waited)
-        if pods.terminated.get(pod, (None,))[0] == 137:
-            assert waited >= GRACE[role] - 0.5, (role, waited, pods.terminated[pod])
+        exited[pod] = max(times)
+        waited[pod] = (exited[pod] - pods.deletion_seen[pod]).total_seconds()
+    print("\ndeleted mid-run at step {}: exits after deletion {}".format(job.follower.step, ", ".join(
+        f"{p.removeprefix(job.name + '-')} +{waited[p]:.1f}s {pods.terminated.get(p)}" for p in role_of if p in waited)))
+    by_role = {}
+    for pod, t in exited.items():
+        by_role[role_of[pod]] = max(t, by_role.get(role_of[pod], t))
+    assert sorted(by_role, key=by_role.get) == FULL_ORDER, exited
+    frozen = job.pod("actor", 1)
+    # deletion_seen is when the watch saw it, a little after the API server stored it: a small slack.
+    assert waited[frozen] >= GRACE["actor"] - 0.5 and pods.terminated[frozen][0] == 137, (waited, pods.terminated)
+    for pod in role_of:
+        assert waited[pod] > -0.5, (pod, waited)  # none ended on its own before its deletion
+        if pod != frozen and pods.terminated.get(pod, (None,))[0] == 137:
+            assert waited[pod] >= GRACE[role_of[pod]] - 0.5, (pod, waited, pods.terminated)
     job.name = ""  # gone already: nothing for the fixture to delete

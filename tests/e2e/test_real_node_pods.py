@@ -6,7 +6,9 @@ kube-scheduler), where the real parts enforce what the template asks: moved here
   (exec through the kubelet) the variable and the volume's file are there; every pod as the API server stored it
   passes the security assertion; the Redis NetworkPolicy exists while the job runs; the Redis password is in no
   status, Event, operator log or pod log.
-- `trainer.processesPerNode: 2` on CPU: ONE trainer pod whose launcher runs ranks 0 and 1, and the job succeeds.
+  The same job has `trainer.processesPerNode: 2`: ONE trainer pod whose launcher runs ranks 0 and 1 (one job for
+  both: each costs about a minute here).
+- `trainer.nodes: 2`: two trainer pods train data parallel.
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ def _pod_name(job, role: str) -> str:
     return f"{job.name}-redis" if role == "redis" else job.pod(role)
 
 
-def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node(job, real_node, real_api):
+def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node_with_two_ranks_in_its_trainer_pod(
+        job, real_node, real_api):
     core = job.core
+    pods = PodWatch(real_api, job.namespace)
+    pods.start()
     pool = job.namespace  # unique per test
     core.create_namespaced_config_map(job.namespace, {"metadata": {"name": "extra-files"},
                                                       "data": {"note.txt": "mounted from a template volume"}})
-    manifest = _example()
+    manifest = _example(**{"spec.trainer.processesPerNode": 2})
     for role in ROLES:
         manifest["spec"][role]["template"] = {
             "metadata": {"labels": {"team": "rl-e2e"}},
@@ -72,8 +77,10 @@ def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node(job, re
     # kube-scheduler 1.20 words a nodeSelector miss as the node affinity's.
     assert cond.reason == "Unschedulable" and "didn't match Pod's node affinity" in cond.message, cond
     core.patch_node(real_node.name, {"metadata": {"labels": {POOL_LABEL: pool}}})
+    trainer = LogFollower(core, job.namespace, job.pod("trainer"), "trainer")
+    trainer.start()
     try:
-        job.follow()
+        follower = job.follow()
         password = secret_password(core.read_namespaced_secret(names.secret_name(job.name), job.namespace))
         assert password
         policy = client.NetworkingV1Api(real_api).read_namespaced_network_policy(
@@ -99,6 +106,20 @@ def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node(job, re
     st = tj["status"]
     assert st["phase"] == "Succeeded", job.diagnostics()
     assert st["completion"]["finalStep"] == STEPS and stage_names(st) == FULL_ORDER
+    follower.stop()
+    assert [m["step"] for m in follower.metrics] == list(range(1, STEPS + 1)), follower.describe()
+    assert follower.metrics[-1]["documents_seen"] == STEPS * tj["spec"]["algorithm"]["samplesPerStep"]
+    # processesPerNode 2: ONE trainer pod (one container, the launcher) whose launcher ran ranks 0 and 1.
+    trainer.join(timeout=60)
+    pods.stop()
+    assert [p for p in pods.containers if "-trainer-" in p] == [job.pod("trainer")], pods.containers
+    assert len(pods.containers[job.pod("trainer")]) == 1, pods.containers
+    log = trainer.text
+    assert "node 0: started ranks [0, 1]" in log, log[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] " in log and f"rank {rank}/2 joined the data-parallel group" in log, log[-3000:]
+        assert f"rank {rank} exited 0" in log, log[-3000:]
+    assert "rank 1 left the data-parallel group after rank 0 finished" in log, log[-3000:]
 
     # No Secret value in status, Events, the operator's log or any pod's log (read while the pods ran).
     events = core.list_namespaced_event(job.namespace)
@@ -108,35 +129,6 @@ def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node(job, re
                  "operator log": core.read_namespaced_pod_log(op.metadata.name, op.metadata.namespace), **logs_seen}
     for where, text in haystacks.items():
         assert password not in text, f"the Redis password shows in {where}"
-    wait_for(lambda: not job.children_left(), 120, lambda: f"children removed: {job.children_left()}")
-
-
-def test_two_local_ranks_inside_one_trainer_pod(job, real_api):
-    pods = PodWatch(real_api, job.namespace)
-    pods.start()
-    job.apply(_example(**{"spec.trainer.processesPerNode": 2}))
-    follower = job.follow()
-    trainer = LogFollower(job.core, job.namespace, job.pod("trainer"), "trainer")
-    trainer.start()
-    tj = job.wait_phase(("Succeeded", "Failed"), 600)
-    st = tj["status"]
-    assert st["phase"] == "Succeeded", job.diagnostics()
-    assert st["completion"]["finalStep"] == STEPS and st["completion"]["trainerExitCode"] == 0
-    follower.stop()
-    assert [m["step"] for m in follower.metrics] == list(range(1, STEPS + 1)), follower.describe()
-    pods.stop()
-    # One trainer pod (one container: the launcher), two ranks in it.
-    assert [p for p in pods.containers if "-trainer-" in p] == [job.pod("trainer")], pods.containers
-    assert len(pods.containers[job.pod("trainer")]) == 1, pods.containers
-    trainer.join(timeout=60)
-    log = trainer.text
-    assert "node 0: started ranks [0, 1]" in log, log[-3000:]
-    for rank in (0, 1):
-        assert f"[rank {rank}] " in log and f"rank {rank}/2 joined the data-parallel group" in log, log[-3000:]
-        assert f"rank {rank} exited 0" in log, log[-3000:]
-    assert "rank 1 left the data-parallel group after rank 0 finished" in log, log[-3000:]
-    assert follower.metrics[-1]["documents_seen"] == STEPS * tj["spec"]["algorithm"]["samplesPerStep"]
-    assert stage_names(st) == FULL_ORDER
     wait_for(lambda: not job.children_left(), 120, lambda: f"children removed: {job.children_left()}")
 
 
