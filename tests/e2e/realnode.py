@@ -173,13 +173,15 @@ def checkpoint_claim(core, node: Node, namespace: str, claim: str) -> Path:
 
 
 class ContainerExits(threading.Thread):
-    """containerd's task exit events (`ctr events`), with the time containerd gives each."""
+    """containerd's task exit events (`ctr events`): the time containerd gives each exit, and its status (137 for
+    SIGKILL; the kubelet's own report of it can be lost when the pod is deleted at once)."""
 
     def __init__(self, node: Node):
         super().__init__(daemon=True, name="container-exits")
         self.proc = subprocess.Popen(["ctr", "--address", str(node.socket), "events"], stdout=subprocess.PIPE,
                                      text=True)
         self.exits: dict[str, datetime] = {}
+        self.status: dict[str, int] = {}
 
     def run(self) -> None:
         for line in self.proc.stdout:
@@ -189,6 +191,7 @@ class ContainerExits(threading.Thread):
                 stamp = ev["exited_at"]
                 head, _, frac = stamp.rstrip("Z").partition(".")
                 self.exits[ev["container_id"]] = datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
+                self.status[ev["container_id"]] = int(ev.get("exit_status", 0))  # a zero field is left out
 
     def stop(self) -> None:
         self.proc.terminate()

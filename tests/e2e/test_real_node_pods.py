@@ -42,6 +42,27 @@ def _pod_name(job, role: str) -> str:
     return f"{job.name}-redis" if role == "redis" else job.pod(role)
 
 
+def _look_inside(job, real_node, real_api, manifest: dict, pool: str) -> dict[str, str]:
+    """Each role's container from inside (exec through the kubelet): the template's variable and volume file; the
+    pod as stored, hardened and placed; the container's log so far."""
+    core = job.core
+    logs_seen = {}
+    for role in ROLES:
+        pod = _pod_name(job, role)
+        job.container(role)
+        said = exec_in(core, job.namespace, pod, role,
+                       "cat /extra/note.txt; echo; tr '\\0' '\\n' < /proc/1/environ | grep -E '^(GREETING|HOME)='")
+        assert "mounted from a template volume" in said, (role, said)
+        if role != "redis":  # redis-server rewrites its process title over its environment block
+            assert f"GREETING=hello from {role}" in said and "HOME=/tmp" in said, (role, said)
+        stored = real_api.sanitize_for_serialization(core.read_namespaced_pod(pod, job.namespace))
+        assert stored["spec"]["nodeSelector"] == {POOL_LABEL: pool} and stored["spec"]["nodeName"] == real_node.name
+        assert stored["metadata"]["labels"]["team"] == "rl-e2e"
+        assert_hardened_pod(stored, manifest["spec"])
+        logs_seen[role] = logs(core, job.namespace, pod, role, tail=None)
+    return logs_seen
+
+
 def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node_with_two_ranks_in_its_trainer_pod(
         job, real_node, real_api):
     core = job.core
@@ -86,20 +107,14 @@ def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node_with_tw
         policy = client.NetworkingV1Api(real_api).read_namespaced_network_policy(
             names.network_policy_name(job.name), job.namespace)
         assert policy.spec.pod_selector.match_labels == names.role_selector(job.name, "redis")
-        logs_seen = {}
-        for role in ROLES:
-            pod = _pod_name(job, role)
-            job.container(role)
-            said = exec_in(core, job.namespace, pod, role,
-                           "cat /extra/note.txt; echo; tr '\\0' '\\n' < /proc/1/environ | grep -E '^(GREETING|HOME)='")
-            assert "mounted from a template volume" in said, (role, said)
-            if role != "redis":  # redis-server rewrites its process title over its environment block
-                assert f"GREETING=hello from {role}" in said and "HOME=/tmp" in said, (role, said)
-            stored = real_api.sanitize_for_serialization(core.read_namespaced_pod(pod, job.namespace))
-            assert stored["spec"]["nodeSelector"] == {POOL_LABEL: pool} and stored["spec"]["nodeName"] == real_node.name
-            assert stored["metadata"]["labels"]["team"] == "rl-e2e"
-            assert_hardened_pod(stored, manifest["spec"])
-            logs_seen[role] = logs(core, job.namespace, pod, role, tail=None)
+        # The trainer's processes frozen (all of them: the launcher and its ranks) while each container is
+        # looked at from inside: the job cannot end meanwhile (its 8 steps once ended before the actor's turn).
+        frozen = job.container("trainer")
+        real_node.ctr("tasks", "kill", "--all", "--signal", "SIGSTOP", frozen)
+        try:
+            logs_seen = _look_inside(job, real_node, real_api, manifest, pool)
+        finally:
+            real_node.ctr("tasks", "kill", "--all", "--signal", "SIGCONT", frozen)
         tj = job.wait_phase(("Succeeded", "Failed"), 600)
     finally:
         core.patch_node(real_node.name, {"metadata": {"labels": {POOL_LABEL: None}}})
