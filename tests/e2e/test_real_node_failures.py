@@ -109,7 +109,7 @@ def test_actor_killed_mid_run_restarts_in_place_and_the_job_continues(job, real_
     assert pod.metadata.uid == uid, "the actor's pod was recreated, not restarted in place"
     assert pod.status.container_statuses[0].last_state.terminated.exit_code == 137
     tj = job.wait_phase(TERMINAL, 300)
-    assert_succeeded_with_every_step(job, tj)
+    assert_succeeded_with_every_step(job, tj, 60)
     st = tj["status"]
     assert st["components"]["actor"]["restarts"] == 1, st["components"]
     steps = [m["step"] for m in job.follower.metrics]

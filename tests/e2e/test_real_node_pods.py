@@ -109,6 +109,9 @@ def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node_with_tw
         assert policy.spec.pod_selector.match_labels == names.role_selector(job.name, "redis")
         # The trainer's processes frozen (all of them: the launcher and its ranks) while each container is
         # looked at from inside: the job cannot end meanwhile (its 8 steps once ended before the actor's turn).
+        # Every role runs first: the actors are created once the trainer and inference are ready.
+        for role in ROLES:
+            job.container(role)
         frozen = job.container("trainer")
         real_node.ctr("tasks", "kill", "--all", "--signal", "SIGSTOP", frozen)
         try:
