@@ -113,11 +113,11 @@ def test_env_volume_and_node_selector_overrides_run_on_the_labelled_node_with_tw
         for role in ROLES:
             job.container(role)
         frozen = job.container("trainer")
-        real_node.ctr("tasks", "kill", "--all", "--signal", "SIGSTOP", frozen)
+        real_node.ctr("tasks", "pause", frozen)  # the cgroup freezer: the launcher and its ranks
         try:
             logs_seen = _look_inside(job, real_node, real_api, manifest, pool)
         finally:
-            real_node.ctr("tasks", "kill", "--all", "--signal", "SIGCONT", frozen)
+            real_node.ctr("tasks", "resume", frozen)
         tj = job.wait_phase(("Succeeded", "Failed"), 600)
     finally:
         core.patch_node(real_node.name, {"metadata": {"labels": {POOL_LABEL: None}}})
