@@ -299,7 +299,8 @@ class RealJob:
 
     def children_left(self) -> list[str]:
         sel = f"{names.LABEL_JOB}={self.name}"
-        left = [f"pod/{p.metadata.name}" for p in self.core.list_namespaced_pod(self.namespace, label_selector=sel).items]
+        left = [f"pod/{p.metadata.name}"
+                for p in self.core.list_namespaced_pod(self.namespace, label_selector=sel).items]
         left += [f"service/{s.metadata.name}"
                  for s in self.core.list_namespaced_service(self.namespace, label_selector=sel).items]
         left += [f"secret/{s.metadata.name}"

@@ -1,8 +1,8 @@
 """Failures on the real node (kubelet + containerd, the operator installed by its chart), where the real kubelet's
 behaviour is what is under test: its termination messages and crash-loop back-off, its grace period and SIGKILL,
 its restart in place. Each job costs about a minute here (pods in containers on 2 shared CPUs), so what one job
-can show together is shown by one. Processes are killed and frozen through containerd (`ctr task kill`), as an OOM killer or a
-stuck process would. Moved here from the node agent (tests/nodeagent's docstring lists what stays there).
+can show together is shown by one. Processes are killed and frozen through containerd (`ctr task kill`), as an OOM
+killer or a stuck process would. Moved here from the node agent (tests/nodeagent's docstring lists what stays there).
 
 Each test ends with a status that tells the truth and every child of the job gone. The cluster and the operator
 are the session's (tests/e2e/realnode.py).

@@ -2,9 +2,8 @@
 
 It registers a Node, binds every pending pod of the namespaces it serves to that node (there is no
 kube-scheduler), runs each bound pod through a `PodWorker` (worker.py) and reports its status honestly.
-Everything it learns from the API comes from watches (namespaces, Services, pods), handled one event at a time by
-a dispatcher thread; nodeSelectors are matched against the labels it registers its Node with (relabelling the
-Node, which only a test now on the real node used, is not followed); Secrets, ConfigMaps
+Everything it learns from the API comes from watches (namespaces, Services, pods, its own Node's labels, which
+nodeSelectors are matched against), handled one event at a time by a dispatcher thread; Secrets, ConfigMaps
 and PVCs are read when a container or volume needs them.
 
 Files under the state directory (the contract for tests and `make demo-cluster`):
@@ -148,7 +147,8 @@ class NodeAgent:
         self.node_ip = self.network.gateway
         self.hosts_path.write_text(hostsfile.hosts_file([]))
         self._register_node()
-        targets = [("pod", "list_pod_for_all_namespaces"), ("service", "list_service_for_all_namespaces")]
+        targets = [("pod", "list_pod_for_all_namespaces"), ("service", "list_service_for_all_namespaces"),
+                   ("node", "list_node")]
         if self.selector:
             targets.insert(0, ("namespace", "list_namespace"))
         for kind, fn in targets:
@@ -290,6 +290,21 @@ class NodeAgent:
         if served and not was:  # labelled after its pods were created: take them now
             for pod in parked.values():
                 self._on_pod("MODIFIED", pod)
+
+    def _on_node(self, typ: str, obj) -> None:
+        """The scheduler's view of this node: labels follow the Node object (`kubectl label node ...`), and pods
+        it could not place are tried again when they change, as kube-scheduler does on a node update."""
+        for node in obj if typ == "SYNC" else [obj]:
+            if typ == "DELETED" or node["metadata"]["name"] != self.node_name:
+                continue
+            labels = node["metadata"].get("labels") or {}
+            if labels == self.node_labels:
+                continue
+            log.info("node labels now %s", labels)
+            self.node_labels = dict(labels)
+            for pod in list(self.pods.values()):
+                if not pod["spec"].get("nodeName") and not pod["metadata"].get("deletionTimestamp"):
+                    self._schedule(pod)
 
     def _on_service(self, typ: str, obj) -> None:
         if typ == "SYNC":
