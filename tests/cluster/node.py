@@ -65,6 +65,15 @@ PROXY_LOCK = Path("/run/rlkube-kube-proxy.lock")
 ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
 
 
+def stored_image_id(ref: str) -> str:
+    """The id of image `ref` in buildah's default storage (where `make images` puts it)."""
+    got = subprocess.run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref],
+                         capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"image {ref} is not in buildah's storage (make images): {got.stderr.strip()}")
+    return got.stdout.strip()
+
+
 def node_binaries() -> dict[str, str]:
     """kubelet, kube-scheduler, kube-proxy and pause from the cache (build-control-plane.sh builds them with the
     API server)."""
@@ -91,6 +100,9 @@ class Node:
     cluster_services: bool = False
     # Images of buildah's default storage (`make images`) to import, e.g. localhost/rlkube/core:0.1.0.
     images: tuple[str, ...] = ()
+    # The buildah image id of each of `images` as the caller built it: the tag can move meanwhile (another checkout
+    # on this machine building the same tag from other sources), the id cannot. Resolved from the tag when absent.
+    image_ids: dict[str, str] = field(default_factory=dict)
     dns: ClusterDNS | None = None
     import_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -226,11 +238,7 @@ state = "{self.sockdir / 'state'}"
     def import_stored_image(self, ref: str) -> float:
         """Import image `ref` from buildah's default storage (where `make images` puts it); the seconds it took."""
         t0 = time.monotonic()
-        got = subprocess.run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref],
-                             capture_output=True, text=True)
-        if got.returncode != 0:
-            raise RuntimeError(f"image {ref} is not in buildah's storage (make images): {got.stderr.strip()}")
-        image_id = got.stdout.strip()
+        image_id = self.image_ids.get(ref) or stored_image_id(ref)
         marker = self.root / "rlkube-imported" / ref.replace("/", "_").replace(":", "_")
         if marker.is_file() and marker.read_text() == image_id and self.ctr("images", "list", "-q").stdout.split().count(ref):
             self.import_seconds[ref] = time.monotonic() - t0
@@ -242,7 +250,7 @@ state = "{self.sockdir / 'state'}"
             for old in ARCHIVES.glob(f"{stem}@*.tar"):  # an earlier build of the same tag
                 old.unlink(missing_ok=True)
             tmp = archive.with_name(f".{archive.name}.{os.getpid()}")
-            out = subprocess.run(["buildah", "push", "--quiet", ref, f"oci-archive:{tmp}:{ref}"],
+            out = subprocess.run(["buildah", "push", "--quiet", image_id, f"oci-archive:{tmp}:{ref}"],
                                  capture_output=True, text=True)
             if out.returncode != 0:
                 raise RuntimeError(f"buildah push {ref}: {out.stderr[-2000:]}")

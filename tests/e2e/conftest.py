@@ -1,7 +1,14 @@
-"""Fixtures for the e2e tier: the test node agent runs every pod of the test namespaces.
+"""Fixtures for the e2e tier, on two kinds of node.
 
-`node_agent` (session): one agent process for the session (see tests/nodeagent/). At the end it must stop
-cleanly and leave no container process behind.
+The real node (tests/e2e/realnode.py), shared by every module that runs on it:
+- `real_node` (session): a control plane and a kubelet on containerd with kube-proxy and the cluster DNS, the
+  project's images imported; at the end nothing of it is left;
+- `real_api` (session): an API client for it; `chart_operator` (session): charts/rlkube installed, its operator
+  pod Running and leading; `real_job`: a job handle in a fresh namespace, deleted afterwards.
+
+The test node agent (tests/nodeagent/, for what the real node cannot run here; see its docstring):
+- `node_agent` (session): one agent process for the session. At the end it must stop cleanly and leave no
+  container process behind; `namespace`, `operator`, `job`: a namespace it serves, an operator process, a job.
 """
 
 from __future__ import annotations
@@ -10,8 +17,54 @@ import uuid
 
 import pytest
 from nodeagent.harness import AgentProcess
+from waiting import wait_for
 
 AGENT_LABEL = "rlkube.io/node-agent"
+
+
+@pytest.fixture(scope="session")
+def real_node(tmp_path_factory):
+    from realnode import real_cluster
+
+    with real_cluster(tmp_path_factory.mktemp("real-cluster")) as n:
+        yield n
+
+
+@pytest.fixture(scope="session")
+def real_api(real_node):
+    from kubernetes import config
+
+    api = config.new_client_from_config(config_file=str(real_node.cp.kubeconfig))
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="session")
+def chart_operator(real_node, real_api):
+    """charts/rlkube installed with the Helm SDK; the operator pod (V1Pod) once Running, Ready and leading, as
+    first installed (a chaos test replaces it: realnode.operator_pod reads the current one)."""
+    from realnode import install_operator
+
+    return install_operator(real_node, real_api)
+
+
+@pytest.fixture
+def real_job(real_node, real_api, chart_operator):
+    """A realnode.RealJob in a fresh namespace of the real node; at the end the job is deleted (its operator
+    releases the finalizer), then the namespace."""
+    from kubernetes import client
+    from realnode import RealJob, create_namespace
+
+    core = client.CoreV1Api(real_api)
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    create_namespace(core, ns)
+    j = RealJob(real_api, real_node, ns)
+    yield j
+    j.close()
+    if j.name and j.get() is not None:
+        j.custom.delete_namespaced_custom_object("rlkube.io", "v1alpha1", ns, "trainingjobs", j.name)
+        wait_for(lambda: j.get() is None, 120, "the TrainingJob deleted after the test")
+    core.delete_namespace(ns)
 
 
 SESSION_TOKEN = uuid.uuid4().hex[:12]

@@ -6,9 +6,8 @@ weights to inference bucket by bucket, and the job learns the task and Succeeds.
 from __future__ import annotations
 
 import yaml
-from clusterjob import FULL_ORDER, ROOT, run_to_success_and_learn
+from clusterjob import FULL_ORDER, MIN_MARGIN, ROOT, run_to_success_and_learn
 from test_bad_inputs import claim_dir
-from test_trainingjob import MIN_MARGIN
 
 STEPS = 40
 

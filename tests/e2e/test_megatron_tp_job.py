@@ -7,8 +7,7 @@ the task and Succeeds."""
 from __future__ import annotations
 
 import pytest
-from clusterjob import FULL_ORDER, example, run_to_success_and_learn
-from test_trainingjob import MIN_MARGIN
+from clusterjob import FULL_ORDER, MIN_MARGIN, example, run_to_success_and_learn
 
 pytestmark = pytest.mark.megatron
 

@@ -150,8 +150,6 @@ def test_delete_sends_sigterm_to_the_group_then_sigkill_after_the_grace_period(n
         ("stubborn", "deletion", "trainer"), ("stubborn", "SIGTERM", "trainer"), ("stubborn", "SIGKILL", "trainer"),
         ("stubborn", "removed", "trainer"),
     ]
-    events = core_api.list_namespaced_event(namespace, field_selector="involvedObject.name=stubborn").items
-    assert any(e.reason == "Killing" and e.type == "Warning" and "SIGKILL" in e.message for e in events)
     assert node_agent.live_processes(namespace) == []  # the `sleep` children went with their pods
 
 

@@ -2,12 +2,14 @@
 
 A control plane, kube-scheduler, a kubelet on containerd + runc + the CNI bridge, kube-proxy and the cluster DNS
 (tests/cluster/node.py, tests/cluster/dns.py); the images `make images` builds (images/build.py: operator, core,
-redis; content-cached) imported into containerd. What this shows, as users would meet it:
+redis; content-cached) imported into containerd. The cluster and the chart's install are the session's, shared with
+the other real-node modules (tests/e2e/realnode.py, fixtures in tests/e2e/conftest.py). What this shows, as users
+would meet it:
 - charts/rlkube installed with the Helm SDK as `helm install` does (CRDs, then the templates): the operator's
   Deployment runs from localhost/rlkube/operator with its ServiceAccount and RBAC, reaches the API server through
   the `kubernetes` Service (kube-proxy), and holds the leader-election Lease;
 - the TrainingJob, applied through the API server (and the chart's validating webhook), with its images pointed
-  at the local builds, Succeeds at its last step and learns (reward margin, as tests/e2e/test_trainingjob.py);
+  at the local builds, Succeeds at its last step and learns (reward margin: clusterjob.MIN_MARGIN);
 - every role's container runs as uid 10001 on a read-only root, shown from inside it (exec through the API
   server and the kubelet);
 - the pods are deleted in the teardown order of docs/design.md §4.4, and the containers that were still running
@@ -16,112 +18,38 @@ redis; content-cached) imported into containerd. What this shows, as users would
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import threading
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
-from cluster.node import Node
-from cluster.release import (IMAGES, OPERATOR_IMAGE, OPERATOR_NS, create_namespace, diagnostics, install_chart,
-                             lease_holder, operator_pod, real_node)
-from cluster.release import inside as in_container
-from clusterjob import EventFollower, example, secret_password
-from kubernetes import client, config, watch
+from clusterjob import MIN_MARGIN, EventFollower, example, secret_password
+from kubernetes import client
 from kubernetes.client.rest import ApiException
+from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, ContainerExits, PodWatch,
+                      checkpoint_claim, container_id, create_namespace, diagnostics, inside, lease_holder,
+                      operator_pod, webhook_serving)
 from rlkube.contract import protocol, runtime
 from rlkube.controller import builders, names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from waiting import wait_for
 
-CORE_IMAGE, REDIS_IMAGE = IMAGES["core"], IMAGES["redis"]
 JOB_NS, CHAOS_NS = "team-a", "team-b"
-# As tests/e2e/test_trainingjob.py: seed 0 learns by 0.15-0.19 there; no learning is ~0.
-MIN_MARGIN = 0.10
 ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    # The images, as `make images` builds them (a no-op when their content is unchanged): never a skip.
-    with real_node(tmp_path_factory, ("operator", "core", "redis")) as n:
-        yield n
+def node(real_node):
+    return real_node
 
 
 @pytest.fixture(scope="module")
-def api(node):
-    api = config.new_client_from_config(config_file=str(node.cp.kubeconfig))
-    yield api
-    api.close()
-
-
-class ContainerExits(threading.Thread):
-    """containerd's task exit events (`ctr events`), with the time containerd gives each."""
-
-    def __init__(self, node: Node):
-        super().__init__(daemon=True, name="container-exits")
-        self.proc = subprocess.Popen(["ctr", "--address", str(node.socket), "events"], stdout=subprocess.PIPE,
-                                     text=True)
-        self.exits: dict[str, datetime] = {}
-
-    def run(self) -> None:
-        for line in self.proc.stdout:
-            if " /tasks/exit " in line:
-                ev = json.loads(line.split(" /tasks/exit ", 1)[1])
-                # exited_at has nanoseconds; fromisoformat takes microseconds.
-                stamp = ev["exited_at"]
-                head, _, frac = stamp.rstrip("Z").partition(".")
-                self.exits[ev["container_id"]] = datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        self.join(timeout=10)
-
-
-class PodWatch(threading.Thread):
-    """Every version of the namespace's pods: container ids per pod, the resourceVersion of each pod's first
-    version with a deletionTimestamp (the API server's order of the deletions) and when this watch saw it, and
-    each pod's last terminated container state (exit code, reason) as the kubelet reported it."""
-
-    def __init__(self, api_client, namespace: str):
-        super().__init__(daemon=True, name="pod-watch")
-        self.core = client.CoreV1Api(api_client)
-        self.namespace = namespace
-        self.containers: dict[str, set[str]] = {}
-        self.deleted_at_rv: dict[str, int] = {}
-        self.deletion_seen: dict[str, datetime] = {}
-        self.terminated: dict[str, tuple[int, str]] = {}
-        self._watch = watch.Watch()
-
-    def run(self) -> None:
-        while not self._watch._stop:
-            try:
-                for ev in self._watch.stream(self.core.list_namespaced_pod, self.namespace, timeout_seconds=30):
-                    pod = ev["object"]
-                    name = pod.metadata.name
-                    for cs in pod.status.container_statuses or []:
-                        if cs.container_id:
-                            self.containers.setdefault(name, set()).add(cs.container_id.split("://", 1)[1])
-                        if cs.state.terminated:
-                            self.terminated[name] = (cs.state.terminated.exit_code, cs.state.terminated.reason)
-                    if pod.metadata.deletion_timestamp and name not in self.deleted_at_rv:
-                        self.deleted_at_rv[name] = int(pod.metadata.resource_version)
-                        self.deletion_seen[name] = datetime.now(timezone.utc).replace(tzinfo=None)
-            except Exception:  # noqa: BLE001 - a dropped watch: list again
-                time.sleep(0.5)
-
-    def stop(self) -> None:
-        self._watch.stop()
+def api(real_api):
+    return real_api
 
 
 @pytest.fixture(scope="module")
-def operator(node, api):
-    """charts/rlkube installed with the Helm SDK, as `helm install` does; its operator pod Running and leading."""
-    return install_chart(node, api)
+def operator(chart_operator):
+    return chart_operator
 
 
 def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, operator):
@@ -135,16 +63,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     # The chart's validating webhook, served by the operator pod, reached by the API server through its Service
     # (kube-proxy): `kubectl apply --dry-run=server` of a bad job is refused naming the field. First a valid job's
     # dry run passes: the Service's endpoints reach kube-proxy's rules a moment after the pod is Ready.
-    def serving():
-        try:
-            return custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", JOB_NS, "trainingjobs", example(),
-                                                          dry_run="All") is not None
-        except ApiException as exc:
-            if exc.status == 500 and "failed calling webhook" in (exc.body or ""):
-                return False
-            raise
-
-    wait_for(serving, 60, lambda: f"the webhook to answer\n{diagnostics(core, node)}", 0.2)
+    webhook_serving(api, JOB_NS, example(), node)
     for bad, says in ((example(**{"spec.trainer.nodes": 4, "spec.algorithm.samplesPerStep": 2}),
                        "spec.algorithm.samplesPerStep: must be at least the trainer's ranks"),
                       (example(**{"spec.actor.image": "my image:latest"}),
@@ -186,13 +105,13 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     follower.start()
 
     # Each role's container, from inside, while the job runs.
-    inside = {}
+    seen = {}
     for role in ROLES:
         pod = redis_pod if role == "redis" else names.pod_name(name, role, 0)
         wait_for(lambda: running(pod), 180, lambda: f"{pod} running\n{diagnostics(core, node)}", 0.5)
-        inside[role] = in_container(core, JOB_NS, pod, role)
-    print("inside the containers: " + "; ".join(f"{r}: {v}" for r, v in inside.items()))
-    for role, said in inside.items():
+        seen[role] = inside(core, JOB_NS, pod, role)
+    print("inside the containers: " + "; ".join(f"{r}: {v}" for r, v in seen.items()))
+    for role, said in seen.items():
         uid = str(builders.RUN_AS)
         assert said == {"uid": uid, "gid": uid, "pid1-uid": uid, "root": "ro", "write": "refused"}, (role, said)
 
@@ -242,45 +161,13 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
 CHAOS_STEPS = 60
 
 
-def _container_id(core, namespace: str, pod: str) -> str | None:
-    """The running container's id in containerd (None while it does not run)."""
-    try:
-        p = core.read_namespaced_pod(pod, namespace)
-    except ApiException:
-        return None
-    (cs,) = p.status.container_statuses or [None]
-    return cs.container_id.split("://", 1)[1] if cs is not None and cs.state.running and cs.container_id else None
-
-
-def _checkpoint_claim(core, node: Node, namespace: str, claim: str) -> Path:
-    """A PVC bound (by the controller manager's binder) to a hostPath PersistentVolume on this node, writable by
-    the pods' uid 10001 (hostPath is not chowned to the fsGroup)."""
-    path = node.workdir / "pv" / claim
-    path.mkdir(parents=True)
-    subprocess.run(["chown", "10001:10001", str(path)], check=True)
-    core.create_persistent_volume({
-        "metadata": {"name": f"{namespace}-{claim}"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "local",
-                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path), "type": "Directory"},
-                 "claimRef": {"namespace": namespace, "name": claim}},
-    })
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "metadata": {"name": claim},
-        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "local", "volumeName": f"{namespace}-{claim}",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })
-    wait_for(lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound", 60,
-             f"PVC {claim} Bound")
-    return path
-
-
 def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, operator):
     """kill -9 of the trainer's container after its first checkpoint (on a claim): the kubelet restarts it in
     place and it resumes from the checkpoint; then kill -9 of the operator's container, its pod removed: the
     Deployment's new pod takes the Lease once it expires and finishes the job, every step once."""
     core = client.CoreV1Api(api)
     create_namespace(core, CHAOS_NS)
-    claim = _checkpoint_claim(core, node, CHAOS_NS, "checkpoints")
+    claim = checkpoint_claim(core, node, CHAOS_NS, "checkpoints")
     doc = example(**{
         "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE, "spec.algorithm.maxSteps": CHAOS_STEPS,
         "spec.trainer.checkpoint.intervalSteps": 5, "spec.trainer.checkpoint.claimName": "checkpoints",
@@ -290,7 +177,7 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     custom = client.CustomObjectsApi(api)
     custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", CHAOS_NS, "trainingjobs", doc)
     redis_pod, trainer_pod = f"{name}-redis", names.pod_name(name, "trainer", 0)
-    wait_for(lambda: _container_id(core, CHAOS_NS, redis_pod), 180,
+    wait_for(lambda: container_id(core, CHAOS_NS, redis_pod), 180,
              lambda: f"{redis_pod} running\n{diagnostics(core, node)}", 0.5)
 
     def locate():
@@ -303,9 +190,9 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     wait_for(lambda: follower.checkpoints, 300, lambda: f"a first checkpoint\n{diagnostics(core, node)}", 0.1)
     # The actor frozen, so the trainer is surely mid-run when killed (as tests/e2e/test_chaos.py does).
     actor_pod = names.pod_name(name, "actor", 0)
-    actor = wait_for(lambda: _container_id(core, CHAOS_NS, actor_pod), 60,
+    actor = wait_for(lambda: container_id(core, CHAOS_NS, actor_pod), 60,
                      lambda: f"{actor_pod} running\n{diagnostics(core, node)}", 0.1)
-    trainer = wait_for(lambda: _container_id(core, CHAOS_NS, trainer_pod), 60,
+    trainer = wait_for(lambda: container_id(core, CHAOS_NS, trainer_pod), 60,
                        lambda: f"{trainer_pod} running\n{diagnostics(core, node)}", 0.1)
     node.ctr("tasks", "kill", "--signal", "SIGSTOP", actor)
     try:
@@ -330,7 +217,7 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
 
     # kill -9 of the operator: its container, then its pod (else the kubelet would restart it in place).
     old = operator_pod(core)
-    node.ctr("tasks", "kill", "--signal", "SIGKILL", _container_id(core, OPERATOR_NS, old.metadata.name))
+    node.ctr("tasks", "kill", "--signal", "SIGKILL", container_id(core, OPERATOR_NS, old.metadata.name))
     core.delete_namespaced_pod(old.metadata.name, OPERATOR_NS, grace_period_seconds=0)
     new = wait_for(lambda: (p := operator_pod(core)) and p.metadata.name != old.metadata.name and p, 120,
                    lambda: f"the Deployment's new operator pod\n{diagnostics(core, node)}", 0.5)

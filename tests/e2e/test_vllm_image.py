@@ -2,8 +2,8 @@
 
 `make test-vllm-image` (RLKUBE_VLLM_IMAGE=1) runs it; `make test` does not (the image is ~4.4 GB and its build,
 import and job take many minutes on 2 cores), and without the variable every test here is skipped saying so. The
-node, the chart and the looks inside containers are those of tests/e2e/test_real_cluster.py (tests/cluster/
-release.py). What this shows, as a user's cluster would run it:
+node, the chart and the looks inside containers are those of the real-node tests (tests/e2e/realnode.py), with the
+vLLM image imported too (a node of its own: the session's shared node has only operator, core and redis). What this shows, as a user's cluster would run it:
 - the vLLM image's program (`python -m rlkube.core.inference`, vLLM in-process) starts on a read-only root as
   uid 10001, with every cache it writes on the pod's writable volumes (which caches: printed);
 - its /health, reached on the pod's IP, names the vLLM engine and a weights version > 0 mid-run: the trainer's
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster.release import (IMAGES, OPERATOR_NS, create_namespace, diagnostics, exec_in, inside, install_chart, logs,
-                             real_node, webhook_serving)
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, VLLM_CPU_IMAGE, create_namespace,
+                      diagnostics, exec_in, inside, install_operator, logs, real_cluster, webhook_serving)
 from rlkube.contract import runtime
 from rlkube.controller import builders, names
 from specs import with_overrides
@@ -48,7 +48,8 @@ ON_TWO_CORES = {"spec.inference.resources.requests.cpu": "500m"}
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    with real_node(tmp_path_factory, ("operator", "core", "redis", "vllm-cpu")) as n:
+    with real_cluster(tmp_path_factory.mktemp("vllm-image-node"),
+                      (OPERATOR_IMAGE, CORE_IMAGE, REDIS_IMAGE, VLLM_CPU_IMAGE)) as n:
         yield n
 
 
@@ -79,12 +80,12 @@ def health(ip: str) -> dict | None:
 def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api):
     core = client.CoreV1Api(api)
     print(f"\nimages into containerd (s): { {ref: round(s, 1) for ref, s in node.import_seconds.items()} }")
-    operator = install_chart(node, api)
+    operator = install_operator(node, api)
     create_namespace(core, NS)
     doc = yaml.safe_load((ROOT / "examples" / "vllm-cpu.yaml").read_text())
     assert doc["spec"]["inference"]["engine"] == "vllm"
-    doc = with_overrides(doc, {"spec.image": IMAGES["core"], "spec.inference.image": IMAGES["vllm-cpu"],
-                               "spec.redis.image": IMAGES["redis"], **ON_TWO_CORES})
+    doc = with_overrides(doc, {"spec.image": CORE_IMAGE, "spec.inference.image": VLLM_CPU_IMAGE,
+                               "spec.redis.image": REDIS_IMAGE, **ON_TWO_CORES})
     name, steps = doc["metadata"]["name"], doc["spec"]["algorithm"]["maxSteps"]
     custom = client.CustomObjectsApi(api)
     webhook_serving(api, NS, doc, node)
@@ -104,7 +105,7 @@ def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api)
     pod = names.pod_name(name, "inference", 0)
     p = wait_for(lambda: running(pod), 600, lambda: f"{pod} running\n{diagnostics(core, node)}", 0.5)
     (container,) = p.spec.containers
-    assert container.image == IMAGES["vllm-cpu"], container.image
+    assert container.image == VLLM_CPU_IMAGE, container.image
     said = inside(core, NS, pod, "inference")
     uid = str(builders.RUN_AS)
     assert said == {"uid": uid, "gid": uid, "pid1-uid": uid, "root": "ro", "write": "refused"}, said
@@ -114,11 +115,10 @@ def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api)
                       lambda: f"vLLM serving a weights version > 0: {health(p.status.pod_ip)}\n"
                               f"{diagnostics(core, node)}", 1.0)
     assert served["engine"] == "vllm" and served["status"] == "ok", served
-    log = logs(core, NS, pod, tail_lines=2000)
+    log = logs(core, NS, pod, tail=2000)
     assert "vLLM engine up" in log, log[-3000:]
     # What vLLM and torch wrote while starting and serving: all on the pod's volumes (the root refuses writes).
-    written = exec_in(core, NS, pod, "inference",
-                      ["sh", "-c", "find /tmp -mindepth 1 -maxdepth 3 -type d | sort | head -40"]).split()
+    written = exec_in(core, NS, pod, "inference", "find /tmp -mindepth 1 -maxdepth 3 -type d | sort | head -40").split()
     print(f"\ninference pod {pod}: {said}; /health {served}\ndirectories it made on its /tmp volume: {written}")
 
     st = wait_for(lambda: (s := job().get("status") or {}).get("phase") in ("Succeeded", "Failed") and s, 900,
@@ -128,7 +128,7 @@ def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api)
     assert st["completion"]["finalStep"] == steps and st["completion"]["trainerExitCode"] == 0, st
     assert st["components"]["inference"]["restarts"] == 0, st["components"]
     # The inference log up to now (the teardown may have removed the pod already): every version in effect.
-    log = logs(core, NS, pod, tail_lines=5000) if running(pod) else log
+    log = logs(core, NS, pod, tail=5000) if running(pod) else log
     versions = served_versions(log)
     print(f"vllm-cpu on the real node: {wall:.1f}s to Succeeded; versions in effect in vLLM: {versions}")
     assert versions and max(versions) > 0 and versions == sorted(versions), versions

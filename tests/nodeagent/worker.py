@@ -440,8 +440,6 @@ class PodWorker(threading.Thread):
                     killpg(running[name].pid, signal.SIGKILL)
                 self.agent.signal_log("SIGKILL", self, containers=stuck, at=sent,
                                       reason=f"still running {waited:.2f}s after SIGTERM (grace {grace:g}s)")
-                self.agent.event(self.pod, "Warning", "Killing",
-                                 f"Containers {stuck} did not stop within the grace period ({grace:g}s): sent SIGKILL")
             for proc in running.values():
                 proc.wait()
         for name, proc in list(self.procs.items()):

@@ -63,8 +63,8 @@ def test_every_pod_that_loads_the_model_fetches_it_first_in_an_init_container(ro
     assert init["command"] == ["python", "-m", "rlkube.core.hf.fetch"]
     assert init["image"] == main["image"] and init["securityContext"] == main["securityContext"]
     assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    # Modest resources of its own, never the role's GPUs.
-    assert init["resources"] == builders.MODEL_INIT_RESOURCES
+    # Modest resources, never the role's GPUs, never more than the role's own requests (below).
+    assert set(init["resources"].get("requests", {})) <= set((main.get("resources") or {}).get("requests") or {})
     # Both see the cache at the same place; only the role is offline (the init container is the one that fetches).
     for c in (init, main):
         assert env(c)[runtime.ENV_MODEL_CACHE]["value"] == names.MODEL_CACHE_MOUNT
@@ -93,6 +93,18 @@ def test_gpu_pods_fetch_without_gpus():
     p = pod(ref(**{"trainer.gpusPerNode": 1}), "trainer")
     assert main_container(p)["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in str(p["spec"]["initContainers"][0]["resources"])
+
+
+@pytest.mark.parametrize(("requests", "init"), [
+    ({"cpu": "1", "memory": "1Gi"}, {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}),
+    ({"cpu": "100m", "memory": "256Mi"}, {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}),
+    ({"cpu": "2"}, {"requests": {"cpu": "250m"}}),
+    (None, {}),  # the actor asks for nothing (tiny-cpu): nor does its fetch, which would reserve 250m for the pod's life
+])
+def test_the_fetch_never_asks_more_than_its_role(requests, init):
+    overrides = {"actor.resources": {"requests": requests}} if requests else {}
+    p = pod(ref(**overrides), "actor")
+    assert p["spec"]["initContainers"][0]["resources"] == init
 
 
 def test_the_init_container_carries_what_the_template_adds_to_the_role():

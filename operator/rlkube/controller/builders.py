@@ -38,6 +38,7 @@ from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module
 from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas
+from rlkube.lifecycle.validation import parse_quantity
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
@@ -417,7 +418,25 @@ def _data_volumes(job: JobRef, role: str) -> tuple[list[dict], list[dict]]:
 
 
 MODEL_INIT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
-"""The model init container downloads (streamed to disk) and parses a config and a tokenizer: no GPU, little memory."""
+"""The model init container downloads (streamed to disk) and parses a config and a tokenizer: no GPU, little memory.
+At most these, and never more than the role's own container asks (model_init_resources)."""
+
+
+def model_init_resources(main: dict) -> dict:
+    """MODEL_INIT_RESOURCES with each request capped at the role container's own, and dropped where the role asks
+    for none. A pod's effective request is the larger of its init and app containers' requests, so a larger init
+    request would reserve, for the pod's whole life, capacity that only the seconds-long fetch uses: on a real
+    2-CPU node kube-scheduler refused tiny-cpu's second actor for 250m CPU its actor never asked for. The memory
+    limit goes with the memory request (a limit alone becomes the request)."""
+    own = (main.get("resources") or {}).get("requests") or {}
+    requests = {}
+    for key, default in MODEL_INIT_RESOURCES["requests"].items():
+        if key in own:
+            requests[key] = default if parse_quantity(default) <= parse_quantity(own[key]) else own[key]
+    out: dict = {"requests": requests} if requests else {}
+    if "memory" in requests:
+        out["limits"] = dict(MODEL_INIT_RESOURCES["limits"])
+    return out
 MODEL_INIT_MODULE = "rlkube.core.hf.fetch"
 
 
@@ -441,7 +460,7 @@ def model_init_container(pod: dict, role: str, keep_offline: bool = False) -> di
         "image": main["image"],
         "command": ["python", "-m", MODEL_INIT_MODULE],
         "env": env,
-        "resources": copy.deepcopy(MODEL_INIT_RESOURCES),
+        "resources": model_init_resources(main),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": copy.deepcopy(main.get("volumeMounts", [])),
     }
