@@ -37,6 +37,16 @@ GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
 TERMINAL = ("Succeeded", "Failed")
 
 
+def read_job(custom, namespace: str, name: str) -> dict | None:
+    """The TrainingJob object as stored (None once it is gone)."""
+    try:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
 def example(**overrides) -> dict:
     """examples/tiny-cpu.yaml, with `overrides` given as dotted camelCase paths: {"spec.algorithm.maxSteps": 20}."""
     return specs.document(**overrides)
@@ -235,12 +245,7 @@ class ClusterJob:
         return self
 
     def get(self) -> dict | None:
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return read_job(self.custom, self.namespace, self.name)
 
     def status(self) -> dict:
         return (self.get() or {}).get("status") or {}

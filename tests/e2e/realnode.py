@@ -23,7 +23,7 @@ from pathlib import Path
 import helm_python as helm
 from cluster.control_plane import ControlPlane
 from cluster.node import ROUTE_LOCALNET, Node, running, stored_image_id
-from clusterjob import EventFollower, secret_password
+from clusterjob import EventFollower, read_job, secret_password
 from helm_chart import CHART
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
@@ -275,13 +275,7 @@ class RealJob:
         return self
 
     def get(self) -> dict | None:
-        try:
-            return self.custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", self.namespace, "trainingjobs",
-                                                            self.name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return read_job(self.custom, self.namespace, self.name)
 
     def status(self) -> dict:
         return (self.get() or {}).get("status") or {}

@@ -25,8 +25,9 @@ import pytest
 import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
-from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, VLLM_CPU_IMAGE, create_namespace,
-                      diagnostics, exec_in, inside, install_operator, logs, real_cluster, webhook_serving)
+from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, VLLM_CPU_IMAGE, RealJob,
+                      create_namespace, diagnostics, exec_in, inside, install_operator, logs, real_cluster,
+                      webhook_serving)
 from rlkube.contract import runtime
 from rlkube.controller import builders, names
 from specs import with_overrides
@@ -87,13 +88,9 @@ def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api)
     doc = with_overrides(doc, {"spec.image": CORE_IMAGE, "spec.inference.image": VLLM_CPU_IMAGE,
                                "spec.redis.image": REDIS_IMAGE, **ON_TWO_CORES})
     name, steps = doc["metadata"]["name"], doc["spec"]["algorithm"]["maxSteps"]
-    custom = client.CustomObjectsApi(api)
     webhook_serving(api, NS, doc, node)
     t0 = time.monotonic()
-    custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", NS, "trainingjobs", doc)
-
-    def job() -> dict:
-        return custom.get_namespaced_custom_object("rlkube.io", "v1alpha1", NS, "trainingjobs", name)
+    job = RealJob(api, node, NS).apply(doc)
 
     def running(pod_name: str):
         try:
@@ -121,8 +118,7 @@ def test_vllm_cpu_example_served_from_the_vllm_image_on_the_real_node(node, api)
     written = exec_in(core, NS, pod, "inference", "find /tmp -mindepth 1 -maxdepth 3 -type d | sort | head -40").split()
     print(f"\ninference pod {pod}: {said}; /health {served}\ndirectories it made on its /tmp volume: {written}")
 
-    st = wait_for(lambda: (s := job().get("status") or {}).get("phase") in ("Succeeded", "Failed") and s, 900,
-                  lambda: f"the job to end: {job().get('status')}\n{diagnostics(core, node)}", 1.0)
+    st = job.wait_phase(timeout=900)["status"]
     wall = time.monotonic() - t0
     assert st["phase"] == "Succeeded", f"{st}\n{diagnostics(core, node)}"
     assert st["completion"]["finalStep"] == steps and st["completion"]["trainerExitCode"] == 0, st
