@@ -223,7 +223,7 @@ class ContainerExits(threading.Thread):
 
 
 class PodWatch(threading.Thread):
-    """Every version of the namespace's pods: container ids per pod, the resourceVersion of each pod's first
+    """Every version of the namespace's pods: container ids per pod (init containers included), the resourceVersion of each pod's first
     version with a deletionTimestamp (the API server's order of the deletions) and when this watch saw it, and
     each pod's last terminated container state (exit code, reason) as the kubelet reported it."""
 
@@ -243,7 +243,8 @@ class PodWatch(threading.Thread):
                 for ev in self._watch.stream(self.core.list_namespaced_pod, self.namespace, timeout_seconds=30):
                     pod = ev["object"]
                     name = pod.metadata.name
-                    for cs in pod.status.container_statuses or []:
+                    # Init containers too: a pod deleted while its model fetch still runs stops that container.
+                    for cs in (pod.status.init_container_statuses or []) + (pod.status.container_statuses or []):
                         if cs.container_id:
                             self.containers.setdefault(name, set()).add(cs.container_id.split("://", 1)[1])
                         if cs.state.terminated:

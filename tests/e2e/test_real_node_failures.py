@@ -161,7 +161,9 @@ def test_job_deleted_mid_run_stops_every_container_in_order_and_a_pod_ignoring_s
     # deletion_seen is when the watch saw it, a little after the API server stored it: a small slack.
     status = {pod: max(exits.status[i] for i in ids if i in exits.status) for pod, ids in pods.containers.items()}
     assert waited[frozen] >= GRACE["actor"] - 0.5 and status[frozen] == 137, (waited, status)
-    for pod in role_of:
+    # A pod still Pending when deleted (no container started: on 2 shared CPUs a second actor can wait for the
+    # scheduler or the image) has no exit to time.
+    for pod in waited:
         assert waited[pod] > -0.5, (pod, waited)  # none ended on its own before its deletion
         if pod != frozen and status[pod] == 137:
             assert waited[pod] >= GRACE[role_of[pod]] - 0.5, (pod, waited, status)
