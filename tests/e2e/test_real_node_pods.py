@@ -11,7 +11,7 @@ from clusterjob import FULL_ORDER, example, stage_names
 from realnode import CORE_IMAGE, REDIS_IMAGE, LogFollower, PodWatch
 from waiting import wait_for
 
-STEPS = 8
+STEPS = 10
 
 
 @pytest.fixture
@@ -28,10 +28,10 @@ def test_two_trainer_nodes_train_data_parallel_and_succeed(job, real_api):
     """trainer.nodes: 2: two trainer pods find each other by the headless Service name the operator gives as
     MASTER_ADDR (the cluster DNS), train as ranks 0 and 1, and go together at the trainer stage. Their requests are
     lowered so both fit the one 2-CPU node beside inference (on CPU the trainers' spread is only a preference)."""
-    steps = 10
+    steps = STEPS
     pods = PodWatch(real_api, job.namespace)
     pods.start()
-    job.apply(_example(**{"spec.trainer.nodes": 2, "spec.algorithm.maxSteps": steps,
+    job.apply(_example(**{"spec.trainer.nodes": 2,
                           "spec.trainer.resources": {"requests": {"cpu": "250m", "memory": "1Gi"}}}))
     follower = job.follow()
     rank1 = LogFollower(job.core, job.namespace, job.pod("trainer", 1), "trainer")

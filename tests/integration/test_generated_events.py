@@ -106,8 +106,8 @@ def write(client: redis.Redis, stream: str, entries: list[Entry]) -> list[tuple[
 
 class Watchers:
     """The operator's EventWatcher, one per case, on an event loop of its own (a thread). A watcher is stopped in
-    the background: redis-py can swallow a cancellation that lands as an XREAD starts, and EventWatcher.stop then
-    waits its STOP_TIMEOUT (2 s), which would be most of a case's time."""
+    the background, so no case waits for its reader to be cancelled (EventWatcher.stop re-cancels a reader that
+    redis-py kept in its XREAD, for up to STOP_TIMEOUT)."""
 
     def __init__(self, url: str):
         self.url = url

@@ -437,6 +437,8 @@ def model_init_resources(main: dict) -> dict:
     if "memory" in requests:
         out["limits"] = dict(MODEL_INIT_RESOURCES["limits"])
     return out
+
+
 MODEL_INIT_MODULE = "rlkube.core.hf.fetch"
 
 
