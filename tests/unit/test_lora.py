@@ -87,6 +87,24 @@ def test_only_the_adapter_trains_and_the_update_carries_it_alone():
     assert not vllm.sends_adapter and pack_weights(vllm.weight_update()).meta["kind"] == FULL
 
 
+def test_a_fresh_adapter_is_drawn_from_the_models_seed_and_leaves_the_process_rng_alone():
+    """The same spec starts from the same adapter in every run and on every rank; another seed from another one;
+    and the draw does not move the process's RNG (sampling and dropout draw from it)."""
+    def fresh(seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(1234)
+        trainer = Trainer(lora_spec(**{"model.seed": seed}), model_dir=builtin_dir())
+        after = torch.rand(4)
+        torch.manual_seed(1234)
+        assert torch.equal(after, torch.rand(4)), "wrapping the model drew from the process's RNG"
+        return lora.adapter_state(trainer.model)
+
+    first, again, other = fresh(3), fresh(3), fresh(4)
+    a_names = [n for n in first if n.endswith(".lora_A.weight")]
+    assert a_names and all(float(first[n].abs().max()) > 0 for n in a_names)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert all(not torch.equal(first[n], other[n]) for n in a_names)
+
+
 def test_merged_weights_and_the_engine_merge_equal_peft_merge_and_unload():
     trainer = Trainer(lora_spec(), model_dir=builtin_dir())
     randomize_adapter(trainer)

@@ -69,7 +69,8 @@ class ModelSpec(Model):
             "backend has no loss scaling and refuses it)."
         ),
     )
-    seed: int = Field(0, ge=0, description="Seed for the built-in model's random weights and for sampling.")
+    seed: int = Field(0, ge=0, description="Seed for the built-in model's random weights, for sampling and "
+                      "for a fresh LoRA adapter's random lora_A (spec.trainer.lora).")
     max_sequence_length: int = Field(
         1024,
         ge=8,

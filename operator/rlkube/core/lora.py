@@ -4,7 +4,9 @@ torch, and the adapter directory in PEFT's format.
 Trainer: `wrap(model, lora)` puts PEFT's LoRA layers on the targeted Linear modules of the HF model
 (`peft.get_peft_model`); only the adapter's A and B matrices train, the base stays frozen. Each adapted Linear
 computes W0 x + scaling * B (A x), scaling = alpha / rank, with B initialised to zero, so a fresh adapter is the
-base model exactly.
+base model exactly. PEFT draws each fresh lora_A at random; `wrap` draws it from `spec.model.seed` (on an RNG of
+its own, so the process's RNG is untouched): the same spec starts from the same adapter, on every rank and in
+every run.
 
 Names: the adapter's tensors are named as PEFT's `get_peft_model_state_dict` names them and as its
 adapter_model.safetensors stores them: `base_model.model.<HF module>.lora_A.weight` ([rank, in]) and
@@ -50,15 +52,20 @@ def peft_config(lora: LoraSpec):
                       target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
-def wrap(model: torch.nn.Module, lora: LoraSpec):
-    """The HF model with LoRA layers on `lora.target_modules` (a PeftModel; `model` is changed in place)."""
+def wrap(model: torch.nn.Module, lora: LoraSpec, seed: int = 0):
+    """The HF model with LoRA layers on `lora.target_modules` (a PeftModel; `model` is changed in place); the fresh
+    lora_A matrices are drawn from `seed` (module docstring)."""
     from peft import get_peft_model
 
     from rlkube.core.hf.state import tied_aliases
 
     tied = {n for pair in tied_aliases(model).items() for n in pair}
     try:
-        wrapped = get_peft_model(model, peft_config(lora))
+        # PEFT initialises lora_A on the CPU before moving it to the base layer's device, so the CPU RNG is the
+        # one to fork and seed.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            wrapped = get_peft_model(model, peft_config(lora))
     except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
         raise ConfigError(f"{FIELD}.targetModules", str(exc)) from None
     if shared := sorted(tied & set(pairs(adapter_state(wrapped)))):

@@ -103,7 +103,7 @@ class TorchBackend:
         self.lora = spec.trainer.lora  # None: full-weight training
         if self.lora is not None:
             self._hf_names = list(hf_state.named_weights(self.model))  # the base's HF names, before PEFT renames
-            self.model = lora_mod.wrap(self.model, self.lora)  # freezes the base (module docstring)
+            self.model = lora_mod.wrap(self.model, self.lora, spec.model.seed)  # freezes the base (module docstring)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.gradient_parameters(), lr=algo.learning_rate)
         self.scheduler = lr_scheduler(self.optimizer, algo.lr_schedule, algo.warmup_steps, algo.max_steps)
