@@ -162,6 +162,49 @@ def test_a_trainer_that_lost_its_checkpoint_fails_the_job_at_once_naming_the_cla
     assert "j-trainer-0" not in creates(d)  # not replaced again: a restart cannot bring the volume back
 
 
+def pulling(role: str, reason: str, since: datetime, **kw) -> PodView:
+    """A pod bound at `since` whose container waits on its image (the kubelet's reason and message)."""
+    return pod(role, phase="Pending", ready=False, started_at=None, pod_ip=None, waiting_reason=reason,
+               waiting_message=f'failed to pull image "{role}:x": connection refused', created_at=since,
+               scheduled_at=since, **kw)
+
+
+def test_an_image_that_cannot_be_pulled_fails_the_job_after_its_timeout_naming_the_field():
+    """controller/image_pull.py: the kubelet retries a pull forever; the job fails once the timeout has passed
+    since the pod was bound, naming the field that set the image and quoting the kubelet."""
+    st = running_status()
+    actor = pulling("actor", "ImagePullBackOff", since=T0 - timedelta(seconds=100))
+    j = job(st, **{"actor.image": "localhost/rlkube/nope:1", "runPolicy.imagePullTimeoutSeconds": 120})
+    d = run(j, all_pods(actor=actor))
+    assert outcome_of(d) is None and d.status.phase == "Running"
+    assert d.requeue_after == pytest.approx(20)  # looks again at the deadline, not later
+    assert "waiting: ImagePullBackOff" in cond(d.status, "ActorsReady").message
+    d = run(j, all_pods(actor=actor), now=T0 + timedelta(seconds=20))
+    assert outcome_of(d) == ("Failed", "ImagePullFailed") and d.status.phase == "Draining"
+    message = cond(d.status, "Failed").message
+    assert "spec.actor.image" in message and "'localhost/rlkube/nope:1'" in message and "j-actor-0" in message
+    assert "connection refused" in message and "spec.runPolicy.imagePullTimeoutSeconds" in message
+    assert "Warning" in [e.type for e in d.events if e.reason == "ImagePullFailed"]
+
+
+def test_an_image_pull_that_succeeds_before_its_timeout_or_a_zero_timeout_fails_nothing():
+    st = running_status()
+    slow = pulling("inference", "ErrImagePull", since=T0 - timedelta(hours=1))
+    d = run(job(st, **{"runPolicy.imagePullTimeoutSeconds": 0}), all_pods(inference=slow))
+    assert outcome_of(d) is None  # 0: wait for the registry
+    d = run(job(st), all_pods(inference=pulling("inference", "ErrImagePull", since=T0 - timedelta(seconds=299))))
+    assert outcome_of(d) is None  # the default is 300 s
+    d = run(job(st), all_pods(inference=pulling("inference", "ErrImagePull", since=T0 - timedelta(seconds=300))))
+    assert outcome_of(d) == ("Failed", "ImagePullFailed")
+    assert "spec.image" in cond(d.status, "Failed").message  # the job's image: inference.image is unset
+
+
+@pytest.mark.parametrize("reason", ["InvalidImageName", "ErrImageNeverPull", "Init:ErrImageNeverPull"])
+def test_an_image_no_retry_can_pull_fails_the_job_at_once(reason):
+    d = run(job(running_status()), all_pods(trainer=pulling("trainer", reason, since=T0)))
+    assert outcome_of(d) == ("Failed", "ImagePullFailed") and reason in cond(d.status, "Failed").message
+
+
 def test_pending_with_everything_created_creates_nothing_more():
     d = run(job(), [pod("redis", phase="Pending")])
     assert d.actions == [] and d.status.phase == "Pending"

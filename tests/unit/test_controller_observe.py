@@ -48,6 +48,27 @@ def test_pod_view_of_a_terminated_and_of_a_deleting_pod():
     assert gone.deleting and gone.deletion_grace == 0 and gone.waiting_reason == "ErrImagePull"
 
 
+def test_pod_view_of_an_init_container_waiting_on_its_image_pull():
+    """While the model init container waits on its pull, the role's container only says PodInitializing: the
+    init container's reason and message are the pod's (controller/image_pull.py reads them)."""
+    raw = _pod(
+        phase="Pending",
+        conditions=[{"type": "PodScheduled", "status": "True", "lastTransitionTime": "2025-01-01T00:00:03Z"}],
+        initContainerStatuses=[{"name": "model", "restartCount": 0, "state": {"waiting": {
+            "reason": "ImagePullBackOff", "message": 'Back-off pulling image "localhost/rlkube/core:nope"'}}}],
+        containerStatuses=[{"name": "trainer", "restartCount": 0, "state": {"waiting": {"reason": "PodInitializing"}}}],
+    )
+    raw["metadata"]["creationTimestamp"] = "2025-01-01T00:00:01Z"
+    view = pod_view(raw)
+    assert view.waiting_reason == "Init:ImagePullBackOff" and "localhost/rlkube/core:nope" in view.waiting_message
+    assert view.created_at == datetime(2025, 1, 1, 0, 0, 1, tzinfo=UTC)
+    assert view.scheduled_at == datetime(2025, 1, 1, 0, 0, 3, tzinfo=UTC)
+    assert view.restart_count == 0 and view.exit_code is None
+    # An init container that runs (the model fetch) leaves the role's PodInitializing as it is.
+    raw["status"]["initContainerStatuses"][0]["state"] = {"running": {"startedAt": "2025-01-01T00:00:09Z"}}
+    assert pod_view(raw).waiting_reason == "PodInitializing"
+
+
 def test_pods_without_our_labels_are_not_ours():
     raw = _pod(phase="Running")
     raw["metadata"]["labels"] = {"app": "other"}

@@ -877,6 +877,10 @@ class RunPolicy(Model):
         900, ge=0, le=MAX_SECONDS, description="No trainer event for this long while Running sets Stalled (0 disables)."
     )
     fail_on_stall: bool = Field(False, description="Fail the job when it is Stalled instead of only reporting it.")
+    image_pull_timeout_seconds: int = Field(
+        300, ge=0, le=MAX_SECONDS, description="A pod that cannot pull its image (ErrImagePull, ImagePullBackOff) "
+        "for this long after it was scheduled fails the job (ImagePullFailed), naming the image field; 0: wait. "
+        "An image name the kubelet cannot parse, or imagePullPolicy Never with the image absent, fails it at once.")
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, le=MAX_SECONDS, description="Delete the TrainingJob this long after it finished (unset: keep)."
     )
@@ -928,6 +932,12 @@ class TrainingJobSpec(Model):
             return self.redis.image
         own = getattr(self, role).image
         return own or self.image
+
+    def image_field(self, role: str) -> str:
+        """The field that sets `image_for(role)`: the role's own image, or the job's `spec.image`."""
+        if role == "redis":
+            return "spec.redis.image"
+        return f"spec.{role}.image" if getattr(self, role).image else "spec.image"
 
     def gpus_per_pod(self, role: str) -> int:
         """GPUs per pod the operator requests: gpusPerNode for the trainer; tensorParallel for vLLM servers of a GPU

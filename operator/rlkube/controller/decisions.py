@@ -59,7 +59,7 @@ from rlkube.api.status import (
     TrainingJobStatus,
 )
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import builders, kueue, names, specdiff, teardown
+from rlkube.controller import builders, image_pull, kueue, names, specdiff, teardown
 from rlkube.controller.actions import (
     Action,
     Create,
@@ -739,6 +739,20 @@ def _fail_rejected_child(p: _Pass) -> None:
         p.decide_outcome(Phase.FAILED, Reason.INVALID_SPEC, f"the API server rejected {rej.kind} {rej.name}: {rej.message}")
 
 
+def _fail_unpullable_image(p: _Pass) -> None:
+    """A pod that cannot pull its image past spec.runPolicy.imagePullTimeoutSeconds (at once for a reason no retry
+    cures) fails the job, naming the image field (controller/image_pull.py); until then, look again at its
+    deadline."""
+    if p.spec is None:
+        return
+    timeout_s = p.spec.run_policy.image_pull_timeout_seconds
+    failed, wake = image_pull.overdue([pod for pod in p.obs.pods if not pod.terminated], timeout_s, p.now)
+    if failed is not None:
+        p.decide_outcome(Phase.FAILED, Reason.IMAGE_PULL_FAILED, failed.message(p.spec, timeout_s))
+    elif wake is not None:
+        p.wake_at(wake)
+
+
 def _judge_run(p: _Pass) -> None:
     """Count the components; while the job runs, judge it (an outcome, Stalled) and replace the pods that ended too
     early. Sets `p.stop_reason`: why the job is torn down now, if it is."""
@@ -746,6 +760,7 @@ def _judge_run(p: _Pass) -> None:
     _update_components(p, stopping=p.stop_reason is not None)
     if p.stop_reason is not None:
         return
+    _fail_unpullable_image(p)
     failing = _failing_pods(p)
     _judge(p, failing)
     if outcome(p.status) is None:

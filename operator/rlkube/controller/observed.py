@@ -37,7 +37,10 @@ class PodView:
     termination_message: str | None = None  # the newest terminated state's message (the role's termination log)
     finished_at: datetime | None = None  # ... and its finishedAt
     started_at: datetime | None = None  # when the current container instance started
-    waiting_reason: str | None = None  # e.g. ErrImagePull, CrashLoopBackOff
+    waiting_reason: str | None = None  # e.g. ErrImagePull, CrashLoopBackOff ("Init:" while an init container waits)
+    waiting_message: str | None = None  # ... and the kubelet's message with it (e.g. the pull's error)
+    created_at: datetime | None = None  # metadata.creationTimestamp
+    scheduled_at: datetime | None = None  # when the PodScheduled condition became True (bound to a node)
     pod_ip: str | None = None
     deleting: bool = False  # deletionTimestamp is set
     deletion_grace: int | None = None  # metadata.deletionGracePeriodSeconds (0: force-deleted)
@@ -79,6 +82,22 @@ def _failed_init(status: dict, main: dict) -> dict | None:
     return None
 
 
+def _waiting_init(status: dict, main: dict) -> dict | None:
+    """The init container that holds the pod up while it waits (e.g. on its image pull) before the role's
+    container has run; None otherwise. The role's own container then only says PodInitializing."""
+    if _ran(main):
+        return None
+    for c in status.get("initContainerStatuses") or []:
+        if _get(c, "state", "waiting", "reason") not in (None, "PodInitializing"):
+            return c
+    return None
+
+
+def _scheduled_at(conditions: list[dict]) -> datetime | None:
+    return next((parse_time(c.get("lastTransitionTime")) for c in conditions
+                 if c.get("type") == "PodScheduled" and c.get("status") == "True"), None)
+
+
 def pod_view(pod: dict) -> PodView | None:
     """Summarise a pod dict (as the API returns it); None for pods without our role/index labels."""
     meta = pod.get("metadata") or {}
@@ -104,6 +123,9 @@ def pod_view(pod: dict) -> PodView | None:
         # are the pod's, so restart budgets and runtime.EXIT_CONFIG apply to it as to the role itself.
         restarts += int(init.get("restartCount") or 0)
         main, waiting_prefix = init, "Init:"
+    elif (held := _waiting_init(status, main)) is not None:
+        # Its waiting reason (an image pull, say) is the pod's; one that failed before is _failed_init's.
+        main, waiting_prefix = held, "Init:"
     terminated = _get(main, "state", "terminated")
     last = _get(main, "lastState", "terminated")
     running = _get(main, "state", "running")
@@ -128,6 +150,9 @@ def pod_view(pod: dict) -> PodView | None:
         finished_at=parse_time(terminated.get("finishedAt")) if terminated else None,
         started_at=parse_time(started),
         waiting_reason=waiting_prefix + reason if (reason := (waiting or {}).get("reason")) else None,
+        waiting_message=((waiting or {}).get("message") or "").strip() or None,
+        created_at=parse_time(meta.get("creationTimestamp")),
+        scheduled_at=_scheduled_at(conditions),
         pod_ip=status.get("podIP") or None,
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_grace=int(grace) if grace is not None else None,

@@ -1,0 +1,76 @@
+"""Pods whose image the kubelet cannot pull: after how long that fails the job, and what the failure says.
+
+Why: a pod whose image cannot be pulled never runs, so it never exits and never counts against a restart budget;
+the kubelet retries the pull forever (ImagePullBackOff), and the job would sit in Pending or Running with a
+component not ready and nobody told why. A pull that stays impossible for
+`spec.runPolicy.imagePullTimeoutSeconds` fails the job with reason ImagePullFailed, naming the image field that set
+the image and quoting the kubelet's message; a reason that no retry can cure (an image name the kubelet cannot
+parse, or imagePullPolicy Never with the image absent from the node) fails it at once. A pull that succeeds on a
+retry before the deadline is no failure.
+
+The waiting reasons are the kubelet's (kubernetes pkg/kubelet/images/types.go:27-44, ErrImagePullBackOff to
+ErrInvalidImageName). The clock starts when the pod was bound to its node (its PodScheduled condition), not when it
+was created: a pod that waited for room on the cluster had not tried to pull yet. Pure: reads PodViews.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.controller.observed import PodView
+
+RETRIED = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable", "ImageInspectError"})
+"""The kubelet keeps retrying these (a registry outage or a tag pushed late can still resolve)."""
+PERMANENT = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+"""No retry can cure these: the reference does not parse, or the policy forbids the pull of an absent image."""
+
+
+@dataclass(frozen=True)
+class Unpullable:
+    """A pod that cannot pull its image, and since when (None: fails at once)."""
+
+    pod: PodView
+    reason: str  # the kubelet's waiting reason, "Init:" prefixed for an init container
+    since: datetime | None
+
+    def message(self, spec: TrainingJobSpec, timeout_s: int) -> str:
+        field = spec.image_field(self.pod.role)
+        detail = f": {self.pod.waiting_message}" if self.pod.waiting_message else ""
+        waited = "" if self.since is None else f" for {timeout_s}s (spec.runPolicy.imagePullTimeoutSeconds)"
+        return (f"pod {self.pod.name} cannot pull its image {spec.image_for(self.pod.role)!r} ({field}){waited}: "
+                f"{self.reason}{detail}")
+
+
+def bare_reason(reason: str | None) -> str:
+    return (reason or "").removeprefix("Init:")
+
+
+def unpullable(pods: list[PodView]) -> list[Unpullable]:
+    """The live pods now waiting on an image pull, the permanent ones first."""
+    out = []
+    for pod in pods:
+        reason = bare_reason(pod.waiting_reason)
+        if pod.deleting or reason not in RETRIED | PERMANENT:
+            continue
+        since = None if reason in PERMANENT else (pod.scheduled_at or pod.created_at)
+        if since is None and reason not in PERMANENT:
+            continue  # no time known to measure from (a view built without one)
+        out.append(Unpullable(pod, pod.waiting_reason or reason, since))
+    return sorted(out, key=lambda u: (u.since is not None, u.since or datetime.min, u.pod.name))
+
+
+def overdue(pods: list[PodView], timeout_s: int, now: datetime) -> tuple[Unpullable | None, datetime | None]:
+    """The first pod whose pull failure fails the job now, and, while there is none, when to look again (the
+    earliest deadline still ahead). `timeout_s` 0: only the permanent reasons fail the job."""
+    ahead = []
+    for u in unpullable(pods):
+        if u.since is None:
+            return u, None
+        if timeout_s > 0:
+            due = u.since + timedelta(seconds=timeout_s)
+            if now >= due:
+                return u, None
+            ahead.append(due)
+    return None, min(ahead, default=None)
