@@ -294,13 +294,13 @@ class ClusterJob:
             state = self.agent.pod_state(self.namespace, pod_name)
             if not state:
                 return None
-            container = state["containers"].get(role)  # the role's container (its pods have init containers too)
+            container = state["containers"].get(role)  # the role's container (an hf:// or directory model adds an init container)
             if container is None:
                 return None
             return container["pid"] if container["state"] == "running" and container["pid"] else None
 
         try:
-            # 120 s: the role starts after the model init container (rlkube.core.hf.fetch) has run.
+            # 120 s: the role starts after the model init container (rlkube.core.hf.fetch), where there is one.
             return wait_for(running, 120, f"{pod_name} running", interval=0.1)
         except TimeoutError:
             raise AssertionError(

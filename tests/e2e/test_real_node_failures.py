@@ -74,8 +74,8 @@ def test_crash_looping_inference_fails_the_job_within_its_budget(job):
 def test_an_image_the_kubelet_cannot_pull_fails_the_job_naming_the_field(job):
     """A typo in `spec.trainer.image`: the kubelet's pull of it fails (no registry answers for it here) and it
     backs off, forever; nothing exits, so no restart budget would end it. Past imagePullTimeoutSeconds the operator
-    fails the job ImagePullFailed, naming the field, the image, the pod and the kubelet's reason: the model init
-    container is the first to wait on it (Init:). Nothing restarted; every child is gone."""
+    fails the job ImagePullFailed, naming the field, the image, the pod and the kubelet's reason. Nothing
+    restarted; every child is gone."""
     typo = CORE_IMAGE.rsplit(":", 1)[0] + ":no-such-tag"
     t0 = time.monotonic()
     job.apply(chaos_example(**{"spec.trainer.image": typo, "spec.runPolicy.imagePullTimeoutSeconds": 10}))
@@ -86,7 +86,7 @@ def test_an_image_the_kubelet_cannot_pull_fails_the_job_naming_the_field(job):
     assert st["phase"] == "Failed" and st["reason"] == "ImagePullFailed", job.diagnostics()
     message = st["message"]
     assert "spec.trainer.image" in message and repr(typo) in message and job.pod("trainer") in message, message
-    assert "Init:ErrImagePull" in message or "Init:ImagePullBackOff" in message, message
+    assert "ErrImagePull" in message or "ImagePullBackOff" in message, message
     assert all(c.get("restarts", 0) == 0 for c in st["components"].values()), st["components"]
     wait_for(lambda: not job.children_left(), 120, lambda: f"children removed: {job.children_left()}")
 

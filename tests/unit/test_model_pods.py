@@ -18,8 +18,11 @@ DATASET = {"path": "/data/prompts.jsonl", "claimName": "prompts"}
 REWARD = {"type": "exact"}
 
 
+HF_MODEL = "hf://org/tiny"  # a model to fetch: the built-in one has no init container (below)
+
+
 def ref(**overrides) -> JobRef:
-    raw = raw_spec(**overrides)
+    raw = raw_spec(**{"model.path": HF_MODEL, **overrides})
     return JobRef("ns", "tj", "uid-1", parse_spec(raw), raw)
 
 
@@ -48,6 +51,17 @@ def field_errors(raw: dict) -> dict[str, str]:
     with pytest.raises(SpecError) as err:
         parse_spec(raw)
     return {e.field: e.message for e in err.value.errors}
+
+
+@pytest.mark.parametrize("role", CORE_ROLES)
+def test_a_built_in_model_has_no_init_container_and_each_role_writes_it_into_its_cache(role):
+    """builtin:// has nothing to fetch or check: the role writes it from the seed (rlkube.core.hf.source), so an
+    init container would only cost another container start per pod."""
+    p = pod(ref(**{"model.path": "builtin://tiny-llama"}), role)
+    assert "initContainers" not in p["spec"]
+    if role in MODEL_ROLES:
+        assert names.VOLUME_MODEL_CACHE in volumes(p)
+        assert env(main_container(p))[runtime.ENV_MODEL_CACHE]["value"] == names.MODEL_CACHE_MOUNT
 
 
 @pytest.mark.parametrize("role", CORE_ROLES)

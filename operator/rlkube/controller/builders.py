@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.controller import fastllm, names, podtemplate
@@ -382,7 +383,10 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     if role == "trainer" and resume_checkpoint:
         annotations[names.ANNOTATION_RESUME] = resume_checkpoint
     pod = _pod(job, role, index, container, volumes, annotations)
-    if role in MODEL_ROLES:
+    if role in MODEL_ROLES and parse_model_path(job.spec.model.path).kind != "builtin":
+        # A built-in model has nothing to fetch or check: each role writes it from the seed into its model cache
+        # (rlkube.core.hf.source.write_builtin, atomic), in the process that loads it anyway. An init container
+        # would only cost every pod another container start and a second write (~4 s of CPU).
         tpl = job.spec.template_for(role)
         offline_by_user = tpl is not None and any(
             e.name == runtime.ENV_HF_OFFLINE for c in tpl.spec.containers for e in c.env)
