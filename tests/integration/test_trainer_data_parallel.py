@@ -24,7 +24,7 @@ from core_roles import (
 )
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
-from rlkube.contract import protocol
+from rlkube.contract import protocol, runtime
 from rlkube.core.trainer import Trainer
 from safetensors.torch import load_file
 
@@ -42,10 +42,13 @@ def dp_spec(**algorithm) -> dict:
 def start_ranks(roles, tmp: Path, job: str, spec: dict, redis_url: str, fresh_rank_1: bool = False,
                 **env: str) -> list[Role]:
     """One trainer process per rank with the env the operator gives each trainer pod; rank r checkpoints to
-    tmp/ckpt-r (only rank 0 may write there), rank 1 to a new empty directory with `fresh_rank_1`."""
+    tmp/ckpt-r (only rank 0 may write there), rank 1 to a new empty directory with `fresh_rank_1`. Each rank has
+    a model cache of its own, empty at first, as each trainer pod has (an emptyDir): every rank writes the
+    built-in model itself, after it joined the group (transformers' save_pretrained writes on rank 0 only)."""
     port = free_port()
     dirs = {0: tmp / "ckpt-0", 1: tmp / ("ckpt-1-fresh" if fresh_rank_1 else "ckpt-1")}
-    return [start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=dirs[rank], **rank_env(rank, port), **env)
+    return [start_trainer(roles, tmp, job, spec, redis_url, ckpt_dir=dirs[rank], **rank_env(rank, port),
+                          **{runtime.ENV_MODEL_CACHE: str(tmp / f"model-cache-{rank}-{job}")}, **env)
             for rank in range(NODES)]
 
 

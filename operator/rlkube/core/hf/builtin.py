@@ -75,7 +75,16 @@ def write_tiny_llama(directory: Path, seed: int) -> None:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * INIT_STD)
-    model.save_pretrained(str(directory))
+    # Not model.save_pretrained: transformers writes its files on torch.distributed rank 0 only
+    # (PreTrainedModel.should_save_on_this_rank), and a trainer rank writes its own copy after it joined its group:
+    # rank 1 would write a directory without config.json or weights.
+    from safetensors.torch import save_file
+
+    config.dtype = torch.float32  # what save_pretrained records: the weights' dtype
+    config.save_pretrained(str(directory))
+    model.generation_config.save_pretrained(str(directory))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
     tokenizer.save_pretrained(str(directory))
 
 

@@ -81,6 +81,7 @@ def write_builtin(name: str, seed: int, cache: Path) -> Path:
         raise ModelError(FIELD, f"cannot write the built-in model into the model cache {cache}: {exc}") from None
     try:
         BUILTIN_WRITERS[name](tmp, seed)
+        check_model_dir(tmp, FIELD)  # never rename an incomplete directory into place for every role to find
         for child in tmp.iterdir():
             _fsync(child)
         try:
