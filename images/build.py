@@ -187,9 +187,20 @@ def build(image: Image, base_tag: str, base_key: str, force: bool) -> tuple[str,
     for k, v in args.items():
         cmd += ["--build-arg", f"{k}={v}"]
     log(f"{image.name}: buildah bud -f {image.dockerfile} -t {image.tag}")
+    before = image_id(image.tag)
     sh([*cmd, *run_args, "."], cwd=ROOT)
     stamp.write_text(key)
+    if before and before != image_id(image.tag):
+        # The image the tag named before is now untagged: every rebuild would otherwise leave gigabytes behind,
+        # and a node whose disk fills up garbage-collects the images the tests just imported. A failure (still
+        # used by another tag or a container) leaves it where it is.
+        subprocess.run(["buildah", "rmi", before], capture_output=True)
     return key, "built"
+
+
+def image_id(tag: str) -> str | None:
+    out = subprocess.run(["buildah", "images", "--quiet", "--no-trunc", tag], capture_output=True, text=True)
+    return out.stdout.split()[0] if out.returncode == 0 and out.stdout.split() else None
 
 
 def run_ro(tag: str, argv: list[str], user: str = "10001:10001") -> subprocess.CompletedProcess:

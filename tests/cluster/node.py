@@ -204,6 +204,10 @@ state = "{self.sockdir / 'state'}"
             "authorization": {"mode": "AlwaysAllow"},
             "readOnlyPort": 0, "port": free_port(), "healthzPort": free_port(), "healthzBindAddress": "127.0.0.1",
             "evictionHard": {}, "clusterDomain": "cluster.local",
+            # No image garbage collection: it measures the whole disk this node shares with builds and other
+            # checkouts, and past 85% (the default) it deleted images the tests had just imported (ImagePullBackOff:
+            # nothing can pull them back here). Every image here is one the tests imported and need.
+            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
             **({"clusterDNS": [self.gateway]} if self.cluster_services else {}),
             # Pod status reaches the API server within a second of a container's change (the default is 10 s).
             "nodeStatusUpdateFrequency": "4s", "syncFrequency": "2s",
