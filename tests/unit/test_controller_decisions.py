@@ -162,24 +162,30 @@ def test_a_trainer_that_lost_its_checkpoint_fails_the_job_at_once_naming_the_cla
     assert "j-trainer-0" not in creates(d)  # not replaced again: a restart cannot bring the volume back
 
 
-def pulling(role: str, reason: str, since: datetime, **kw) -> PodView:
-    """A pod bound at `since` whose container waits on its image (the kubelet's reason and message)."""
+def pulling(role: str, reason: str, **kw) -> PodView:
+    """A pod whose container waits on its image (the kubelet's reason and message)."""
     return pod(role, phase="Pending", ready=False, started_at=None, pod_ip=None, waiting_reason=reason,
-               waiting_message=f'failed to pull image "{role}:x": connection refused', created_at=since,
-               scheduled_at=since, **kw)
+               waiting_message=f'failed to pull image "{role}:x": connection refused', **kw)
 
 
 def test_an_image_that_cannot_be_pulled_fails_the_job_after_its_timeout_naming_the_field():
-    """controller/image_pull.py: the kubelet retries a pull forever; the job fails once the timeout has passed
-    since the pod was bound, naming the field that set the image and quoting the kubelet."""
-    st = running_status()
-    actor = pulling("actor", "ImagePullBackOff", since=T0 - timedelta(seconds=100))
-    j = job(st, **{"actor.image": "localhost/rlkube/nope:1", "runPolicy.imagePullTimeoutSeconds": 120})
-    d = run(j, all_pods(actor=actor))
+    """controller/image_pull.py: the kubelet retries a pull forever; the job fails once the pull has failed for
+    the timeout since the operator first saw it fail (kept in the status), naming the field that set the image and
+    quoting the kubelet."""
+    actor = pulling("actor", "ErrImagePull")
+
+    def j(st: TrainingJobStatus) -> JobView:
+        return job(st, **{"actor.image": "localhost/rlkube/nope:1", "runPolicy.imagePullTimeoutSeconds": 120})
+
+    d = run(j(running_status()), all_pods(actor=actor))
     assert outcome_of(d) is None and d.status.phase == "Running"
-    assert d.requeue_after == pytest.approx(20)  # looks again at the deadline, not later
-    assert "waiting: ImagePullBackOff" in cond(d.status, "ActorsReady").message
-    d = run(j, all_pods(actor=actor), now=T0 + timedelta(seconds=20))
+    assert d.status.components["actor"].pull_failing_since == {actor.uid: fmt_time(T0)}
+    assert d.requeue_after == pytest.approx(120)  # looks again at the deadline, not later
+    assert "waiting: ErrImagePull" in cond(d.status, "ActorsReady").message
+    backoff = pulling("actor", "ImagePullBackOff")  # the kubelet alternates the two: one failure, one clock
+    d = run(j(d.status), all_pods(actor=backoff), now=T0 + timedelta(seconds=119))
+    assert outcome_of(d) is None and d.requeue_after == pytest.approx(1)
+    d = run(j(d.status), all_pods(actor=backoff), now=T0 + timedelta(seconds=120))
     assert outcome_of(d) == ("Failed", "ImagePullFailed") and d.status.phase == "Draining"
     message = cond(d.status, "Failed").message
     assert "spec.actor.image" in message and "'localhost/rlkube/nope:1'" in message and "j-actor-0" in message
@@ -187,21 +193,30 @@ def test_an_image_that_cannot_be_pulled_fails_the_job_after_its_timeout_naming_t
     assert "Warning" in [e.type for e in d.events if e.reason == "ImagePullFailed"]
 
 
-def test_an_image_pull_that_succeeds_before_its_timeout_or_a_zero_timeout_fails_nothing():
+def test_a_pull_that_recovers_starts_the_clock_again_and_a_zero_timeout_waits():
+    """A large image whose pull fails once after minutes of progress gets the whole timeout again: the clock
+    starts at the failure, and a pod no longer failing is forgotten."""
     st = running_status()
-    slow = pulling("inference", "ErrImagePull", since=T0 - timedelta(hours=1))
-    d = run(job(st, **{"runPolicy.imagePullTimeoutSeconds": 0}), all_pods(inference=slow))
-    assert outcome_of(d) is None  # 0: wait for the registry
-    d = run(job(st), all_pods(inference=pulling("inference", "ErrImagePull", since=T0 - timedelta(seconds=299))))
-    assert outcome_of(d) is None  # the default is 300 s
-    d = run(job(st), all_pods(inference=pulling("inference", "ErrImagePull", since=T0 - timedelta(seconds=300))))
+    d = run(job(st), all_pods(inference=pulling("inference", "ErrImagePull")), now=T0)
+    d = run(job(d.status), all_pods(inference=pod("inference", phase="Pending", ready=False,
+                                                  waiting_reason="ContainerCreating")), now=T0 + timedelta(seconds=200))
+    assert d.status.components["inference"].pull_failing_since == {}
+    later = T0 + timedelta(seconds=400)
+    d = run(job(d.status), all_pods(inference=pulling("inference", "ErrImagePull")), now=later)
+    assert outcome_of(d) is None and d.requeue_after == pytest.approx(300)  # the default timeout, from `later`
+    d = run(job(d.status), all_pods(inference=pulling("inference", "ErrImagePull")), now=later + timedelta(seconds=300))
     assert outcome_of(d) == ("Failed", "ImagePullFailed")
     assert "spec.image" in cond(d.status, "Failed").message  # the job's image: inference.image is unset
+    waits = job(st, **{"runPolicy.imagePullTimeoutSeconds": 0})
+    d = run(waits, all_pods(inference=pulling("inference", "ErrImagePull")), now=T0)
+    d = run(job(d.status, **{"runPolicy.imagePullTimeoutSeconds": 0}),
+            all_pods(inference=pulling("inference", "ErrImagePull")), now=T0 + timedelta(days=1))
+    assert outcome_of(d) is None  # 0: wait for the registry
 
 
 @pytest.mark.parametrize("reason", ["InvalidImageName", "ErrImageNeverPull", "Init:ErrImageNeverPull"])
 def test_an_image_no_retry_can_pull_fails_the_job_at_once(reason):
-    d = run(job(running_status()), all_pods(trainer=pulling("trainer", reason, since=T0)))
+    d = run(job(running_status()), all_pods(trainer=pulling("trainer", reason)))
     assert outcome_of(d) == ("Failed", "ImagePullFailed") and reason in cond(d.status, "Failed").message
 
 

@@ -879,7 +879,7 @@ class RunPolicy(Model):
     fail_on_stall: bool = Field(False, description="Fail the job when it is Stalled instead of only reporting it.")
     image_pull_timeout_seconds: int = Field(
         300, ge=0, le=MAX_SECONDS, description="A pod that cannot pull its image (ErrImagePull, ImagePullBackOff) "
-        "for this long after it was scheduled fails the job (ImagePullFailed), naming the image field; 0: wait. "
+        "for this long (from the first failed pull) fails the job (ImagePullFailed), naming the image field; 0: wait. "
         "An image name the kubelet cannot parse, or imagePullPolicy Never with the image absent, fails it at once.")
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, le=MAX_SECONDS, description="Delete the TrainingJob this long after it finished (unset: keep)."

@@ -81,6 +81,10 @@ class ComponentStatus(Model):
     replaced_pods: list[str] = Field(
         default_factory=list, description="UIDs of the most recent failed pods already replaced (counted once)."
     )
+    pull_failing_since: dict[str, str] = Field(
+        default_factory=dict, description="Pods of this role whose image the kubelet fails to pull, by UID: when the "
+        "operator first saw the failure (RFC 3339); runPolicy.imagePullTimeoutSeconds counts from it."
+    )
 
 
 class CheckpointRef(Model):

@@ -740,13 +740,20 @@ def _fail_rejected_child(p: _Pass) -> None:
 
 
 def _fail_unpullable_image(p: _Pass) -> None:
-    """A pod that cannot pull its image past spec.runPolicy.imagePullTimeoutSeconds (at once for a reason no retry
-    cures) fails the job, naming the image field (controller/image_pull.py); until then, look again at its
-    deadline."""
+    """A pod whose image pull has failed for spec.runPolicy.imagePullTimeoutSeconds since the operator first saw
+    it fail (at once for a reason no retry cures) fails the job, naming the image field (controller/image_pull.py);
+    until then, look again at its deadline. When each failure was first seen is kept in the status."""
     if p.spec is None:
         return
+    live = [pod for pod in p.obs.pods if not pod.terminated]
+    seen = {uid: t for comp in p.status.components.values() for uid, raw in comp.pull_failing_since.items()
+            if (t := parse_time(raw)) is not None}
+    failing = image_pull.unpullable(live, seen, p.now)
+    for role, comp in p.status.components.items():
+        comp.pull_failing_since = {u.pod.uid: fmt_time(u.since) for u in failing
+                                   if u.pod.role == role and u.since is not None}
     timeout_s = p.spec.run_policy.image_pull_timeout_seconds
-    failed, wake = image_pull.overdue([pod for pod in p.obs.pods if not pod.terminated], timeout_s, p.now)
+    failed, wake = image_pull.overdue(failing, timeout_s, p.now)
     if failed is not None:
         p.decide_outcome(Phase.FAILED, Reason.IMAGE_PULL_FAILED, failed.message(p.spec, timeout_s))
     elif wake is not None:

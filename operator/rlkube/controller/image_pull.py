@@ -9,12 +9,14 @@ parse, or imagePullPolicy Never with the image absent from the node) fails it at
 retry before the deadline is no failure.
 
 The waiting reasons are the kubelet's (kubernetes pkg/kubelet/images/types.go:27-44, ErrImagePullBackOff to
-ErrInvalidImageName). The clock starts when the pod was bound to its node (its PodScheduled condition), not when it
-was created: a pod that waited for room on the cluster had not tried to pull yet. Pure: reads PodViews.
+ErrInvalidImageName). The clock starts when the operator first saw the pod's pull fail, kept per pod UID in
+status.components[role].pullFailingSince (so an operator restart does not reset it), and stops when the pod leaves
+the failure: a large image whose pull fails once after minutes of progress gets the whole timeout again. Pure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -47,25 +49,24 @@ def bare_reason(reason: str | None) -> str:
     return (reason or "").removeprefix("Init:")
 
 
-def unpullable(pods: list[PodView]) -> list[Unpullable]:
-    """The live pods now waiting on an image pull, the permanent ones first."""
+def unpullable(pods: list[PodView], seen: Mapping[str, datetime], now: datetime) -> list[Unpullable]:
+    """The live pods now waiting on an image pull, the permanent ones first; a retried failure is dated from
+    `seen` (pod UID -> when it was first seen failing), or from `now` when this pass is the first to see it."""
     out = []
     for pod in pods:
         reason = bare_reason(pod.waiting_reason)
         if pod.deleting or reason not in RETRIED | PERMANENT:
             continue
-        since = None if reason in PERMANENT else (pod.scheduled_at or pod.created_at)
-        if since is None and reason not in PERMANENT:
-            continue  # no time known to measure from (a view built without one)
+        since = None if reason in PERMANENT else seen.get(pod.uid, now)
         out.append(Unpullable(pod, pod.waiting_reason or reason, since))
-    return sorted(out, key=lambda u: (u.since is not None, u.since or datetime.min, u.pod.name))
+    return sorted(out, key=lambda u: (u.since is not None, u.since or now, u.pod.name))
 
 
-def overdue(pods: list[PodView], timeout_s: int, now: datetime) -> tuple[Unpullable | None, datetime | None]:
-    """The first pod whose pull failure fails the job now, and, while there is none, when to look again (the
-    earliest deadline still ahead). `timeout_s` 0: only the permanent reasons fail the job."""
+def overdue(failing: list[Unpullable], timeout_s: int, now: datetime) -> tuple[Unpullable | None, datetime | None]:
+    """The first of `failing` that fails the job now, and, while there is none, when to look again (the earliest
+    deadline still ahead). `timeout_s` 0: only the permanent reasons fail the job."""
     ahead = []
-    for u in unpullable(pods):
+    for u in failing:
         if u.since is None:
             return u, None
         if timeout_s > 0:

@@ -39,8 +39,6 @@ class PodView:
     started_at: datetime | None = None  # when the current container instance started
     waiting_reason: str | None = None  # e.g. ErrImagePull, CrashLoopBackOff ("Init:" while an init container waits)
     waiting_message: str | None = None  # ... and the kubelet's message with it (e.g. the pull's error)
-    created_at: datetime | None = None  # metadata.creationTimestamp
-    scheduled_at: datetime | None = None  # when the PodScheduled condition became True (bound to a node)
     pod_ip: str | None = None
     deleting: bool = False  # deletionTimestamp is set
     deletion_grace: int | None = None  # metadata.deletionGracePeriodSeconds (0: force-deleted)
@@ -91,11 +89,6 @@ def _waiting_init(status: dict, main: dict) -> dict | None:
         if _get(c, "state", "waiting", "reason") not in (None, "PodInitializing"):
             return c
     return None
-
-
-def _scheduled_at(conditions: list[dict]) -> datetime | None:
-    return next((parse_time(c.get("lastTransitionTime")) for c in conditions
-                 if c.get("type") == "PodScheduled" and c.get("status") == "True"), None)
 
 
 def pod_view(pod: dict) -> PodView | None:
@@ -151,8 +144,6 @@ def pod_view(pod: dict) -> PodView | None:
         started_at=parse_time(started),
         waiting_reason=waiting_prefix + reason if (reason := (waiting or {}).get("reason")) else None,
         waiting_message=((waiting or {}).get("message") or "").strip() or None,
-        created_at=parse_time(meta.get("creationTimestamp")),
-        scheduled_at=_scheduled_at(conditions),
         pod_ip=status.get("podIP") or None,
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_grace=int(grace) if grace is not None else None,
