@@ -13,6 +13,7 @@ from rlkube.controller.observed import PodView
 from rlkube.controller.times import fmt_time
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
+KILL = teardown.KUBELET_KILL_SLACK  # the kubelet kills a pod past its grace itself; forcing waits for it
 GRACE = GracePeriods(actor=10, preprocessor=10, inference=20, trainer=60, redis=5)
 
 
@@ -33,7 +34,7 @@ def step(td, pods, now=T0, keep=False, streams=()):
 def test_first_stage_deletes_only_the_actors_with_their_grace_period():
     s = step(TeardownStatus(reason="Succeeded"), everything())
     assert [(a.name, a.grace_seconds) for a in s.actions] == [("j-actor-0", 10), ("j-actor-1", 10)]
-    assert s.status.stage == "actor" and s.deadline == T0 + timedelta(seconds=10) and not s.done
+    assert s.status.stage == "actor" and s.deadline == T0 + timedelta(seconds=10) + KILL and not s.done
     assert s.status.stages[0].started_at == fmt_time(T0)
 
 
@@ -65,14 +66,16 @@ def test_the_order_is_actors_preprocessor_inference_trainer_redis():
 def test_pods_still_there_after_the_grace_period_are_force_deleted_once():
     s = step(TeardownStatus(reason="Succeeded"), everything())
     stuck = [PodView(**{**p.__dict__, "deleting": True}) if p.role == "actor" else p for p in everything()]
-    s = step(s.status, stuck, now=T0 + timedelta(seconds=10))
+    kubelet_kills = step(s.status, stuck, now=T0 + timedelta(seconds=10))
+    assert not [a for a in kubelet_kills.actions if isinstance(a, DeletePod)]  # its kubelet's SIGKILL comes first
+    s = step(s.status, stuck, now=T0 + timedelta(seconds=10) + KILL)
     forced = [a for a in s.actions if isinstance(a, DeletePod) and a.force]
     assert [(a.name, a.grace_seconds) for a in forced] == [("j-actor-0", 0), ("j-actor-1", 0)]
     assert s.status.stages[0].forced == 2 and [e.reason for e in s.events] == ["ForceDeleted", "ForceDeleted"]
     assert all(e.type == "Warning" for e in s.events)
     # Still listed but already force-deleted (grace 0): not forced again.
     forced_view = [PodView(**{**p.__dict__, "deletion_grace": 0}) if p.role == "actor" else p for p in stuck]
-    again = step(s.status, forced_view, now=T0 + timedelta(seconds=11))
+    again = step(s.status, forced_view, now=T0 + timedelta(seconds=11) + KILL)
     assert again.actions == [] and again.status.stages[0].forced == 2
 
 
@@ -85,12 +88,12 @@ def test_a_delete_that_reached_the_api_server_late_still_gets_its_whole_grace():
              if p.role == "actor" else p for p in everything()]
     early = step(s.status, stuck, now=T0 + timedelta(seconds=10))
     assert not [a for a in early.actions if isinstance(a, DeletePod)]
-    assert early.deadline == late + teardown.DELETION_TIMESTAMP_SLACK
-    forced = step(early.status, stuck, now=late + teardown.DELETION_TIMESTAMP_SLACK)
+    assert early.deadline == late + teardown.DELETION_TIMESTAMP_SLACK + KILL
+    forced = step(early.status, stuck, now=late + teardown.DELETION_TIMESTAMP_SLACK + KILL)
     assert [a.name for a in forced.actions if isinstance(a, DeletePod) and a.force] == ["j-actor-0", "j-actor-1"]
     # Someone else's delete with a much longer grace does not hold the stage beyond one more period.
     held = [PodView(**{**p.__dict__, "deletion_at": T0 + timedelta(hours=1)}) for p in stuck]
-    capped = step(early.status, held, now=T0 + timedelta(seconds=21))
+    capped = step(early.status, held, now=T0 + timedelta(seconds=21) + KILL)
     assert [a.name for a in capped.actions if isinstance(a, DeletePod) and a.force] == ["j-actor-0", "j-actor-1"]
 
 
@@ -103,7 +106,7 @@ def test_resuming_after_a_restart_keeps_the_recorded_stages():
     s = step(td, pods, now=T0 + timedelta(seconds=5))
     assert [x.started_at for x in s.status.stages] == [x.started_at for x in td.stages]
     assert s.actions == [] and s.status.stage == "inference"
-    assert s.deadline == T0 + timedelta(seconds=20)  # the inference grace counts from its recorded start
+    assert s.deadline == T0 + timedelta(seconds=20) + KILL  # the inference grace counts from its recorded start
 
 
 def test_a_kept_trainer_pod_that_completed_stays_but_a_running_trainer_is_stopped():

@@ -2,8 +2,11 @@
 
 Stages run one at a time in TEARDOWN_ORDER (actors, preprocessor, inference, trainer, Redis). A stage
 starts by deleting its pods with the role's grace period, and finishes only when those pods are gone;
-if they are still there when the grace period has run out, they are force-deleted (grace 0) with a
-Warning Event. Progress (start/finish time of each stage) lives in the status, so an operator restarted
+if they are still there KUBELET_KILL_SLACK after the grace period has run out, they are force-deleted (grace 0)
+with a Warning Event. The kubelet kills a container that outlives its grace itself and only then lets its pod go:
+force-deleting at the deadline would race it (the pod object gone, its container still running beside the next
+stage: on the real kubelet under load a frozen actor died 1.7 s after its grace, after the preprocessor's stage
+had begun). Forcing is for a kubelet that is gone (a lost node), not a slow one. Progress (start/finish time of each stage) lives in the status, so an operator restarted
 at any moment resumes at the stage it last wrote: a finished stage is never revisited, and as each step
 is also a function of the pods, a stage written as started whose pods are gone by now just finishes, and
 pods already deleting are not deleted again. (The loop may hold a stage-to-stage write a few seconds to
@@ -25,6 +28,7 @@ from rlkube.controller.times import fmt_time, parse_time
 
 DONE = "Done"
 DELETION_TIMESTAMP_SLACK = timedelta(seconds=1)  # deletionTimestamp has whole seconds
+KUBELET_KILL_SLACK = timedelta(seconds=10)  # the kubelet's own SIGKILL and pod removal after the grace (docstring)
 
 
 @dataclass
@@ -88,8 +92,8 @@ def advance(
             # at stage start + period would cut its grace short.
             # (At most one more period: a pod someone else deleted with a longer grace does not hold the stage.)
             grace = timedelta(seconds=period)
-            deadline = max([started + grace, *(min(p.deletion_at, started + 2 * grace) + DELETION_TIMESTAMP_SLACK
-                                               for p in targets if p.deletion_at)])
+            deadline = KUBELET_KILL_SLACK + max([started + grace, *(
+                min(p.deletion_at, started + 2 * grace) + DELETION_TIMESTAMP_SLACK for p in targets if p.deletion_at)])
             if now >= deadline:
                 stuck = [p for p in targets if p.deletion_grace != 0]
                 for p in stuck:
@@ -98,7 +102,8 @@ def advance(
                         Event(
                             "Warning",
                             "ForceDeleted",
-                            f"pod {p.name} still present {period}s after its {role} stage began; force-deleted",
+                            f"pod {p.name} still present {period}s after its {role} stage began and "
+                            f"{KUBELET_KILL_SLACK.seconds}s more for its kubelet; force-deleted",
                         )
                     )
                 stage.forced += len(stuck)
