@@ -294,7 +294,7 @@ class ClusterJob:
             state = self.agent.pod_state(self.namespace, pod_name)
             if not state:
                 return None
-            container = state["containers"].get(role)  # the role's container (an hf:// or directory model adds an init container)
+            container = state["containers"].get(role)  # the role's (an hf:// or directory model adds an init one)
             if container is None:
                 return None
             return container["pid"] if container["state"] == "running" and container["pid"] else None

@@ -223,9 +223,10 @@ class ContainerExits(threading.Thread):
 
 
 class PodWatch(threading.Thread):
-    """Every version of the namespace's pods: container ids per pod (init containers included), the resourceVersion of each pod's first
-    version with a deletionTimestamp (the API server's order of the deletions) and when this watch saw it, and
-    each pod's last terminated container state (exit code, reason) as the kubelet reported it."""
+    """Every version of the namespace's pods: container ids per pod (init containers included), the
+    resourceVersion of each pod's first version with a deletionTimestamp (the API server's order of the deletions)
+    and when this watch saw it, and each pod's last terminated container state (exit code, reason) as the kubelet
+    reported it."""
 
     def __init__(self, api_client, namespace: str):
         super().__init__(daemon=True, name="pod-watch")

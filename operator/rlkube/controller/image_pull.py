@@ -58,7 +58,7 @@ def unpullable(pods: list[PodView], seen: Mapping[str, datetime], now: datetime)
         if pod.deleting or reason not in RETRIED | PERMANENT:
             continue
         since = None if reason in PERMANENT else seen.get(pod.uid, now)
-        out.append(Unpullable(pod, pod.waiting_reason or reason, since))
+        out.append(Unpullable(pod, pod.waiting_reason, since))
     return sorted(out, key=lambda u: (u.since is not None, u.since or now, u.pod.name))
 
 

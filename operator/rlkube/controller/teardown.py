@@ -6,7 +6,9 @@ if they are still there KUBELET_KILL_SLACK after the grace period has run out, t
 with a Warning Event. The kubelet kills a container that outlives its grace itself and only then lets its pod go:
 force-deleting at the deadline would race it (the pod object gone, its container still running beside the next
 stage: on the real kubelet under load a frozen actor died 1.7 s after its grace, after the preprocessor's stage
-had begun). Forcing is for a kubelet that is gone (a lost node), not a slow one. Progress (start/finish time of each stage) lives in the status, so an operator restarted
+had begun). Forcing is for a kubelet that is gone (a lost node), not a slow one.
+
+Progress (start/finish time of each stage) lives in the status, so an operator restarted
 at any moment resumes at the stage it last wrote: a finished stage is never revisited, and as each step
 is also a function of the pods, a stage written as started whose pods are gone by now just finishes, and
 pods already deleting are not deleted again. (The loop may hold a stage-to-stage write a few seconds to
