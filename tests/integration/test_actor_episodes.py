@@ -115,10 +115,6 @@ def stack(tmp_path, redis_server, redis_client):
         proxy.close()
 
 
-def rollouts(redis_client) -> list[protocol.RolloutGroup]:
-    return [protocol.RolloutGroup.decode(f) for _, f in redis_client.xrange(KEYS.rollouts)]
-
-
 def per_token(choice: dict) -> list[int]:
     """The engine's version of each token of a choice, from its `model_versions` [[first index, version], ...]."""
     spans = choice["model_versions"]
@@ -127,6 +123,17 @@ def per_token(choice: dict) -> list[int]:
 
 def counts(redis_client) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in redis_client.hgetall(KEYS.episodes).items()}
+
+
+def written(redis_client) -> tuple[list[protocol.RolloutGroup], dict[str, float]]:
+    """The groups and the episode totals read in one transaction: the actor goes on writing while the test reads,
+    and each group is written together with its counts (rlkube.core.actor.lag), so only one snapshot compares."""
+    pipe = redis_client.pipeline(transaction=True)
+    pipe.xrange(KEYS.rollouts)
+    pipe.hgetall(KEYS.episodes)
+    stream, totals = pipe.execute()
+    return ([protocol.RolloutGroup.decode(f) for _, f in stream],
+            {k.decode(): float(v) for k, v in totals.items()})
 
 
 @pytest.mark.parametrize("engine", [
@@ -144,7 +151,7 @@ def test_every_document_is_exactly_what_the_engine_sampled_plus_the_environment(
         publish(trainer, version, documents_seen=8 * version)
     wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= 10 or actor.poll() is not None, 120, "10 groups")
     assert actor.poll() is None, log_text(actor)
-    groups = rollouts(redis_client)
+    groups, totals = written(redis_client)
 
     # The engine's replies by the prompt ids they answered (a text prompt: the ids the engine reported for it).
     replies: dict[tuple[int, ...], list[tuple[dict, dict]]] = {}
@@ -182,7 +189,6 @@ def test_every_document_is_exactly_what_the_engine_sampled_plus_the_environment(
             docs_checked += 1
     assert docs_checked >= 40 and env_spans >= 1, (docs_checked, env_spans)
     assert len(versions_seen) >= 2  # the documents span weight updates
-    totals = counts(redis_client)
     assert totals["episodes"] == sum(len(g.samples) for g in groups)
     assert totals["tool_calls"] == env_spans == sum(s.episode["tool_calls"] for g in groups for s in g.samples)
 
@@ -231,12 +237,11 @@ def test_a_hanging_tool_and_a_spent_token_budget_end_episodes_that_are_scored_an
     wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= before + 2 or actor.poll() is not None, 120,
              "groups after the timeouts")
     assert actor.poll() is None, log_text(actor)
-    groups = rollouts(redis_client)
+    groups, totals = written(redis_client)
     samples = [s for g in groups for s in g.samples]
     timed_out = [s for s in samples if s.episode["tool_timeouts"]]
     truncated = [s for s in samples if s.episode["truncated"]]
     assert timed_out and truncated
-    totals = counts(redis_client)
     assert totals["tool_timeouts"] == len(timed_out) and totals["truncated"] == len(truncated)
     assert totals["episodes"] == len(samples)
     for s in timed_out:  # ended at the hung call and scored by the environment (its reward() answered)
@@ -301,8 +306,8 @@ def test_sandboxed_tools_refused_network_killed_loops_and_an_episode_time_limit_
     wait_for(lambda: redis_client.xlen(KEYS.rollouts) >= before + 2 or actor.poll() is not None, 180,
              "groups after the refusals, kills and time limits")
     assert actor.poll() is None, log_text(actor)
-    samples = [s for g in rollouts(redis_client) for s in g.samples]
-    totals = counts(redis_client)
+    groups, totals = written(redis_client)
+    samples = [s for g in groups for s in g.samples]
     assert totals["episodes"] == len(samples)
     for key in ("sandbox_refusals", "tool_timeouts", "timed_out"):
         assert totals[key] == sum(s.episode[key] for s in samples) > 0, (key, totals)

@@ -44,6 +44,17 @@ async def test_write_checks_the_position_against_the_sampling_version(counter, r
     assert [RolloutGroup.decode(f).model_version for _, f in stream] == [0, 0, 0, 0, 1]
 
 
+async def test_a_written_group_adds_its_episode_counts_in_the_same_script_and_a_refused_one_adds_none(
+        counter, redis_client):
+    totals = {"episodes": 4, "truncated": 3, "turn_reward_sum": 0.75}
+    assert [await counter.write(group(0), 0, totals) for _ in range(4)] == [4, 8, 12, 16]
+    assert await counter.write(group(0), 0, {"episodes": 4, "truncated": 4}) is None  # refused: not counted
+    assert await counter.write(group(1), 8) == 20  # no environment: no counts
+    counts = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.episodes).items()}
+    assert counts == {"episodes": "16", "truncated": "12", "turn_reward_sum": "3"}
+    assert redis_client.xlen(KEYS.rollouts) == 5
+
+
 async def test_rebase_lowers_once_and_ignores_older_events(counter):
     assert [await counter.reserve(8, 16) for _ in range(4)] == [8, 16, 24, 32]
     assert [await counter.write(group(2, 8), 16) for _ in range(4)] == [8, 16, 24, 32]

@@ -64,14 +64,24 @@ redis.call('SET', KEYS[4], ARGV[1])
 return lowered
 """
 
-# Appends a group if its last sample's position stays within the budget of the version that sampled it.
-# KEYS: written, rollouts stream; ARGV: n, budget, encoded group. Returns the position, or 0 when refused.
+# Appends a group if its last sample's position stays within the budget of the version that sampled it, and adds
+# its episode counts to the job's totals in the same step: a reader never sees a group its totals miss, and an
+# actor killed between two writes cannot lose the counts of a group it wrote.
+# KEYS: written, rollouts stream, episode totals hash; ARGV: n, budget, encoded group, then (field, "i" or "f",
+# value) triples. Returns the position, or 0 when refused.
 _WRITE = """
 local n = tonumber(ARGV[1])
 local position = tonumber(redis.call('GET', KEYS[1]) or '0') + n
 if position > tonumber(ARGV[2]) then return 0 end
 redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
 redis.call('SET', KEYS[1], position)
+for i = 4, #ARGV, 3 do
+  if ARGV[i + 1] == 'f' then
+    redis.call('HINCRBYFLOAT', KEYS[3], ARGV[i], ARGV[i + 2])
+  else
+    redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 2])
+  end
+end
 return position
 """
 
@@ -153,12 +163,20 @@ class LagCounter:
         """Return an admission whose group will not be written."""
         await self.redis.decrby(self.keys.reserved, n)
 
-    async def write(self, group: protocol.RolloutGroup, documents_seen: int) -> int | None:
-        """XADD the group if it fits the budget of the weights that sampled it (announced at documents_seen):
-        its position, or None when it would be consumed too late (sample it again with newer weights)."""
+    async def write(self, group: protocol.RolloutGroup, documents_seen: int,
+                    totals: dict[str, int | float] | None = None) -> int | None:
+        """XADD the group if it fits the budget of the weights that sampled it (announced at documents_seen), and
+        add `totals` (its episode counts) to the job's in the same script: its position, or None when it would be
+        consumed too late (sample it again with newer weights; nothing is counted)."""
         fields = group.encode()
-        position = int(await self._write(keys=[self.keys.written, self.stream_keys.rollouts],
-                                         args=[len(group.samples), self.budget(documents_seen), fields["group"]]))
+        counted: list[str | int | float] = []
+        for name, value in (totals or {}).items():
+            counted += [name, "f" if isinstance(value, float) else "i", repr(value) if isinstance(value, float)
+                        else int(value)]
+        position = int(await self._write(keys=[self.keys.written, self.stream_keys.rollouts,
+                                               self.stream_keys.episodes],
+                                         args=[len(group.samples), self.budget(documents_seen), fields["group"],
+                                               *counted]))
         return position or None
 
     async def on_weights_ready(self, stream_id: str, documents_seen: int) -> int:

@@ -444,19 +444,16 @@ class Actor:
             created_at=time.time(),
         )
 
-    async def count_episodes(self, group: protocol.RolloutGroup) -> None:
-        """Add a written group's episode counts to the job's totals (the trainer reports them)."""
-        totals: dict[str, float] = {"episodes": len(group.samples)}
+    def episode_totals(self, group: protocol.RolloutGroup) -> dict[str, int | float] | None:
+        """A group's episode counts, added to the job's totals (the trainer reports them) by the script that writes
+        the group (rlkube.core.actor.lag): None without an environment."""
+        if self.environment is None:
+            return None
+        totals: dict[str, int | float] = {"episodes": len(group.samples)}
         for s in group.samples:
             for key, value in (s.episode or {}).items():
                 totals[key] = totals.get(key, 0) + value
-        pipe = self.redis.pipeline(transaction=False)
-        for key, value in totals.items():
-            if isinstance(value, float):  # the per-turn reward sum
-                pipe.hincrbyfloat(self.keys.episodes, key, value)
-            else:
-                pipe.hincrby(self.keys.episodes, key, value)
-        await pipe.execute()
+        return totals
 
     # --- supervised (sft): reference completions from the dataset ------------------------------------
 
@@ -538,8 +535,6 @@ class Actor:
                 elif (group := await self.sample_and_write(session, last)) is not None:
                     produced = True
                     self._count(group)
-                    if self.environment is not None:
-                        await self.count_episodes(group)
             finally:
                 self.inflight -= self.group_n
                 if not produced:
@@ -556,7 +551,7 @@ class Actor:
         retry = 0
         while group is not None and not self.stop.is_set():
             seen = self.documents_seen_for(group.model_version)
-            if seen is not None and await self.lag.write(group, seen) is not None:
+            if seen is not None and await self.lag.write(group, seen, self.episode_totals(group)) is not None:
                 return group
             # Too old for the position it would get: the server still had older weights than announced
             # (the transfer follows the announcement), restarted without them, or a group reserved after
