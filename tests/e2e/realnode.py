@@ -4,13 +4,15 @@ fixtures `real_node`, `real_api` and `chart_operator` (tests/e2e/conftest.py). S
 and the image imports more on a cold cache, so no module starts its own.
 
 Also what those tests read of the node as the kubelet and containerd see it: containerd's exit events, a watch of a
-namespace's pods, a container's id (for `ctr task kill`), a PVC bound to a hostPath PersistentVolume, and a
-diagnostic dump of every pod for failure messages.
+namespace's pods, a container's id (for `ctr task kill`), every run of a container with its log, a PVC bound to a
+hostPath PersistentVolume, and a diagnostic dump of every pod for failure messages.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import helm_python as helm
+import urllib3
 from cluster.control_plane import ControlPlane
 from cluster.node import ROUTE_LOCALNET, Node, running, stored_image_id
 from clusterjob import EventFollower, read_job, secret_password
@@ -225,8 +228,10 @@ class ContainerExits(threading.Thread):
 class PodWatch(threading.Thread):
     """Every version of the namespace's pods: container ids per pod (init containers included), the
     resourceVersion of each pod's first version with a deletionTimestamp (the API server's order of the deletions)
-    and when this watch saw it, and each pod's last terminated container state (exit code, reason) as the kubelet
-    reported it."""
+    and when this watch saw it, each pod's last terminated container state (exit code, reason) as the kubelet
+    reported it, the uids of the pod objects each name had in the order they were seen (a recreated pod gets a new
+    one) with the ids of each one's containers by container name, and the most restarts in place the kubelet
+    counted."""
 
     def __init__(self, api_client, namespace: str):
         super().__init__(daemon=True, name="pod-watch")
@@ -236,6 +241,8 @@ class PodWatch(threading.Thread):
         self.deleted_at_rv: dict[str, int] = {}
         self.deletion_seen: dict[str, datetime] = {}
         self.terminated: dict[str, tuple[int, str]] = {}
+        self.uids: dict[str, dict[str, dict[str, set[str]]]] = {}  # name -> uid -> container name -> ids
+        self.restarts: dict[str, int] = {}
         self._watch = watch.Watch()
 
     def run(self) -> None:
@@ -244,10 +251,15 @@ class PodWatch(threading.Thread):
                 for ev in self._watch.stream(self.core.list_namespaced_pod, self.namespace, timeout_seconds=30):
                     pod = ev["object"]
                     name = pod.metadata.name
+                    by_container = self.uids.setdefault(name, {}).setdefault(pod.metadata.uid, {})
+                    restarts = [cs.restart_count for cs in pod.status.container_statuses or []]
+                    self.restarts[name] = max([self.restarts.get(name, 0), *restarts])
                     # Init containers too: a pod deleted while its model fetch still runs stops that container.
                     for cs in (pod.status.init_container_statuses or []) + (pod.status.container_statuses or []):
                         if cs.container_id:
-                            self.containers.setdefault(name, set()).add(cs.container_id.split("://", 1)[1])
+                            cid = cs.container_id.split("://", 1)[1]
+                            self.containers.setdefault(name, set()).add(cid)
+                            by_container.setdefault(cs.name, set()).add(cid)
                         if cs.state.terminated:
                             self.terminated[name] = (cs.state.terminated.exit_code, cs.state.terminated.reason)
                     if pod.metadata.deletion_timestamp and name not in self.deleted_at_rv:
@@ -361,3 +373,62 @@ class LogFollower(threading.Thread):
                                                  _preload_content=False)
         for chunk in resp.stream(4096):
             self.text += chunk.decode(errors="replace")
+
+
+@dataclasses.dataclass
+class ContainerRun:
+    """One run of a container: the pod object it ran in, its id in containerd, its log so far."""
+
+    pod_uid: str
+    container_id: str
+    log: str = ""
+
+
+class ContainerRuns(threading.Thread):
+    """Every run of one container under one pod name, each run's log as the kubelet serves it (`kubectl logs
+    -f`), kept after the pod is deleted: the runs of a container restarted in place and those of a pod recreated
+    under the same name, in the order they started. A run that ended before it was seen is still read while its
+    pod exists (the kubelet keeps a terminated container's log); one that came and went between two looks at the
+    pod (0.1 s) is missed."""
+
+    def __init__(self, core, namespace: str, pod: str, container: str):
+        super().__init__(daemon=True, name=f"runs-{pod}")
+        self.core, self.namespace, self.pod, self.container = core, namespace, pod, container
+        self.runs: list[ContainerRun] = []
+        self._halt = threading.Event()
+
+    def _current(self) -> ContainerRun | None:
+        """The pod's container now, once it has started (running or ended), with no log yet."""
+        try:
+            p = self.core.read_namespaced_pod(self.pod, self.namespace)
+        except ApiException:
+            return None
+        for cs in p.status.container_statuses or []:
+            if cs.name == self.container and cs.container_id and (cs.state.running or cs.state.terminated):
+                return ContainerRun(p.metadata.uid, cs.container_id.split("://", 1)[1])
+        return None
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            run = self._current()
+            if run is None or any(r.container_id == run.container_id for r in self.runs):
+                self._halt.wait(0.1)
+                continue
+            self.runs.append(run)
+            decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            try:
+                resp = self.core.read_namespaced_pod_log(self.pod, self.namespace, container=self.container,
+                                                         follow=True, _preload_content=False)
+                for chunk in resp.stream(4096):
+                    run.log += decode(chunk)
+            except (ApiException, urllib3.exceptions.HTTPError):
+                pass  # the pod went away between its status and its log, or while it was read
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=15)
+
+    def describe(self) -> str:
+        """For assertion messages: each run's pod uid, container id and the end of its log."""
+        return "\n".join(f"run {i} (pod {r.pod_uid}, container {r.container_id[:12]}):\n{r.log[-2000:]}"
+                         for i, r in enumerate(self.runs))
