@@ -50,14 +50,18 @@ def chart_operator(real_node, real_api):
 
 @pytest.fixture
 def real_job(real_node, real_api, chart_operator):
-    """A realnode.RealJob in a fresh namespace of the real node; at the end the job is deleted (its operator
-    releases the finalizer), then the namespace."""
+    """A realnode.RealJob in a fresh namespace of the real node, once the chart's webhook answers there (the first
+    test of a module run alone came right after the operator pod was Ready, and its apply was refused with
+    "failed calling webhook"); at the end the job is deleted (its operator releases the finalizer), then the
+    namespace."""
+    from clusterjob import example
     from kubernetes import client
-    from realnode import RealJob, create_namespace
+    from realnode import RealJob, create_namespace, webhook_serving
 
     core = client.CoreV1Api(real_api)
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     create_namespace(core, ns)
+    webhook_serving(real_api, ns, example(), real_node)
     j = RealJob(real_api, real_node, ns)
     yield j
     j.close()

@@ -10,7 +10,6 @@ hostPath PersistentVolume, and a diagnostic dump of every pod for failure messag
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import json
@@ -23,7 +22,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import helm_python as helm
-import urllib3
 from cluster.control_plane import ControlPlane
 from cluster.node import ROUTE_LOCALNET, Node, running, stored_image_id
 from clusterjob import EventFollower, read_job, secret_password
@@ -375,60 +373,79 @@ class LogFollower(threading.Thread):
             self.text += chunk.decode(errors="replace")
 
 
+# Where the kubelet writes each container run's log: <namespace>_<pod>_<pod uid>/<container>/<restart count>.log
+# (kubernetes pkg/kubelet/kuberuntime/kuberuntime_manager.go: podLogsRootDirectory, the same for every node here).
+POD_LOGS = Path("/var/log/pods")
+
+
 @dataclasses.dataclass
 class ContainerRun:
-    """One run of a container: the pod object it ran in, its id in containerd, its log so far."""
+    """One run of a container: the pod object it ran in, the kubelet's restart count for it, its log so far."""
 
     pod_uid: str
-    container_id: str
+    restart: int
     log: str = ""
+    offset: int = 0
+    partial: str = ""
+
+
+def cri_lines(text: str) -> list[tuple[str, bool]]:
+    """(message, whole line) of each line of a CRI log file ("<time> <stream> <P|F> <message>"; P: a part of a
+    longer line, continued in the next record)."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4:
+            out.append((parts[3], parts[2] == "F"))
+    return out
 
 
 class ContainerRuns(threading.Thread):
-    """Every run of one container under one pod name, each run's log as the kubelet serves it (`kubectl logs
-    -f`), kept after the pod is deleted: the runs of a container restarted in place and those of a pod recreated
-    under the same name, in the order they started. A run that ended before it was seen is still read while its
-    pod exists (the kubelet keeps a terminated container's log); one that came and went between two looks at the
-    pod (0.1 s) is missed."""
+    """Every run of one container under one pod name, read from the kubelet's own log files on this machine (this
+    process runs on the node) every 0.1 s and kept after the kubelet removes them: the runs of a container
+    restarted in place and those of a pod recreated under the same name, in the order they were first seen. A run
+    of a few seconds whose pod is deleted at once is still read (the API's log endpoint, which follows one pod's
+    current container, missed those); what it wrote in its last 0.1 s before its file went away may be lost."""
 
-    def __init__(self, core, namespace: str, pod: str, container: str):
+    def __init__(self, namespace: str, pod: str, container: str):
         super().__init__(daemon=True, name=f"runs-{pod}")
-        self.core, self.namespace, self.pod, self.container = core, namespace, pod, container
+        self.pattern = f"{namespace}_{pod}_*/{container}/*.log"
         self.runs: list[ContainerRun] = []
+        self._by_file: dict[Path, ContainerRun] = {}
         self._halt = threading.Event()
 
-    def _current(self) -> ContainerRun | None:
-        """The pod's container now, once it has started (running or ended), with no log yet."""
-        try:
-            p = self.core.read_namespaced_pod(self.pod, self.namespace)
-        except ApiException:
-            return None
-        for cs in p.status.container_statuses or []:
-            if cs.name == self.container and cs.container_id and (cs.state.running or cs.state.terminated):
-                return ContainerRun(p.metadata.uid, cs.container_id.split("://", 1)[1])
-        return None
+    def _read(self) -> None:
+        for path in sorted(POD_LOGS.glob(self.pattern)):
+            run = self._by_file.get(path)
+            if run is None:
+                uid = path.parent.parent.name.rsplit("_", 1)[1]
+                run = self._by_file[path] = ContainerRun(uid, int(path.stem))
+                self.runs.append(run)
+            try:
+                with path.open("rb") as f:
+                    f.seek(run.offset)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1  # whole records only; the rest is read when it is complete
+            run.offset += end
+            for message, whole in cri_lines(data[:end].decode(errors="replace")):
+                run.partial += message
+                if whole:
+                    run.log += run.partial + "\n"
+                    run.partial = ""
 
     def run(self) -> None:
         while not self._halt.is_set():
-            run = self._current()
-            if run is None or any(r.container_id == run.container_id for r in self.runs):
-                self._halt.wait(0.1)
-                continue
-            self.runs.append(run)
-            decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            try:
-                resp = self.core.read_namespaced_pod_log(self.pod, self.namespace, container=self.container,
-                                                         follow=True, _preload_content=False)
-                for chunk in resp.stream(4096):
-                    run.log += decode(chunk)
-            except (ApiException, urllib3.exceptions.HTTPError):
-                pass  # the pod went away between its status and its log, or while it was read
+            self._read()
+            self._halt.wait(0.1)
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=15)
+        self._read()
 
     def describe(self) -> str:
-        """For assertion messages: each run's pod uid, container id and the end of its log."""
-        return "\n".join(f"run {i} (pod {r.pod_uid}, container {r.container_id[:12]}):\n{r.log[-2000:]}"
-                         for i, r in enumerate(self.runs))
+        """For assertion messages: each run's pod uid, restart count and the end of its log."""
+        return "\n".join(f"run {i} (pod {r.pod_uid}, restart {r.restart}):\n{r.log[-2000:]}"
+                          for i, r in enumerate(self.runs))

@@ -15,9 +15,17 @@ import re
 
 import pytest
 from realnode import ContainerExits, ContainerRuns, PodWatch, RealJob, checkpoint_claim
-from test_real_node_failures import (MAX_STEPS, TERMINAL, assert_clean_end, assert_succeeded_with_every_step,
-                                     chaos_example)
+from test_real_node_failures import TERMINAL, assert_clean_end, assert_succeeded_with_every_step, chaos_example
 from waiting import wait_for
+
+
+# Long enough that the job still runs when the kill comes: the trainer is killed only once the status names a
+# checkpoint, and 25 steps (the failure tests' count) were all trained by then once, on a quiet machine.
+MAX_STEPS = 60
+
+
+def restart_example(**overrides) -> dict:
+    return chaos_example(**{"spec.algorithm.maxSteps": MAX_STEPS, **overrides})
 
 
 @pytest.fixture
@@ -43,7 +51,7 @@ def started():
 
 def assert_every_step_trained(job: RealJob, tj: dict) -> None:
     """Succeeded at the last step, and every step's metrics were published (a resumed trainer repeats some)."""
-    assert_succeeded_with_every_step(job, tj)
+    assert_succeeded_with_every_step(job, tj, MAX_STEPS)
     assert tj["status"]["trainer"]["step"] == MAX_STEPS, tj["status"]["trainer"]
     steps = [m["step"] for m in job.follower.metrics]
     assert set(steps) == set(range(1, MAX_STEPS + 1)), steps
@@ -87,8 +95,8 @@ def test_a_recreated_trainer_pod_resumes_from_its_claim_or_fails_naming_it(job, 
         overrides["spec.trainer.checkpoint.claimName"] = claim
     pods = started(PodWatch(real_api, job.namespace))
     exits = started(ContainerExits(real_node))
-    job.apply(chaos_example(**overrides))
-    trainer = started(ContainerRuns(job.core, job.namespace, job.pod("trainer"), "trainer"))
+    job.apply(restart_example(**overrides))
+    trainer = started(ContainerRuns(job.namespace, job.pod("trainer"), "trainer"))
     job.follow()
     wait_for(lambda: job.follower.checkpoints, 300,
              lambda: f"a first checkpoint: {job.follower.describe()}\n{job.diagnostics()}", 0.1)
@@ -105,15 +113,13 @@ def test_a_recreated_trainer_pod_resumes_from_its_claim_or_fails_naming_it(job, 
     st = tj["status"]
     name = job.pod("trainer")
     old_uid, new_uid = pods.uids[name]  # recreated, not restarted in place
-    first = trainer.runs[0]
-    assert first.pod_uid == old_uid and exits.status.get(first.container_id) == 137, (
-        exits.status, trainer.describe())  # the SIGKILL
-    # One run in the new pod, as containerd saw it end: on the emptyDir it exits 78 (a configuration error)
-    # within seconds and its pod is deleted at once, too quickly for its log to be read, so the exit is taken from
-    # containerd's events and the container's id from the pod's status as the watch saw it.
-    (new_run,) = pods.uids[name][new_uid]["trainer"]
-    assert exits.status.get(new_run) == (78 if claim is None else 0), (exits.status, pods.uids)
-    log = "".join(r.log for r in trainer.runs if r.pod_uid == new_uid)
+    # One run in each pod, as containerd saw them end: the SIGKILL, then on the emptyDir exit 78 (a configuration
+    # error) within seconds of its start, on the claim 0 at the last step.
+    (killed,), (new_run,) = pods.uids[name][old_uid]["trainer"], pods.uids[name][new_uid]["trainer"]
+    assert (exits.status.get(killed), exits.status.get(new_run)) == (137, 78 if claim is None else 0), (
+        exits.status, pods.uids)
+    assert [(r.pod_uid, r.restart) for r in trainer.runs] == [(old_uid, 0), (new_uid, 0)], trainer.describe()
+    log = trainer.runs[1].log
     warned = [e for e in job.core.list_namespaced_event(job.namespace).items if e.reason == "EphemeralCheckpoints"]
     print(f"\ntrainer pod recreated after checkpoint step {saved['step']} ({claim or 'emptyDir'}): {st['phase']} "
           f"({st.get('reason')}: {st.get('message')})")
@@ -122,7 +128,7 @@ def test_a_recreated_trainer_pod_resumes_from_its_claim_or_fails_naming_it(job, 
         m = re.search(r"spec\.trainer\.checkpoint\.claimName: checkpoint lost: the checkpoint at (\S+) step (\d+) "
                       r"is gone", st["message"])
         assert m and int(m.group(2)) >= saved["step"], st["message"]
-        assert "resumed from" not in log, log[-3000:]  # read only when the run was seen before it ended
+        assert "resumed from" not in log and "checkpoint lost" in log, log[-3000:]
         steps = [m["step"] for m in job.follower.metrics]
         assert steps.count(1) == 1, steps  # the recreated trainer never trained a step again from the start
         assert [e.type for e in warned] == ["Warning"], warned  # once, at creation
@@ -143,9 +149,9 @@ def test_a_data_parallel_rank_killed_mid_run_restarts_the_ranks_together(job, re
     tests/e2e/test_real_node_pods.py)."""
     backoff = 4
     pods = started(PodWatch(real_api, job.namespace))
-    job.apply(chaos_example(**{"spec.trainer.nodes": 2, "spec.runPolicy.backoffLimit": backoff,
+    job.apply(restart_example(**{"spec.trainer.nodes": 2, "spec.runPolicy.backoffLimit": backoff,
                                "spec.trainer.resources": {"requests": {"cpu": "250m", "memory": "1Gi"}}}))
-    rank0 = started(ContainerRuns(job.core, job.namespace, job.pod("trainer", 0), "trainer"))
+    rank0 = started(ContainerRuns(job.namespace, job.pod("trainer", 0), "trainer"))
     job.follow()
     wait_for(lambda: job.follower.checkpoints, 300,
              lambda: f"a first checkpoint: {job.follower.describe()}\n{job.diagnostics()}", 0.1)
