@@ -12,11 +12,14 @@ tests that ran here went:
 Deleted, covered on the real node by tests/e2e/test_real_cluster.py:
 - test_trainingjob's tiny-cpu (learns, Succeeds, tears down in order);
 - test_chaos's trainer killed with -9, restarted in place, resuming from its checkpoint.
-Moved to the real node (tests/e2e/test_real_node_failures.py, tests/e2e/test_real_node_pods.py):
+Moved to the real node (tests/e2e/test_real_node_failures.py, tests/e2e/test_real_node_pods.py,
+tests/e2e/test_real_node_restarts.py):
 - test_failure_budgets: a crash-looping inference fails the job within componentBackoffLimit, in its own words
   (the kubelet's termination message, its back-off);
 - test_chaos: a pod ignoring SIGTERM killed after its grace period; Redis killed mid-run; the actor killed and
-  restarted in place; the job deleted mid-run, every container stopped in teardown order;
+  restarted in place; the job deleted mid-run, every container stopped in teardown order; a trainer pod recreated
+  (restartPolicy Never) resuming from its claim, or failing CheckpointLost on an emptyDir; a data-parallel rank
+  killed, both ranks restarted in place together (test_real_node_restarts);
 - test_trainingjob's trainer.nodes 2 (with smaller CPU requests: two trainers at tiny-cpu's 1 CPU each do not fit
   the node's 2 CPUs beside inference; on CPU the trainers' spread is only a preference).
 
@@ -30,9 +33,8 @@ What this agent still serves, and why:
 - Not moved yet, though the real node could run them (PersistentVolumes, exec, logs through the API, lower
   requests for two trainer pods): test_pod_overrides (template env, ConfigMap volume, nodeSelector and the Node's
   relabelling; two ranks in one trainer pod: a real-node version was written but did not pass in time, as an
-  8-step job ended before every container had been looked at from inside), test_chaos's data-parallel rank kill
-  and recreated trainer pod (with or without its claim), test_fsdp_job, test_bad_inputs (init container
-  termination messages; uid 10001 would make `chmod 000` meaningful there), test_episodes_job and
+  8-step job ended before every container had been looked at from inside), test_fsdp_job, test_bad_inputs (init
+  container termination messages; uid 10001 would make `chmod 000` meaningful there), test_episodes_job and
   test_hf_model_job (a host directory the real node would mount as a PersistentVolume).
 - Its own tests (tests/e2e/test_nodeagent.py, tests/unit/test_nodeagent_rules.py) check the kubelet duties those
   rely on: pod IPs and Service names, probes, restart policies, the kill sequence, volumes and claims, init
