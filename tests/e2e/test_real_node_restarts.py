@@ -2,8 +2,8 @@
 under test is how the operator and the trainer meet the kubelet's own handling of a killed container: a trainer pod
 the kubelet reports failed (restartPolicy Never) and the operator recreates, resuming from its checkpoint claim or,
 on an emptyDir, failing the job naming the field that would have kept it; and a data-parallel rank killed, the
-kubelet restarting both ranks in place together. Written to replace the node agent's copies in
-tests/e2e/test_chaos.py, which stay until this module has passed on the real node.
+kubelet restarting both ranks in place together. Moved here from the node agent (tests/nodeagent's docstring lists
+what stays there).
 
 Containers are killed and frozen through containerd (`ctr task kill`), as in tests/e2e/test_real_node_failures.py,
 whose short job and end checks these share. Each job costs about a minute here (pods in containers on 2 shared CPUs).
