@@ -44,10 +44,13 @@ demo-cluster: deps control-plane
 	$(PYTHON) tests/e2e/demo_cluster.py
 
 # The real-node e2e test (tests/e2e/test_real_cluster.py) runs the operator, core and redis images: built first
-# (content-cached: seconds when unchanged).
+# (content-cached: seconds when unchanged). TEST_WORKERS pytest-xdist workers (one per core here; 0 runs serially):
+# the e2e tier, the real kubelet and vLLM stay on one worker, in collection order (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: deps deps-vllm control-plane
 	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
-	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30
+	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30 \
+	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The vLLM CPU image's own tier (not in `make test`: a ~4.4 GB image, minutes to build, import and run on 2 cores):
 # examples/vllm-cpu.yaml on the real node, its inference pod from localhost/rlkube/vllm:0.1.0-cpu
