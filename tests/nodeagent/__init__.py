@@ -21,7 +21,9 @@ tests/e2e/test_real_node_restarts.py):
   (restartPolicy Never) resuming from its claim, or failing CheckpointLost on an emptyDir; a data-parallel rank
   killed, both ranks restarted in place together (test_real_node_restarts);
 - test_trainingjob's trainer.nodes 2 (with smaller CPU requests: two trainers at tiny-cpu's 1 CPU each do not fit
-  the node's 2 CPUs beside inference; on CPU the trainers' spread is only a preference).
+  the node's 2 CPUs beside inference; on CPU the trainers' spread is only a preference);
+- test_fsdp_job: examples/tiny-cpu-fsdp.yaml on two trainer pods, both ranks writing their shards to one claim (a
+  hostPath PersistentVolume), learning (test_real_node_pods).
 
 What this agent still serves, and why:
 - Images the real node cannot have here: Fast-LLM (test_fast_llm_job: its image is a CUDA build that does not
@@ -33,8 +35,8 @@ What this agent still serves, and why:
 - Not moved yet, though the real node could run them (PersistentVolumes, exec, logs through the API, lower
   requests for two trainer pods): test_pod_overrides (template env, ConfigMap volume, nodeSelector and the Node's
   relabelling; two ranks in one trainer pod: a real-node version was written but did not pass in time, as an
-  8-step job ended before every container had been looked at from inside), test_fsdp_job, test_bad_inputs (init
-  container termination messages; uid 10001 would make `chmod 000` meaningful there), test_episodes_job and
+  8-step job ended before every container had been looked at from inside), test_bad_inputs (init container
+  termination messages; uid 10001 would make `chmod 000` meaningful there), test_episodes_job and
   test_hf_model_job (a host directory the real node would mount as a PersistentVolume).
 - Its own tests (tests/e2e/test_nodeagent.py, tests/unit/test_nodeagent_rules.py) check the kubelet duties those
   rely on: pod IPs and Service names, probes, restart policies, the kill sequence, volumes and claims, init
