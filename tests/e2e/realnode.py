@@ -356,23 +356,6 @@ def inside(core, namespace: str, pod: str, container: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.split() if "=" in line)
 
 
-class LogFollower(threading.Thread):
-    """A container's log as the kubelet serves it (`kubectl logs -f`), kept after its pod is deleted."""
-
-    def __init__(self, core, namespace: str, pod: str, container: str):
-        super().__init__(daemon=True, name=f"log-{pod}")
-        self.core, self.namespace, self.pod, self.container = core, namespace, pod, container
-        self.text = ""
-
-    def run(self) -> None:
-        wait_for(lambda: container_id(self.core, self.namespace, self.pod, self.container), 180,
-                 f"{self.pod} running", 0.2)
-        resp = self.core.read_namespaced_pod_log(self.pod, self.namespace, container=self.container, follow=True,
-                                                 _preload_content=False)
-        for chunk in resp.stream(4096):
-            self.text += chunk.decode(errors="replace")
-
-
 # Where the kubelet writes each container run's log: <namespace>_<pod>_<pod uid>/<container>/<restart count>.log
 # (kubernetes pkg/kubelet/kuberuntime/kuberuntime_manager.go: podLogsRootDirectory, the same for every node here).
 POD_LOGS = Path("/var/log/pods")
@@ -444,6 +427,11 @@ class ContainerRuns(threading.Thread):
         self._halt.set()
         self.join(timeout=15)
         self._read()
+
+    @property
+    def text(self) -> str:
+        """Every run's log, in order."""
+        return "".join(r.log for r in self.runs)
 
     def describe(self) -> str:
         """For assertion messages: each run's pod uid, restart count and the end of its log."""
