@@ -18,6 +18,7 @@ from rlkube.contract.context import RoleContext
 from rlkube.core.errors import ConfigError
 from rlkube.core.actor.lag import LagCounter
 from rlkube.core.preprocessor.documents import DocumentConfig, documents_of, group_to_documents
+from rlkube.core.preprocessor import role as preprocessor_role
 from rlkube.core.preprocessor.role import PreprocessorRole
 from rlkube.core.trainer import TrainerRole
 from rlkube.lifecycle.evidence import Evidence, Failure
@@ -68,6 +69,15 @@ def test_spec_switch_defaults_on_and_is_off_for_sft(redis_server, redis_client):
     assert not PreprocessorRole(off, redis_client).cfg.filter_zero_advantage
     sft = _ctx(redis_server.url, loss="sft")  # (with a dataset's reference completions, which sft requires)
     assert not PreprocessorRole(sft, redis_client).cfg.filter_zero_advantage
+
+
+@pytest.fixture(autouse=True)
+def _short_reads(monkeypatch):
+    """The drains below poll a fixed number of rounds over what is already in Redis: a round that finds nothing
+    would otherwise block on the empty stream for the role's half second (READ_BLOCK_MS), about 20 s of this
+    module's time spent waiting on nothing."""
+    monkeypatch.setattr(preprocessor_role, "READ_BLOCK_MS", 10)
+    monkeypatch.setattr(preprocessor_role, "HOLD_POLL_MS", 10)
 
 
 def _drain(role: PreprocessorRole, rounds: int = 4) -> None:
