@@ -12,8 +12,7 @@ tests that ran here went:
 Deleted, covered on the real node by tests/e2e/test_real_cluster.py:
 - test_trainingjob's tiny-cpu (learns, Succeeds, tears down in order);
 - test_chaos's trainer killed with -9, restarted in place, resuming from its checkpoint.
-Moved to the real node (tests/e2e/test_real_node_failures.py, tests/e2e/test_real_node_pods.py,
-tests/e2e/test_real_node_restarts.py):
+Moved to the real node (tests/e2e/test_real_node_*.py):
 - test_failure_budgets: a crash-looping inference fails the job within componentBackoffLimit, in its own words
   (the kubelet's termination message, its back-off);
 - test_chaos: a pod ignoring SIGTERM killed after its grace period; Redis killed mid-run; the actor killed and
@@ -24,6 +23,14 @@ tests/e2e/test_real_node_restarts.py):
   the node's 2 CPUs beside inference; on CPU the trainers' spread is only a preference);
 - test_fsdp_job: examples/tiny-cpu-fsdp.yaml on two trainer pods, both ranks writing their shards to one claim (a
   hostPath PersistentVolume), learning (test_real_node_pods).
+- test_episodes_job (examples/calculator-cpu.yaml, tools and evaluation) and test_hf_model_job (a Qwen2 BPE model
+  and its dataset, now on claims the real node mounts from hostPath PersistentVolumes) (test_real_node_tasks).
+- test_pod_overrides: every role's template (env, a ConfigMap volume, a nodeSelector kube-scheduler holds until
+  the Node is labelled), seen from a shell inside each container; two ranks in one trainer pod
+  (test_real_node_pods).
+- test_bad_inputs: models and datasets that cannot work fail their jobs from the init container or the actor in the
+  kubelet's termination message, now with a config.json that uid 10001 cannot read; an hf:// model offline from a
+  pre-filled cache claim (test_real_node_bad_inputs).
 
 What this agent still serves, and why:
 - Images the real node cannot have here: Fast-LLM (test_fast_llm_job: its image is a CUDA build that does not
@@ -32,12 +39,6 @@ What this agent still serves, and why:
   (test_megatron_tp_job: images/trainer-megatron is not among the images the real node imports).
 - The operator stopped and started at will (test_chaos: killed mid-run and again within the seconds of a
   teardown; away while training finishes): an operator process of the test's own, back faster than a pod starts.
-- Not moved yet, though the real node could run them (PersistentVolumes, exec, logs through the API, lower
-  requests for two trainer pods): test_pod_overrides (template env, ConfigMap volume, nodeSelector and the Node's
-  relabelling; two ranks in one trainer pod: a real-node version was written but did not pass in time, as an
-  8-step job ended before every container had been looked at from inside), test_bad_inputs (init container
-  termination messages; uid 10001 would make `chmod 000` meaningful there), test_episodes_job and
-  test_hf_model_job (a host directory the real node would mount as a PersistentVolume).
 - Its own tests (tests/e2e/test_nodeagent.py, tests/unit/test_nodeagent_rules.py) check the kubelet duties those
   rely on: pod IPs and Service names, probes, restart policies, the kill sequence, volumes and claims, init
   containers, scheduling by nodeSelector and extended resources.
