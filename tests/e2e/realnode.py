@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import helm_python as helm
@@ -225,8 +225,8 @@ class ContainerExits(threading.Thread):
 
 class PodWatch(threading.Thread):
     """Every version of the namespace's pods: container ids per pod (init containers included), the
-    resourceVersion of each pod's first version with a deletionTimestamp (the API server's order of the deletions)
-    and when this watch saw it, each pod's last terminated container state (exit code, reason) as the kubelet
+    resourceVersion of each pod's first version with a deletionTimestamp (the API server's order of the deletions),
+    when this watch saw it (late under load) and a time at or before the request (from the deletionTimestamp), each pod's last terminated container state (exit code, reason) as the kubelet
     reported it, the uids of the pod objects each name had in the order they were seen (a recreated pod gets a new
     one) with the ids of each one's containers by container name, and the most restarts in place the kubelet
     counted."""
@@ -238,6 +238,7 @@ class PodWatch(threading.Thread):
         self.containers: dict[str, set[str]] = {}
         self.deleted_at_rv: dict[str, int] = {}
         self.deletion_seen: dict[str, datetime] = {}
+        self.deletion_requested: dict[str, datetime] = {}
         self.terminated: dict[str, tuple[int, str]] = {}
         self.uids: dict[str, dict[str, dict[str, set[str]]]] = {}  # name -> uid -> container name -> ids
         self.restarts: dict[str, int] = {}
@@ -263,6 +264,11 @@ class PodWatch(threading.Thread):
                     if pod.metadata.deletion_timestamp and name not in self.deleted_at_rv:
                         self.deleted_at_rv[name] = int(pod.metadata.resource_version)
                         self.deletion_seen[name] = datetime.now(timezone.utc).replace(tzinfo=None)
+                        # The API server's deletionTimestamp is the request's time plus the grace period, in whole
+                        # seconds (truncated): this is at or before the request, whatever this watch's lag.
+                        grace = timedelta(seconds=pod.metadata.deletion_grace_period_seconds or 0)
+                        stamp = pod.metadata.deletion_timestamp.astimezone(timezone.utc).replace(tzinfo=None)
+                        self.deletion_requested[name] = stamp - grace
             except Exception:  # noqa: BLE001 - a dropped watch: list again
                 time.sleep(0.5)
 
