@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_IMAGE = "localhost/rlkube/operator:0.1.0"
 CORE_IMAGE = "localhost/rlkube/core:0.1.0"
 REDIS_IMAGE = "localhost/rlkube/redis:0.1.0"
+# A job's images as `make images` built them here (spec overrides in dotted form, tests/specs.py).
+LOCAL_IMAGES = {"spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE}
 VLLM_CPU_IMAGE = "localhost/rlkube/vllm:0.1.0-cpu"
 BUILDS = {OPERATOR_IMAGE: "operator", CORE_IMAGE: "core", REDIS_IMAGE: "redis", VLLM_CPU_IMAGE: "vllm-cpu"}
 """Each image's name for images/build.py (`make images IMAGES=...`)."""
@@ -174,7 +176,7 @@ def container_id(core, namespace: str, pod: str, container: str | None = None) -
     return cs.container_id.split("://", 1)[1] if cs is not None and cs.state.running and cs.container_id else None
 
 
-def checkpoint_claim(core, node: Node, namespace: str, claim: str) -> Path:
+def hostpath_claim(core, node: Node, namespace: str, claim: str) -> Path:
     """A PVC bound (by the controller manager's binder) to a hostPath PersistentVolume on this node, writable by
     the pods' uid 10001 (hostPath is not chowned to the fsGroup)."""
     path = node.workdir / "pv" / namespace / claim
@@ -226,10 +228,10 @@ class ContainerExits(threading.Thread):
 class PodWatch(threading.Thread):
     """Every version of the namespace's pods: container ids per pod (init containers included), the
     resourceVersion of each pod's first version with a deletionTimestamp (the API server's order of the deletions),
-    when this watch saw it (late under load) and a time at or before the request (from the deletionTimestamp), each pod's last terminated container state (exit code, reason) as the kubelet
-    reported it, the uids of the pod objects each name had in the order they were seen (a recreated pod gets a new
-    one) with the ids of each one's containers by container name, and the most restarts in place the kubelet
-    counted."""
+    when this watch saw it (late under load) and a time at or before the request (from the deletionTimestamp),
+    each pod's last terminated container state (exit code, reason) as the kubelet reported it, the uids of the pod
+    objects each name had in the order they were seen (a recreated pod gets a new one) with the ids of each one's
+    containers by container name, and the most restarts in place the kubelet counted."""
 
     def __init__(self, api_client, namespace: str):
         super().__init__(daemon=True, name="pod-watch")

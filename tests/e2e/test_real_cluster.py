@@ -25,8 +25,8 @@ import pytest
 from clusterjob import MIN_MARGIN, EventFollower, example, secret_password
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, ContainerExits, PodWatch,
-                      checkpoint_claim, container_id, create_namespace, diagnostics, inside, lease_holder,
+from realnode import (LOCAL_IMAGES, OPERATOR_IMAGE, OPERATOR_NS, ContainerExits, PodWatch, container_id,
+                      hostpath_claim, create_namespace, diagnostics, inside, lease_holder,
                       operator_pod, webhook_serving)
 from rlkube.contract import protocol, runtime
 from rlkube.controller import builders, names
@@ -76,7 +76,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     pods.start()
     exits = ContainerExits(node)
     exits.start()
-    doc = example(**{"spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE})
+    doc = example(**{**LOCAL_IMAGES})
     t1 = time.monotonic()
     custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", JOB_NS, "trainingjobs", doc)
     name = doc["metadata"]["name"]
@@ -149,7 +149,9 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     # same training_finished before their pods are deleted. The servers are stopped by the teardown, in its order,
     # Redis last: each exits after its pod's deletion was requested (the API server's time, in whole seconds:
     # the watch's own time of seeing the deletion lagged by seconds under load, so every role looked as if it had
-    # ended before it), and inference after the actor, the preprocessor and the trainer (all done by then).
+    # ended before it), and inference after the actor, the preprocessor and the trainer (all done by then). The
+    # trainer's end on its own follows: it exited before inference, whose pod the API server deleted before the
+    # trainer's (the deletion order above).
     for server in ("inference", "redis"):
         assert exited[server] >= pods.deletion_requested[pod_of(server)], (server, exited, pods.deletion_requested)
     assert exited["inference"] > max(exited[r] for r in ("actor", "preprocessor", "trainer")), exited
@@ -168,9 +170,9 @@ def test_trainer_and_operator_killed_with_sigkill_through_containerd(node, api, 
     Deployment's new pod takes the Lease once it expires and finishes the job, every step once."""
     core = client.CoreV1Api(api)
     create_namespace(core, CHAOS_NS)
-    claim = checkpoint_claim(core, node, CHAOS_NS, "checkpoints")
+    claim = hostpath_claim(core, node, CHAOS_NS, "checkpoints")
     doc = example(**{
-        "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE, "spec.algorithm.maxSteps": CHAOS_STEPS,
+        **LOCAL_IMAGES, "spec.algorithm.maxSteps": CHAOS_STEPS,
         "spec.trainer.checkpoint.intervalSteps": 5, "spec.trainer.checkpoint.claimName": "checkpoints",
         "spec.teardown.gracePeriodSeconds": {"actor": 3, "preprocessor": 3, "inference": 3, "trainer": 10, "redis": 3},
     })

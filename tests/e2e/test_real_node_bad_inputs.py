@@ -25,7 +25,7 @@ import pytest
 from clusterjob import FULL_ORDER, example, stage_names
 from hf_models import bpe_tokenizer, write_tiny_model
 from kubernetes import client
-from realnode import CORE_IMAGE, REDIS_IMAGE, ContainerRuns, PodWatch, RealJob, checkpoint_claim
+from realnode import LOCAL_IMAGES, ContainerRuns, PodWatch, RealJob, hostpath_claim
 from waiting import wait_for
 
 from rlkube.controller import names
@@ -38,7 +38,7 @@ SMALL = {"requests": {"cpu": "50m", "memory": "256Mi"}}
 
 
 def _on_this_node(**overrides) -> dict:
-    return example(**{"spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE,
+    return example(**{**LOCAL_IMAGES,
                       **{f"spec.{role}.resources": SMALL for role in ("trainer", "inference", "actor", "preprocessor")},
                       **overrides})
 
@@ -124,8 +124,8 @@ def test_models_and_datasets_that_cannot_work_fail_their_jobs_naming_the_field(j
     handles = dict(zip([*MODEL_ROWS, *DATASET_ROWS], jobs(len(MODEL_ROWS) + len(DATASET_ROWS))))
     namespace = next(iter(handles.values())).namespace
     core = client.CoreV1Api(real_api)
-    models = checkpoint_claim(core, real_node, namespace, "models")
-    data = checkpoint_claim(core, real_node, namespace, "prompts")
+    models = hostpath_claim(core, real_node, namespace, "models")
+    data = hostpath_claim(core, real_node, namespace, "prompts")
     for row, (write, _, _) in MODEL_ROWS.items():
         if write is not None:
             write(models / row)
@@ -198,7 +198,7 @@ def test_an_hf_model_runs_offline_from_a_prefilled_cache_claim_and_a_missing_one
     """Two jobs at once on one cache claim: hf://org/tiny, whose snapshot the test put there, Succeeds with each
     init container saying where it found it; hf://org/missing fails naming spec.model.path."""
     job, missing = jobs(2)
-    cache = checkpoint_claim(client.CoreV1Api(real_api), real_node, job.namespace, "hub-cache")
+    cache = hostpath_claim(client.CoreV1Api(real_api), real_node, job.namespace, "hub-cache")
     _hub_snapshot(cache, "org/tiny")
     name = f"hf-offline-{uuid.uuid4().hex[:4]}"
     init_logs = {role: ContainerRuns(job.namespace, names.pod_name(name, role), names.INIT_MODEL)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from clusterjob import FULL_ORDER, example, stage_names
-from realnode import CORE_IMAGE, REDIS_IMAGE, ContainerExits, PodWatch, RealJob
+from realnode import CORE_IMAGE, LOCAL_IMAGES, ContainerExits, PodWatch, RealJob
 from waiting import wait_for
 
 MAX_STEPS = 25  # the job still runs when a test acts at step 3: 40 steps take ~50 s on this node (2 shared CPUs)
@@ -24,7 +24,7 @@ GRACE = {"actor": 3, "preprocessor": 3, "inference": 3, "trainer": 10, "redis": 
 
 def chaos_example(**overrides) -> dict:
     return example(**{
-        "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE,
+        **LOCAL_IMAGES,
         "spec.algorithm.maxSteps": MAX_STEPS,
         "spec.trainer.checkpoint.intervalSteps": 5,
         "spec.runPolicy.completionTimeoutSeconds": 30,

@@ -19,7 +19,7 @@ import yaml
 from clusterjob import FULL_ORDER, MIN_MARGIN, ROOT, example, secret_password, stage_names
 from kubernetes import client
 from pod_security import assert_hardened_pod
-from realnode import (CORE_IMAGE, OPERATOR_NS, REDIS_IMAGE, ContainerRuns, PodWatch, checkpoint_claim, exec_in, logs,
+from realnode import (LOCAL_IMAGES, OPERATOR_NS, ContainerRuns, PodWatch, exec_in, hostpath_claim, logs,
                       operator_pod)
 from waiting import wait_for
 
@@ -34,7 +34,7 @@ def job(real_job):
 
 
 def _example(**overrides) -> dict:
-    return example(**{"spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE, "spec.algorithm.maxSteps": STEPS,
+    return example(**{**LOCAL_IMAGES, "spec.algorithm.maxSteps": STEPS,
                       **overrides})
 
 
@@ -76,12 +76,12 @@ def test_fsdp_on_two_trainer_nodes_learns_and_both_ranks_write_their_shards_to_o
     both pods, written by uid 10001), stream the weights to inference bucket by bucket, and the job learns
     (clusterjob.MIN_MARGIN) and Succeeds. Requests lowered so both trainers fit this 2-CPU node beside inference."""
     steps = 40
-    shared = checkpoint_claim(job.core, real_node, job.namespace, "checkpoints")
+    shared = hostpath_claim(job.core, real_node, job.namespace, "checkpoints")
     doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu-fsdp.yaml").read_text())
     assert doc["spec"]["algorithm"]["maxSteps"] == steps
     doc["spec"]["trainer"].pop("processesPerNode")
     job.apply(specs.with_overrides(doc, {
-        "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE, "spec.trainer.nodes": 2,
+        **LOCAL_IMAGES, "spec.trainer.nodes": 2,
         "spec.trainer.resources": {"requests": {"cpu": "250m", "memory": "1Gi"}},
         "spec.trainer.checkpoint.claimName": "checkpoints"}))
     ranks = [ContainerRuns(job.namespace, job.pod("trainer", r), "trainer") for r in (0, 1)]
@@ -161,7 +161,7 @@ def test_templates_env_volume_and_node_selector_run_on_the_labelled_node(job, re
     pool = ns  # unique per test: the session's node may carry labels of earlier tests
     core.create_namespaced_config_map(ns, {"metadata": {"name": "extra-files"},
                                            "data": {"note.txt": "mounted from a template volume"}})
-    manifest = example(**{"spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE})
+    manifest = example(**{**LOCAL_IMAGES})
     for role in ROLES:
         manifest["spec"][role]["template"] = {
             "metadata": {"labels": {"team": "rl-e2e"}},

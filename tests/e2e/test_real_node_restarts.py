@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from realnode import ContainerExits, ContainerRuns, PodWatch, RealJob, checkpoint_claim
+from realnode import ContainerExits, ContainerRuns, PodWatch, RealJob, hostpath_claim
 from test_real_node_failures import TERMINAL, assert_clean_end, assert_succeeded_with_every_step, chaos_example
 from waiting import wait_for
 
@@ -91,7 +91,7 @@ def test_a_recreated_trainer_pod_resumes_from_its_claim_or_fails_naming_it(job, 
     (CheckpointLost, naming spec.trainer.checkpoint.claimName) instead of training again from step 0."""
     overrides = {"spec.runPolicy.restartPolicy": {"trainer": "Never"}}
     if claim:
-        checkpoint_claim(job.core, real_node, job.namespace, claim)
+        hostpath_claim(job.core, real_node, job.namespace, claim)
         overrides["spec.trainer.checkpoint.claimName"] = claim
     pods = started(PodWatch(real_api, job.namespace))
     exits = started(ContainerExits(real_node))

@@ -22,7 +22,7 @@ import specs
 import yaml
 from clusterjob import FULL_ORDER, ROOT, stage_names
 from hf_models import arithmetic_rows, write_jsonl, write_tiny_model
-from realnode import CORE_IMAGE, REDIS_IMAGE, checkpoint_claim
+from realnode import LOCAL_IMAGES, hostpath_claim
 from waiting import wait_for
 
 MIN_MARGIN = 0.10  # tests/integration/test_local_episodes.py: measured 0.27-0.30 over 60 steps with seeds 0-4
@@ -38,7 +38,7 @@ def job(real_job):
 def _on_this_node(doc: dict, **overrides) -> dict:
     """The example with this node's images and requests that fit its 2 CPUs beside Redis and the small roles."""
     return specs.with_overrides(doc, {
-        "spec.image": CORE_IMAGE, "spec.redis.image": REDIS_IMAGE,
+        **LOCAL_IMAGES,
         "spec.inference.resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}, **overrides})
 
 
@@ -73,9 +73,9 @@ def test_calculator_job_learns_with_tools_and_reports_its_evaluation(job):
 
 
 def test_qwen2_bpe_math_job_from_claims_scores_rewards_and_checkpoints_hf(job, real_node):
-    models = checkpoint_claim(job.core, real_node, job.namespace, "models")
-    data = checkpoint_claim(job.core, real_node, job.namespace, "data")
-    checkpoints = checkpoint_claim(job.core, real_node, job.namespace, "checkpoints")
+    models = hostpath_claim(job.core, real_node, job.namespace, "models")
+    data = hostpath_claim(job.core, real_node, job.namespace, "data")
+    checkpoints = hostpath_claim(job.core, real_node, job.namespace, "checkpoints")
     model_dir = write_tiny_model(models / "qwen2", "qwen2", "bpe", seed=0)
     write_jsonl(data / "arithmetic.jsonl", arithmetic_rows(64))
     # Written by root here; the pods read them as uid 10001 (hostPath keeps the host's owners and modes).
