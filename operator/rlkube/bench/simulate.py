@@ -106,6 +106,9 @@ class FakeKubelet:
         self.by_name: dict[str, str] = {}  # name -> uid of the latest pod with that name
         self.by_job: dict[str, list[PodRecord]] = {}  # job -> its pods, in order of appearance
         self.redis: dict[str, RedisServer] = {}  # uid -> server
+        # Every server ever started, stopped again by close(): a pod's DELETED pops its server and stops it in a
+        # task, which close() may cancel before the stop runs (a redis-server outlived its test that way).
+        self._started_redis: list[RedisServer] = []
         self._seq = itertools.count(1)
         self._watch: ListWatch | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -128,9 +131,10 @@ class FakeKubelet:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
-            for server in self.redis.values():  # real redis-servers: never leave one behind
+            for server in self._started_redis:  # real redis-servers: never leave one behind (stop is idempotent)
                 await asyncio.to_thread(server.stop)
             self.redis.clear()
+            self._started_redis.clear()
         if self._own_dir and self.redis_dir is not None:
             shutil.rmtree(self.redis_dir, ignore_errors=True)
 
@@ -206,6 +210,7 @@ class FakeKubelet:
         ip = loopback_ip()
         server = RedisServer(self.redis_dir / pod["metadata"]["uid"], password=password, host=ip,
                              port=runtime.REDIS_PORT)
+        self._started_redis.append(server)
         await asyncio.to_thread(server.start)
         self.redis[pod["metadata"]["uid"]] = server
         return ip
