@@ -86,8 +86,8 @@ async def scenario_exit_without_event(env: Env, kapi):
 @scenario
 async def scenario_interrupted_finish(env: Env, kapi):
     # This row is the exit path (event, then exit 0): the harness's 2 s completionTimeoutSeconds could run out
-    # between the operator reading the event and seeing the exit while every row runs at once (clean-clone run 15
-    # under a CPU hog: TrainerDidNotExit, the timeout row's verdict). The timeout rows keep 2 s.
+    # between the operator reading the event and seeing the exit while every row runs at once on a loaded machine
+    # (seen: TrainerDidNotExit, the timeout row's verdict). The timeout rows keep 2 s.
     trainer = await start(env, kapi, "interrupted", **{"runPolicy.completionTimeoutSeconds": 60})
     await trainer.finished(step=17, checkpoint="/checkpoints/step-17")  # a scheduled/interrupted stop
     await env.kubelet.exit("interrupted-trainer-0", 0)
