@@ -44,10 +44,9 @@ demo-cluster: deps control-plane
 	$(PYTHON) tests/e2e/demo_cluster.py
 
 # The real-node e2e test (tests/e2e/test_real_cluster.py) runs the operator, core and redis images: built first
-# (content-cached: seconds when unchanged). TEST_WORKERS pytest-xdist workers (3 on this 2-core machine: the tests
-# that wait on a kubelet, a vLLM engine or a job leave CPU to a third; 0 runs serially): the real node's modules
-# stay on one worker and the vLLM and node-agent ones on another, each in collection order (tests/conftest.py).
-TEST_WORKERS ?= 3
+# (content-cached: seconds when unchanged). TEST_WORKERS pytest-xdist workers (one per core here; 0 runs serially):
+# the e2e tier, the real kubelet and vLLM stay on one worker, in collection order (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: deps deps-vllm control-plane
 	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
 	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30 \

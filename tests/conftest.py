@@ -43,8 +43,25 @@ def pytest_configure(config):
     cpu_timing.register(config)
 
 
-# `make test` runs pytest-xdist workers; which tests share a worker, and why: tests/xdist_groups.py.
-from xdist_groups import VLLM_GROUP, xdist_group_of  # noqa: E402
+# `make test` runs two pytest-xdist workers (`-n 2`) with the scheduler below: each group of tests runs whole on one
+# worker, groups in collection order. The tests that share one thing of this machine are one group, run one after
+# another as in a serial run: the e2e tier (one real node per session, holding the machine's image store, its
+# kube-proxy and the CNI bridge; the node agent), the real kubelet of tests/integration, and every vLLM test (its
+# CPU engine holds several GiB: two at once would crowd this 24 GiB machine). Every other module is a group of its
+# own, so a module's servers and jobs start once. The rest is per test: free ports, temporary directories,
+# namespaces, Redis key prefixes. xdist's own `--dist loadgroup` cannot carry this: it appends the group to
+# `item._nodeid`, which pytest 9 no longer reads, so its groups fall apart into single tests.
+SERIAL_GROUP = "machine"
+SERIAL_MODULES = {"test_real_kubelet.py", "test_bench_inference.py"}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The group of a test, from its id alone (the scheduler runs in xdist's controller, which holds ids only)."""
+    path, _, rest = nodeid.partition("::")
+    name = path.rsplit("/", 1)[-1]
+    if path.startswith("tests/e2e/") or name in SERIAL_MODULES or "vllm" in name or rest.endswith("[vllm]"):
+        return SERIAL_GROUP
+    return path
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -65,10 +82,10 @@ def pytest_collection_modifyitems(items):
         for tier in ("unit", "integration", "e2e"):
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        if item.get_closest_marker("vllm") and xdist_group_of(item.nodeid) != VLLM_GROUP:
-            raise pytest.UsageError(f"{item.nodeid} needs vLLM but its id does not put it in the {VLLM_GROUP!r} "
+        if item.get_closest_marker("vllm") and xdist_group_of(item.nodeid) != SERIAL_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} needs vLLM but its id does not put it in the {SERIAL_GROUP!r} "
                                     "group of tests/conftest.py (name its module test_*vllm*.py or add it to "
-                                    "VLLM_MODULES)")
+                                    "SERIAL_MODULES)")
 
 
 def pytest_sessionfinish(session, exitstatus):
