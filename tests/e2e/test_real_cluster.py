@@ -26,7 +26,7 @@ from clusterjob import MIN_MARGIN, EventFollower, example, secret_password
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from realnode import (LOCAL_IMAGES, OPERATOR_IMAGE, OPERATOR_NS, ContainerExits, PodWatch, container_id,
-                      hostpath_claim, create_namespace, diagnostics, inside, lease_holder,
+                      create_namespace, diagnostics, hostpath_claim, inside, lease_holder,
                       operator_pod, webhook_serving)
 from rlkube.contract import protocol, runtime
 from rlkube.controller import builders, names
@@ -76,7 +76,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
     pods.start()
     exits = ContainerExits(node)
     exits.start()
-    doc = example(**{**LOCAL_IMAGES})
+    doc = example(**LOCAL_IMAGES)
     t1 = time.monotonic()
     custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", JOB_NS, "trainingjobs", doc)
     name = doc["metadata"]["name"]
