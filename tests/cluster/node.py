@@ -45,6 +45,7 @@ from pathlib import Path
 
 from cluster.control_plane import CACHE, DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
 from cluster.dns import ClusterDNS
+from cluster.subnets import claim_bridge, release_bridge
 from cluster.tracked import track
 from rlkube.local.ports import free_port
 
@@ -111,9 +112,10 @@ class Node:
         self.sockdir = Path(tempfile.mkdtemp(prefix="rlkube-node-", dir="/run"))
         self.socket = self.sockdir / "containerd.sock"
         self.bridge = f"rk{uuid.uuid4().hex[:8]}"
-        self.subnet = f"10.{88 + int(self.bridge[2:4], 16) % 8}.{int(self.bridge[4:6], 16)}.0/24"
-        # The bridge plugin's gateway (the subnet's first address): the cluster DNS listens there.
-        self.gateway = self.subnet.replace(".0/24", ".1")
+        # The pod subnet and the bridge plugin's gateway (its first address; the cluster DNS listens there),
+        # claimed at start (tests/cluster/subnets.py).
+        self.subnet = ""
+        self.gateway = ""
 
     # -- processes -------------------------------------------------------------------------------------------
 
@@ -279,6 +281,11 @@ state = "{self.sockdir / 'state'}"
         bins = node_binaries()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._netns_before = cni_netns()
+        # The bridge exists, up with its gateway address, before containerd and any pod: the bridge plugin keeps
+        # an existing bridge and address, and the cluster DNS listens there. 10.88-95.x.0/24: apart from the node
+        # agent's 10.200-254.
+        subnet = claim_bridge(self.bridge, range(88, 96))
+        self.subnet, self.gateway = str(subnet), str(next(subnet.hosts()))
         self._take_root()
         self._spawn("containerd", ["containerd", "--config", str(self._containerd_config())])
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 30)
@@ -305,13 +312,6 @@ state = "{self.sockdir / 'state'}"
     def _start_cluster_services(self, bins: dict[str, str]) -> None:
         if not self.cp.advertise_address:
             raise ValueError("cluster_services needs a control plane with an advertise_address")
-        # The bridge with its gateway address before any pod, so that the DNS server can listen there (the bridge
-        # plugin keeps an existing bridge and address).
-        prefix = self.subnet.split("/")[1]
-        for cmd in (["ip", "link", "add", self.bridge, "type", "bridge"],
-                    ["ip", "addr", "add", f"{self.gateway}/{prefix}", "dev", self.bridge],
-                    ["ip", "link", "set", self.bridge, "up"]):
-            subprocess.run(cmd, check=True, capture_output=True)
         self._proxy_lock = open(PROXY_LOCK, "w")  # noqa: SIM115 - held until stop()
         try:
             fcntl.flock(self._proxy_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -378,7 +378,7 @@ state = "{self.sockdir / 'state'}"
         for shim in _processes_with(str(self.socket)):
             with contextlib.suppress(OSError):
                 os.kill(shim, signal.SIGKILL)
-        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        release_bridge(self.bridge)
         # The pods' network namespaces (the CRI plugin's cni-*), which a sandbox stopped with its runtime keeps.
         for name in cni_netns() - getattr(self, "_netns_before", set()):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)

@@ -138,6 +138,10 @@ def diagnostics(core, node: Node) -> str:
         states = [(cs.name, cs.restart_count, cs.state.to_dict()) for cs in p.status.container_statuses or []]
         lines.append(f"pod {ns}/{p.metadata.name} {p.status.phase} {states}")
         lines.append(logs(core, ns, p.metadata.name)[-1500:])
+    # Every route and bridge of the machine: a second route to this node's subnet would take its pods' traffic.
+    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+    bridges = subprocess.run(["ip", "-br", "link", "show", "type", "bridge"], capture_output=True, text=True).stdout
+    lines.append(f"node bridge {node.bridge} on {node.subnet}; routes:\n{routes}bridges:\n{bridges}")
     lines.append("kubelet: " + (node.workdir / "kubelet.log").read_text(errors="replace")[-1500:])
     return "\n".join(lines)
 

@@ -7,90 +7,19 @@ bind 0.0.0.0 stay inside their pod, and `status.podIP` is an address other pods 
 cluster. The host (the agent, the operator, tests) reaches pods through the bridge address, which is also
 the Node's InternalIP. Pods have no route beyond the node (no NAT): nothing here has network access anyway.
 
-Global state (a bridge, named netns under /run/netns) is created under a file lock with a per-agent id and
-recorded in /run/rlkube-nodeagent/<id>.json; a later agent removes what a dead agent left behind.
+The bridge and its /24 are claimed through tests/cluster/subnets.py (one machine-wide lock with the real
+node's bridges, so no two share a subnet), which records the agent as their owner; a later claim removes the
+bridge and the named netns (under /run/netns) of an agent that died without cleaning up.
 """
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
-import json
-import os
-import random
-import subprocess
 import threading
-from contextlib import contextmanager
-from pathlib import Path
 
-STATE_ROOT = Path(os.environ.get("RLKUBE_NODEAGENT_RUN", "/run/rlkube-nodeagent"))
-NETNS_DIR = Path("/run/netns")
-
-
-class NetworkError(RuntimeError):
-    pass
-
-
-def _ip(*args: str, input: str | None = None, check: bool = True) -> str:
-    proc = subprocess.run(["ip", *args], input=input, capture_output=True, text=True, check=False)
-    if check and proc.returncode != 0:
-        raise NetworkError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout
-
-
-@contextmanager
-def _locked():
-    STATE_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(STATE_ROOT / "lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _used_networks() -> list[ipaddress.IPv4Network]:
-    nets = []
-    for route in json.loads(_ip("-j", "-4", "route", "show", "table", "all") or "[]"):
-        dst = route.get("dst", "")
-        if dst and dst != "default" and dst[0].isdigit():
-            try:
-                nets.append(ipaddress.ip_network(dst, strict=False))
-            except ValueError:
-                pass
-    return nets
-
-
-def reclaim_stale() -> list[str]:
-    """Remove bridges and namespaces of agents that died without cleaning up; returns what was removed."""
-    removed = []
-    for state in STATE_ROOT.glob("*.json"):
-        try:
-            doc = json.loads(state.read_text())
-        except (OSError, ValueError):
-            continue
-        if _pid_alive(int(doc.get("pid", 0))):
-            continue
-        prefix = doc["netnsPrefix"]
-        for ns in NETNS_DIR.glob(prefix + "*") if NETNS_DIR.exists() else []:
-            _ip("netns", "del", ns.name, check=False)
-            removed.append(ns.name)
-        if _ip("link", "show", doc["bridge"], check=False):
-            _ip("link", "del", doc["bridge"], check=False)
-            removed.append(doc["bridge"])
-        state.unlink(missing_ok=True)
-    return removed
-
+from cluster.subnets import NETNS_DIR, claim_bridge, release_bridge
+from cluster.subnets import ip as _ip
+from cluster.subnets import SubnetError as NetworkError
 
 class PodNetwork:
     """The node's bridge and its address pool."""
@@ -103,28 +32,12 @@ class PodNetwork:
         self.gateway: str | None = None
         self._free: list[str] = []
         self._lock = threading.Lock()
-        self.state_file = STATE_ROOT / f"{agent_id}.json"
 
     def setup(self) -> PodNetwork:
-        with _locked():
-            reclaim_stale()
-            used = _used_networks()
-            candidates = [ipaddress.ip_network(f"10.{a}.{b}.0/24") for a in range(200, 255) for b in range(256)]
-            random.shuffle(candidates)
-            for net in candidates:
-                if not any(net.overlaps(u) for u in used):
-                    self.subnet = net
-                    break
-            else:
-                raise NetworkError("no free 10.x.y.0/24 for the pod network")
-            hosts = [str(h) for h in self.subnet.hosts()]
-            self.gateway, self._free = hosts[0], hosts[1:]
-            self.state_file.write_text(
-                json.dumps({"pid": os.getpid(), "bridge": self.bridge, "netnsPrefix": self.netns_prefix})
-            )
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+        # 10.200-254.x.0/24: apart from the real node's 10.88-95 (tests/cluster/node.py).
+        self.subnet = claim_bridge(self.bridge, range(200, 255), netns_prefix=self.netns_prefix)
+        hosts = [str(h) for h in self.subnet.hosts()]
+        self.gateway, self._free = hosts[0], hosts[1:]
         return self
 
     def add_pod(self) -> tuple[str, str]:
@@ -160,8 +73,4 @@ class PodNetwork:
                 self._free.append(ip)
 
     def teardown(self) -> None:
-        with _locked():
-            for ns in NETNS_DIR.glob(self.netns_prefix + "*") if NETNS_DIR.exists() else []:
-                _ip("netns", "del", ns.name, check=False)
-            _ip("link", "del", self.bridge, check=False)
-            self.state_file.unlink(missing_ok=True)
+        release_bridge(self.bridge, netns_prefix=self.netns_prefix)
