@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,21 +24,6 @@ from waiting import wait_for  # noqa: F401 (the serving tests import it from her
 NAMESPACE, JOB = "ns", "job"
 PREFIX = f"{NAMESPACE}/{JOB}/"
 PEER = Path(__file__).parent / "weightsync_peer.py"
-
-
-def reserved_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), for an address chosen long before it is bound:
-    an ephemeral one can be handed to another process meanwhile (CI: vLLM's start-up took the trainer's
-    weight-sync port, EADDRINUSE)."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def job_spec(**algorithm: Any) -> dict[str, Any]:
@@ -99,7 +82,7 @@ class RoleProcesses:
         self.redis_url = redis_url
         self.config = config
         self.procs: list[subprocess.Popen] = []
-        self.weight_sync_addr = f"127.0.0.1:{reserved_port()}"
+        self.weight_sync_addr = f"127.0.0.1:{free_port()}"
 
     def env(self, **extra: str) -> dict[str, str]:
         return {

@@ -7,7 +7,6 @@ dtype, non-weight shards dropped)."""
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 
 import pytest
@@ -19,6 +18,7 @@ from rlkube.controller import fastllm
 from rlkube.contract import fast_llm_rendezvous, runtime
 from rlkube.core.fast_llm_weights import FastLlmReceiver, unpickle_metadata
 from rlkube.core.weights.group import WeightSyncError
+from rlkube.local.ports import free_port
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -28,12 +28,6 @@ def under_torchrun(monkeypatch):
     # Fast-LLM's ranks run under torchrun, whose agent store makes rank 0's rendezvous a client of the store the
     # launcher hosts (rlkube.core.fast_llm_launch); the receivers are clients either way.
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec(replicas: int, tp: int):

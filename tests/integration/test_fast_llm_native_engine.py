@@ -16,7 +16,8 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.contract import protocol
 from rlkube.core import fast_llm_launch
-from serve_helpers import RoleProcesses, http_json, http_status, reserved_port, wait_for, write_config
+from rlkube.local.ports import free_port
+from serve_helpers import RoleProcesses, http_json, http_status, wait_for, write_config
 
 HERE = Path(__file__).parent
 PER_STEP, OVERSHOOT, STEPS = 4, 1, 2
@@ -42,7 +43,7 @@ def test_native_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redi
     config["callbacks"]["streaming"]["broadcast"].update(host=store_host, port=int(store_port))
     (tmp_path / "fast-llm.yaml").write_text(yaml.safe_dump(config))
     store = fast_llm_launch.host_broadcast_store(int(store_port))  # what the trainer pod's launcher hosts
-    port = reserved_port()
+    port = free_port()
     try:
         server = roles.start_role("inference", RLKUBE_PORT=str(port))
         for i in range(STEPS * (PER_STEP + OVERSHOOT)):

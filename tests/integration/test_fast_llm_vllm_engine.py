@@ -26,8 +26,9 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller import fastllm
 from rlkube.contract import protocol
 from rlkube.core import fast_llm_launch
+from rlkube.local.ports import free_port
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
-from serve_helpers import RoleProcesses, http_json, http_status, log_text, reserved_port, wait_for, write_config
+from serve_helpers import RoleProcesses, http_json, http_status, log_text, wait_for, write_config
 from test_vllm_server import LOGPROB_TOLERANCE, VLLM_PYTHON, pytestmark
 
 __all__ = ["pytestmark"]  # the vllm marker and the skip without a vLLM environment, as test_vllm_server's
@@ -87,7 +88,7 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
         client.update(host="127.0.0.1", port=redis_server.port)
     (tmp_path / "fast-llm.yaml").write_text(yaml.safe_dump(config))
     store = fast_llm_launch.host_broadcast_store(int(store_port))  # what the trainer pod's launcher hosts
-    port = reserved_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     try:

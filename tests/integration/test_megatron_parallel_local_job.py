@@ -44,8 +44,16 @@ def test_tiny_job_with_megatron_tensor_parallel_2_on_two_nodes_learns(tmp_path):
     meta = ckpt.read_meta(Path(summary["checkpoint"]))
     assert meta.step == 40 and meta.extra == {"backend": "megatron"}
     logs = {rank: (out / "logs" / f"trainer-{rank}.log").read_text() for rank in (0, 1)}
+    # A restarted rank appends its new run to the same log: the restarts and the first traceback say why.
+    assert not any(summary["restarts"].values()), (summary["restarts"], {r: traceback_in(t) for r, t in logs.items()})
     for rank, text in logs.items():
-        assert "Traceback" not in text, text[-3000:]
+        assert "Traceback" not in text, traceback_in(text)
         assert f"tensor parallel 2 x data parallel 1; this rank is tensor rank {rank} of data rank 0" in text, \
             text[-3000:]
     assert "rank 1 left the data-parallel group after rank 0 finished" in logs[1], logs[1][-3000:]
+
+
+def traceback_in(text: str) -> str:
+    """The first traceback of a log and what follows it (the whole tail when there is none)."""
+    at = text.find("Traceback")
+    return text[max(0, at - 300):at + 3000] if at >= 0 else text[-3000:]

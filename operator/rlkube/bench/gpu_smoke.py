@@ -48,13 +48,14 @@ import math
 import os
 import platform
 import random
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from rlkube.local.ports import free_port
 
 log = logging.getLogger("rlkube.gpu_smoke")
 
@@ -75,12 +76,6 @@ GPU_SIZES = dict(hidden=512, intermediate=1408, layers=4, heads=8, kv_heads=2, p
                  max_len=512)
 CPU_SIZES = dict(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, prompts=4, group=4, prompt_len=8,
                  new_tokens=12, steps=4, micro_batch_tokens=256, engine_rows=8, engine_new_tokens=16, max_len=64)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_model(directory: Path, vocab: int, sizes: dict[str, int], seed: int) -> Path:
@@ -218,7 +213,7 @@ class EngineClient:
     def __init__(self, server) -> None:
         self.server = server
         self.loop = asyncio.new_event_loop()
-        self.port = _free_port()
+        self.port = free_port()
         self._runner = None
         self._session = None
 
@@ -413,7 +408,7 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
 
     # The trainer's process group, as the trainer role forms it for more than one rank (build_role): its own
     # TCPStore, NCCL on CUDA, gloo on CPU. FSDP2 shards over it (here: one rank holds every shard).
-    dp = DataParallel(DistConfig(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port()),
+    dp = DataParallel(DistConfig(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()),
                       device=str(device))
     try:
         result["dist_backend"] = dp.backend
