@@ -86,7 +86,8 @@ class RecordingProxy:
 @pytest.fixture
 def stack(tmp_path, redis_server, redis_client):
     """Factory: inference server behind a recording proxy + trainer stand-in (version 0 announced)."""
-    made: list[tuple[RoleProcesses, RecordingProxy]] = []
+    made: list[RoleProcesses] = []
+    proxies: list[RecordingProxy] = []
 
     def start(environment: dict, engine: str = "native", **algorithm):
         spec = job_spec(**{"groupSize": 4, "samplesPerStep": 8, "maxLag": 1, "maxNewTokens": 3, **algorithm})
@@ -96,6 +97,8 @@ def stack(tmp_path, redis_server, redis_client):
             spec["inference"] = {"engine": "vllm", "replicas": 1,
                                  "vllm": {"extraEngineArgs": ["--block-size=32", "--max-num-seqs=32"]}}
         roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, spec))
+        # Cleaned up even when the server never becomes healthy (a vLLM engine left running holds GiBs).
+        made.append(roles)
         if engine == "vllm":
             server = roles.start_role("inference", RLKUBE_PORT=str(port), RLKUBE_INDEX="0",
                                       **{ENV_VLLM_PYTHON: VLLM_PYTHON})
@@ -106,12 +109,13 @@ def stack(tmp_path, redis_server, redis_client):
         wait_for(lambda: http_status(url + "/health") == 200 or server.poll() is not None, 400, "inference health")
         assert server.poll() is None, log_text(server)
         proxy = RecordingProxy(url)
-        made.append((roles, proxy))
+        proxies.append(proxy)
         return roles, proxy, trainer
 
     yield start
-    for roles, proxy in made:
+    for roles in made:
         roles.cleanup()
+    for proxy in proxies:
         proxy.close()
 
 
