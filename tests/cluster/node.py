@@ -45,7 +45,7 @@ from pathlib import Path
 
 from cluster.control_plane import CACHE, DEFAULT_BIN, TOKEN, ControlPlane, log, spawn, stop_group, wait_ready
 from cluster.dns import ClusterDNS
-from cluster.subnets import claim_bridge, release_bridge
+from cluster.subnets import claim_bridge, netns_dir_shared, release_bridge
 from cluster.tracked import track
 from rlkube.local.ports import free_port
 
@@ -285,6 +285,7 @@ state = "{self.sockdir / 'state'}"
         # an existing bridge and address, and the cluster DNS listens there. 10.88-95.x.0/24: apart from the node
         # agent's 10.200-254.
         subnet = claim_bridge(self.bridge, range(88, 96))
+        netns_dir_shared()
         self.subnet, self.gateway = str(subnet), str(next(subnet.hosts()))
         self._take_root()
         self._spawn("containerd", ["containerd", "--config", str(self._containerd_config())])

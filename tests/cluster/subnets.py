@@ -7,6 +7,8 @@ the older one wins, so a new node's pods can neither be reached (the kubelet's p
 reach anything (their replies leave by the other bridge). A process killed before it removed its bridge (a
 cancelled run) leaves one behind, so a claim also removes the bridges whose recorded owner is gone.
 
+The same goes for the directory of named network namespaces (netns_dir_shared).
+
 The bridge is created, with the subnet's first address (the gateway: the CNI bridge plugin keeps an existing bridge
 and address), inside the lock, so its route exists before another claim looks.
 """
@@ -80,6 +82,18 @@ def free_subnet(second_octets: Iterable[int], used: list[ipaddress.IPv4Network])
         if not any(net.overlaps(u) for u in used):
             return net
     raise SubnetError(f"no free 10.x.y.0/24 with x in {list(second_octets)} for a pod bridge")
+
+
+def netns_dir_shared() -> None:
+    """/run/netns a shared mount of its own, as `ip netns add` makes it on first use, before anything mounts a
+    namespace there. containerd's CNI plugin mounts its pods' namespaces (cni-*) into the plain directory; when
+    `ip netns add` (the node agent) later bind-mounts the directory over itself, those mounts stay underneath, out
+    of reach: `ip netns delete` then fails with "Device or resource busy" and the namespace outlives its node."""
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    if str(NETNS_DIR) not in points:
+        subprocess.run(["mount", "--rbind", str(NETNS_DIR), str(NETNS_DIR)], check=True, capture_output=True)
+    subprocess.run(["mount", "--make-rshared", str(NETNS_DIR)], check=True, capture_output=True)
 
 
 def reclaim_stale() -> list[str]:
