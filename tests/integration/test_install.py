@@ -62,7 +62,9 @@ def _make_venv(path: Path, *installs: list[str]) -> Venv:
     timings = [f"venv {time.monotonic() - t0:.0f}s"]
     for args in installs:
         t0 = time.monotonic()
-        out = venv.run([venv.python, "-m", "pip", "install", "-q", *args], cwd=path, timeout=1500)
+        # --no-compile: pip would byte-compile every module it installs (torch alone: ~10 CPU-s of ~15 here); the
+        # interpreter compiles the ones the tests import when they first import them, as it would without pip.
+        out = venv.run([venv.python, "-m", "pip", "install", "-q", "--no-compile", *args], cwd=path, timeout=1500)
         assert out.returncode == 0, f"pip install {args}:\n{out.stderr[-5000:]}"
         timings.append(f"pip install {' '.join(args)}: {time.monotonic() - t0:.0f}s")
     print(f"{path.name}: " + "; ".join(timings), file=sys.stderr)
