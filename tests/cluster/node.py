@@ -64,6 +64,10 @@ IMAGE_STORE = CACHE / "containerd"
 # second node with cluster services waits for the first one's stop.
 PROXY_LOCK = Path("/run/rlkube-kube-proxy.lock")
 ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
+# Where the kubelet writes each container run's log, <namespace>_<pod>_<pod uid>/<container>/<restart count>.log:
+# a fixed path, the same for every node here (kubernetes pkg/kubelet/kuberuntime/kuberuntime_manager.go,
+# podLogsRootDirectory).
+POD_LOGS = Path("/var/log/pods")
 
 
 def stored_image_id(ref: str) -> str:
@@ -281,6 +285,7 @@ state = "{self.sockdir / 'state'}"
         bins = node_binaries()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._netns_before = cni_netns()
+        self._pod_logs_before = _pod_log_dirs()
         # The bridge exists, up with its gateway address, before containerd and any pod: the bridge plugin keeps
         # an existing bridge and address, and the cluster DNS listens there. 10.88-95.x.0/24: apart from the node
         # agent's 10.200-254.
@@ -387,6 +392,11 @@ state = "{self.sockdir / 'state'}"
         # the sandboxes' /dev/shm: none outlives its process on its own.
         _unmount_under([self.workdir, self.sockdir])
         shutil.rmtree(self.sockdir, ignore_errors=True)
+        # The pods' log directories that appeared while this node ran: the kubelet removes one only when it
+        # garbage-collects the pod's sandbox, minutes after the pod is gone, and never at exit. (A second node on
+        # this machine at the same time would lose its own; the tests never run two, tests/conftest.py.)
+        for name in _pod_log_dirs() - getattr(self, "_pod_logs_before", set()):
+            shutil.rmtree(POD_LOGS / name, ignore_errors=True)
 
     def __enter__(self) -> Node:
         return self.start()
@@ -399,12 +409,12 @@ state = "{self.sockdir / 'state'}"
 def running(cp: ControlPlane, workdir: Path, **node_args) -> Iterator[Node]:
     """`cp` started and a Node of it (with `node_args`) running on `workdir`, both tracked for the session's
     process check; at the end both are stopped, and after a clean end nothing of the node may be left: no mount
-    under its directory, no pod network namespace."""
+    under its directory, no pod network namespace, no pod log directory."""
     cp.start()
     for name, proc in cp.procs.items():
         track(name, proc.pid)
     n = Node(cp, workdir, **node_args)
-    netns_before = cni_netns()
+    netns_before, pod_logs_before = cni_netns(), _pod_log_dirs()
     try:
         n.start()
         for name, proc in n.procs.items():
@@ -416,6 +426,11 @@ def running(cp: ControlPlane, workdir: Path, **node_args) -> Iterator[Node]:
     left = [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(n.workdir) in line]
     assert not left, f"mounts left behind by the node: {left}"
     assert not cni_netns() - netns_before, "network namespaces left behind by the node"
+    assert not _pod_log_dirs() - pod_logs_before, f"pod log directories left in {POD_LOGS} by the node"
+
+
+def _pod_log_dirs() -> set[str]:
+    return {p.name for p in POD_LOGS.iterdir()} if POD_LOGS.is_dir() else set()
 
 
 def cni_netns() -> set[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import helm_python as helm
 from cluster.control_plane import ControlPlane
-from cluster.node import ROUTE_LOCALNET, Node, running, stored_image_id
+from cluster.node import POD_LOGS, ROUTE_LOCALNET, Node, running, stored_image_id
 from clusterjob import EventFollower, read_job, secret_password
 from helm_chart import CHART
 from kubernetes import client, watch
@@ -366,11 +366,6 @@ def inside(core, namespace: str, pod: str, container: str) -> dict[str, str]:
     """What a shell inside the running container says of itself (INSIDE's keys: uid, gid, pid1-uid, root, write)."""
     out = exec_in(core, namespace, pod, container, INSIDE)
     return dict(line.split("=", 1) for line in out.split() if "=" in line)
-
-
-# Where the kubelet writes each container run's log: <namespace>_<pod>_<pod uid>/<container>/<restart count>.log
-# (kubernetes pkg/kubelet/kuberuntime/kuberuntime_manager.go: podLogsRootDirectory, the same for every node here).
-POD_LOGS = Path("/var/log/pods")
 
 
 @dataclasses.dataclass
