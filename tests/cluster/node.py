@@ -65,8 +65,7 @@ IMAGE_STORE = CACHE / "containerd"
 PROXY_LOCK = Path("/run/rlkube-kube-proxy.lock")
 ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
 # Where the kubelet writes each container run's log, <namespace>_<pod>_<pod uid>/<container>/<restart count>.log:
-# a fixed path, the same for every node here (kubernetes pkg/kubelet/kuberuntime/kuberuntime_manager.go,
-# podLogsRootDirectory).
+# a fixed path, the same for every node here (docs/references.md §10).
 POD_LOGS = Path("/var/log/pods")
 
 

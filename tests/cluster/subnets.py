@@ -1,6 +1,6 @@
 """The pod bridges of this machine's nodes (the real node's CNI bridge, tests/cluster/node.py, and the node
 agent's, tests/nodeagent/network.py): each a /24 that no route of the machine overlaps, claimed under one
-machine-wide lock.
+machine-wide lock (docs/references.md §10).
 
 Why it is checked rather than drawn at random: two bridges with the same /24 give the kernel two routes to it, and
 the older one wins, so a new node's pods can neither be reached (the kubelet's probes: "no route to host") nor
