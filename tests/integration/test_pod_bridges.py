@@ -15,12 +15,12 @@ from cluster import subnets
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates bridges: needs root")
 
-OCTET = 251  # no other test's bridge draws from 10.251 alone
+OCTET = 199  # outside both the real node's 10.88-95 and the node agent's 10.200-254: no other bridge draws from it
 
 
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
-    """A registry of this test's own, the candidates in order (10.251.0.0/24 first), and every bridge this test
+    """A registry of this test's own, the candidates in order (10.<OCTET>.0.0/24 first), and every bridge this test
     names removed at the end."""
     monkeypatch.setattr(subnets, "STATE_ROOT", tmp_path / "bridges")
     monkeypatch.setattr(subnets.random, "shuffle", lambda seq: None)
