@@ -2,6 +2,9 @@
 #   make demo   runs a tiny TrainingJob end to end on this machine (no GPU, no cluster)
 #   make test   runs every test tier against real Redis and a real kube-apiserver
 #   make images builds the CPU images of images/ with buildah (make test builds operator, core and redis)
+#   make push REGISTRY=host/prefix  pushes the built images there (buildah push; PUSH_ARGS=--insecure: plain HTTP)
+#   make docs   builds the documentation site into site/ (mkdocs --strict; docs/hooks/reference.py generates the
+#               API and CLI reference); `make test` builds it too (tests/integration/test_docs_site.py)
 #   make bench  runs `rlkube bench operator` against the project's own control plane (BENCH_ARGS="-n 20 --json")
 #   make gpu-smoke  runs the training core's GPU smoke check with the python3 at hand (GPU_SMOKE_ARGS="--out f")
 # pip installs into the project's virtual environment $(VENV) (created when missing), never the system interpreter.
@@ -20,19 +23,27 @@ GPU_SMOKE_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.rlkube-installed
+# The tracking tests' real `mlflow server` (tests/mlflow_server.py): the full mlflow pins python-dateutil<3 (through
+# graphene), which the kubernetes client of .venv refuses, so the server gets a virtual environment of its own; the
+# trainer's client is mlflow-skinny, in the `core` extra.
+MLFLOW_VENV ?= .venv-mlflow
+MLFLOW_STAMP = $(MLFLOW_VENV)/.rlkube-installed
 # `make demo` needs only Redis; the tests also need etcd, the node agent's iproute2, the Go toolchain and
 # vendored-library replacements that build kube-apiserver and the kubelet (gcc: the sandbox's pause binary), and
-# the real node's containerd, runc, CNI plugins, buildah, a static busybox, iptables (kube-proxy) and dnsmasq (the
-# cluster DNS) (tests/cluster/node.py), and mmdebstrap (the images' base, images/build.py).
+# the real node's containerd, runc, runsc (gVisor, the sandbox pods' runtime), CNI plugins, buildah, a static
+# busybox, iptables (kube-proxy) and dnsmasq (the cluster DNS) (tests/cluster/node.py), mmdebstrap (the images'
+# base, images/build.py), chromium (the report's and the docs site's headless checks, tests/headless_chromium.py
+# and tests/integration/test_docs_site.py) and docker-registry (`make test-registry`).
 APT_DEMO = redis-server
 APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 gcc libc6-dev \
                golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev \
-               containerd runc containernetworking-plugins buildah busybox-static iptables dnsmasq-base mmdebstrap
+               containerd runc runsc containernetworking-plugins buildah busybox-static iptables dnsmasq-base mmdebstrap \
+               chromium docker-registry
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: images demo test test-vllm-image bench gpu-smoke deps deps-apt deps-pip deps-vllm venv control-plane crd demo-cluster
+.PHONY: images push docs demo test test-vllm-image test-registry bench gpu-smoke deps deps-apt deps-pip deps-vllm deps-mlflow venv control-plane crd demo-cluster
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
@@ -47,9 +58,10 @@ demo-cluster: deps control-plane
 # (content-cached: seconds when unchanged). TEST_WORKERS pytest-xdist workers (one per core here; 0 runs serially):
 # the e2e tier, the real kubelet and vLLM stay on one worker, in collection order (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: deps deps-vllm control-plane
+test: deps deps-vllm deps-mlflow control-plane
 	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
-	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) $(PYTHON) -m pytest -ra --durations=30 \
+	RLKUBE_VLLM_PYTHON=$(abspath $(VLLM_PYTHON)) RLKUBE_MLFLOW=$(abspath $(MLFLOW_VENV))/bin/mlflow \
+	  $(PYTHON) -m pytest -ra --durations=30 \
 	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The vLLM CPU image's own tier (not in `make test`: a ~4.4 GB image, minutes to build, import and run on 2 cores):
@@ -58,6 +70,12 @@ test: deps deps-vllm control-plane
 test-vllm-image: deps control-plane
 	$(MAKE) images IMAGES="operator core redis vllm-cpu" IMAGES_ARGS=--check
 	RLKUBE_VLLM_IMAGE=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_vllm_image.py
+
+# `make push` into a docker-registry on loopback and the real node pulling from it (tests/e2e/test_registry.py;
+# opt-in until it has passed end to end here).
+test-registry: deps control-plane
+	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
+	RLKUBE_REGISTRY_E2E=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_registry.py
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
 # kubeconfig in place of {kubeconfig}, and stops it.
@@ -109,6 +127,15 @@ $(VLLM_STAMP):
 	$(VLLM_PYTHON) -m pip install -q -e '.[core]'
 	touch $@
 
+deps-mlflow: $(MLFLOW_STAMP)
+
+$(MLFLOW_STAMP):
+	@$(SYSTEM_PYTHON) -c 'import ensurepip' 2>/dev/null || $(MAKE) deps-apt APT_PACKAGES=python3-venv
+	$(SYSTEM_PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MLFLOW_VENV)/bin/python -m pip install -q mlflow==3.17.2
+	touch $@
+
 control-plane:
 	bash tests/cluster/build-control-plane.sh
 
@@ -121,6 +148,19 @@ IMAGES_ARGS ?= --check
 images:
 	$(MAKE) deps-apt APT_PACKAGES="buildah mmdebstrap runc"
 	$(SYSTEM_PYTHON) images/build.py $(IMAGES_ARGS) $(IMAGES)
+
+# `make push REGISTRY=registry.example.com/rlkube`: every image `make images` built (localhost/rlkube/<name>:<tag>)
+# to $(REGISTRY)/<name>:<tag>; then `helm install ... --set imageRegistry=$(REGISTRY)` (docs/getting-started/images.md).
+REGISTRY ?=
+PUSH_ARGS ?=
+push:
+	@test -n "$(REGISTRY)" || { echo "make push: set REGISTRY=host[:port]/prefix" >&2; exit 2; }
+	$(SYSTEM_PYTHON) images/build.py --push $(REGISTRY) $(PUSH_ARGS) $(IMAGES)
+
+# The documentation site, strict: a broken link or anchor, or a page left out of the nav, fails the build.
+SITE_DIR ?= site
+docs:
+	$(PYTHON) -m mkdocs build --strict --site-dir $(SITE_DIR)
 
 crd:
 	$(PYTHON) -m rlkube.cli crd > crds/rlkube.io_trainingjobs.yaml

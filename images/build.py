@@ -17,6 +17,10 @@ operator's pods have; the redis image runs `redis-server --version` so; the vLLM
 vllm so and makes vLLM's cache directory (it must follow HOME onto /tmp). It uses runc with its default bundle config,
 whose root is read-only (`buildah run` 1.28 has no read-only root).
 
+`--push REGISTRY` (`make push REGISTRY=host[:port]/prefix`) builds nothing: it pushes the named images from buildah's
+storage to REGISTRY/<name>:<tag> (the name and tag of their local tag, localhost/rlkube/<name>:<tag>), the layout
+the chart's `imageRegistry` value pulls from; `--insecure` for a plain-HTTP registry (buildah --tls-verify=false).
+
 Stdlib only: runs with any python3 >= 3.11 (no project virtual environment needed).
 """
 
@@ -264,12 +268,45 @@ def check(names: list[str]) -> bool:
     return ok
 
 
+def push_target(image: Image, registry: str) -> str:
+    """Where `--push` puts an image: REGISTRY/<name>:<tag> of its local tag localhost/rlkube/<name>:<tag>."""
+    return f"{registry.rstrip('/')}/{image.tag.rsplit('/', 1)[-1]}"
+
+
+def push(names: list[str], registry: str, insecure: bool, digests: Path | None = None) -> int:
+    missing = [IMAGES[n].tag for n in names if not image_exists(IMAGES[n].tag)]
+    if missing:
+        log(f"not built: {', '.join(missing)} (run `make images IMAGES=\"{' '.join(names)}\"` first)")
+        return 1
+    for name in names:
+        image, start = IMAGES[name], time.monotonic()
+        dest = push_target(image, registry)
+        with tempfile.TemporaryDirectory() as tmp:
+            digest_file = Path(tmp) / "digest"
+            sh(["buildah", "push", "--quiet", f"--tls-verify={'false' if insecure else 'true'}", "--digestfile",
+                str(digest_file), image.tag, f"docker://{dest}"], stdout=subprocess.DEVNULL)
+            digest = digest_file.read_text().strip()
+        log(f"pushed {image.tag} -> {dest} ({digest}) in {time.monotonic() - start:.0f} s")
+        if digests is not None:  # `repository@digest` lines: what a signer signs (.github/workflows/release.yml)
+            with digests.open("a") as fh:
+                fh.write(f"{dest.rsplit(':', 1)[0]}@{digest}\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("images", nargs="*", default=DEFAULT, help=f"of {list(IMAGES)} (default: {DEFAULT})")
     ap.add_argument("--force", action="store_true", help="rebuild even when the content key is unchanged")
     ap.add_argument("--check", action="store_true", help="run the operator/core checks after building")
+    ap.add_argument("--push", metavar="REGISTRY", default=None,
+                    help="push the built images to REGISTRY/<name>:<tag> instead of building (host[:port]/prefix)")
+    ap.add_argument("--insecure", action="store_true", help="with --push: a plain-HTTP registry (no TLS)")
+    ap.add_argument("--digests", type=Path, default=None, help="with --push: append `repository@digest` lines here")
     opts = ap.parse_args()
+    if opts.push:
+        if unknown := set(opts.images) - set(IMAGES):
+            ap.error(f"unknown images {sorted(unknown)}")
+        return push([n for n in IMAGES if n in opts.images], opts.push, opts.insecure, opts.digests)
     for tool in ("buildah", "mmdebstrap"):
         if not shutil.which(tool):
             log(f"{tool} is missing: apt-get install -y buildah mmdebstrap runc")

@@ -225,7 +225,7 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     src = tmp_path_factory.mktemp("src") / "rlkube"
     # From a clean copy, so the editable install's build artefacts in the work tree don't leak in.
-    junk = (".git", ".venv", ".venv-vllm", "*.egg-info", "__pycache__", "build", "dist", "runs", "out")
+    junk = (".git", ".venv", ".venv-vllm", ".venv-mlflow", "*.egg-info", "__pycache__", "build", "dist", "runs", "out")
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*junk))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",

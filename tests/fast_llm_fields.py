@@ -7,7 +7,10 @@ the unit tests cannot import Fast-LLM. This tool runs where Fast-LLM's config cl
 sample specs below through Fast-LLM's config classes, and records every field it meets. With --validate it also
 runs Fast-LLM's CLI validation (`fast-llm train gpt --config X --validate`, which needs torch, transformers and
 safetensors, no GPU) on each sample config, `pretrained.path` pointed at a config.json-only checkpoint of the
-sample's format. tests/unit/test_fast_llm_config.py then checks the generated configs against the record.
+sample's format. tests/unit/test_fast_llm_config.py then checks the generated configs against the record. It
+also records, from the source text alone (`document_schema`, any Python), the document record Fast-LLM's streaming
+dataset parses strictly (RedisStreamingDocumentData): tests/unit/test_fast_llm_documents.py checks every document
+kind our preprocessor writes against it.
 
     python3.12 -m venv /tmp/fl && /tmp/fl/bin/pip install pyyaml requests numpy packaging pydantic orjson redis
     # for --validate also: torch safetensors 'transformers>=4.57.3,<6'
@@ -271,6 +274,51 @@ def wire_facts(src: Path) -> dict:
     }
 
 
+def document_schema(src: Path) -> dict:
+    """The document record Fast-LLM's streaming dataset parses (RedisStreamingDocumentData): its fields, each
+    field's declared type, and the lines that make the parse strict. Read from the source text (the module uses
+    Python 3.12 syntax elsewhere, so only the class is parsed): no import, so it runs on any Python."""
+    file = "fast_llm/data/dataset/streaming.py"
+    text = (src / file).read_text()
+    start = text.index("class RedisStreamingDocumentData(")
+    end = text.index("\n    def ", start)
+    first = text.count("\n", 0, start) + 1
+    cls = ast.parse(text[start:end]).body[0]
+    fields = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            required = isinstance(node.value, ast.Call) and not any(k.arg == "default" for k in node.value.keywords)
+            fields[node.target.id] = {"type": ast.unparse(node.annotation), "required": required,
+                                      "file": file, "line": first + node.lineno - 1}
+    return {
+        "class": "fast_llm.data.dataset.streaming.RedisStreamingDocumentData",
+        "fields": fields,
+        # Every stream field but `data` becomes a keyword, `data` is JSON whose keys become keywords; from_dict
+        # is strict by default and refuses a keyword that is not a field ("Unknown field").
+        "evidence": {
+            "message_fields_are_keywords": _line(src, file, "kwargs[key] = value"),
+            "data_keys_are_keywords": _line(src, file, "kwargs.update(json.loads(value))"),
+            "parsed_with_from_dict": _line(src, file, "return cls.from_dict(kwargs)"),
+            "from_dict_strict_default": _line(src, "fast_llm/config.py", "strict: bool = True,"),
+            "strict_refuses_leftovers": _line(src, "fast_llm/config.py", "if strict and default:"),
+            "unknown_field_error": _line(src, "fast_llm/config.py", "Unknown field"),
+            "tokens_int64": _line(src, file, "self.tokens = torch.frombuffer(self.tokens, dtype=torch.int64)"),
+            "old_log_probabilities_float32": _line(
+                src, file, "torch.frombuffer(self.old_log_probabilities, dtype=torch.float32)"),
+            "model_version_int64": _line(src, file, "torch.frombuffer(self.model_version, dtype=torch.int64)"),
+            "model_version_units": _line(src, file, "# Model version each token was generated under"),
+            "staleness_is_documents_seen_minus_model_version": _line(
+                src, "fast_llm/layers/language_model/loss/policy_gradient.py", "documents_seen - model_version"),
+            "documents_seen_counts_every_step": _line(
+                src, "fast_llm/engine/training/trainer.py", "self._documents_seen += step_num_documents"),
+            "redis_timeout_default": _line(src, "fast_llm/data/dataset/config.py", "timeout: float = Field(default="),
+            "data_timeout": _line(src, file, "> self._config.timeout"),
+            "broadcast_timeout": _line(src, "fast_llm/engine/training/streaming.py", "timeout=self._config.timeout"),
+            "no_weights_ready_when_skipped": _line(src, "fast_llm/engine/training/streaming.py", "if update_successful"),
+        },
+    }
+
+
 def _fast_llm_validate(config: dict, path: Path, src: Path, work: Path, world: tuple[int, int]) -> subprocess.CompletedProcess:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [sys.executable, "-m", "fast_llm.cli", "train", "gpt", "--config", str(path), "--validate"]
@@ -348,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             "dict_fields": dynamic,
             "fields": fields,
             **wire_facts(src),
+            "document": document_schema(src),
             "samples": {name: {**sample, "config_sha256": config_sha256(configs[name])}
                         for name, sample in samples().items()},
         }

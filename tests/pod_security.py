@@ -20,6 +20,9 @@ def assert_hardened_pod(pod: dict, spec: dict) -> None:
     assert psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0, (name, psc)
     assert (psc.get("seccompProfile") or {}).get("type") == "RuntimeDefault", (name, psc)
     assert not ps.get("hostNetwork") and not ps.get("hostPID") and not ps.get("hostIPC"), name
+    template = ((spec.get(role) or {}).get("template") or {}).get("spec") or {}
+    if template.get("automountServiceAccountToken") is not True:
+        assert_no_service_account_token(pod)
     for v in ps.get("volumes") or []:
         assert "hostPath" not in v, (name, v)
     engine = (spec.get("inference") or {}).get("engine", "vllm")
@@ -44,6 +47,50 @@ def assert_hardened_pod(pod: dict, spec: dict) -> None:
         for env in c.get("env") or []:
             if env["name"] == "REDIS_PASSWORD":
                 assert "value" not in env and "secretKeyRef" in env["valueFrom"], (where, env)
+    if role == "sandbox":
+        assert_sandbox_pod(pod, spec)
+
+
+SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def assert_no_service_account_token(pod: dict) -> None:
+    """No ServiceAccount token in the pod (docs/guide/validation-and-security.md): the field false, and, where the
+    API server's ServiceAccount admission ran, none of what it adds (a `kube-api-access-*` projected volume, or a
+    `default-token-*` Secret volume before Kubernetes 1.22, mounted at the ServiceAccount path)."""
+    name, ps = pod["metadata"]["name"], pod["spec"]
+    assert ps.get("automountServiceAccountToken") is False, (name, ps.get("automountServiceAccountToken"))
+    for v in ps.get("volumes") or []:
+        assert not v["name"].startswith(("kube-api-access-", "default-token-")), (name, v)
+        sources = (v.get("projected") or {}).get("sources") or []
+        assert not any("serviceAccountToken" in src for src in sources), (name, v)
+    for c in [*(ps.get("initContainers") or []), *ps["containers"]]:
+        mounts = [m["mountPath"] for m in c.get("volumeMounts") or []]
+        assert SERVICE_ACCOUNT_MOUNT not in mounts, (name, c["name"], mounts)
+
+
+SANDBOX_UID = 10002  # controller/builders.SANDBOX_RUN_AS: no other role's
+
+
+def assert_sandbox_pod(pod: dict, spec: dict) -> None:
+    """What a sandbox pod holds beyond "restricted" (docs/guide/sandbox.md): spec.sandbox.runtimeClassName (gvisor
+    unless set), no ServiceAccount token, a uid of its own, cpu/memory/ephemeral-storage limits, and nothing of the
+    job's secrets or config: no Redis password, no Secret or ConfigMap of any kind, no env from one."""
+    name, ps = pod["metadata"]["name"], pod["spec"]
+    want = (spec.get("sandbox") or {}).get("runtimeClassName", "gvisor")
+    assert ps.get("runtimeClassName") == want, (name, ps.get("runtimeClassName"), want)
+    assert ps.get("automountServiceAccountToken") is False, name
+    assert (ps.get("securityContext") or {}).get("runAsUser") == SANDBOX_UID, (name, ps.get("securityContext"))
+    for v in ps.get("volumes") or []:
+        assert not {"secret", "configMap", "projected", "persistentVolumeClaim"} & set(v), (name, v)
+    for c in ps["containers"]:
+        limits = (c.get("resources") or {}).get("limits") or {}
+        assert {"cpu", "memory", "ephemeral-storage"} <= set(limits), (name, limits)
+        for env in c.get("env") or []:
+            assert env["name"] != "REDIS_PASSWORD", (name, env)
+            assert "secretKeyRef" not in (env.get("valueFrom") or {}), (name, env)
+            assert "configMapKeyRef" not in (env.get("valueFrom") or {}), (name, env)
+        assert not c.get("envFrom"), (name, c.get("envFrom"))
 
 
 def assert_no_secret_value(manifests: list[dict], secret_values: list[str]) -> None:

@@ -22,7 +22,7 @@ def _validate(args: argparse.Namespace) -> int:
     import yaml
 
     from rlkube.controller.names import job_name_error
-    from rlkube.lifecycle.validation import SpecError, parse_manifest
+    from rlkube.lifecycle.validation import SpecError, importable_errors, parse_manifest, published_images
 
     with open(args.file) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d is not None]
@@ -38,6 +38,10 @@ def _validate(args: argparse.Namespace) -> int:
             continue
         try:
             meta, spec = parse_manifest(doc)
+            # On the project's images, an entry point must import from what they hold, as here (rlkube and its
+            # dependencies); a user's image may hold anything, and its actor checks at start (exit 78).
+            if published_images(spec) and (errs := importable_errors(spec)):
+                raise SpecError(errs)
             # The operator's rule for names its children can carry (the same function refuses the job there).
             if (bad_name := job_name_error(str(meta["name"]), spec)) is not None:
                 status = 1
@@ -59,6 +63,27 @@ def _other_kind(doc) -> bool:
         return False
     group = str(doc.get("apiVersion", "")).rpartition("/")[0]
     return doc.get("kind") != KIND and group != GROUP and bool(doc.get("kind"))
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """Where a TrainingJob named as a run is (its files are read through the API server, rlkube.runs.kube)."""
+    p.add_argument("-n", "--namespace", default="default", help="the job's namespace (a TrainingJob name)")
+    p.add_argument("--kubeconfig", default=None, help="the cluster (default $KUBECONFIG, ~/.kube/config, in-cluster)")
+    p.add_argument("--context", default=None, help="the kubeconfig context")
+
+
+def _samples_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a local run's output directory (or its samples.jsonl), or a TrainingJob's name")
+    _cluster_args(p)
+    p.add_argument("--step", action="append", default=None, metavar="STEP",
+                   help="only this step (30) or inclusive range (20:40, 40:); repeatable")
+    p.add_argument("--last", type=int, default=None, metavar="N", help="only the newest N steps kept")
+    p.add_argument("--kind", choices=("train", "evaluation"), default=None, help="training samples or the evaluation's")
+    p.add_argument("--min-reward", type=float, default=None)
+    p.add_argument("--max-reward", type=float, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON list of the rows on stdout")
+    p.add_argument("--width", type=int, default=None, help="table width (default: the terminal's)")
+    p.add_argument("--verbose", action="store_true", help="say where the samples were read (stderr)")
 
 
 def _lazy(target: str):
@@ -93,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "for every role (default $RLKUBE_MODEL_CACHE, else ~/.cache/rlkube/models)")
     p.set_defaults(func=_lazy("rlkube.local.runner:cli"))
 
+    p = sub.add_parser("samples", help="print the rollout samples a job kept (spec.samples)")
+    _samples_args(p)
+    p.set_defaults(func=_lazy("rlkube.runs.samples:run"))
+
+    p = sub.add_parser("report", help="one self-contained HTML report of a run, or of two runs overlaid")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a local run's output directory or a TrainingJob's name; "
+                   "a second RUN is overlaid on the first")
+    p.add_argument("-o", "--output", default=None, help="the HTML file (default: report-RUN.html here)")
+    _cluster_args(p)
+    p.set_defaults(func=_lazy("rlkube.runs.report:cli"))
+
     p = sub.add_parser("operator", help="run the kopf operator")
     p.add_argument("--namespace", "-n", action="append", default=[], help="watch only these namespaces")
     p.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
@@ -111,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-retry-period", type=float, default=2.0,
                    help="seconds between renewals, and between a standby's attempts")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0 disables)")
+    p.add_argument("--image-registry", default=None, metavar="HOST/PREFIX",
+                   help="pull the project's role images (ghcr.io/rlkube/NAME:TAG, spec.image's default) from "
+                   "HOST/PREFIX/NAME:TAG instead (the chart's imageRegistry; `make push REGISTRY=...`)")
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("--webhook-port", type=int, default=0,
                    help="serve the validating admission webhook over TLS on this port (0: not served)")
@@ -145,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
     p.add_argument("--temperature", type=float, default=1.0)
     p.set_defaults(func=_lazy("rlkube.bench.loss_memory:cli"), variant=None, out=None)
+    p = bench.add_parser("weight-receive", help="a receiver's extra peak memory in one weight update: all buckets "
+                         "first (before) vs streamed into the model")
+    p.add_argument("--vocab", type=int, default=151_936, help="the random model's shape: Qwen2-0.5B's by default")
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--intermediate", type=int, default=4864)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="transfer and served dtype")
+    p.add_argument("--bucket-megabytes", type=int, default=None,
+                   help="default: the smallest multiple of 32 MiB that holds the largest tensor")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_lazy("rlkube.bench.weight_receive:cli"), receiver=None)
     p = bench.add_parser("serve", help="inference throughput and weight-update latency on this machine")
     p.add_argument("--json", action="store_true")
     p.add_argument("--engine", choices=("native", "vllm"), default="native",
@@ -164,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=10, help="weight updates per engine")
     p.add_argument("--repeats", type=int, default=20, help="rounds of the raw gloo broadcast")
     p.set_defaults(func=_lazy("rlkube.bench.inference:cli"))
+    p = bench.add_parser("sandbox", help="a tool call through a sandbox server vs in the actor's process")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("-n", type=int, default=50, help="measured calls per path")
+    p.add_argument("--url", default=None, help="a running sandbox server (a sandbox pod's http://ip:8090); "
+                   "default: one started here")
+    p.set_defaults(func=_lazy("rlkube.bench.sandbox:cli"))
     return parser
 
 

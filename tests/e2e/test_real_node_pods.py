@@ -4,9 +4,9 @@ moved here from the node agent:
 - `trainer.processesPerNode: 2` on CPU: ONE trainer pod whose launcher runs ranks 0 and 1;
 - pod templates: every role's template (env, a ConfigMap volume mounted read-only, a nodeSelector) waits
   Unschedulable (kube-scheduler's verdict) until the Node gets the label, then runs: a shell inside each running
-  container sees the variable and the volume's file; every pod as the API server stored it passes the security
-  assertion; the Redis NetworkPolicy exists while the job runs; the Redis password is in no status, Event, the
-  operator's log or any container's log.
+  container sees the variable and the volume's file and no ServiceAccount token; every pod as the API server stored
+  it passes the security assertion (automountServiceAccountToken false, no token volume); the Redis NetworkPolicy
+  exists while the job runs; the Redis password is in no status, Event, the operator's log or any container's log.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ POOL_LABEL = "e2e.rlkube.io/pool"
 ROLES = ("redis", "trainer", "inference", "preprocessor", "actor")
 # Printed by a shell inside each container, one key=value per line (spaces in the file's text made underscores).
 SEES = ('echo "greeting=$GREETING"; echo "home=$HOME"; echo "index=$RLKUBE_INDEX"; '
-        'echo "note=$(tr \' \' _ < /extra/note.txt)"')
+        'echo "note=$(tr \' \' _ < /extra/note.txt)"; '
+        'if [ -e /var/run/secrets/kubernetes.io/serviceaccount ]; then echo token=mounted; else echo token=none; fi')
 
 
 def _sees(core, namespace: str, pod: str, container: str) -> dict[str, str]:
@@ -206,6 +207,8 @@ def test_templates_env_volume_and_node_selector_run_on_the_labelled_node(job, re
             sees = _sees(core, ns, pod, role)
             assert sees.get("greeting") == f"hello from {role}", (role, sees)
             assert sees.get("note") == "mounted_from_a_template_volume", (role, sees)
+            # No role talks to the API server: the ServiceAccount admission plugin (on here) mounted no token.
+            assert sees.get("token") == "none", (role, sees)
             if role != "redis":
                 assert sees.get("home") == "/tmp" and sees.get("index") == "0", (role, sees)
             # What the API server stored: the merged pod, hardened, with the template's placement and labels.

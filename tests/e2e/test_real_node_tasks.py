@@ -4,7 +4,8 @@ from the node agent, with every role in the core image as uid 10001 on a read-on
 - examples/calculator-cpu.yaml: multi-turn, tool-using episodes (spec.task.environment) with evaluation while
   training (spec.evaluation), the job `rlkube local` runs in tests/integration/test_local_episodes.py. It Succeeds
   and learns; the trainer's metrics carry the episode counts and the tool calls per episode rise; actor 0's
-  evaluation events reach the job's status (`trainer.evalRewardMean`, `evalVersion`).
+  evaluation events reach the job's status (`trainer.evalRewardMean`, `evalVersion`, `evalPrompts`), and the agent
+  counters `status.agent`.
 - examples/qwen2-math-cpu.yaml: a tiny random Qwen2 with a byte-level BPE tokenizer and a chat template, written by
   the test onto a model claim (`spec.model.claimName`, a hostPath PersistentVolume mounted read-only), on a JSONL
   dataset of arithmetic prompts on a dataset claim (`spec.task.dataset.claimName`) scored by math-verify. Every
@@ -63,9 +64,19 @@ def test_calculator_job_learns_with_tools_and_reports_its_evaluation(job):
     calls = [m["tool_calls_per_episode"] for m in metrics if "tool_calls_per_episode" in m]
     assert len(calls) >= 20 and sum(calls[-10:]) > sum(calls[:10]), calls
 
+    # The agent counters of the last metrics event reach status.agent (rlkube.contract.counters.AGENT_STATUS); the
+    # calculator gives no per-turn reward, so no turnRewardMean.
+    agent = st["agent"]
+    assert (agent["episodes"], agent["turns"], agent["toolCalls"], agent["toolErrors"], agent["drifted"]) == (
+        last["episode_episodes"], last["episode_turns"], last["episode_tool_calls"], last["episode_tool_errors"],
+        last["episode_drifted"]), agent
+    assert "turnRewardMean" not in agent, agent
+
     trainer = st["trainer"]
     assert trainer["evalVersion"] % EVERY == 0 and trainer["evalVersion"] >= EVERY, trainer
     assert 0.0 <= trainer["evalRewardMean"] <= 1.0, trainer
+    # the calculator's episodes never fail: every eval prompt is scored, no reward fails
+    assert 0 < trainer["evalPrompts"] <= 8 and trainer["evalSkipped"] == trainer["evalRewardErrors"] == 0, trainer
     wait_for(lambda: not job.children_left(), 120, lambda: f"children removed: {job.children_left()}")
     assert stage_names(st) == FULL_ORDER
     print(f"\nreal-node calculator: reward margin {margin:.3f}, tool calls per episode {calls[0]:.2f} -> "

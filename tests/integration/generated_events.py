@@ -22,7 +22,8 @@ from rlkube.contract import protocol
 
 KNOWN = protocol.EVENT_TYPES
 INT64 = (-(2**63), 2**63 - 1)
-FIELDS = ("step", "documents_seen", "version", "lag", "lag_max", "path", "checkpoint", "interrupted", "loss")
+FIELDS = ("step", "documents_seen", "version", "lag", "lag_max", "path", "checkpoint", "interrupted", "loss", "tracker",
+          "message")
 
 
 @dataclass(frozen=True)

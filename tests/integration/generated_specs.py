@@ -192,12 +192,16 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     if _get(spec, "task.reasoningGym") is not None:  # the one prompt source (validation.task_errors)
         _drop(spec, "task.entryPoint")
         _drop(spec, "task.params")
+        for key in ("seed", "size"):  # rlkube sets them (validation.REASONING_GYM_RESERVED)
+            _drop(spec, f"task.reasoningGym.config.{key}")
     if _eff(spec, "algorithm.loss") == "sft":  # it reads a dataset's completion column (validation.sft_errors)
         _set(spec, "algorithm.loss", "grpo")
     if _get(spec, "task.environment") is not None:  # one source; a budget within maxSequenceLength
         if _get(spec, "task.environment.name") is None:
             _set(spec, "task.environment.name", "calculator")
         _drop(spec, "task.environment.entryPoint")
+        _drop(spec, "task.reasoningGym")  # a built-in environment draws its own prompts: the one source
+        _drop(spec, "task.entryPoint")
         budget, limit = _get(spec, "task.environment.maxEpisodeTokens"), _eff(spec, "model.maxSequenceLength")
         if budget is not None and limit is not None and budget > limit:
             _drop(spec, "task.environment.maxEpisodeTokens")

@@ -448,9 +448,18 @@ def _webhook_refuses_bad_jobs_at_apply_time(custom, core, team: str, log: Path) 
     cross_field = specs.document(**{"spec.trainer.nodes": 4, "spec.algorithm.samplesPerStep": 2})
     bad_image = specs.document(**{"spec.actor.image": "my image:latest"})
     long_name = specs.document(**{"metadata.name": "j" * 60})
+    # The validation gaps the schema cannot express (tests/unit/test_validation_gaps.py): refused naming the field.
+    two_sources = specs.document(**{"spec.task.environment": {"name": "calculator"},
+                                    "spec.task.reasoningGym": {"name": "basic_arithmetic"}})
+    reserved = specs.document(**{"spec.task.reasoningGym": {"name": "basic_arithmetic", "config": {"size": 5}}})
+    sft = specs.document(**{"spec.algorithm.loss": "sft", "spec.task.dataset": {"path": "/data/prompts.jsonl"}})
     cases = [(cross_field, "spec.algorithm.samplesPerStep: must be at least the trainer's ranks"),
              (bad_image, "spec.actor.image: 'my image:latest' is not an image reference"),
-             (long_name, "metadata.name: '" + "j" * 60 + "' is too long")]
+             (long_name, "metadata.name: '" + "j" * 60 + "' is too long"),
+             (two_sources, "spec.task.reasoningGym: not with spec.task.environment.name 'calculator', which draws "
+                           "its own prompts"),
+             (reserved, "spec.task.reasoningGym.config.size: reserved"),
+             (sft, "spec.task.dataset.completionField: required with spec.algorithm.loss sft")]
 
     def dry_run(body):
         return custom.create_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs", body,
@@ -473,5 +482,12 @@ def _webhook_refuses_bad_jobs_at_apply_time(custom, core, team: str, log: Path) 
             assert refused.value.status == 422, refused.value.body
             assert 'admission webhook \\"validate.trainingjobs.rlkube.io\\" denied the request' in refused.value.body
             assert says in refused.value.body, refused.value.body
+            assert "spec.task.reward" not in refused.value.body, refused.value.body  # only the true error
+    # A name the CRD's enum refuses never reaches the webhook: the API server names the field itself.
+    with pytest.raises(ApiException) as refused:
+        dry_run(specs.document(**{"spec.task.environment": {"name": "calculater"}}))
+    assert refused.value.status == 422 and "admission webhook" not in refused.value.body, refused.value.body
+    assert 'spec.task.environment.name: Unsupported value: \\"calculater\\"' in refused.value.body, \
+        refused.value.body
     assert custom.list_namespaced_custom_object("rlkube.io", "v1alpha1", team, "trainingjobs")["items"] == []
     assert core.list_namespaced_pod(team).items == [] and core.list_namespaced_config_map(team).items == []

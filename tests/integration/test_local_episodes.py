@@ -78,3 +78,56 @@ def test_an_environment_factory_that_raises_fails_the_job_naming_the_field(tmp_p
     assert (summary["phase"], summary["reason"]) == ("Failed", "InvalidSpec"), summary
     assert "spec.task.environment.entryPoint: the environment factory raised RuntimeError: the sandbox is not " \
            "installed" in summary["message"], summary
+
+
+TURN_REWARD_ENV = '''
+from rlkube.core.actor.calculator import Calculator, CalculatorEpisode
+from rlkube.core.actor.episodes import Turn
+
+
+class Episode(CalculatorEpisode):
+    def respond(self, reply):
+        answer = super().respond(reply)
+        return Turn(answer, reward=0.05) if answer else None  # a little credit for each tool call
+
+
+class WithTurnRewards(Calculator):
+    def start(self, prompt):
+        return Episode(prompt.meta["question"], prompt.meta["answer"], self.call_credit, self.kind_credit)
+
+
+def make(**params):
+    return WithTurnRewards(**params)
+'''
+
+
+def test_fractional_per_turn_rewards_train_to_succeeded_with_their_mean_reported(tmp_path):
+    # A group whose episodes called no tool has no per-turn reward, one that did has 0.05s: the tiny model calls the
+    # calculator in a few episodes of a hundred at first, so the job sees both kinds from its first steps, in
+    # whatever order the actors write them (the actors' counters are typed by name, rlkube.contract.counters).
+    (tmp_path / "turn_reward_env.py").write_text(TURN_REWARD_ENV)
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "turn-rewards"
+    environment = doc["spec"]["task"]["environment"]
+    del environment["name"]
+    environment["entryPoint"] = "turn_reward_env:make"
+    doc["spec"]["algorithm"]["maxSteps"] = 12
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    out = tmp_path / "run"
+    code, summary, stderr = rlkube_local(manifest, out, timeout=240, PYTHONPATH=pythonpath)
+    assert code == 0, stderr[-3000:]
+    assert summary["phase"] == "Succeeded" and summary["steps"] == 12, summary
+    metrics = step_metrics(out)
+    last = metrics[-1]
+    rewarded = [m["turn_reward_mean"] for m in metrics if "turn_reward_mean" in m]
+    # every rewarded turn is a tool call worth 0.05, and some steps' episodes called the tool, some not
+    assert rewarded and all(abs(r - 0.05) < 1e-9 for r in rewarded), rewarded
+    # (a call in an episode's last allowed turn is rewarded but never answered: truncated, not a tool call)
+    assert 0 < last["episode_tool_calls"] <= last["episode_turn_rewards"] <= last["episode_turns"], last
+    assert last["episode_tool_calls"] < last["episode_episodes"], last  # episodes without a tool call too
+    # the status subset `rlkube local` shows (as a TrainingJob's status.agent) carries them
+    agent = summary["agent"]
+    assert agent["turn_reward_mean"] == 0.05 and agent["tool_calls"] == last["episode_tool_calls"], agent
+    assert agent["episodes"] == last["episode_episodes"], agent

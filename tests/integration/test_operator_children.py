@@ -6,6 +6,9 @@
 - A child the API server rejects as invalid (a hostPath volume whose path backs up with '..': the CRD schema and
   the operator's checks keep volume sources as written, the Pod validation does not) fails the job with the API
   server's message instead of retrying forever.
+- Every role pod as the API server stored it mounts no ServiceAccount token, except where the role's template asks
+  for one (tests/e2e/test_real_node_pods.py shows the same with the ServiceAccount admission plugin adding what it
+  adds, and a shell inside each container finding no token).
 """
 
 # ruff: noqa: F811  (pytest fixtures imported from operator_harness are redefined as test parameters)
@@ -17,6 +20,7 @@ from itertools import pairwise
 import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
+from pod_security import assert_no_service_account_token
 from operator_harness import (  # noqa: F401 (fixtures)
     Env,
     children,
@@ -138,3 +142,20 @@ async def test_a_child_the_api_server_rejects_fails_the_job_with_its_message(env
     assert await children(kapi, env.namespace, "badimg") == {}
     with pytest.raises(ApiException):
         await client.CoreV1Api(kapi).read_namespaced_pod("badimg-actor-0", env.namespace)
+
+
+async def test_every_role_pod_as_stored_mounts_no_service_account_token_unless_its_template_asks(env: Env, kapi):
+    # The actor's template asks for the token (a process of the user's that talks to the API server): only its pods
+    # get it; every other role's pod, Redis included, as the API server stored it, has none.
+    await create_job(kapi, env.namespace, job_doc("token", **{
+        "actor.template": {"spec": {"automountServiceAccountToken": True}}}))
+    await env.recorder.wait_phase("token", "Running", timeout=90)
+    core = client.CoreV1Api(kapi)
+    stored = {p.metadata.labels["rlkube.io/role"]: kapi.sanitize_for_serialization(p) for p in
+              (await core.list_namespaced_pod(env.namespace, label_selector="rlkube.io/job-name=token")).items}
+    assert set(stored) == {"redis", "trainer", "inference", "preprocessor", "actor"}, sorted(stored)
+    for role, pod in stored.items():
+        if role == "actor":
+            assert pod["spec"]["automountServiceAccountToken"] is True, pod["spec"]
+        else:
+            assert_no_service_account_token(pod)

@@ -12,6 +12,7 @@ import select
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -200,10 +201,25 @@ print(json.dumps(out))
 """
 
 
+@pytest.fixture
+def pod_readable_package():
+    """A copy of the rlkube package the pod's user can read, on PYTHONPATH for it: the checkout may be where uid 10001
+    cannot read (a clone in a mode-700 home directory), and pytest's own tmp_path is private to root."""
+    top = Path(tempfile.mkdtemp(prefix="rlkube-pod-user-"))
+    try:
+        shutil.copytree(Path(rlkube.__file__).resolve().parent, top / "rlkube",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for path in [top, *top.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON,
                     reason="needs root, setpriv and /usr/bin/python3 to become the pod's unprivileged user")
-def test_the_network_stays_refused_as_the_pod_s_unprivileged_user_without_capabilities(listener):
-    operator_dir = Path(rlkube.__file__).resolve().parents[1]
+def test_the_network_stays_refused_as_the_pod_s_unprivileged_user_without_capabilities(listener, pod_readable_package):
+    operator_dir = pod_readable_package
     proc = subprocess.run(["setpriv", f"--reuid={POD_UID}", f"--regid={POD_UID}", "--clear-groups",
                            "--inh-caps=-all", "--bounding-set=-all", "env", "-i", f"PYTHONPATH={operator_dir}",
                            "TMPDIR=/tmp", SYSTEM_PYTHON, "-c", DRIVER, str(listener.getsockname()[1])],

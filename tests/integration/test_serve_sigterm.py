@@ -155,8 +155,9 @@ def test_inference_in_the_rendezvous_of_an_epoch_never_formed(roles, redis_clien
     _, proc = start_server(roles)
     sender = announce_epoch(roles, redis_client)
     keys = sender._store.num_keys()
-    # The server's rendezvous address in the trainer's store: it is inside the group's constructor now.
-    wait_for(lambda: sender._store.num_keys() > keys, 30, "the server in the group's rendezvous")
+    # The server's transport handshake (one key), then its rendezvous address in the trainer's store: it is inside
+    # the group's constructor now.
+    wait_for(lambda: sender._store.num_keys() > keys + 1, 30, "the server in the group's rendezvous")
     sigterm(proc, "inference, in the rendezvous")
 
 

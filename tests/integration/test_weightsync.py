@@ -277,3 +277,39 @@ def test_unreachable_store_is_a_weightsync_error():
 def test_nccl_without_cuda_build_is_a_clear_error():
     with pytest.raises(ValueError, match="nccl"):
         WeightReceiver("127.0.0.1:1", rank=1, world_size=2, backend="nccl")
+
+
+@pytest.mark.parametrize("bucket_bytes", ["4096", "300"], ids=["one-bucket", "per-tensor-buckets"])
+def test_a_streamed_receive_loads_no_bucket_that_fails_its_checksum(redis_client, peers, receivers, bucket_bytes):
+    # The peer corrupts one value of version 1's first bucket after taking the checksums: the streamed receive
+    # checks a bucket before the engine sees any of it, so nothing of version 1 is loaded; the rest of the update
+    # is received and dropped (the trainer's send completes) and version 2 arrives whole in a new epoch.
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = peers(addr, 0, PEER_CORRUPT_VERSIONS="1", PEER_BUCKET_BYTES=bucket_bytes)
+    rx = receivers(addr)
+    last, ann = next_announcement(redis_client, "0-0")
+    rx.join(ann["epoch"])
+    got: dict[str, torch.Tensor] = {}
+
+    def load(stream):
+        got.update((n, t.clone()) for n, t in stream)
+
+    assert rx.receive_streamed(load, reuse=True) == 0
+    assert_weights(got, 0)
+    assert trainer.stdout.readline().strip() == "published 0"
+    command(trainer, 1)
+    last, ann = next_announcement(redis_client, last)
+    calls: list[str] = []
+    with pytest.raises(WeightSyncError, match="checksum"):
+        rx.receive_streamed(lambda stream: calls.append("load"))
+    assert calls == [] and not rx.joined
+    assert trainer.stdout.readline().strip() == "published 1"  # the trainer's send of version 1 completed
+    left = ann["epoch"]
+    command(trainer, 2)  # announced in the epoch we left, then (its send failing) again in a new one
+    last, ann = next_announcement(redis_client, last)
+    while ann["version"] != 2 or ann["epoch"] == left:
+        last, ann = next_announcement(redis_client, last)
+    rx.join(ann["epoch"])
+    got.clear()
+    assert rx.receive_streamed(load) == 2
+    assert_weights(got, 2)

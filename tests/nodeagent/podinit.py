@@ -10,7 +10,10 @@ fast start).
 
 CONFIG is a JSON file: {"netns": path|null, "hostname": str, "mounts": [{"source", "target", "readOnly"}],
 "cwd": str (workingDir, in the container's view) or "hostCwd": str (a host directory), "argv": [...],
-"env": {...}, "startError": path}. On a failure before exec it writes the reason
+"env": {...}, "startError": path, "hostPaths": [path, ...]}. `hostPaths` are the host directories the pod's
+processes run from, as an image's own files would be (the checkout, its virtual environments, PYTHONPATH: the
+agent runs no images): a volume mounted over one of them (an emptyDir at /tmp while the checkout is under /tmp)
+must not hide it, so each one a volume covered is bound back at its own path, on top of that volume. On a failure before exec it writes the reason
 to `startError` and exits 128 (what kubelet reports for a container that could not start).
 """
 
@@ -47,6 +50,15 @@ def _mount(source: str | None, target: str, flags: int) -> None:
     _check(libc.mount(src, target.encode(), None, ctypes.c_ulong(flags), None), f"mount {source} -> {target}")
 
 
+def _same(path: str, fd: int) -> bool:
+    """Whether `path` still shows the directory `fd` was opened on (no mount covers it)."""
+    try:
+        here, there = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def enter(cfg: dict) -> None:
     # The pod dies with the agent's thread that started it: a killed agent leaves no orphans behind.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -65,6 +77,7 @@ def enter(cfg: dict) -> None:
     # (an emptyDir at /tmp while the pod directory lives under /tmp) must not hide them, as a container runtime
     # resolves sources on the host, not in the container's view.
     sources = [os.open(m["source"], O_PATH) for m in mounts]
+    kept = [(p, os.open(p, O_PATH)) for p in sorted(cfg.get("hostPaths", []), key=len) if os.path.isdir(p)]
     for m, fd in zip(mounts, sources):
         if not os.path.exists(m["target"]):
             # A mount point that is not there in the pod's view (a file such as /dev/termination-log, or a path
@@ -78,6 +91,11 @@ def enter(cfg: dict) -> None:
         if m.get("readOnly"):
             _mount(None, m["target"], MS_REMOUNT | MS_BIND | MS_RDONLY)
     for fd in sources:
+        os.close(fd)
+    for path, fd in kept:
+        if not _same(path, fd):
+            os.makedirs(path, exist_ok=True)  # inside the volume that covers it, in this namespace's view only
+            _mount(f"/proc/self/fd/{fd}", path, MS_BIND | MS_REC)
         os.close(fd)
     if cfg.get("hostname"):
         socket.sethostname(cfg["hostname"])

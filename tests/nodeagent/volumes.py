@@ -15,6 +15,7 @@ point in another live pod's namespace would detach that pod's volume.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,23 @@ from nodeagent.envvars import ConfigError, Lookup, field_value, resource_value
 
 class VolumeError(Exception):
     """The pod's volumes cannot be set up yet (kubelet: FailedMount); retried later."""
+
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout: the pods' code (an editable install points here)."""
+
+
+def host_paths(env: dict[str, str]) -> list[str]:
+    """The host directories a pod's processes run from, in place of an image's files: the checkout, the agent's
+    interpreter environment, PYTHONPATH's and PATH's entries, and RLKUBE_VLLM_PYTHON's environment. podinit binds
+    back any of them a volume of the pod covers (a checkout under /tmp, where every pod mounts an emptyDir): a
+    container's volumes never hide its image."""
+    paths = {str(REPO), os.path.realpath(sys.prefix), sys.prefix}
+    paths.update(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+    if env.get("RLKUBE_VLLM_PYTHON"):
+        paths.add(str(Path(env["RLKUBE_VLLM_PYTHON"]).parent.parent))
+    paths.update(p for p in env.get("PATH", "").split(os.pathsep) if p)
+    return sorted(p for p in paths if os.path.isabs(p))
 
 
 ClaimDir = Callable[[str, str], Path]  # (namespace, claimName) -> directory; raises VolumeError

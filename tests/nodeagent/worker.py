@@ -249,7 +249,7 @@ class PodWorker(threading.Thread):
             "netns": self.netns, "hostname": self.hostname, "mounts": mounts,
             **({"cwd": spec["workingDir"]} if spec.get("workingDir") else {"hostCwd": str(self.dir / "work")}),
             "argv": argv, "env": env,
-            "startError": str(start_error),
+            "startError": str(start_error), "hostPaths": volumes.host_paths(env),
         }))
         with open(logdir / f"{c.restart_count}.log", "ab") as logf:
             proc = subprocess.Popen(

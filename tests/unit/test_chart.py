@@ -388,6 +388,12 @@ def test_grafana_dashboard_queries_only_metrics_the_operator_exports():
     per_job = {"status_phase", "step", "max_steps", "policy_lag", "reward_mean", "tokens_per_second",
                "seconds_since_last_trainer_event", "component_restarts", "teardown_stage_duration_seconds"}
     assert {f"rlkube_trainingjob_{n}" for n in per_job} <= used
+    # every agent counter of status.agent and the evaluation's counts (rlkube.contract.counters) are plotted
+    from rlkube.contract import counters
+    from rlkube.controller.jobmetrics import AGENT_PREFIX, EVAL_COUNTS
+    shown = {f"rlkube_trainingjob_{AGENT_PREFIX}{n}" for n in counters.AGENT_STATUS}
+    shown |= {f"rlkube_trainingjob_{n}" for n, _ in EVAL_COUNTS}
+    assert shown - used == set(), f"not on the dashboard: {shown - used}"
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)
 
@@ -397,6 +403,14 @@ def test_image_and_extra_args():
                    "operator": {"extraArgs": ["--namespace=extra"]}})
     assert operator_container(docs)["image"] == "registry.local/rlkube-operator:dev"
     assert _operator_args(docs)[-1] == "--namespace=extra"
+    assert not any(a.startswith("--image-registry") for a in _operator_args(docs))
+
+
+def test_one_image_registry_value_points_the_operator_and_its_role_images_at_the_registry():
+    """`imageRegistry` (make push REGISTRY=...): the operator's image and the operator's default role images."""
+    docs = render({"imageRegistry": "registry.example.com:5000/team/rlkube/"})
+    assert operator_container(docs)["image"] == "registry.example.com:5000/team/rlkube/operator:0.1.0"
+    assert "--image-registry=registry.example.com:5000/team/rlkube" in _operator_args(docs)
 
 
 # --- values the chart refuses -----------------------------------------------------------------------------
@@ -419,10 +433,11 @@ def test_image_and_extra_args():
         ({"watch": {"clusterWide": False, "namespaces": ["Not_A_Namespace"]}}, helm.HelmValuesError, "/watch/namespaces"),
         ({"image": {"pullPolicy": "Sometimes"}}, helm.HelmValuesError, "/image/pullPolicy"),
         ({"serviceAccount": {"create": False}}, helm.HelmRenderError, "serviceAccount.name"),
+        ({"imageRegistry": "https://registry.example.com"}, helm.HelmValuesError, "/imageRegistry"),
     ],
     ids=["replicas-without-peering", "replicas-with-peering", "peering-and-leader-election", "lease-shorter-than-deadline",
          "deadline-vs-retry", "lease-name", "lease-duration-type", "namespaces-while-cluster-wide", "replicas-type",
-         "port-range", "unknown-key", "namespace-name", "pull-policy", "sa-name"],
+         "port-range", "unknown-key", "namespace-name", "pull-policy", "sa-name", "image-registry-url"],
 )
 def test_bad_values_are_refused_naming_the_value(values, error, message):
     with pytest.raises(error) as err:

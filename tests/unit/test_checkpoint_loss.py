@@ -39,7 +39,8 @@ def spec(**overrides):
 def test_the_step_is_read_from_the_checkpoint_name_the_trainer_writes():
     assert checkpoint_loss.step_of(SAVED) == 10
     assert checkpoint_loss.step_of(checkpoint_name(1234567)) == 1234567
-    assert checkpoint_loss.step_of("/ckpt/fast-llm/checkpoint/7") is None
+    assert checkpoint_loss.step_of("/ckpt/fast-llm/checkpoint/7") == 7  # Fast-LLM's layout (its launcher checks it)
+    assert checkpoint_loss.step_of("/ckpt/checkpoint/latest") is None
 
 
 @pytest.mark.parametrize("expected, resumed, lost", [

@@ -841,3 +841,24 @@ def test_resources_the_pod_schema_would_reject_fail_up_front_naming_the_field(re
 )
 def test_valid_resources_pass(resources):
     parse_spec(raw_spec(**{"actor.resources": resources}))
+
+
+FAST_LLM = {"trainer.backend": "fast-llm", "trainer.gpusPerNode": 1, "trainer.fastLlm": {"modelFormat": "llama"},
+            "model.path": "/models/m"}
+
+
+@pytest.mark.parametrize("last_weights_ready", [40, 39])
+def test_fast_llm_finished_event_is_the_final_step_even_when_the_last_update_was_skipped(last_weights_ready):
+    """Fast-LLM publishes no weights_ready for an unsuccessful (skipped) update, and its training_finished has no
+    step: the last weights_ready may read 39 of 40. Its training_finished stands for train_iters steps done and
+    the final checkpoint saved under run.experiment_dir (rlkube.controller.fastllm.finished)."""
+    events = [ev(protocol.WEIGHTS_READY, ms(T0) - 5, step=last_weights_ready, documents_seen=1280),
+              ev(protocol.TRAINING_FINISHED, ms(T0))]
+    d = run(job(running_status(), **FAST_LLM), all_pods(trainer=trainer_exited(0)), events)
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished")
+    assert d.status.completion.final_step == 40 and d.status.completion.interrupted is False
+    assert d.status.completion.checkpoint == "/checkpoints/checkpoint/40"  # Fast-LLM's layout, not ours
+    # Its event without the trainer's exit: the final step and checkpoint it stands for make it a success too.
+    d = run(job(running_status(), **FAST_LLM), all_pods(), events)
+    d = run(job(d.status, **FAST_LLM), all_pods(), now=T0 + timedelta(seconds=60))
+    assert outcome_of(d) == ("Succeeded", "TrainingFinished")

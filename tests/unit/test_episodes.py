@@ -319,7 +319,6 @@ def test_environment_loader_names_the_field(tmp_path, monkeypatch):
                                             "RuntimeError: no sandbox here"),
         ({"entry_point": "my_envs:not_an_env"}, "spec.task.environment.entryPoint: the factory returned 3"),
         ({"entry_point": "no_such_module_xyz:f"}, "spec.task.environment.entryPoint: cannot import"),
-        ({"name": "chess"}, "spec.task.environment.name: unknown built-in environment 'chess'"),
         ({"name": "calculator", "params": {"maxOperand": -1}}, "spec.task.environment.params.maxOperand"),
         ({"name": "calculator", "params": {"nope": 1}}, "spec.task.environment.params"),
     ]
@@ -327,6 +326,38 @@ def test_environment_loader_names_the_field(tmp_path, monkeypatch):
         with pytest.raises(TaskError) as err:
             load(**env)
         assert str(err.value).startswith(message), (env, str(err.value))
+    # A name that is no built-in never reaches the loader: the type (and the CRD's enum) refuses it.
+    with pytest.raises(ValueError, match="Input should be 'calculator' or 'verifiers'"):
+        EnvironmentSpec(name="chess")
+
+
+def test_an_entry_point_environment_that_draws_its_own_prompts_takes_no_other_source(tmp_path, monkeypatch):
+    """Only building an entryPoint environment tells whether it draws its own prompts (validation refuses a built-in
+    one with another source): the actor refuses at start (TaskError: exit 78), naming both fields, before any
+    episode; one that takes the task's prompts goes with a task's source."""
+    (tmp_path / "prompt_envs.py").write_text(textwrap.dedent("""
+        class Own:
+            def prompt(self, rng):
+                return None
+
+            def start(self, prompt):
+                return None
+
+
+        class Theirs:
+            def start(self, prompt):
+                return None
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("prompt_envs", None)
+    gym = {"name": "basic_arithmetic"}
+    with pytest.raises(TaskError) as err:
+        load_environment(TaskSpec(environment=EnvironmentSpec(entry_point="prompt_envs:Own"), reasoning_gym=gym))
+    assert str(err.value) == ("spec.task.environment.entryPoint: 'prompt_envs:Own' draws its own prompts (it has "
+                              "prompt()) and spec.task.reasoningGym is set too: set one prompt source")
+    assert load_environment(TaskSpec(environment=EnvironmentSpec(entry_point="prompt_envs:Own"))) is not None
+    assert load_environment(TaskSpec(environment=EnvironmentSpec(entry_point="prompt_envs:Theirs"),
+                                     reasoning_gym=gym)) is not None
 
 
 def test_an_answer_that_is_not_messages_is_a_tool_error():

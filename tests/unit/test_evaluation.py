@@ -208,7 +208,8 @@ def test_operator_and_local_read_evaluations_alike(tmp_path):
     events = (_event(t0, protocol.WEIGHTS_READY, step=0, version=0, documents_seen=0),
               _event(t0 + timedelta(seconds=1), protocol.EVALUATION, version=0, reward_mean=0.0625),
               _event(t0 + timedelta(seconds=2), protocol.METRICS, step=4, reward_mean=0.2),
-              _event(t0 + timedelta(seconds=3), protocol.EVALUATION, version=4, reward_mean=0.25))
+              _event(t0 + timedelta(seconds=3), protocol.EVALUATION, version=4, reward_mean=0.25, prompts=30,
+                     skipped=2, reward_errors=1, attempts=1, seconds=3.5))
     raw = specs.spec(**{"evaluation": {"everyVersions": 4}})
     spec = parse_spec(raw)
     status = TrainingJobStatus(phase="Running", start_time=fmt_time(t0), running_since=fmt_time(t0),
@@ -220,6 +221,7 @@ def test_operator_and_local_read_evaluations_alike(tmp_path):
                         events_read_to_end=True), now)
     tr = d.status.trainer
     assert (tr.eval_version, tr.eval_reward_mean) == (4, 0.25)
+    assert (tr.eval_prompts, tr.eval_skipped, tr.eval_reward_errors) == (30, 2, 1)
     assert tr.last_event_id == events[-1].stream_id
 
     job = LocalJob("j", spec, raw, tmp_path, Console(file=open("/dev/null", "w")))
@@ -234,6 +236,9 @@ def test_operator_and_local_read_evaluations_alike(tmp_path):
     s = result.summary()
     assert s["eval_versions"] == [0, 4] and s["eval_reward_first"] == 0.0625
     assert s["eval_reward_last"] == tr.eval_reward_mean
+    # the same counts as the status, by the same rule (rlkube.contract.counters.evaluation_status)
+    assert s["eval_last"] == {"reward_mean": tr.eval_reward_mean, "prompts": tr.eval_prompts,
+                              "skipped": tr.eval_skipped, "reward_errors": tr.eval_reward_errors}
 
 
 def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
@@ -318,6 +323,11 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
     assert (got[1].payload["model_version"], got[1].payload["model_version_max"], got[1].payload["attempts"]) == (
         9, 9, 2)
     assert got[1].payload["temperature"] == 0
+    # Every evaluation counter is in the payload as its type (rlkube.contract.counters.EVALUATION), through JSON.
+    from rlkube.contract import counters
+    for e in got:
+        assert {n: type(e.payload[n]) for n in counters.EVALUATION} == {
+            n: c.type for n, c in counters.EVALUATION.items()}, e.payload
     # Fixed sampling: the same seed for a prompt at every version, and at least the version evaluated.
     by_prompt = {}
     for prompt, min_version, temperature, seed in actor.asked:
@@ -342,7 +352,11 @@ def test_prometheus_exposes_the_eval_reward_from_the_status_and_nothing_before_o
                 for s in f.samples if s.labels.get("trainingjob") == "j"}
 
     got = scrape(TrainingJobStatus.model_validate(
-        {"phase": "Running", "trainer": {"step": 9, "evalRewardMean": 0.40625, "evalVersion": 8}}))
+        {"phase": "Running", "trainer": {"step": 9, "evalRewardMean": 0.40625, "evalVersion": 8, "evalPrompts": 32,
+                                         "evalSkipped": 1, "evalRewardErrors": 3}}))
     assert got[PREFIX + "eval_reward_mean"] == 0.40625 and got[PREFIX + "eval_version"] == 8
+    counts = (got[PREFIX + "eval_prompts"], got[PREFIX + "eval_skipped"], got[PREFIX + "eval_reward_errors"])
+    assert counts == (32, 1, 3)
     none = scrape(TrainingJobStatus.model_validate({"phase": "Running", "trainer": {"step": 9}}))
-    assert PREFIX + "eval_reward_mean" not in none and PREFIX + "eval_version" not in none
+    for name in ("eval_reward_mean", "eval_version", "eval_prompts", "eval_skipped", "eval_reward_errors"):
+        assert PREFIX + name not in none, name

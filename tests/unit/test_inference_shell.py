@@ -10,6 +10,8 @@ import threading
 import pytest
 from rlkube.contract import protocol
 from rlkube.core.inference.engine import PARAMETERS, Engine, Received, UpdateRefused
+from rlkube.contract.weight_transport import TransportMismatch
+from rlkube.core.inference import shell
 from rlkube.core.inference.shell import WeightFollower
 from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
@@ -107,6 +109,17 @@ def test_a_stale_or_unreachable_epoch_receives_nothing_and_counts_no_refusal():
         follower.handle(ready("e1", 0))
         assert engine.calls == [("join", "e1")]
         assert not follower.synced.is_set() and follower.rejected == 0
+
+
+def test_a_transport_mismatch_at_join_stops_the_server_naming_both(monkeypatch):
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(shell.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    error = TransportMismatch("the trainer sends over 'nccl', the receiver joins over 'gloo'")
+    engine = RecordingEngine(join_error=error)
+    follower = WeightFollower(None, protocol.StreamKeys("t/"), engine)
+    follower.handle(ready("e1", 0))
+    assert engine.calls == [("join", "e1")] and not follower.synced.is_set()
+    assert follower.fatal == str(error) and killed == [(shell.os.getpid(), shell.signal.SIGTERM)]
 
 
 def test_a_refused_update_keeps_the_served_version_and_is_counted_with_its_reason():

@@ -104,3 +104,25 @@ def test_the_latest_status_replaces_the_previous_and_a_forgotten_job_has_no_seri
     c.forget("ns", "never-seen")  # no error
     got = scrape(c)
     assert {dict(labels)["trainingjob"] for _, labels in got} == {"other"}
+
+
+def test_agent_counters_of_the_status_are_gauges_named_after_their_counters():
+    from rlkube.contract import counters
+    from rlkube.controller.jobmetrics import AGENT_PREFIX
+
+    agent = {"episodes": 640, "turns": 1100, "toolCalls": 460, "toolErrors": 3, "toolTimeouts": 1,
+             "sandboxRefusals": 2, "truncated": 40, "timedOut": 1, "drifted": 7, "turnRewardMean": 0.0625}
+    c = JobStatusCollector(clock=lambda: NOW)
+    c.observe("ns", "j", status(**RUNNING, agent=agent))
+    c.observe("ns", "single-turn", status(**RUNNING))
+    got = scrape(c)
+    want = {"episodes": 640, "turns": 1100, "tool_calls": 460, "tool_errors": 3, "tool_timeouts": 1,
+            "sandbox_refusals": 2, "truncated": 40, "timed_out": 1, "drifted": 7, "turn_reward_mean": 0.0625}
+    assert set(want) == set(counters.AGENT_STATUS)
+    assert {n: got[key(AGENT_PREFIX + n)] for n in want} == want
+    # A job without an environment has no agent series (absent, not 0), nor one whose steps rewarded no turn yet.
+    assert not any(n.startswith(PREFIX + AGENT_PREFIX) and dict(labels)["trainingjob"] == "single-turn"
+                   for n, labels in got)
+    c.observe("ns", "j", status(**RUNNING, agent={**agent, "turnRewardMean": None}))
+    got = scrape(c)
+    assert key(AGENT_PREFIX + "turn_reward_mean") not in got and got[key(AGENT_PREFIX + "tool_calls")] == 460

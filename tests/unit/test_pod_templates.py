@@ -331,6 +331,22 @@ def test_a_template_relaxing_the_defaults_is_the_users_choice_and_shows():
         assert_hardened_pod(pod, EXAMPLE)
 
 
+@pytest.mark.parametrize("role", ROLES)
+def test_no_role_pod_mounts_a_service_account_token_unless_its_template_asks(role):
+    """No role talks to the API server: every role pod sets automountServiceAccountToken false (the namespace's
+    ServiceAccount token is not mounted); a template's true is the user's choice (a process of theirs that does),
+    and only that role's pods get it."""
+    job = job_of(raw_with())
+    assert builders.pod(job, role, 0)["spec"]["automountServiceAccountToken"] is False
+    asked = job_of(raw_with(role, {"spec": {"automountServiceAccountToken": True}}))
+    assert builders.pod(asked, role, 0)["spec"]["automountServiceAccountToken"] is True
+    with pytest.raises(AssertionError):
+        assert_hardened_pod(builders.pod(asked, role, 0), EXAMPLE)  # as the job without the template: caught
+    assert_hardened_pod(builders.pod(asked, role, 0), asked.raw_spec)
+    others = [r for r in ROLES if r != role]
+    assert all(builders.pod(asked, r, 0)["spec"]["automountServiceAccountToken"] is False for r in others)
+
+
 def test_the_network_policy_admits_exactly_the_jobs_pods_to_its_redis():
     job = job_of(raw_with())
     (policy,) = [c for c in builders.static_children(job, "pw") if c["kind"] == "NetworkPolicy"]
@@ -392,6 +408,7 @@ def test_every_pod_of_a_fully_overridden_job_builds_for_every_role():
     raw = raw_with()
     for role in ROLES:
         raw[role]["template"] = tpl(role)
+    raw.setdefault("sandbox", {})["template"] = tpl("sandbox")
     job = job_of(raw)
     for role in START_ORDER:
         pod = builders.pod(job, role, 0)

@@ -25,7 +25,8 @@ def test_all_names_the_actor_lag_counters_and_the_streams():
     assert set(lag) <= set(everything)
     assert {keys.events, keys.documents, keys.rollouts} <= set(everything)
     assert set(everything) == {keys.events, keys.documents, keys.rollouts, *lag, keys.filtered_groups,
-                               keys.filtered_samples, keys.episodes, keys.evaluated}
+                               keys.filtered_samples, keys.episodes, keys.evaluated, keys.sample_records,
+                               keys.evaluation_samples}
 
 
 def test_fast_llm_jobs_use_its_fixed_stream_names():

@@ -61,7 +61,7 @@ def test_checksum_sees_values_and_names_not_order():
     assert not checksums_match(weights_checksum(swapped.items()), base)
 
 
-def test_auto_transfer_dtype_is_bfloat16_on_gpus_float32_on_cpu():
-    assert transfer_dtype("auto", "cpu") == torch.float32
-    assert transfer_dtype("auto", "cuda:0") == torch.bfloat16
-    assert transfer_dtype("bfloat16", "cpu") == torch.bfloat16
+def test_auto_transfer_dtype_is_the_dtype_the_engine_serves():
+    assert transfer_dtype("auto", "float32") == torch.float32
+    assert transfer_dtype("auto", "bfloat16") == torch.bfloat16
+    assert transfer_dtype("bfloat16", "float32") == torch.bfloat16

@@ -63,9 +63,12 @@ def test_a_server_joined_only_when_every_worker_did():
     ok = [{"ok": True, "epoch": "e1", "rank": 3}, {"ok": True, "epoch": "e1", "rank": 4}]
     assert combine_joins(ok) == {"ok": True, "epoch": "e1", "ranks": [3, 4]}
     stale = combine_joins([ok[0], {"ok": False, "stale": True, "error": "epoch e1 is stale"}])
-    assert stale == {"ok": False, "stale": True, "error": "epoch e1 is stale"}
+    assert stale == {"ok": False, "stale": True, "mismatch": False, "error": "epoch e1 is stale"}
     both = combine_joins([{"ok": False, "stale": False, "error": "timeout"}] * 2)
-    assert both == {"ok": False, "stale": False, "error": "timeout"}  # the same error said once
+    assert both == {"ok": False, "stale": False, "mismatch": False, "error": "timeout"}  # the same error said once
+    # A worker whose transport disagrees with the trainer's (rlkube.contract.weight_transport) makes it a mismatch.
+    mismatch = combine_joins([ok[0], {"ok": False, "stale": False, "mismatch": True, "error": "nccl vs gloo"}])
+    assert mismatch == {"ok": False, "stale": False, "mismatch": True, "error": "nccl vs gloo"}
 
 
 def receipt(**over):

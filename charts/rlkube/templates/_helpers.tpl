@@ -40,7 +40,11 @@ app.kubernetes.io/part-of: rlkube
 {{- end -}}
 
 {{- define "rlkube.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- $repository := .Values.image.repository -}}
+{{- if .Values.imageRegistry -}}
+{{- $repository = printf "%s/operator" (trimSuffix "/" .Values.imageRegistry) -}}
+{{- end -}}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
 {{/* The namespaces watched when not cluster-wide: the list, or the release namespace. */}}

@@ -224,15 +224,23 @@ class SandboxSpec(Model):
                             "an allocation past it fails in the snippet (MemoryError).")
     output_bytes: int = Field(65536, ge=1024, le=2**30, description="Most bytes of stdout, of stderr and of any "
                               "file a snippet writes (RLIMIT_FSIZE).")
+    processes: int = Field(64, ge=8, le=4096, description="Most processes and threads of the snippet's user "
+                           "(RLIMIT_NPROC; new processes are refused by the audit hook anyway).")
+
+
+BuiltinEnvironment = Literal["calculator", "verifiers"]
+"""The built-in environments (rlkube.core.actor.environments.BUILTIN_ENVIRONMENTS, which a unit test keeps equal):
+a closed list, so the CRD's enum refuses any other name at the API server, before the job is stored. Both draw
+their own prompts (`prompt(rng)`), so neither takes another prompt source (lifecycle/validation.py)."""
 
 
 class EnvironmentSpec(Model):
     """A multi-turn environment (rlkube.core.actor.episodes): the model replies, the environment answers (tool results),
     the episode ends with a reward; trained on as one document of the exact tokens sampled."""
 
-    name: str | None = Field(
-        None, min_length=1, description="A built-in environment: `calculator` (arithmetic with a calculator tool), or `verifiers` "
-        "(a verifiers taskset, params.taskset its id; the `agents` extra)."
+    name: BuiltinEnvironment | None = Field(
+        None, description="A built-in environment: `calculator` (arithmetic with a calculator tool), or `verifiers` "
+        "(a verifiers taskset, params.taskset its id; the `agents` extra). Your own environment: entryPoint."
     )
     entry_point: str | None = Field(
         None,
@@ -315,6 +323,19 @@ class TaskSpec(Model):
         "except for the raw-text digit tasks (reverse-digits, copy-digits).",
     )
 
+    def prompt_sources(self) -> list[str]:
+        """The fields that say where the prompts come from, as written (the built-in `name` is the source only
+        when none is). A built-in environment draws its own prompts, so it is one; an entryPoint environment may
+        take the task's, which only building it tells (the actor checks then). One is allowed
+        (lifecycle/validation.py)."""
+        env = self.environment
+        return [field for field, given in (
+            ("spec.task.environment.name", env is not None and env.name is not None),
+            ("spec.task.dataset", self.dataset is not None),
+            ("spec.task.reasoningGym", self.reasoning_gym is not None),
+            ("spec.task.entryPoint", bool(self.entry_point)),
+        ) if given]
+
 
 class EvaluationSpec(Model):
     """Evaluation while training: a fixed set of held-out prompts scored every `everyVersions` weight versions with
@@ -344,6 +365,27 @@ class EvaluationSpec(Model):
     )
 
 
+class SamplesSpec(Model):
+    """Rollout samples kept for people to read (rlkube.core.trainer.samples): every `everySteps` steps the trainer
+    appends `perStep` of the step's samples (prompt, completion with its turns and masked spans, reward, advantage,
+    weight version and lag, finish reason) to `samples.jsonl` in its output (the checkpoint volume in a cluster,
+    the run directory with `rlkube local`), with the evaluation's samples per evaluated version; `rlkube samples`
+    prints them and `rlkube report` browses them."""
+
+    every_steps: int = Field(
+        10, ge=0, le=1_000_000, description="Keep samples of every step that is a multiple of this (0: none)."
+    )
+    per_step: int = Field(4, ge=1, le=1024, description="Samples kept per kept step (and per evaluated version).")
+    max_bytes: int = Field(
+        64 * 2**20, ge=4096, le=2**40, description="Most bytes of samples.jsonl: the file is only appended to, "
+        "and a row that would pass this bound is not written (counted in the trainer's log)."
+    )
+    max_text_chars: int = Field(
+        4000, ge=16, le=1_000_000, description="Most characters of each prompt and completion text kept (the "
+        "rest is cut, marked with `truncated`)."
+    )
+
+
 class OffPolicyCorrectionSpec(Model):
     """Trainer/sampler mismatch correction (definitions: rlkube.core.losses, docs/design.md §6)."""
 
@@ -351,7 +393,8 @@ class OffPolicyCorrectionSpec(Model):
         "none", description="none: the PPO ratio is against the sampler's log-probs (as before). tis: truncated "
         "importance sampling, weight min(pi_trainer/pi_sampler, cap). mis: masked importance sampling, tokens "
         "(or sequences) whose weight is outside [lower, cap] drop out. tis and mis take the PPO ratio against the "
-        "trainer's own log-probs at the step (decoupled PPO).")
+        "trainer's own log-probs at the step (decoupled PPO): with one optimizer step per batch that ratio is 1, so "
+        "clipEpsilonLow/clipEpsilonHigh no longer bind and cap (and lower) bound the update.")
     level: Literal["token", "sequence"] = Field(
         "token", description="token: one weight per token; sequence: one per sequence, the product of its token "
         "ratios.")
@@ -420,8 +463,9 @@ class CheckpointSpec(Model):
 class WeightTransferSpec(Model):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="Dtype weights travel in to the inference servers (`auto`: bfloat16 on GPUs, float32 on CPU); "
-        "each server converts them to the dtype it serves.",
+        description="Dtype weights travel in to the inference servers (`auto`: the dtype they serve, "
+        "spec.model.dtype, checked when each server joins the weight-update group); each server converts them to "
+        "the dtype it serves.",
     )
     bucket_megabytes: int = Field(
         64, ge=1, description="Size of one transfer bucket: several tensors flattened into one collective."
@@ -666,6 +710,10 @@ class PodSpecOverride(Model):
     service_account_name: str | None = Field(None, min_length=1)
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, description="Merged by name.")
     runtime_class_name: str | None = Field(None, min_length=1)
+    automount_service_account_token: bool | None = Field(
+        None, description="The operator sets false on every role pod (no role talks to the API server); true mounts "
+        "the ServiceAccount's token for a process of yours that does."
+    )
     security_context: PodSecurityContext | None = Field(
         None, description="Merged field by field over the operator's hardened pod securityContext."
     )
@@ -710,6 +758,28 @@ class FastLLMSpec(Model):
             "Backend fast-llm: the Fast-LLM checkpoint format of spec.model.path, i.e. the `model_type` of its "
             "config.json (llama, qwen2, mistral, mixtral). Fast-LLM imports the model and exports and broadcasts "
             "the weights in this format. Required with backend fast-llm."
+        ),
+    )
+    data_timeout_seconds: float = Field(
+        3600.0,
+        gt=0,
+        le=7 * 86400,
+        description=(
+            "Backend fast-llm: how long Fast-LLM's trainer waits for its next document before it fails (its "
+            "streaming dataset's `timeout`; Fast-LLM's default, 600 s, is shorter than a run of zero-advantage "
+            "groups the preprocessor filters, up to spec.algorithm.maxConsecutiveFilteredGroups, or slow agent "
+            "episodes can take). Give the actors time to sample that many groups."
+        ),
+    )
+    broadcast_timeout_seconds: float = Field(
+        7200.0,
+        gt=0,
+        le=7 * 86400,
+        description=(
+            "Backend fast-llm: the weight broadcast's timeout, the same on both sides: Fast-LLM's (its streaming "
+            "callback's `timeout`) and every inference server's, which waits in the broadcast from one update to "
+            "the next, so through the trainer's whole wait for documents and a step: must exceed "
+            "dataTimeoutSeconds. It also bounds how long the servers wait for the trainer to start."
         ),
     )
 
@@ -845,6 +915,30 @@ class RedisSpec(Model):
 RestartPolicy = Literal["OnFailure", "Never"]
 
 
+class SandboxPoolSpec(Model):
+    """Where code-execution snippets run (docs/guide/sandbox.md): in the actor's process (`process`), or in a pool of
+    sandbox pods per job (`pods`): HTTP servers (rlkube.core.sandbox) the actors reach inside the job's
+    NetworkPolicy, started before the actors and torn down right after them."""
+
+    mode: Literal["process", "pods"] = Field(
+        "process", description="`process`: each snippet runs as a child of the actor, in its pod; `pods`: in the "
+        "job's sandbox pods (needs spec.task.environment).")
+    replicas: int = Field(1, ge=1, le=1000, description="Sandbox pods (mode pods).")
+    runtime_class_name: str | None = Field(
+        "gvisor", min_length=1, description="RuntimeClass of the sandbox pods (the chart installs `gvisor` for a "
+        "runsc handler when sandbox.runtimeClass.create); unset: the cluster's default runtime.")
+    require_network_namespace: bool = Field(
+        True, description="A sandbox server exits (a configuration error naming runtimeClassName) unless each "
+        "snippet can get a network namespace of its own: true under gVisor, refused under runc's default seccomp "
+        "profile. False: rely on the audit hook and the NetworkPolicy alone.")
+    concurrency: int = Field(4, ge=1, le=256, description="Snippets one sandbox pod runs at once; more wait.")
+    image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")
+    resources: Resources = Field(
+        default_factory=lambda: Resources(limits={"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi"}),
+        description="Resources of each sandbox pod; limits on cpu, memory and ephemeral-storage are required.")
+    template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)
+
+
 class RestartPolicies(Model):
     trainer: RestartPolicy = Field(
         "OnFailure", description="Recreate a failed trainer (resuming from its checkpoint) while backoffLimit allows."
@@ -893,6 +987,7 @@ class GracePeriods(Model):
     inference: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds inference servers get to stop.")
     trainer: int = Field(60, ge=0, le=MAX_SECONDS, description="Seconds trainer pods get to stop.")
     redis: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds Redis gets to stop.")
+    sandbox: int = Field(5, ge=0, le=MAX_SECONDS, description="Seconds sandbox pods get to stop.")
 
 
 class TeardownSpec(Model):
@@ -902,6 +997,74 @@ class TeardownSpec(Model):
     keep_trainer_pod: bool = Field(
         False, description="Leave finished trainer pods in place so their logs stay readable."
     )
+
+
+class MlflowTrackingSpec(Model):
+    """An MLflow tracking server (rlkube.core.tracking.mlflow_sink): one run per job, named after it."""
+
+    tracking_uri: str = Field(
+        ..., min_length=1, max_length=2048, pattern=r"^(https?|file)://[^/@?#]*([/?#].*)?$",
+        description="The tracking server's URI, as seen from the trainer pod (http(s)://host:port, or file:// for "
+        "a directory the trainer writes); no user:password@ (the spec is no place for credentials: set "
+        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD from a Secret in spec.trainer.template's env).",
+    )
+    experiment_name: str = Field(
+        "rlkube", min_length=1, max_length=500,
+        description="Experiment the job's run is logged under (created when missing).",
+    )
+
+
+class ApiKeySecretRef(Model):
+    """A key of a Secret in the job's namespace: the operator passes it to the trainer pod as an environment
+    variable (secretKeyRef); its value never appears in the spec, the status, Events, logs or the job's ConfigMap."""
+
+    name: str = Field(..., min_length=1, max_length=253, description="Secret name (in the job's namespace).")
+    key: str = Field(..., min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key inside the Secret holding the API key.")
+
+
+class WandbTrackingSpec(Model):
+    """Weights & Biases (rlkube.core.tracking.wandb_sink): one run per job, named after it."""
+
+    project: str = Field(..., min_length=1, max_length=128, description="W&B project of the job's run.")
+    entity: str | None = Field(None, min_length=1, max_length=128, description="W&B entity (user or team); "
+                               "unset: the key's default entity.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="`online`: sent to the W&B server as the run goes; `offline`: written to "
+        "`tracking/wandb` under the trainer's checkpoint path only (upload later with `wandb sync`).",
+    )
+    api_key_secret: ApiKeySecretRef | None = Field(
+        None, description="The Secret key holding the W&B API key (required online, unless baseUrl's server needs "
+        "none); the trainer gets it as WANDB_API_KEY.",
+    )
+    base_url: str | None = Field(None, min_length=1, max_length=2048, pattern=r"^https?://[^/@?#]*([/?#].*)?$",
+                                 description="A self-hosted W&B server (unset: W&B's cloud); no user:password@.")
+
+
+class TensorBoardTrackingSpec(Model):
+    """TensorBoard event files written by the trainer (rlkube.core.tracking.tensorboard_sink)."""
+
+    directory: str = Field(
+        "tensorboard", min_length=1, max_length=255,
+        pattern=r"^[A-Za-z0-9_][-A-Za-z0-9._]*(/[A-Za-z0-9_][-A-Za-z0-9._]*)*$",
+        description="Directory, relative to `tracking/` under the trainer's checkpoint path (its volume: "
+        "spec.trainer.checkpoint.claimName), that the event files go to; point TensorBoard's --logdir at it.",
+    )
+
+
+class TrackingSpec(Model):
+    """Experiment trackers the trainer sends its metrics (every step), the evaluation results and the job's config
+    to (rlkube.core.tracking). A tracker that fails never fails or slows the job: it is reported once (condition
+    TrackerFailed and an Event) and the others go on."""
+
+    mlflow: MlflowTrackingSpec | None = Field(None, description="Log to an MLflow tracking server.")
+    wandb: WandbTrackingSpec | None = Field(None, description="Log to Weights & Biases.")
+    tensorboard: TensorBoardTrackingSpec | None = Field(
+        None, description="Write TensorBoard event files to the trainer's checkpoint volume (`{}`: the defaults).")
+
+    @property
+    def any(self) -> bool:
+        return any(t is not None for t in (self.mlflow, self.wandb, self.tensorboard))
 
 
 class TrainingJobSpec(Model):
@@ -916,13 +1079,21 @@ class TrainingJobSpec(Model):
         None, description="Score held-out prompts every N weight versions while training (unset: no evaluation)."
     )
     algorithm: AlgorithmSpec = Field(..., description="RL algorithm and its hyper-parameters.")
+    samples: SamplesSpec = Field(
+        default_factory=SamplesSpec, description="Rollout samples kept in the trainer's output for people to read."
+    )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Trainer pods.")
     inference: InferenceSpec = Field(default_factory=InferenceSpec, description="Inference servers.")
     actor: WorkerSpec = Field(default_factory=WorkerSpec, description="Actors (rollout producers).")
     preprocessor: WorkerSpec = Field(default_factory=WorkerSpec, description="Preprocessors.")
     redis: RedisSpec = Field(default_factory=RedisSpec, description="The Redis that connects the roles.")
+    sandbox: SandboxPoolSpec = Field(default_factory=SandboxPoolSpec, description="Where code-execution snippets "
+                                     "run: in the actor's process, or in sandbox pods.")
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, timeouts, suspend.")
     teardown: TeardownSpec = Field(default_factory=TeardownSpec, description="Ordered teardown settings.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Experiment trackers (MLflow, Weights & Biases, TensorBoard) the "
+        "trainer logs to; none by default.")
 
     def template_for(self, role: str) -> PodTemplate | None:
         return getattr(self, role).template

@@ -51,6 +51,7 @@ class ConditionType(StrEnum):
     INFERENCE_READY = "InferenceReady"
     PREPROCESSOR_READY = "PreprocessorReady"
     ACTORS_READY = "ActorsReady"
+    SANDBOX_READY = "SandboxReady"
     EVENT_SOURCE_REACHABLE = "EventSourceReachable"
     STALLED = "Stalled"
     SUCCEEDED = "Succeeded"
@@ -58,6 +59,7 @@ class ConditionType(StrEnum):
     RESOURCES_RELEASED = "ResourcesReleased"
     SUSPENDED = "Suspended"
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
+    TRACKER_FAILED = "TrackerFailed"
 
 
 class Condition(Model):
@@ -110,6 +112,32 @@ class TrainerStatus(Model):
         None, description="Mean reward over the held-out eval set at evalVersion (spec.evaluation; 4 decimals)."
     )
     eval_version: int | None = Field(None, description="Weight version of the last evaluation reported.")
+    eval_prompts: int | None = Field(None, description="Eval prompts scored in the last evaluation reported.")
+    eval_skipped: int | None = Field(
+        None, description="Eval prompts the last evaluation could not score (the environment or the server failed)."
+    )
+    eval_reward_errors: int | None = Field(
+        None, description="Eval samples of the last evaluation whose reward function failed (scored 0)."
+    )
+
+
+class AgentStatus(Model):
+    """The multi-turn episode counters as the trainer last reported them (spec.task.environment): whole-job totals
+    and the last reported mean per-turn reward. The names and types are rlkube.contract.counters' (this package
+    imports nothing else of rlkube; tests/unit/test_agent_counters.py holds the two together)."""
+
+    episodes: int = Field(0, description="Episodes written to the rollouts.")
+    turns: int = Field(0, description="The model's replies.")
+    tool_calls: int = Field(0, description="Environment answers (each respond that returned messages).")
+    tool_errors: int = Field(0, description="Episodes ended by the environment's code raising.")
+    tool_timeouts: int = Field(0, description="Episodes ended by an answer past toolTimeoutSeconds.")
+    sandbox_refusals: int = Field(0, description="Snippets the sandbox refused.")
+    truncated: int = Field(0, description="Episodes cut by maxTurns or maxEpisodeTokens.")
+    timed_out: int = Field(0, description="Episodes cut by episodeTimeoutSeconds.")
+    drifted: int = Field(0, description="Episodes whose conversation re-renders to other token ids than sampled.")
+    turn_reward_mean: float | None = Field(
+        None, description="Mean per-turn reward over the turns rewarded in the last step that had any (4 decimals)."
+    )
 
 
 class Completion(Model):
@@ -158,6 +186,9 @@ class TrainingJobStatus(Model):
         default_factory=dict, description="Ready/desired pods and restarts per role."
     )
     trainer: TrainerStatus = Field(default_factory=TrainerStatus, description="Progress reported by the trainer.")
+    agent: AgentStatus | None = Field(
+        None, description="Multi-turn episode counters as the trainer last reported them (spec.task.environment)."
+    )
     completion: Completion | None = Field(None, description="Evidence of the outcome.")
     teardown: TeardownStatus | None = Field(None, description="Ordered teardown progress.")
     trainer_restarts: int = Field(0, description="Trainer recreations counted against backoffLimit.")

@@ -143,6 +143,13 @@ class _InProcessReceiver:
             raise RuntimeError("in-process update: nothing was published")
         return update
 
+    def receive_streamed(self, load, adapters: bool = False, reuse: bool = False) -> int:
+        """WeightReceiver.receive_streamed's shape: the update's tensors handed to `load` as one stream."""
+        version, state = self.receive(adapters)
+        self.receiving = self.last_meta
+        load(iter(state.items()))
+        return version
+
     def close(self) -> None:
         pass
 
@@ -532,7 +539,7 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
             # What the engine holds: the masters in the transfer dtype, converted to the served dtype; its
             # checksum (in the transfer dtype) equals the trainer's whenever the served dtype holds the transfer
             # dtype exactly (rlkube.core.weights), as bfloat16 does on CUDA.
-            sent = transfer_dtype(spec.trainer.weight_transfer.dtype, device)
+            sent = transfer_dtype(spec.trainer.weight_transfer.dtype, spec.model.dtype)
             held = weights_checksum((n, w.to(sent).to(DTYPES[dtype]).to(sent)) for n, w in final)
             result["weight_transfer_dtype"] = str(sent).removeprefix("torch.")
             checks["engine_checksum_matches_trainer"] = checksums_match(float(health["weights_checksum"]), held)

@@ -142,14 +142,22 @@ def cli(args: argparse.Namespace) -> int:
         r = results[variant]
         print(f"  {variant:8s} peak RSS {r['rss_peak'] / gib:6.2f} GiB (before the step {r['rss_before'] / gib:.2f} "
               f"GiB): the loss step added {r['loss_step_peak'] / gib:6.2f} GiB; loss {r['loss']:.8f}")
+    ratio = results["chunked"]["loss_step_peak"] / max(results["full"]["loss_step_peak"], 1)
+    print(f"  the chunked loss step adds {ratio:.3f} of what the full-logits one adds")
     full, chunked = saved["full"], saved["chunked"]
-    print(f"  |loss difference| {abs(float(full['loss'] - chunked['loss'])):.2e}")
+    loss_diff = abs(float(full['loss'] - chunked['loss']))
+    print(f"  |loss difference| {loss_diff:.2e}")
+    grad_diffs = {}
     for name, grad in full["grads"].items():
-        diff = float((grad - chunked["grads"][name]).abs().max())
+        grad_diffs[name] = diff = float((grad - chunked["grads"][name]).abs().max())
         scale = float(grad.abs().max())
         print(f"  max |gradient difference| {name}: {diff:.2e} (max |gradient| {scale:.2e})")
     for key in ("loss_sum", "ratio_sum", "kl_sum", "entropy_sum"):
         print(f"  {key}: full {full['stats'][key]:.6f} chunked {chunked['stats'][key]:.6f}")
+    print(json.dumps({"vocab": args.vocab, "tokens": args.tokens, "chunk": args.chunk,
+                      "full_added_bytes": results["full"]["loss_step_peak"],
+                      "chunked_added_bytes": results["chunked"]["loss_step_peak"], "ratio": round(ratio, 4),
+                      "loss_difference": loss_diff, "max_gradient_difference": grad_diffs}))
     return 0
 
 

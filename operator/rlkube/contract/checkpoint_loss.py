@@ -10,6 +10,9 @@ rlkube.io/resume-from-checkpoint annotation; `rlkube local` from the checkpoint_
 that resumes from no checkpoint, or from an older one, exits runtime.EXIT_CONFIG with `loss`'s message: a restart
 cannot bring the volume back, so the config_error policy fails the job at once, with reason CheckpointLost (README,
 "Run it on Kubernetes"). The operator warns at creation about a job that can get there (`ephemeral_warning`).
+A Fast-LLM trainer (backend fast-llm) reports no checkpoints: its launcher, rlkube.core.fast_llm_launch, derives
+the checkpoint it must find from the newest step the trainer announced in its events (`fast_llm_saved`) and makes
+the same check before it starts Fast-LLM (docs/design.md §8).
 
 Pure and written once: the operator, `rlkube local` and the trainer role all use these functions.
 """
@@ -23,13 +26,32 @@ from rlkube.api.spec import TrainingJobSpec
 FIELD = "spec.trainer.checkpoint.claimName"
 """What a user sets to keep checkpoints across trainer pods."""
 _MARK = "checkpoint lost:"
-_STEP = re.compile(r"(?:^|/)step-(\d+)/?$")
+_STEP = re.compile(r"(?:^|/)(?:step-(\d+)|checkpoint/(\d+))/?$")
 
 
 def step_of(path: str) -> int | None:
-    """The step of a checkpoint directory as rlkube.core.checkpoint names them (`.../step-000010`), else None."""
+    """The step of a checkpoint directory as rlkube.core.checkpoint names them (`.../step-000010`) or as Fast-LLM
+    does (`{experiment_dir}/checkpoint/10`, fast_llm_checkpoint), else None."""
     m = _STEP.search(path or "")
-    return int(m.group(1)) if m else None
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def fast_llm_checkpoint(experiment_dir: str, step: int) -> str:
+    """Where Fast-LLM saves step `step`'s checkpoint (fast_llm/engine/training/config.py:143, `checkpoint/{step}`
+    under `run.experiment_dir`, which rlkube.controller.fastllm sets to spec.trainer.checkpoint.path)."""
+    return f"{experiment_dir.rstrip('/')}/checkpoint/{step}"
+
+
+def fast_llm_saved(announced_step: int | None, interval: int) -> int | None:
+    """The newest checkpoint step a Fast-LLM trainer certainly saved once it announced weights for
+    `announced_step` (None: nothing announced); None when that is none. Fast-LLM saves a step's checkpoint at the
+    end of the step, after its weights_ready (fast_llm/engine/training/trainer.py: callbacks' step_end, then
+    `_save_checkpoint`), every `interval` steps: the announcement of step k proves the checkpoints of the
+    steps before k. Neither Fast-LLM nor its trainer sends a checkpoint_saved event of its own."""
+    if announced_step is None or interval < 1:
+        return None
+    saved = (announced_step - 1) // interval * interval
+    return saved if saved > 0 else None
 
 
 def loss(expected: str | None, resumed_step: int | None, checkpoint_dir: str) -> str | None:
@@ -58,8 +80,7 @@ def ephemeral_warning(spec: TrainingJobSpec) -> str | None:
     checkpoint volume; None when the checkpoints are on a claim or no restart is allowed."""
     if spec.trainer.checkpoint.claim_name or spec.run_policy.backoff_limit == 0:
         return None
-    # Fast-LLM's trainer is not ours: it resumes from whatever its directory holds, nothing checks it.
-    then = "starts at step 0" if spec.trainer.backend == "fast-llm" else "fails the job instead of resuming"
+    # Fast-LLM's trainer is checked by its launcher (rlkube.core.fast_llm_launch) against the events it published.
     return (f"{FIELD} is unset: checkpoints go to an emptyDir, deleted with the trainer pod; a recreated trainer pod "
             f"(runPolicy.backoffLimit {spec.run_policy.backoff_limit}) starts over without its checkpoints, so it "
-            f"{then}. Set {FIELD} to a PersistentVolumeClaim to resume")
+            f"fails the job instead of resuming. Set {FIELD} to a PersistentVolumeClaim to resume")

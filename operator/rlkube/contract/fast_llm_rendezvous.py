@@ -12,10 +12,17 @@ WEIGHTS_SHARD = "weights"
 """The shard name of model weights in Fast-LLM's metadata (fast_llm/engine/checkpoint/huggingface.py:101); other shards are received and
 dropped, as PipelineRL's receiver does."""
 
-RECEIVER_TIMEOUT_S = 3600.0
-"""A receiving engine's rendezvous and collectives timeout: it waits for a trainer that may still be pulling its
-image or loading the model, and then out a training step between updates
-(rlkube.controller.fastllm.RENDEZVOUS_TIMEOUT_S is the trainer's side)."""
+RECEIVER_TIMEOUT_S = 7200.0
+"""spec.trainer.fastLlm.broadcastTimeoutSeconds' default (broadcast_timeout_s is a job's value)."""
+
+
+def broadcast_timeout_s(spec) -> float:
+    """The weight broadcast's timeout, the same on both sides: Fast-LLM's (`callbacks.streaming.timeout`, the
+    timeout of its broadcast group, fast_llm/engine/training/streaming.py:49) and every receiving engine's
+    rendezvous and collectives. A receiver waits in the broadcast from one update to the next, through the
+    trainer's wait for documents (spec.trainer.fastLlm.dataTimeoutSeconds, which validation keeps shorter) and a
+    step; before the first, for a trainer that may still be pulling its image or loading the model."""
+    return float(spec.trainer.fast_llm.broadcast_timeout_seconds)
 
 
 def external_world_size(spec) -> int:

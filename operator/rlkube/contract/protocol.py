@@ -34,7 +34,10 @@ TRAINING_FINISHED = "training_finished"
 CHECKPOINT_SAVED = "checkpoint_saved"
 METRICS = "metrics"
 EVALUATION = "evaluation"  # written by actor 0, not the trainer (spec.evaluation, rlkube.core.actor.evaluation)
-EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION)
+# A tracker (spec.tracking) that failed in the trainer: {"type", "tracker", "message"}, once per tracker and trainer
+# process; the launchers report it as the condition TrackerFailed (rlkube.core.tracking).
+TRACKER_FAILED = "tracker_failed"
+EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION, TRACKER_FAILED)
 
 
 def consumer_name(rank: int) -> str:
@@ -114,11 +117,22 @@ class StreamKeys:
     def evaluated(self) -> str:
         return self.prefix + "actor/evaluated"
 
+    # Rollout samples kept for people (spec.samples, rlkube.contract.samples): the preprocessor's record of each
+    # training document, what the document cannot carry (a hash: document stream id -> JSON), deleted by the trainer
+    # once it read the document; and actor 0's evaluation samples (a stream, one entry per evaluated version).
+    @property
+    def sample_records(self) -> str:
+        return self.prefix + "preprocessor/sample_records"
+
+    @property
+    def evaluation_samples(self) -> str:
+        return self.prefix + "actor/evaluation_samples"
+
     def all(self) -> list[str]:
         """Every key any role creates (streams with their consumer groups, counters)."""
         return [self.events, self.documents, self.rollouts, self.actor_samples_reserved, self.actor_samples_written,
                 self.actor_documents_seen, self.actor_last_event, self.actor_stall_release, self.filtered_groups,
-                self.filtered_samples, self.episodes, self.evaluated]
+                self.filtered_samples, self.episodes, self.evaluated, self.sample_records, self.evaluation_samples]
 
 
 # --- trainer events -------------------------------------------------------------------------------
@@ -228,6 +242,9 @@ class Document:
     old_log_probabilities: np.ndarray | None = None  # float32, one per token (0 on the prompt)
     model_version: np.ndarray | None = None  # int64, one per token
     reward_error: bool = False  # the reward function failed on this sample (it scored 0); counted in metrics
+    # Where the trainer read it (the documents stream's entry id): in-process only, never encoded (Fast-LLM's
+    # documents keep their shape); keys the document's record in StreamKeys.sample_records.
+    stream_id: str | None = None
 
     def loss_mask(self) -> np.ndarray:
         """Boolean per token: True where the token counts in the loss."""
@@ -239,7 +256,18 @@ class Document:
         return mask
 
 
-def encode_document(doc: Document) -> dict[str, bytes]:
+FAST_LLM_DOCUMENT_FIELDS = ("tokens", "loss_masking_spans", "chosen_span", "rejected_span", "advantage",
+                            "old_log_probabilities", "reward", "model_version")
+"""What Fast-LLM's streaming dataset accepts in a document (RedisStreamingDocumentData; the record and its lines are
+in tests/fixtures/fast_llm_config_fields.json, `document`): every stream field but `data` and every key of the
+`data` JSON becomes a keyword of a strict from_dict, so anything else fails the trainer ("Unknown field")."""
+OUR_DOCUMENT_KEYS = ("reward_error",)
+"""Keys of `data` only our trainers read; never written to a Fast-LLM trainer's documents (encode_document)."""
+
+
+def encode_document(doc: Document, *, ours: bool = True) -> dict[str, bytes]:
+    """The stream entry of a document. `ours` adds OUR_DOCUMENT_KEYS for our trainers; without it the entry
+    holds only FAST_LLM_DOCUMENT_FIELDS (what the preprocessor writes for a Fast-LLM trainer)."""
     import numpy as np
 
     n = len(doc.tokens)
@@ -248,8 +276,8 @@ def encode_document(doc: Document) -> dict[str, bytes]:
         "advantage": float(doc.advantage),
         "reward": float(doc.reward),
     }
-    if doc.reward_error:
-        data["reward_error"] = True  # our key, only when set: the documents Fast-LLM reads keep its own shape
+    if doc.reward_error and ours:
+        data["reward_error"] = True  # our key, only when set (a Fast-LLM trainer's documents never hold it)
     fields: dict[str, bytes] = {
         "tokens": np.asarray(doc.tokens, dtype="<i8").tobytes(),
         "data": orjson.dumps(data),

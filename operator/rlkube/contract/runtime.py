@@ -26,6 +26,16 @@ ENV_WEIGHT_SYNC = "RLKUBE_WEIGHT_SYNC_ADDR"  # host:port of the trainer's TCPSto
 ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0.0.1 locally)
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
+ENV_SANDBOX_URLS = "RLKUBE_SANDBOX_URLS"  # actor: comma-separated base URLs of the job's sandbox servers
+# sandbox server: its per-snippet limits (JSON of rlkube.core.actor.sandbox.SandboxLimits), set by the launcher
+ENV_SANDBOX_LIMITS = "RLKUBE_SANDBOX_LIMITS"
+ENV_SANDBOX_WORK = "RLKUBE_SANDBOX_WORK"  # sandbox server: where each snippet gets a fresh directory
+# sandbox server: "1" = exit EXIT_CONFIG at start unless a snippet can get a network namespace of its own
+ENV_SANDBOX_REQUIRE_NETNS = "RLKUBE_SANDBOX_REQUIRE_NETNS"
+ENV_SANDBOX_CONCURRENCY = "RLKUBE_SANDBOX_CONCURRENCY"  # sandbox server: snippets run at once
+# sandbox server: the in-process layers to use, comma-separated, of netns,audit (default both; a test turns one off
+# to show the rest holds on its own)
+ENV_SANDBOX_LAYERS = "RLKUBE_SANDBOX_LAYERS"
 # Trainer: the checkpoint the launcher last saw saved (status.trainer.lastCheckpoint.path), unset before the first;
 # a trainer that finds none as new fails (rlkube.contract.checkpoint_loss).
 ENV_RESUME_CHECKPOINT = "RLKUBE_RESUME_CHECKPOINT"
@@ -33,6 +43,9 @@ ENV_OUTPUT_DIR = "RLKUBE_OUTPUT_DIR"  # logs/metrics a role may write (optional)
 # Where spec.model.path is materialized (hf:// snapshots, builtin:// models); every role of a job should see the
 # same directory (a shared volume) or each writes/fetches its own copy. Default ~/.cache/rlkube/models.
 ENV_MODEL_CACHE = "RLKUBE_MODEL_CACHE"
+# Trainer with spec.tracking.wandb.apiKeySecret: the W&B API key, from that Secret (secretKeyRef), read by the W&B
+# client itself; the key is in no manifest, ConfigMap or status.
+ENV_WANDB_API_KEY = "WANDB_API_KEY"
 ENV_HF_OFFLINE = "HF_HUB_OFFLINE"  # huggingface_hub's switch: 1 = use the model cache only, never the network
 # Trainer with spec.trainer.nodes > 1 (data parallelism), besides torchrun's RANK, WORLD_SIZE, NODE_RANK, NNODES,
 # LOCAL_RANK, MASTER_ADDR, MASTER_PORT: seconds after which a rank that stopped answering (died or hung) makes the
@@ -49,6 +62,7 @@ status (and so in the job's Failed condition). `rlkube local` points ENV_TERMINA
 ENV_TERMINATION_LOG = "RLKUBE_TERMINATION_LOG"
 
 INFERENCE_PORT = 8000
+SANDBOX_PORT = 8090
 WEIGHT_SYNC_PORT = 29500
 REDIS_PORT = 6379
 

@@ -37,14 +37,18 @@ from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
-from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module
-from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas
+from rlkube.lifecycle import image_reference
+from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module, sandbox_env
+from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas, uses_sandbox_pods
 from rlkube.lifecycle.validation import parse_quantity
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
 RUN_AS = 10001
 """The images' user (images/*/Dockerfile `USER 10001`); the managed Redis runs as it too (it writes nothing)."""
+SANDBOX_RUN_AS = 10002
+"""The sandbox pods' user: one no other role of the job runs as, so a snippet owns nothing of theirs (a volume a
+template shares, a process count under RLIMIT_NPROC)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,7 @@ _SERVICE_PORTS = {
     "redis": [("redis", runtime.REDIS_PORT)],
     "inference": [("http", runtime.INFERENCE_PORT)],
     "trainer": [("weight-sync", runtime.WEIGHT_SYNC_PORT), ("rendezvous", MASTER_PORT)],
+    "sandbox": [("http", runtime.SANDBOX_PORT)],
 }
 
 
@@ -200,8 +205,13 @@ def service(job: JobRef, role: str) -> dict:
 
 
 def services(job: JobRef) -> list[dict]:
-    roles = [r for r in names.SERVICE_ROLES if r != "redis" or job.managed_redis]
-    return [service(job, r) for r in roles]
+    return [service(job, r) for r in service_roles(job.spec)]
+
+
+def service_roles(spec: TrainingJobSpec) -> list[str]:
+    """Roles of this job that have a headless Service: Redis when managed, the sandbox with sandbox pods."""
+    return [r for r in names.SERVICE_ROLES
+            if (r != "redis" or spec.redis.mode == "managed") and (r != "sandbox" or uses_sandbox_pods(spec))]
 
 
 OPERATOR_PEER = {"app.kubernetes.io/part-of": "rlkube", "app.kubernetes.io/component": "operator"}
@@ -231,11 +241,33 @@ def redis_network_policy(job: JobRef) -> dict:
     }
 
 
+def sandbox_network_policy(job: JobRef) -> dict:
+    """The sandbox pods take connections from the job's actors only, on the server's port, and open none (no egress
+    rule: not even DNS). Where the CNI enforces NetworkPolicy this is a second wall around the snippets; the first
+    holds without it (each snippet's own network namespace, rlkube.core.sandbox.server)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, names.sandbox_network_policy_name(job.name), names.role_labels(job.name, "sandbox")),
+        "spec": {
+            "podSelector": {"matchLabels": names.role_selector(job.name, "sandbox")},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{
+                "from": [{"podSelector": {"matchLabels": names.role_selector(job.name, "actor")}}],
+                "ports": [{"protocol": "TCP", "port": runtime.SANDBOX_PORT}],
+            }],
+            "egress": [],
+        },
+    }
+
+
 def static_children(job: JobRef, password: str | None = None) -> list[dict]:
     """Everything that is not a pod: created first, deleted after the last teardown stage."""
     out = [config_map(job)]
     if job.managed_redis:
         out += [redis_secret(job, password), redis_network_policy(job)]
+    if uses_sandbox_pods(job.spec):
+        out.append(sandbox_network_policy(job))
     return out + services(job)
 
 
@@ -254,10 +286,13 @@ def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict
     container["securityContext"] = container_security_context(not writable_root(job.spec, role))
     spec: dict[str, Any] = {
         # Redis is a plain server: restart it whatever the exit. Core roles follow runPolicy.restartPolicy.
-        "restartPolicy": "Always" if role == "redis" else getattr(policies, role),
+        "restartPolicy": "Always" if role in ("redis", "sandbox") else getattr(policies, role),
         "terminationGracePeriodSeconds": getattr(job.spec.teardown.grace_period_seconds, role),
         # Service links would inject env such as `{JOB}_REDIS_PORT` that can shadow the runtime contract.
         "enableServiceLinks": False,
+        # No role talks to the API server: no ServiceAccount token in any role pod unless its template asks for
+        # one (docs/design.md §3).
+        "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
         "containers": [container],
     }
@@ -283,7 +318,7 @@ def redis_pod(job: JobRef, attempt: int = 0) -> dict:
     port = runtime.REDIS_PORT
     container = {
         "name": "redis",
-        "image": job.spec.image_for("redis"),
+        "image": role_image(job.spec, "redis"),
         "command": [
             "redis-server", "--port", str(port), "--bind", "$(POD_IP)", "--requirepass", "$(REDIS_PASSWORD)",
             "--save", "", "--appendonly", "no",
@@ -311,13 +346,85 @@ def addresses(job: JobRef) -> Addresses:
         master_port=MASTER_PORT,
         checkpoint_dir=spec.trainer.checkpoint.path,
         model_cache_dir=names.MODEL_CACHE_MOUNT,
+        sandbox_urls=tuple(names.sandbox_urls(job.name, replicas(spec, "sandbox"), runtime.SANDBOX_PORT)),
     )
+
+
+def sandbox_pod(job: JobRef, index: int, attempt: int = 0) -> dict:
+    """Sandbox pod `index` (spec.sandbox.mode `pods`): `python -m rlkube.core.sandbox`, the HTTP server that runs the
+    actors' snippets (docs/guide/sandbox.md). What it holds of the job is its limits and nothing else: no Redis
+    address or password, no job config, no ServiceAccount token. Its own uid, every capability dropped, a read-only
+    root, seccomp RuntimeDefault, spec.sandbox.runtimeClassName (gVisor by default), cpu/memory/ephemeral-storage
+    limits, and /tmp an emptyDir (no larger than the ephemeral-storage limit) where each snippet gets a fresh
+    directory. restartPolicy Always: a server that dies restarts in place; a pod that is gone is recreated by the
+    next pass, as any role's."""
+    spec = job.spec
+    pool = spec.sandbox
+    container: dict[str, Any] = {
+        "name": "sandbox",
+        "image": role_image(spec, "sandbox"),
+        "command": ["python", "-m", "rlkube.core.sandbox"],
+        "env": [_pod_ip_env(), *({"name": k, "value": v} for k, v in
+                                 sandbox_env(spec, "$(POD_IP)", runtime.SANDBOX_PORT, names.TMP_MOUNT)),
+                {"name": "HOME", "value": names.TMP_MOUNT}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "ports": [{"name": "http", "containerPort": runtime.SANDBOX_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": runtime.SANDBOX_PORT}, "periodSeconds": 2,
+                           "failureThreshold": 3},
+        "volumeMounts": [{"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT}],
+    }
+    resources = _resources(spec, "sandbox")
+    if resources:
+        container["resources"] = resources
+    tmp: dict[str, Any] = {}
+    disk = resources.get("limits", {}).get("ephemeral-storage")
+    if disk is not None:
+        tmp["sizeLimit"] = disk
+    volumes = [{"name": names.VOLUME_TMP, "emptyDir": tmp}]
+    pod = _pod(job, "sandbox", index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+    ps = pod["spec"]
+    for key in ("runAsUser", "runAsGroup", "fsGroup"):
+        ps["securityContext"][key] = ps["securityContext"].get(key) if key in _template_security(spec) \
+            else SANDBOX_RUN_AS
+    ps["automountServiceAccountToken"] = False
+    if pool.runtime_class_name and "runtimeClassName" not in ps:
+        ps["runtimeClassName"] = pool.runtime_class_name
+    return pod
+
+
+def _template_security(spec: TrainingJobSpec) -> set[str]:
+    """The pod securityContext keys spec.sandbox.template sets (kept over the sandbox's own uid)."""
+    tpl = spec.sandbox.template
+    if tpl is None or tpl.spec is None or tpl.spec.security_context is None:
+        return set()
+    return set(tpl.spec.security_context.model_dump(by_alias=True, exclude_unset=True))
 
 
 def _core_env(job: JobRef, role: str, index: int, resume_checkpoint: str | None = None) -> list[dict]:
     """The lifecycle's role env as pod env, after the password (from a Secret) and POD_IP (downward API)."""
     pairs = role_env(job.spec, role, index, addresses(job), resume_checkpoint)
-    return [*_password_env(job), _pod_ip_env(), *({"name": k, "value": v} for k, v in pairs)]
+    return [*_password_env(job), _pod_ip_env(), *_tracker_key_env(job, role),
+            *({"name": k, "value": v} for k, v in pairs)]
+
+
+def _tracker_key_env(job: JobRef, role: str) -> list[dict]:
+    """The trainer's W&B API key by reference to the user's Secret (spec.tracking.wandb.apiKeySecret): the key itself
+    is in no manifest the operator writes."""
+    wandb = job.spec.tracking.wandb
+    if role != "trainer" or wandb is None or wandb.api_key_secret is None:
+        return []
+    ref = {"name": wandb.api_key_secret.name, "key": wandb.api_key_secret.key}
+    return [{"name": runtime.ENV_WANDB_API_KEY, "valueFrom": {"secretKeyRef": ref}}]
+
+
+IMAGE_REGISTRY: str | None = None
+"""The operator's `--image-registry` (the chart's `imageRegistry`), set once at start: the project's published role
+images are pulled from there (lifecycle/image_reference.relocate)."""
+
+
+def role_image(spec: TrainingJobSpec, role: str) -> str:
+    """The image a role's pods run: the spec's (`image_for`), relocated to IMAGE_REGISTRY when it is ours."""
+    return image_reference.relocate(spec.image_for(role), IMAGE_REGISTRY)
 
 
 def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
@@ -326,7 +433,7 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         raise ValueError(f"not a core role: {role!r}")
     container: dict[str, Any] = {
         "name": role,
-        "image": job.spec.image_for(role),
+        "image": role_image(job.spec, role),
         "command": ["python", "-m", role_module(job.spec, role)],
         # HOME on the writable /tmp volume (caches of torch, triton, HF); a template's env may point it elsewhere.
         # A trainer gets the checkpoint it must resume from (the annotation below) in its env, so that it fails
@@ -482,6 +589,8 @@ def pod(
     """Pod `index` of `role`; `placement` is where a queue (Kueue) admitted the role, applied last."""
     if role == "redis":
         return with_placement(redis_pod(job, attempt), placement)
+    if role == "sandbox":
+        return with_placement(sandbox_pod(job, index, attempt), placement)
     return with_placement(core_pod(job, role, index, attempt, resume_checkpoint), placement)
 
 

@@ -17,6 +17,7 @@ ROLE_CONDITIONS = {
     "inference": ConditionType.INFERENCE_READY,
     "preprocessor": ConditionType.PREPROCESSOR_READY,
     "actor": ConditionType.ACTORS_READY,
+    "sandbox": ConditionType.SANDBOX_READY,
 }
 """The readiness condition of each role's pods."""
 

@@ -52,6 +52,7 @@ import orjson
 
 from rlkube.api.spec import GracePeriods, TrainingJobSpec
 from rlkube.api.status import (
+    AgentStatus,
     CheckpointRef,
     Completion,
     ComponentStatus,
@@ -59,7 +60,7 @@ from rlkube.api.status import (
     TrainingJobStatus,
 )
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import builders, image_pull, kueue, names, specdiff, teardown
+from rlkube.controller import builders, fastllm, image_pull, kueue, names, specdiff, teardown
 from rlkube.controller.actions import (
     Action,
     Create,
@@ -79,7 +80,7 @@ from rlkube.controller.observed import Observed, PodView
 from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
 from rlkube.contract import protocol, runtime
 from rlkube.contract import checkpoint_loss
-from rlkube.lifecycle import progress, roles
+from rlkube.lifecycle import progress, roles, tracker_failures
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import ConditionType, Phase, PodPhase, Reason
@@ -236,15 +237,29 @@ def _ingest_events(p: _Pass) -> None:
             tr.last_checkpoint = CheckpointRef(step=facts.checkpoint[0], path=facts.checkpoint[1])
         if facts.evaluation is not None:
             tr.eval_version, tr.eval_reward_mean = facts.evaluation
+            counts = facts.evaluation_counts or {}
+            tr.eval_prompts, tr.eval_skipped = counts.get("prompts"), counts.get("skipped")
+            tr.eval_reward_errors = counts.get("reward_errors")
+        if facts.agent is not None:
+            previous = p.status.agent.model_dump(by_alias=False) if p.status.agent else None
+            p.status.agent = AgentStatus.model_validate(progress.fold_agent(previous, facts.agent))
+        if facts.tracker_failure is not None:
+            _report_tracker_failure(p, *facts.tracker_failure)
         if facts.finished and outcome(p.status) is None:
             final_step = facts.step if facts.step is not None else tr.step
+            checkpoint = facts.checkpoint[1] if facts.checkpoint else None
+            if facts.step is None and not facts.interrupted and p.spec is not None and (
+                    p.spec.trainer.backend == "fast-llm"):
+                # Fast-LLM's training_finished carries no step: it stands for its final step and checkpoint, not
+                # for the last weights_ready (none comes for a skipped update) (docs/design.md §8).
+                final_step, checkpoint = fastllm.finished(p.spec)
             previous = p.status.completion or Completion()
             p.status.completion = previous.model_copy(
                 update={
                     "stream_id": ev.stream_id,
                     "event_time": fmt_time(p.now),
                     "final_step": final_step,
-                    "checkpoint": facts.checkpoint[1] if facts.checkpoint else None,
+                    "checkpoint": checkpoint,
                     "interrupted": facts.interrupted or final_step < p.max_steps,
                 }
             )
@@ -257,6 +272,17 @@ def _ingest_events(p: _Pass) -> None:
     if p.spec is not None:
         tr.max_steps = p.spec.algorithm.max_steps
         p.status.progress = f"{tr.step}/{tr.max_steps}"
+
+
+def _report_tracker_failure(p: _Pass, tracker: str, message: str) -> None:
+    """A tracker the trainer could not log to (spec.tracking): condition TrackerFailed and a Warning Event, once per
+    tracker (lifecycle/tracker_failures.py); the job goes on."""
+    current = get(p.status.conditions, tracker_failures.CONDITION)
+    text = tracker_failures.merged(current.message if current else None, tracker, message)
+    if text is None:
+        return
+    p.condition(tracker_failures.CONDITION, "True", tracker_failures.REASON, text, event=False)
+    p.event("Warning", tracker_failures.REASON, f"{tracker_failures.line(tracker, message)} (training goes on)")
 
 
 # -- components: counts, restarts, readiness ------------------------------------------------------
@@ -272,6 +298,8 @@ def _update_components(p: _Pass, stopping: bool) -> None:
     spec = p.spec
     for role in roles.START_ORDER:
         desired = roles.replicas(spec, role) if spec else 0
+        if role == roles.SANDBOX and desired == 0 and role not in p.status.components and not p.obs.role_pods(role):
+            continue  # snippets run in the actors' processes (spec.sandbox.mode): no component to report
         comp = p.status.components.get(role) or ComponentStatus()
         comp = comp.model_copy(deep=True)
         comp.desired = desired
@@ -288,6 +316,8 @@ def _update_components(p: _Pass, stopping: bool) -> None:
         if stopping:
             left = len(p.obs.role_pods(role))
             p.condition(ctype, "False", Reason.STOPPED, f"{left} pod(s) left" if left else "", event=False)
+        elif desired == 0 and role == roles.SANDBOX:
+            p.condition(ctype, "False", Reason.STOPPED, "spec.sandbox.mode is process", event=False)
         elif desired == 0:
             # External Redis: ready means the operator can read the job's events from it.
             reachable = p.obs.event_source.state == "Reachable"
@@ -321,7 +351,9 @@ def _failing_pods(p: _Pass) -> list[tuple[PodView, str]]:
     finished_event = p.status.completion is not None and p.status.completion.stream_id is not None
     out = []
     for role in roles.START_ORDER:
-        comp = p.status.components[role]
+        comp = p.status.components.get(role)
+        if comp is None:
+            continue
         for pod in p.live(role):
             if pod.uid in comp.replaced_pods:
                 continue
@@ -590,7 +622,13 @@ def _static_names(p: _Pass) -> list[tuple[str, str]]:
     managed = p.spec is None or p.spec.redis.mode == "managed"
     if managed:
         out += [("Secret", names.secret_name(job)), ("NetworkPolicy", names.network_policy_name(job))]
-    out += [("Service", names.service_name(job, r)) for r in names.SERVICE_ROLES if r != "redis" or managed]
+    if p.spec is None:
+        out += [("Service", names.service_name(job, r)) for r in names.SERVICE_ROLES if r not in ("redis", "sandbox")
+                or (r == "redis" and managed)]
+        return out
+    if roles.uses_sandbox_pods(p.spec):
+        out.append(("NetworkPolicy", names.sandbox_network_policy_name(job)))
+    out += [("Service", names.service_name(job, r)) for r in builders.service_roles(p.spec)]
     return out
 
 

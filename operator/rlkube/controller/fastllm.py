@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.contract import runtime
+from rlkube.contract import checkpoint_loss, protocol, runtime
 from rlkube.controller import names
 from rlkube.contract import fast_llm_rendezvous
 
@@ -53,8 +53,9 @@ BROADCAST_STORE_HOST = "127.0.0.1"
 """Fast-LLM's rank 0 (on trainer pod 0) joins the broadcast group through the store pod 0's launcher hosts.
 Loopback, as PipelineRL does, so rank 0 never depends on resolving its own DNS name."""
 RENDEZVOUS_TIMEOUT_S = 3600
-"""torchrun's static rendezvous waits this long for every node (its default 600 s is short when each node first
-pulls a large CUDA image); the value PipelineRL passes for multi-node Fast-LLM."""
+"""torchrun's static rendezvous waits this long for every trainer node (its default 600 s is short when each node
+first pulls a large CUDA image); the value PipelineRL passes for multi-node Fast-LLM. Only the trainer's nodes
+meet there: the broadcast's and the documents' timeouts are spec.trainer.fastLlm's."""
 PYTHONHASHSEED = "42"
 """Fast-LLM warns unless every rank has the same PYTHONHASHSEED (fast_llm/utils.py); PipelineRL sets 42."""
 
@@ -94,7 +95,9 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
             "micro_batch_size": spec.model.max_sequence_length,
             "truncate_documents": False,
             "shuffle": "disabled",
-            "datasets": {"training": {"type": "streaming", **redis_relay}},
+            # How long Fast-LLM waits for a document (RedisConfig.timeout; its 600 s default is shorter than a
+            # run of filtered zero-advantage groups may take).
+            "datasets": {"training": {"type": "streaming", **redis_relay, "timeout": fast.data_timeout_seconds}},
         },
         "optimizer": {
             "learning_rate": {"base": algo.learning_rate},
@@ -117,6 +120,9 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
             "streaming": {
                 "type": "streaming",
                 **redis_relay,
+                # The broadcast group's timeout (RedisConfig.timeout of the callback, its ProcessGroupPool's):
+                # the receivers use the same (rlkube.contract.fast_llm_rendezvous.broadcast_timeout_s).
+                "timeout": fast_llm_rendezvous.broadcast_timeout_s(spec),
                 "broadcast": {
                     "host": BROADCAST_STORE_HOST,
                     "port": runtime.WEIGHT_SYNC_PORT,
@@ -130,6 +136,16 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
             }
         },
     }
+
+
+def finished(spec: TrainingJobSpec) -> tuple[int, str]:
+    """The step and checkpoint Fast-LLM's training_finished stands for: it sends one, with no fields, when its
+    training loop ends (fast_llm/engine/training/trainer.py:208, after `_run_training`), and the loop ends early
+    only on a signal (`training.shutdown` is not set), which makes torchrun exit non-zero; so with the trainer's exit
+    0 it means train_iters (maxSteps) steps done, skipped updates included (Fast-LLM counts them), and the final
+    checkpoint saved (`training.checkpoint` is saved when the loop stops, under run.experiment_dir)."""
+    steps = spec.algorithm.max_steps
+    return steps, checkpoint_loss.fast_llm_checkpoint(spec.trainer.checkpoint.path, steps)
 
 
 def config_map_data(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str, str]:
@@ -162,13 +178,21 @@ def launcher_command(spec: TrainingJobSpec, job: str, node: int, rendezvous_port
     ]
 
 
-def pod_command(spec: TrainingJobSpec, job: str, node: int, rendezvous_port: int) -> list[str]:
-    """The trainer container's command: our small launcher (Redis relay; broadcast store on node 0), then torchrun."""
+def pod_command(spec: TrainingJobSpec, job: str, node: int, rendezvous_port: int, image: str | None = None
+                ) -> list[str]:
+    """The trainer container's command: our small launcher (Redis relay; on node 0 the broadcast store and the
+    checkpoint check), then torchrun. `image` is named if the image lacks a command."""
     relay = f"{REDIS_RELAY_HOST}:{runtime.REDIS_PORT}"
     upstream = f"{names.service_name(job, 'redis')}:{runtime.REDIS_PORT}"
     cmd = ["python", "-m", "rlkube.core.fast_llm_launch", "--redis-listen", relay, "--redis-upstream", upstream]
+    if image:
+        cmd += ["--image", image]
     if node == 0:
-        cmd += ["--broadcast-store-port", str(runtime.WEIGHT_SYNC_PORT)]
+        cmd += ["--broadcast-store-port", str(runtime.WEIGHT_SYNC_PORT),
+                # Fast-LLM's checkpoints (run.experiment_dir, training.checkpoint.interval) and its events stream.
+                "--checkpoint-dir", spec.trainer.checkpoint.path,
+                "--checkpoint-interval", str(spec.trainer.checkpoint.interval_steps),
+                "--events-stream", protocol.EVENTS_STREAM]
     return cmd + ["--", *launcher_command(spec, job, node, rendezvous_port)]
 
 
@@ -186,4 +210,5 @@ def trainer_container(container: dict, spec: TrainingJobSpec, job: str, node: in
     ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
     if ports.get("weight-sync") != runtime.WEIGHT_SYNC_PORT or ports.get("rendezvous") != rendezvous_port:
         raise ValueError(f"trainer container ports {ports} are not the weight-sync and rendezvous ports")
-    return {**container, "command": pod_command(spec, job, node, rendezvous_port), "env": env}
+    return {**container, "command": pod_command(spec, job, node, rendezvous_port, container.get("image")),
+            "env": env}

@@ -22,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rlkube.api.status import Phase, TrainingJobStatus
+from rlkube.contract import counters
 from rlkube.controller.times import parse_time
 
 PHASES = tuple(Phase)
@@ -30,6 +31,11 @@ LABELS = ("namespace", "trainingjob")
 
 PREFIX = "rlkube_trainingjob_"
 """Every per-job metric name starts with this (the dashboard test checks its queries against them)."""
+AGENT_PREFIX = "agent_"
+"""status.agent's counters are exposed as `rlkube_trainingjob_agent_<counter>` (rlkube.contract.counters)."""
+EVAL_COUNTS = (("eval_prompts", "eval_prompts"), ("eval_skipped", "eval_skipped"),
+               ("eval_reward_errors", "eval_reward_errors"))
+"""(metric name after PREFIX, status.trainer field) of the last evaluation's counts."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,10 @@ class JobSample:
     tokens_per_second: float | None
     eval_reward_mean: float | None
     eval_version: int | None
+    eval_counts: tuple[tuple[str, int], ...]
+    """(name, value) of the last evaluation's counts in the status (EVAL_COUNTS)."""
+    agent: tuple[tuple[str, int | float], ...]
+    """(counter, value) of status.agent, those reported (rlkube.contract.counters.AGENT_STATUS)."""
     last_event_time: float | None
     """Epoch seconds of status.trainer.lastEventTime (when the operator read the trainer's last event)."""
     restarts: tuple[tuple[str, int], ...]
@@ -73,6 +83,9 @@ def sample(status: TrainingJobStatus) -> JobSample:
         tokens_per_second=tr.tokens_per_second,
         eval_reward_mean=tr.eval_reward_mean,
         eval_version=tr.eval_version,
+        eval_counts=tuple((name, v) for name, field in EVAL_COUNTS if (v := getattr(tr, field)) is not None),
+        agent=tuple((name, v) for name in counters.AGENT_STATUS
+                    if status.agent is not None and (v := getattr(status.agent, name)) is not None),
         last_event_time=_epoch(tr.last_event_time),
         restarts=tuple(sorted((role, c.restarts) for role, c in status.components.items())),
         teardown_stages=tuple(stages.items()),
@@ -120,6 +133,11 @@ class JobStatusCollector(Collector):
         eval_reward = gauge("eval_reward_mean", "Mean reward over the held-out eval set at the last evaluated weight "
                             "version (status.trainer.evalRewardMean; spec.evaluation)")
         eval_version = gauge("eval_version", "Weight version of the last evaluation (status.trainer.evalVersion)")
+        eval_counts = {name: gauge(name, f"{counters.EVALUATION[name.removeprefix('eval_')].help} in the last "
+                                         "evaluation (status.trainer)") for name, _ in EVAL_COUNTS}
+        agent = {name: gauge(AGENT_PREFIX + name, f"Agent counter {name}: "
+                             f"{(counters.EPISODE.get(name) or counters.RATES[name]).help} (status.agent; whole job "
+                             "except turn_reward_mean, the last reported)") for name in counters.AGENT_STATUS}
         since = gauge("seconds_since_last_trainer_event",
                       "Seconds from status.trainer.lastEventTime (the operator read the trainer's last event) to now")
         restarts = gauge("component_restarts", "Restarts and replacements of a component's pods", ("component",))
@@ -142,11 +160,15 @@ class JobStatusCollector(Collector):
             if s.eval_reward_mean is not None and s.eval_version is not None:
                 eval_reward.add_metric(key, s.eval_reward_mean)
                 eval_version.add_metric(key, s.eval_version)
+            for name, value in s.eval_counts:
+                eval_counts[name].add_metric(key, value)
+            for name, value in s.agent:
+                agent[name].add_metric(key, value)
             if s.last_event_time is not None:
                 since.add_metric(key, max(0.0, now - s.last_event_time))
             for component, n in s.restarts:
                 restarts.add_metric([*key, component], n)
             for stage, seconds in s.teardown_stages:
                 stages.add_metric([*key, stage], seconds)
-        yield from (phase, step, max_steps, version, lag, reward, tokens, eval_reward, eval_version, since, restarts,
-                    stages)
+        yield from (phase, step, max_steps, version, lag, reward, tokens, eval_reward, eval_version,
+                    *eval_counts.values(), *agent.values(), since, restarts, stages)

@@ -25,7 +25,7 @@ import kopf
 from aiohttp import web
 
 from rlkube import gctune
-from rlkube.controller import metrics
+from rlkube.controller import builders, metrics
 from rlkube.controller.apiclient import ApiClient
 from rlkube.controller.election import LeaderElector, LeadershipLost, candidate_identity, lease_namespace
 from rlkube.controller.handlers import build_registry
@@ -57,6 +57,7 @@ def cli(args: argparse.Namespace) -> int:
     # kopf logs every handler call at INFO (one line per pod event); keep its warnings and errors only.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics.serve(args.metrics_port)
+    builders.IMAGE_REGISTRY = args.image_registry or None
     if args.webhook_port:  # every replica answers admission reviews, standbys included (admission.py)
         from rlkube.controller import admission
 

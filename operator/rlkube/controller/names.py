@@ -46,7 +46,7 @@ SECRET_KEY = "password"
 INIT_MODEL = "model"
 """The init container that materializes spec.model.path into the model cache before the role starts."""
 
-SERVICE_ROLES = ("redis", "inference", "trainer")
+SERVICE_ROLES = ("redis", "inference", "trainer", "sandbox")
 """Roles with a headless Service (and so `hostname`/`subdomain` on their pods)."""
 
 
@@ -86,6 +86,14 @@ def secret_name(job: str) -> str:
 
 def network_policy_name(job: str) -> str:
     return f"{job}-redis"
+
+
+def sandbox_network_policy_name(job: str) -> str:
+    return f"{job}-sandbox"
+
+
+def sandbox_urls(job: str, replicas: int, port: int) -> list[str]:
+    return [f"http://{pod_name(job, 'sandbox', i)}.{service_name(job, 'sandbox')}:{port}" for i in range(replicas)]
 
 
 def config_name(job: str) -> str:

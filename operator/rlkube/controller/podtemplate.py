@@ -8,7 +8,8 @@ The rules, as JobSet and KubeRay users expect them from a partial PodTemplateSpe
   operator's of that key (the trainer's one-pod-per-node podAntiAffinity, for example);
 - `spec.topologySpreadConstraints`: merged by topologyKey, the template's wins;
 - `spec.imagePullSecrets`: merged by name;
-- `spec.priorityClassName`, `serviceAccountName`, `runtimeClassName`: set;
+- `spec.priorityClassName`, `serviceAccountName`, `runtimeClassName`, `automountServiceAccountToken`: set (the
+  operator's false gives way to a template's true);
 - `spec.securityContext` and the container's `securityContext`: merged field by field over the hardened
   defaults (a nested object such as `capabilities` or `seccompProfile` is replaced whole);
 - `spec.volumes`: merged by name: added, or replacing the operator's `tmp` / `dshm`;
@@ -70,7 +71,7 @@ def apply(pod: dict, template: PodTemplate | None) -> dict:
                                                       t_spec["topologySpreadConstraints"], "topologyKey")
     if t_spec.get("imagePullSecrets"):
         spec["imagePullSecrets"] = _merge_by(spec.get("imagePullSecrets", []), t_spec["imagePullSecrets"], "name")
-    for name in ("priorityClassName", "serviceAccountName", "runtimeClassName"):
+    for name in ("priorityClassName", "serviceAccountName", "runtimeClassName", "automountServiceAccountToken"):
         if name in t_spec:
             spec[name] = t_spec[name]
     if t_spec.get("securityContext"):

@@ -18,6 +18,17 @@ Fast-LLM's own launcher (`torchrun ... --no-python fast-llm train gpt --config .
    store and rank 0 and the inference servers would wait for each other forever. PipelineRL's launcher hosts the
    store before it starts torchrun (pipelinerl/launch.py on its fast-llm branch); so does this process.
 
+
+Before it starts the child it checks two things that would otherwise only burn the job's restart budget:
+3. The commands exist: an image without torchrun or Fast-LLM's `fast-llm` would make torchrun fail and this
+   process exit 1 with nothing said, while the inference servers wait to join a broadcast that never comes. It
+   exits runtime.EXIT_CONFIG with a termination message naming the image and the missing command, so the job
+   fails at once (rlkube.lifecycle.policies.config_error).
+4. The checkpoint is there (node 0, `--checkpoint-dir`): Fast-LLM resumes from whatever its directory holds and
+   would start over at step 0 on an emptyDir that went with its pod. The newest step the trainer announced in its
+   events (Fast-LLM's weights_ready) proves which checkpoint it saved (rlkube.contract.checkpoint_loss); when that
+   one is gone the job fails with reason CheckpointLost, as a trainer of ours does.
+
 The child's exit status is this process's (128 + signal number when it was killed), SIGTERM and SIGINT are passed
 on to it (torchrun stops its workers), and the relay and the store live exactly as long as the child.
 """
@@ -27,6 +38,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +46,9 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from rlkube.contract import checkpoint_loss, protocol, runtime
 from rlkube.contract.runtime import ENV_REDIS_PASSWORD
+from rlkube.core.errors import ConfigError, write_termination_message
 
 log = logging.getLogger("rlkube.fast_llm_launch")
 
@@ -169,17 +183,101 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+IMAGE_FIELD = "spec.trainer.image"
+
+
+def programs(command: Sequence[str]) -> list[str]:
+    """The commands `command` runs: its first word, and with torchrun's --no-python the program it starts."""
+    out = [command[0]]
+    if "--no-python" in command:
+        i = list(command).index("--no-python")
+        if i + 1 < len(command):
+            out.append(command[i + 1])
+    return out
+
+
+def missing_command(command: Sequence[str], image: str | None, path: str | None) -> str | None:
+    """Why the pod cannot run `command` (a program not on PATH), to be reported as `{IMAGE_FIELD}: {message}`;
+    None when every program is there."""
+    missing = [p for p in programs(command) if shutil.which(p, path=path) is None]
+    if not missing:
+        return None
+    return (f"image {image or '(unknown)'} has no {' and no '.join(f'`{m}`' for m in missing)} command on its PATH "
+            f"({path}): backend fast-llm needs an image with Fast-LLM installed (its `fast-llm` console script) "
+            f"and torch's torchrun, such as rlkube's trainer-fast-llm image")
+
+
+def newest_checkpoint(checkpoint_dir: str) -> int | None:
+    """The newest step Fast-LLM's `{experiment_dir}/checkpoint/{step}` directories hold, None for none."""
+    try:
+        steps = [int(e.name) for e in os.scandir(os.path.join(checkpoint_dir, "checkpoint"))
+                 if e.is_dir() and e.name.isdigit()]
+    except OSError:
+        return None
+    return max(steps, default=None)
+
+
+def announced_step(client, stream: str) -> int | None:
+    """The newest step the trainer announced weights for in its events stream (any incarnation), None for none."""
+    newest, cursor = None, "-"
+    while True:
+        entries = client.xrange(stream, cursor, "+", count=1000)
+        for sid, fields in entries:
+            event = protocol.decode_event(sid, fields)
+            if event is not None and event.type == protocol.WEIGHTS_READY and event.step is not None:
+                newest = event.step if newest is None else max(newest, event.step)
+        if len(entries) < 1000:
+            return newest
+        cursor = "(" + protocol.text(entries[-1][0])
+
+
+def checkpoint_loss_message(checkpoint_dir: str, interval: int, announced: int | None) -> str | None:
+    """checkpoint_loss.loss for a Fast-LLM trainer about to start over `checkpoint_dir`."""
+    saved = checkpoint_loss.fast_llm_saved(announced, interval)
+    expected = None if saved is None else checkpoint_loss.fast_llm_checkpoint(checkpoint_dir, saved)
+    return checkpoint_loss.loss(expected, newest_checkpoint(checkpoint_dir), checkpoint_dir)
+
+
+def preflight(args, command: Sequence[str], env) -> ConfigError | None:
+    """What makes this trainer pod unable to go on (3. and 4. above), as the error to report."""
+    problem = missing_command(command, args.image, env.get("PATH"))
+    if problem:
+        return ConfigError(IMAGE_FIELD, problem)
+    if args.checkpoint_dir:
+        import redis
+
+        host, port = args.redis_upstream
+        client = redis.Redis(host=host, port=port, password=env.get(ENV_REDIS_PASSWORD) or None)
+        try:
+            announced = announced_step(client, args.events_stream)
+        finally:
+            client.close()
+        problem = checkpoint_loss_message(args.checkpoint_dir, args.checkpoint_interval, announced)
+        if problem:
+            return ConfigError(checkpoint_loss.FIELD, problem)
+    return None
+
+
 def run(argv: Sequence[str] | None = None, env: dict | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlkube.core.fast_llm_launch", description=__doc__.splitlines()[0])
     parser.add_argument("--redis-listen", type=_hostport, required=True, help="loopback host:port Fast-LLM uses")
     parser.add_argument("--redis-upstream", type=_hostport, required=True, help="the job's Redis, host:port")
     parser.add_argument("--broadcast-store-port", type=int, help="host the weight-broadcast TCPStore (node 0)")
+    parser.add_argument("--image", help="the pod's image, named when a command is missing")
+    parser.add_argument("--checkpoint-dir", help="Fast-LLM's run.experiment_dir: check the checkpoint is there")
+    parser.add_argument("--checkpoint-interval", type=int, default=1, help="Fast-LLM's training.checkpoint.interval")
+    parser.add_argument("--events-stream", default="fast_llm_events", help="the trainer's events stream")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command (torchrun ...)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command after --")
     env = os.environ if env is None else env
+    error = preflight(args, command, env)
+    if error is not None:
+        log.error("%s", error)
+        write_termination_message(str(error))
+        return runtime.EXIT_CONFIG
 
     relay = RedisAuthRelay(args.redis_listen, args.redis_upstream, env.get(ENV_REDIS_PASSWORD) or None).start()
     store = host_broadcast_store(args.broadcast_store_port) if args.broadcast_store_port else None

@@ -312,12 +312,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 # `token_logprobs` / `token_entropy` above take the full logits [B, T, V]: at a real vocabulary (Qwen's 151,936) and
 # 8,192 tokens one float32 copy is ~5 GB, and the log-softmax, its saved output, the entropy's second log-softmax and
 # the backward's gradient of the logits are more copies of that size. `chunked_token_logprobs` takes the model's
-# final hidden states instead and runs the LM head + log-softmax + gather + entropy over `chunk_size` tokens at a
-# time under activation checkpointing: the forward keeps only each chunk's log-probs, the backward recomputes one
-# chunk's logits at a time, so the loss holds O(chunk_size x V) instead of O(tokens x V). Same values and gradients
-# as the full path (up to float32 summation order).
+# final hidden states instead and runs the LM head over `chunk_size` tokens at a time under activation
+# checkpointing: the forward keeps only each chunk's log-probs, the backward recomputes one chunk's logits at a time.
+# From a chunk's logits, `_LogprobEntropy` computes the log-probs and the entropy without another [chunk, V] tensor
+# (the reductions run over a few rows at a time) and saves only the logits and one log-normaliser per token; its
+# backward overwrites the (recomputed) logits in place with their gradient p * -g + onehot * g (scaled by
+# 1 / temperature), as Liger's and torchtune's chunked cross-entropy do. So the loss holds ONE [chunk, V] float32
+# tensor at a time (`rlkube bench loss-memory`), O(chunk_size x V) instead of O(tokens x V), with the same values
+# and gradients as the full path (up to float32 summation order).
 
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
+_BLOCK_ELEMENTS = 1 << 22  # elements of the temporaries of `_LogprobEntropy.forward` (16 MiB of float32)
 
 
 class VocabParallel:
@@ -331,40 +336,73 @@ class VocabParallel:
         self.sum = sum_
 
 
+class _LogprobEntropy(torch.autograd.Function):
+    """logits [N, V] float32 (this rank's vocabulary shard with `vocab`), targets [N] -> (log-prob of the targets
+    under logits / temperature [N] with gradient, entropy of the untempered distribution [N] without).
+
+    Saves the logits themselves and the log-normaliser [N]; the backward turns the saved logits into their gradient
+    IN PLACE (the section comment above), so it may run once per forward: `chunked_token_logprobs` calls it under
+    non-reentrant checkpointing, which recomputes the logits for every backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab: VocabParallel | None):
+        n, width = logits.shape
+        offset = vocab.offset if vocab is not None else 0
+        tempered = temperature != 1.0
+        # The maxima (no gradient needed through them: they cancel out of the log-softmax), all ranks'.
+        top = logits.amax(dim=-1)
+        if vocab is not None:
+            vocab.max_(top)
+        top_t = top / temperature  # the maximum of x / T (T > 0)
+        # sum e and sum e z with z = x - max, e = exp(z) (the entropy's), and sum exp(x/T - max/T) (the tempered
+        # normaliser), over a few rows at a time so that no other [N, V] tensor exists.
+        sums = logits.new_zeros(3 if tempered else 2, n)
+        rows = max(1, _BLOCK_ELEMENTS // max(width, 1))
+        for start in range(0, n, rows):
+            r = slice(start, start + rows)
+            block = logits[r]
+            z = block - top[r, None]
+            e = torch.exp(z)
+            sums[0, r] = e.sum(dim=-1)
+            sums[1, r] = e.mul_(z).sum(dim=-1)
+            del z, e
+            if tempered:
+                sums[2, r] = torch.exp(block / temperature - top_t[r, None]).sum(dim=-1)
+        local = targets - offset
+        here = (local >= 0) & (local < width)
+        picked = logits.gather(-1, local.clamp(0, max(width - 1, 0))[:, None]).squeeze(-1) * here
+        if vocab is not None:
+            sums = vocab.sum(sums)
+            picked = vocab.sum(picked)
+        norm, ez = sums[0], sums[1]
+        entropy = norm.log() - ez / norm  # -sum p log p with p = e / norm, log p = z - log norm
+        lse = top_t + (sums[2] if tempered else norm).log()  # log sum exp(x / T), all ranks'
+        logp = picked / temperature - lse
+        ctx.save_for_backward(logits, local, here, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
+        logits, local, here, lse = ctx.saved_tensors
+        t = ctx.temperature
+        g = grad_logp / t
+        # d logp / d x = (onehot(target) - softmax(x / T)) / T, written over the logits (no new [N, V] tensor)
+        grad = logits.mul_(1.0 / t) if t != 1.0 else logits
+        grad.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+        grad.scatter_add_(-1, local.clamp(0, max(grad.shape[-1] - 1, 0))[:, None], (g * here)[:, None])
+        return grad, None, None, None
+
+
 def _chunk_logprobs(head, temperature: float, vocab: VocabParallel | None, hidden: torch.Tensor,
                     targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of `targets` under head(hidden) / temperature, entropy of head(hidden) without gradient) for one
     chunk: hidden [N, H], targets [N] -> [N], [N]. The entropy is of the untempered distribution, as
-    `token_entropy`'s."""
-    logits = head(hidden).float()
-    if vocab is None:
-        logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-        logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-        with torch.no_grad():
-            plain = logp_all if temperature == 1.0 else torch.log_softmax(logits, dim=-1)
-            entropy = -plain.exp().mul_(plain).sum(dim=-1)  # one [chunk, V] temporary, not two
-        return logp, entropy
-    scaled = logits / temperature if temperature != 1.0 else logits
-    width = logits.shape[-1]
-    with torch.no_grad():
-        top = scaled.max(dim=-1).values
-        vocab.max_(top)
-    shifted = scaled - top[:, None]  # the maximum cancels out of the log-softmax: no gradient needed through it
-    total = vocab.sum(shifted.exp().sum(dim=-1))
-    local = targets - vocab.offset
-    here = (local >= 0) & (local < width)
-    picked = shifted.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1) * here
-    logp = vocab.sum(picked) - total.log()
-    with torch.no_grad():
-        top = logits.max(dim=-1).values
-        vocab.max_(top)
-        z = logits - top[:, None]
-        e = z.exp()
-        norm = e.sum(dim=-1)
-        norm = vocab.sum(norm)
-        ez = vocab.sum((e * z).sum(dim=-1))
-        entropy = norm.log() - ez / norm  # -sum p log p with p = e / norm, log p = z - log norm
-    return logp, entropy
+    `token_entropy`'s. In float32 whatever the head's dtype, except float64 (kept: the gradient check)."""
+    logits = head(hidden)
+    return _LogprobEntropy.apply(logits if logits.dtype == torch.float64 else logits.float(), targets, temperature,
+                                 vocab)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, head, tokens: torch.Tensor, temperature: float = 1.0,
@@ -372,7 +410,9 @@ def chunked_token_logprobs(hidden: torch.Tensor, head, tokens: torch.Tensor, tem
                            vocab: VocabParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What `token_logprobs(logits, tokens, temperature)` and `token_entropy(logits[:, :-1])` give, from the model's
     final hidden states [B, T, H] and its LM head (`head`: [N, H] -> logits [N, V], or this rank's vocabulary shard
-    with `vocab`), chunk_size tokens at a time: -> (log-probs [B, T-1] float32 with gradient, entropy [B, T-1])."""
+    with `vocab`), chunk_size tokens at a time: -> (log-probs [B, T-1] float32 with gradient, entropy [B, T-1]).
+    `head` must be linear-like: its backward must not need its own output, which the loss's backward overwrites with
+    its gradient (nn.Linear, a LoRA-adapted Linear, megatron's output layer; not e.g. a tanh soft-cap)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     from torch.utils.checkpoint import checkpoint
@@ -383,8 +423,10 @@ def chunked_token_logprobs(hidden: torch.Tensor, head, tokens: torch.Tensor, tem
     logps, entropies = [], []
     for start in range(0, flat.shape[0], chunk_size):
         h, y = flat[start:start + chunk_size], targets[start:start + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            # non-reentrant: the forward saves only h (the chunk's logits are freed), the backward reruns this chunk
+        if torch.is_grad_enabled():
+            # non-reentrant: the forward saves only h (the chunk's logits are freed), every backward reruns this
+            # chunk (which `_LogprobEntropy.backward` needs: it overwrites the logits). Also when only the head's
+            # parameters need a gradient (h does not: a LoRA adapter on the LM head alone).
             logp, entropy = checkpoint(_chunk_logprobs, head, temperature, vocab, h, y, use_reentrant=False,
                                        preserve_rng_state=False)
         else:

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from rlkube.contract import weight_transport
+from rlkube.contract.weight_transport import TransportMismatch
 from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.core.weights.group import StaleEpoch, WeightReceiver, WeightSyncError
 from rlkube.core.weights.wire import weights_checksum
@@ -143,16 +145,25 @@ class RlkubeWorkerExtension:
         return get_world_group().rank_in_group
 
     def rlkube_join(self, addr: str, base_rank: int, world_size: int, epoch: str, timeout_s: float,
-                    local_host: str | None) -> dict[str, Any]:
+                    local_host: str | None, trainer_device: str = "cpu", placement: str = weight_transport.SEPARATE,
+                    transfer_dtype: str | None = None) -> dict[str, Any]:
         """Join `epoch`'s weight-update group as rank `base_rank` + this worker's tensor-parallel rank (blocks until
         the trainer forms it with its first send). Every worker is a rank of its own: each receives the full
-        broadcast and its weight loaders keep its shard of every tensor (rlkube.contract.runtime.weight_sync_rank)."""
+        broadcast and its weight loaders keep its shard of every tensor (rlkube.contract.runtime.weight_sync_rank).
+        The transport is the one rule's (rlkube.contract.weight_transport) for the trainer's device and this
+        worker's; a trainer that derived another one is refused at once (`mismatch`)."""
         rank = base_rank + self.rlkube_tp_rank()
-        if self._rlkube_receiver is None or self._rlkube_receiver.rank != rank:
-            self._rlkube_receiver = WeightReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                                                   local_host=local_host)
+        device = str(getattr(self, "device", "cpu"))
         try:
+            backend = weight_transport.transport(trainer_device, device, placement)
+            if self._rlkube_receiver is None or self._rlkube_receiver.rank != rank:
+                self._rlkube_receiver = WeightReceiver(addr, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                                       local_host=local_host, backend=backend,
+                                                       device=device if backend == weight_transport.NCCL else "cpu",
+                                                       transfer_dtype=transfer_dtype)
             self._rlkube_receiver.join(epoch)
+        except (TransportMismatch, ValueError) as exc:
+            return {"ok": False, "stale": False, "mismatch": True, "error": str(exc)}
         except StaleEpoch as exc:
             return {"ok": False, "stale": True, "error": str(exc)}
         except WeightSyncError as exc:
@@ -160,28 +171,36 @@ class RlkubeWorkerExtension:
         return {"ok": True, "epoch": epoch, "rank": rank}
 
     def rlkube_receive(self) -> dict[str, Any]:
-        """Receive one update and load it; the checksums are of what arrived (verified against the trainer's by
-        the receiver) and of what the model now holds under the received names."""
+        """Receive one update streamed into the model: each bucket goes to vLLM's `load_weights` as it arrives
+        (WeightReceiver.receive_streamed), so the update costs one bucket of memory. The checksums are of what
+        arrived (verified against the trainer's after the last bucket) and of what the model now holds under the
+        received names. A failure once the first tensor was loaded is fatal: the model is half loaded."""
         receiver = self._rlkube_receiver
         if receiver is None or not receiver.joined:
             return {"ok": False, "error": "not in a weight-update group"}
         t0 = time.monotonic()
+        names: dict[str, tuple[list[int], torch.dtype]] = {}
+        progress: list[dict[str, Any]] = []
+
+        def seen(stream):
+            for name, t in stream:
+                names[name] = (list(t.shape), t.dtype)
+                yield name, t
+
+        def load(stream) -> None:
+            progress.append(self._rlkube_progress())
+            self._rlkube_load(seen(stream))
+
         try:
-            version, state = receiver.receive()
+            version = receiver.receive_streamed(load)
         except WeightSyncError as exc:
-            return {"ok": False, "error": str(exc)}
-        received = time.monotonic()
-        try:
-            progress = self._rlkube_progress()
-            self._rlkube_load(state)
+            return {"ok": False, "error": str(exc), "fatal": bool(names)}
         except Exception as exc:  # noqa: BLE001 - reported to the server, which keeps serving
-            log.exception("loading weights of version %d failed", version)
-            return {"ok": False, "error": f"loading version {version} failed: {type(exc).__name__}: {exc}",
-                    "version": version, "fatal": True}
+            log.exception("loading a weight update failed")
+            return {"ok": False, "error": f"loading an update failed: {type(exc).__name__}: {exc}", "fatal": True}
         return {"ok": True, "version": version, "checksum": receiver.last_checksum,
-                "served_checksum": self.rlkube_served_checksum(
-                    {name: (list(t.shape), t.dtype) for name, t in state.items()}),
-                "transfer_s": received - t0, "load_s": time.monotonic() - received, "progress": progress}
+                "served_checksum": self.rlkube_served_checksum(names),
+                "transfer_s": time.monotonic() - t0, "load_s": 0.0, "progress": progress[0]}
 
     def rlkube_fast_llm_join(self, addr: str, base_rank: int, world_size: int, timeout_s: float, backend: str,
                              local_host: str | None) -> dict[str, Any]:
@@ -244,9 +263,10 @@ class RlkubeWorkerExtension:
                     {name: (list(t.shape), t.dtype) for name, t in state.items()}),
                 "transfer_s": received - t0, "load_s": time.monotonic() - received, "progress": progress}
 
-    def _rlkube_load(self, state: dict[str, torch.Tensor]) -> None:
+    def _rlkube_load(self, state) -> None:
+        """Load `state` (a dict, or an iterator of (HF name, tensor) consumed as it comes) by HF name."""
         runner = self.model_runner
-        runner.reload_weights(weights_iterator=iter(state.items()))
+        runner.reload_weights(weights_iterator=iter(state.items() if isinstance(state, dict) else state))
         model = runner.get_model()
         head = _lm_head(model)
         if _is_tied(model) and head is not None and getattr(head, "quant_method", None) is not None:

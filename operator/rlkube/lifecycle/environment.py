@@ -12,6 +12,7 @@ password is not here: pods take it from a Secret (`secretKeyRef`), a local job's
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from rlkube.api.spec import TrainingJobSpec
@@ -56,6 +57,8 @@ class Addresses:
     """Where a role may write logs/metrics (local runs)."""
     model_cache_dir: str | None = None
     """Where spec.model.path is materialized (runtime.ENV_MODEL_CACHE); None: the roles' default."""
+    sandbox_urls: tuple[str, ...] = ()
+    """Base URL of every sandbox server (spec.sandbox.mode `pods`); empty: snippets run in the actor's process."""
 
 
 def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses,
@@ -71,6 +74,8 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses,
     ]
     if role in ("actor", TRAINER):
         env.append((runtime.ENV_INFERENCE_URLS, ",".join(at.inference_urls)))
+    if role == "actor" and at.sandbox_urls:
+        env.append((runtime.ENV_SANDBOX_URLS, ",".join(at.sandbox_urls)))
     if role in (TRAINER, INFERENCE):
         env.append((runtime.ENV_WEIGHT_SYNC, f"{at.weight_sync_host}:{at.weight_sync_port}"))
     if role == INFERENCE:
@@ -103,6 +108,8 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
     """Every variable the operator sets in a role's container: a pod template may not override these (the rank
     env, where the job's parts are, the Redis password). Derived from role_env itself, so the two cannot drift."""
     pod_only = {runtime.ENV_REDIS_PASSWORD, POD_IP}  # from the job's Secret and the downward API (builders)
+    if role == TRAINER and spec.tracking.wandb is not None and spec.tracking.wandb.api_key_secret is not None:
+        pod_only.add(runtime.ENV_WANDB_API_KEY)  # from the user's Secret (builders)
     if role == REDIS:
         return frozenset(pod_only)
     n = spec.inference.replicas
@@ -112,3 +119,23 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
     if role == TRAINER:
         names |= set(RANK_ENV)
     return frozenset(names)
+
+
+def sandbox_env(spec: TrainingJobSpec, bind_host: str, port: int, work_dir: str) -> list[tuple[str, str]]:
+    """(name, value) pairs of a sandbox server (rlkube.core.sandbox.server): where it listens, the per-snippet limits
+    of spec.task.environment.sandbox, where snippets get their fresh directories. Nothing else of the job: no
+    Redis address or password, no job config."""
+    env = spec.task.environment
+    limits = env.sandbox if env is not None else None
+    doc = {} if limits is None else {
+        "timeout_s": limits.timeout_seconds, "cpu_s": limits.cpu_seconds, "memory_mb": limits.memory_mib,
+        "output_bytes": limits.output_bytes, "processes": limits.processes}
+    return [
+        (runtime.ENV_BIND_HOST, bind_host),
+        (runtime.ENV_PORT, str(port)),
+        (runtime.ENV_SANDBOX_LIMITS, json.dumps(doc, sort_keys=True)),
+        (runtime.ENV_SANDBOX_WORK, work_dir),
+        (runtime.ENV_SANDBOX_REQUIRE_NETNS, "1" if spec.sandbox.require_network_namespace else "0"),
+        (runtime.ENV_SANDBOX_CONCURRENCY, str(spec.sandbox.concurrency)),
+        ("PYTHONUNBUFFERED", "1"),
+    ]

@@ -27,6 +27,19 @@ NAME_MAX = 255
 """Most characters of the repository name (the part before the tag and digest)."""
 
 
+PUBLISHED = "ghcr.io/rlkube/"
+"""Where the project publishes its images: the CRD's default `spec.image`, the chart and the examples name them."""
+
+
+def relocate(image: str, registry: str | None) -> str:
+    """`image` as pulled from `registry` (`host[:port]/prefix`, the chart's `imageRegistry`) when it is one of the
+    project's published images, else `image` unchanged: a cluster that cannot reach ghcr.io gets the images a user
+    pushed (`make push REGISTRY=...`) with one setting, while an image of the user's own is used as written."""
+    if registry and image.startswith(PUBLISHED):
+        return f"{registry.rstrip('/')}/{image[len(PUBLISHED):]}"
+    return image
+
+
 def reference_error(image: str) -> str | None:
     """Why `image` is not a pullable image reference, or None."""
     if image != image.strip():

@@ -60,6 +60,8 @@ class Reason:
     ALL_PODS_GONE = "AllPodsGone"
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     SPEC_AS_STARTED = "SpecAsStarted"
+    # An experiment tracker (spec.tracking) failed in the trainer; the job goes on (lifecycle/tracker_failures.py).
+    TRACKER_FAILED = "TrackerFailed"
 
 
 class PodPhase:

@@ -4,7 +4,8 @@ The operator folds these facts into `status.trainer` (and `status.completion`), 
 bar and summary. Only this module knows which payload field carries what (a weights_ready's `version` falls back
 to its `step`, a checkpoint path comes as `path` or `checkpoint`, the step's worst lag as `lag_max` or `lag`, the
 step's mean reward as `reward_mean`, its throughput as `tokens_per_s`, an evaluation's weight version and mean
-reward as `version` and `reward_mean`), so the two launchers cannot read the same event differently. Unknown types
+reward as `version` and `reward_mean`; the agent and evaluation counters by their types, rlkube.contract.counters),
+so the two launchers cannot read the same event differently. Unknown types
 carry no facts. An `evaluation` comes from actor 0, not the trainer (spec.evaluation): `from_trainer` is False, so
 it never counts as the trainer being alive (the stall rule, docs/design.md §4.3).
 """
@@ -12,15 +13,22 @@ it never counts as the trainer being alive (the stall rule, docs/design.md §4.3
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlkube.contract import protocol
+from rlkube.contract import counters, protocol
 
 
 MAX_PATH = 4096
 """Longest checkpoint path taken from an event (Linux's PATH_MAX): a longer string is no path, and the status that
 records it must stay small enough for the API server to store."""
+
+
+TRACKER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+"""A tracker's name in a tracker_failed event (mlflow, wandb, tensorboard); anything else is no fact."""
+MAX_MESSAGE = 1000
+"""Longest tracker failure message kept (the condition holds every failed tracker's)."""
 
 
 def _int(value: Any) -> int | None:
@@ -58,6 +66,13 @@ class Facts:
     evaluation: tuple[int, float] | None = None
     """(weight version, mean reward over the eval set, 4 decimals) of an evaluation event."""
     evaluation_payload: dict[str, Any] | None = None
+    evaluation_counts: dict[str, int | float] | None = None
+    """An evaluation's numbers for the status (rlkube.contract.counters.EVALUATION_STATUS), typed by their counters."""
+    agent: dict[str, int | float] | None = None
+    """The agent counters of a metrics event for the status (rlkube.contract.counters.AGENT_STATUS: whole-job episode
+    totals, the step's turn_reward_mean), typed by their counters; None for single-turn jobs."""
+    tracker_failure: tuple[str, str] | None = None
+    """(tracker, message) of a tracker_failed event (spec.tracking)."""
     from_trainer: bool = True
 
 
@@ -70,7 +85,8 @@ def read(ev: protocol.TrainerEvent) -> Facts:
     if ev.type == protocol.METRICS:
         return Facts(step=step, lag=_int(payload.get("lag_max", payload.get("lag"))),
                      reward_mean=_float(payload.get("reward_mean"), 4),
-                     tokens_per_s=_float(payload.get("tokens_per_s"), 1), metrics=payload)
+                     tokens_per_s=_float(payload.get("tokens_per_s"), 1), metrics=payload,
+                     agent=counters.agent_status(payload))
     if ev.type == protocol.CHECKPOINT_SAVED:
         path = _str(payload.get("path")) or _str(payload.get("checkpoint"))
         return Facts(checkpoint=(step, path) if step is not None and path else None)
@@ -84,5 +100,21 @@ def read(ev: protocol.TrainerEvent) -> Facts:
     if ev.type == protocol.EVALUATION:
         version, reward = _int(payload.get("version")), _float(payload.get("reward_mean"), 4)
         return Facts(evaluation=(version, reward) if version is not None and reward is not None else None,
-                     evaluation_payload=payload, from_trainer=False)
+                     evaluation_payload=payload, evaluation_counts=counters.evaluation_status(payload),
+                     from_trainer=False)
+    if ev.type == protocol.TRACKER_FAILED:
+        tracker, message = payload.get("tracker"), payload.get("message")
+        if not isinstance(tracker, str) or not TRACKER_NAME.fullmatch(tracker):
+            return Facts()
+        text = message[:MAX_MESSAGE] if isinstance(message, str) else ""
+        return Facts(tracker_failure=(tracker, text))
     return Facts()
+
+
+def fold_agent(previous: dict[str, int | float] | None, new: dict[str, int | float] | None
+               ) -> dict[str, int | float] | None:
+    """The agent counters to show after a metrics event (`status.agent`, `rlkube local`): the event's over the
+    previous ones, so a step without rewarded turns keeps the last turn_reward_mean."""
+    if new is None:
+        return previous
+    return {**(previous or {}), **new}

@@ -1,9 +1,11 @@
 """The roles of a job, how many processes each has, and when each may start (docs/design.md §3).
 
 Start order: Redis; trainer and inference together (the trainer never waits for inference health, and an
-inference server turns healthy only after joining the trainer's weight-update group); the preprocessor once
-trainer and inference exist; actors once every inference server is healthy. Teardown runs the other way round
-for producers: actors, preprocessor, inference (after the trainer's finished event), trainer, Redis last.
+inference server turns healthy only after joining the trainer's weight-update group), and the sandbox pods
+(spec.sandbox.mode `pods`) at once; the preprocessor once trainer and inference exist; actors once every inference
+server and every sandbox pod is healthy. Teardown runs the other way round for producers: actors, the sandbox
+pods (nothing calls them any more), preprocessor, inference (after the trainer's finished event), trainer, Redis
+last.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from dataclasses import dataclass, field
 from rlkube.api.spec import TrainingJobSpec
 
 REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR = "redis", "trainer", "inference", "preprocessor", "actor"
+SANDBOX = "sandbox"
 
-START_ORDER = (REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
+START_ORDER = (REDIS, TRAINER, INFERENCE, SANDBOX, PREPROCESSOR, ACTOR)
 """Every role, in the order a pass considers starting them (each gate sees what earlier roles got)."""
-TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
+TEARDOWN_ORDER = (ACTOR, SANDBOX, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
 """Stop order: producers first, inference after the trainer's finished event, Redis last (docs/design.md §4.4)."""
 CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
 """Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
@@ -34,7 +37,15 @@ def replicas(spec: TrainingJobSpec, role: str) -> int:
         return 1 if spec.redis.mode == "managed" else 0
     if role == TRAINER:
         return spec.trainer.nodes
+    if role == SANDBOX:
+        return spec.sandbox.replicas if uses_sandbox_pods(spec) else 0
     return getattr(spec, role).replicas
+
+
+def uses_sandbox_pods(spec: TrainingJobSpec) -> bool:
+    """Snippets run in sandbox pods: spec.sandbox.mode `pods` with an environment to call them (validation refuses
+    pods without one)."""
+    return spec.sandbox.mode == "pods" and spec.task.environment is not None
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ def may_start(spec: TrainingJobSpec, role: str, state: StartState) -> bool:
         TRAINER: lambda: all_ready(REDIS),
         INFERENCE: lambda: all_ready(REDIS),
         PREPROCESSOR: lambda: all_ready(REDIS) and all_exist(TRAINER) and all_exist(INFERENCE),
-        ACTOR: lambda: all_ready(INFERENCE),
+        SANDBOX: lambda: True,
+        ACTOR: lambda: all_ready(INFERENCE) and all_ready(SANDBOX),
     }
     return gates[role]()

@@ -11,6 +11,7 @@ In lifecycle, not in rlkube.api (types only): the operator, `rlkube local`, `rlk
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
 from rlkube.api.spec import API_VERSION, GPU, KIND, PodTemplate, TaskSpec, TrainingJobSpec
 from rlkube.lifecycle import owned
-from rlkube.lifecycle.image_reference import reference_error
+from rlkube.lifecycle.image_reference import PUBLISHED, reference_error
 from rlkube.lifecycle.label_syntax import annotation_errors, label_errors
 from rlkube.contract.parallel import tensor_parallel_heads_error, trainer_world_size
 from rlkube.lifecycle.environment import operator_env_names
@@ -81,7 +82,7 @@ def parse_quantity(value: int | str) -> Decimal:
 def resource_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """What the Pod schema checks in a container's resources, so it fails here and not at pod creation."""
     errs: list[FieldError] = []
-    for role in ("trainer", "inference", "preprocessor", "actor"):
+    for role in ("trainer", "inference", "preprocessor", "actor", "sandbox"):
         res = getattr(spec, role).resources
         parsed: dict[str, dict[str, Decimal]] = {"requests": {}, "limits": {}}
         for kind in ("requests", "limits"):
@@ -310,6 +311,58 @@ def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return errs
 
 
+REASONING_GYM_RESERVED = ("seed", "size")
+"""reasoning-gym config fields rlkube sets itself (each pass's seed and size, rlkube.core.actor.gym_tasks)."""
+
+
+def prompt_source_errors(task: TaskSpec) -> list[FieldError]:
+    """A built-in environment with another prompt source: one of the two would be ignored without a word. (dataset,
+    reasoningGym and entryPoint against each other: task_errors, by pairs.)"""
+    sources = task.prompt_sources()
+    if not sources or sources[0] != "spec.task.environment.name" or len(sources) == 1:
+        return []
+    name = task.environment.name if task.environment is not None else None
+    return [FieldError(other, f"not with spec.task.environment.name {name!r}, which draws its own prompts: set "
+                              f"one prompt source, {other} or spec.task.environment.name (an environment that "
+                              f"takes the task's prompts is an entryPoint of yours)")
+            for other in sources[1:]]
+
+
+def _entry_point_error(field: str, entry_point: str) -> FieldError | None:
+    """`package.module:attribute` that this interpreter cannot find: the module (or a package above it) is missing,
+    or has no such attribute. A module that is found but fails to import (a dependency this install lacks) is left to
+    the role, which imports it at start and exits 78 naming the field."""
+    module_name, _, attr = entry_point.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return FieldError(field, f"cannot import {module_name!r}: no module {exc.name!r} here")
+        return None
+    except Exception:  # noqa: BLE001 - the module's own code: the role reports it where it runs
+        return None
+    if not hasattr(module, attr):
+        return FieldError(field, f"module {module_name!r} has no attribute {attr!r}")
+    return None
+
+
+def importable_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """spec.task.environment.entryPoint imported in this interpreter. Only where the roles run this interpreter's
+    packages: `rlkube local` (it is their interpreter), and `rlkube validate` of a job on the project's own images
+    (which hold rlkube and its dependencies, nothing of the user's; published_images). The operator and the webhook
+    do not know what a user's image holds: there the actor imports it at start and exits 78 naming the field."""
+    env = spec.task.environment
+    if env is None or not env.entry_point:
+        return []
+    err = _entry_point_error("spec.task.environment.entryPoint", env.entry_point)
+    return [err] if err is not None else []
+
+
+def published_images(spec: TrainingJobSpec) -> bool:
+    """The actors run one of the project's published images (lifecycle/image_reference.PUBLISHED)."""
+    return spec.image_for("actor").startswith(PUBLISHED)
+
+
 def _regex_error(field: str, pattern: str | None) -> FieldError | None:
     if pattern is None:
         return None
@@ -320,16 +373,18 @@ def _regex_error(field: str, pattern: str | None) -> FieldError | None:
     return None
 
 
-def task_errors(task: TaskSpec) -> list[FieldError]:
-    """The task's cross-field rules: a dataset needs a reward, each reward type its own fields."""
-    errs: list[FieldError] = []
+def task_errors(task: TaskSpec, loss: str = "grpo") -> list[FieldError]:
+    """The task's cross-field rules: one prompt source, a dataset needs a reward (unless `loss` is sft, which reads
+    reference completions and scores none: sft_errors says what it needs instead), each reward type its own
+    fields."""
+    errs: list[FieldError] = prompt_source_errors(task)
     ds, reward = task.dataset, task.reward
     if ds is not None:
         if task.entry_point:
             errs.append(FieldError("spec.task.entryPoint", "must be empty when spec.task.dataset is set"))
         if task.params:
             errs.append(FieldError("spec.task.params", "not used with spec.task.dataset (dataset tasks take none)"))
-        if reward is None and ds.completion_field is None:  # a supervised (sft) dataset needs no reward
+        if reward is None and ds.completion_field is None and loss != "sft":
             errs.append(FieldError("spec.task.reward", "required with spec.task.dataset (math, exact, regex or python)"))
         if ds.prompt_field and ds.messages_field:
             errs.append(FieldError("spec.task.dataset.messagesField", "set promptField or messagesField, not both"))
@@ -344,6 +399,10 @@ def task_errors(task: TaskSpec) -> list[FieldError]:
             if clash:
                 errs.append(FieldError(field, "not with spec.task.reasoningGym (its prompts come from the "
                                        "reasoning-gym task; its settings go in reasoningGym.config)"))
+        for key in REASONING_GYM_RESERVED:
+            if key in task.reasoning_gym.config:
+                errs.append(FieldError(f"spec.task.reasoningGym.config.{key}", f"reserved: rlkube sets the "
+                                       f"generator's {key} from spec.task.reasoningGym.{key} (set that instead)"))
     if reward is not None:
         if reward.type == "python" and not reward.function:
             errs.append(FieldError("spec.task.reward.function", "required when spec.task.reward.type is python"))
@@ -382,6 +441,12 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.trainer.fast_llm.model_format is None:
         errs.append(FieldError("spec.trainer.fastLlm.modelFormat",
                                "required with backend fast-llm: the model_type of the checkpoint's config.json"))
+    fast = spec.trainer.fast_llm
+    if fast.broadcast_timeout_seconds <= fast.data_timeout_seconds:
+        # The servers wait in the broadcast while the trainer waits for documents: they would time out first.
+        errs.append(FieldError("spec.trainer.fastLlm.broadcastTimeoutSeconds",
+                               f"must exceed dataTimeoutSeconds ({fast.data_timeout_seconds:g}): the inference "
+                               "servers wait in the broadcast through the trainer's whole wait for documents"))
     if spec.model.path.startswith("builtin://"):
         errs.append(FieldError("spec.model.path", "fast-llm imports a Hugging Face checkpoint directory; "
                                                   "built-in models exist only in rlkube's own trainers"))
@@ -398,12 +463,15 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.trainer.checkpoint.claimName", "fast-llm on several nodes writes one "
                                                                     "checkpoint from every node: a shared "
                                                                     "(ReadWriteMany) claim is required"))
+    if spec.tracking.any:
+        errs.append(FieldError("spec.tracking", "fast-llm trains in its own trainer, which does not log to "
+                                                "rlkube's trackers (set them in Fast-LLM's config instead)"))
     return errs
 
 
 def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     errs: list[FieldError] = resource_errors(spec) + pod_field_errors(spec) + rank_errors(spec) + template_errors(spec)
-    errs += task_errors(spec.task) + model_errors(spec)
+    errs += task_errors(spec.task, spec.algorithm.loss) + model_errors(spec)
     if spec.redis.mode == "external" and not spec.redis.url:
         errs.append(FieldError("spec.redis.url", "required when spec.redis.mode is external"))
     if spec.redis.mode == "managed" and spec.redis.url:
@@ -411,7 +479,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
     errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec) + environment_errors(spec)
-    errs += evaluation_errors(spec)
+    errs += evaluation_errors(spec) + sandbox_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -440,6 +508,26 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.warmup_steps >= algo.max_steps and algo.lr_schedule != "constant":
         errs.append(FieldError("spec.algorithm.warmupSteps", f"must be below maxSteps ({algo.max_steps}) for the "
                                f"{algo.lr_schedule} schedule to decay after it"))
+    return errs
+
+
+SANDBOX_LIMITS = ("cpu", "memory", "ephemeral-storage")
+"""Limits every sandbox pod must have: a snippet spins, allocates and writes within them (docs/guide/sandbox.md)."""
+
+
+def sandbox_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """spec.sandbox with mode `pods`: something to call them (an environment), and the pod limits a snippet runs in."""
+    pool = spec.sandbox
+    if pool.mode != "pods":
+        return []
+    errs = []
+    if spec.task.environment is None:
+        errs.append(FieldError("spec.sandbox.mode", "`pods` runs the snippets of spec.task.environment's tools; this "
+                               "job has no environment"))
+    missing = [name for name in SANDBOX_LIMITS if name not in pool.resources.limits]
+    if missing:
+        errs.append(FieldError("spec.sandbox.resources.limits", f"sandbox pods need limits on {', '.join(missing)} "
+                               f"(all of: {', '.join(SANDBOX_LIMITS)})"))
     return errs
 
 

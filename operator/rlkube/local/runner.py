@@ -31,16 +31,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlkube.api import TrainingJobSpec
-from rlkube.contract import protocol, runtime, streams
+from rlkube.contract import counters, protocol, runtime, streams
 from rlkube.core.hf import ModelError
 from rlkube.core.hf.fetch import fetch
 from rlkube.core.hf.source import default_cache_dir
-from rlkube.lifecycle import progress, roles
+from rlkube.lifecycle import progress, roles, tracker_failures
 from rlkube.lifecycle.environment import Addresses, role_env, role_module
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import Phase, Reason
-from rlkube.lifecycle.validation import SpecError, parse_manifest
+from rlkube.lifecycle.validation import SpecError, importable_errors, parse_manifest
 from rlkube.lifecycle.verdict import Outcome, Verdict
 from rlkube.local.ports import free_port
 from rlkube.local.processes import RoleProcess, python_module, stop_all
@@ -72,6 +72,11 @@ class RunResult:
     invalid: list[str] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     """Every `evaluation` event's payload (spec.evaluation), in stream order."""
+    conditions: list[dict[str, str]] = field(default_factory=list)
+    """Conditions a TrainingJob would carry besides its outcome: TrackerFailed (lifecycle/tracker_failures.py)."""
+    agent: dict[str, int | float] | None = None
+    """The agent counters a TrainingJob's status.agent would show (lifecycle.progress.fold_agent); None without an
+    environment."""
 
     def reward_window(self, first: bool, n: int = 10) -> float | None:
         rewards = [m["reward_mean"] for m in self.metrics if isinstance(m.get("reward_mean"), int | float)]
@@ -92,11 +97,15 @@ class RunResult:
             "eval_versions": [e["version"] for e in self.evaluations],
             "eval_reward_first": self.evaluations[0]["reward_mean"] if self.evaluations else None,
             "eval_reward_last": self.evaluations[-1]["reward_mean"] if self.evaluations else None,
+            # the last evaluation's counts as status.trainer shows them (rlkube.contract.counters.EVALUATION_STATUS)
+            "eval_last": counters.evaluation_status(self.evaluations[-1]) if self.evaluations else None,
+            "agent": self.agent,
             "teardown": self.teardown,
             "forced": self.forced,
             "checkpoint": self.checkpoint,
             "restarts": self.restarts,
             "stalled": self.stalled,
+            "conditions": self.conditions,
             "wall_seconds": round(self.wall_seconds, 2),
             "output_dir": str(self.output_dir),
         }
@@ -116,6 +125,7 @@ class LocalJob:
         self.keys = protocol.StreamKeys.for_job(NAMESPACE, name, spec.trainer.backend)
         self.metrics: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
+        self.agent: dict[str, int | float] | None = None
         self.teardown: list[str] = []
         self.forced: list[str] = []
         self.step = 0
@@ -132,6 +142,8 @@ class LocalJob:
         self.failures: dict[str, Failure] = {}
         self.stalled = False
         self.events_seen: dict[str, int] = {}
+        self.tracker_failed: str | None = None
+        """The TrackerFailed condition's message: every tracker the trainer reported failed, once each."""
         self._interrupted = False
 
     # --- start -------------------------------------------------------------------------------------
@@ -198,6 +210,9 @@ class LocalJob:
         exist = {r: len(self.procs.get(r, [])) for r in roles.START_ORDER}
         exist[roles.REDIS] = ready_redis = 1 if self.redis_server is not None else 0
         ready = {roles.REDIS: ready_redis}
+        # No sandbox pods here: with spec.sandbox.mode `pods` the actors still run each snippet as a child of their
+        # own process (rlkube.core.actor.sandbox, which logs the layers it has), so that gate is open.
+        exist[roles.SANDBOX] = ready[roles.SANDBOX] = roles.replicas(self.spec, roles.SANDBOX)
         if exist[roles.INFERENCE] and not exist[roles.ACTOR]:
             ready[roles.INFERENCE] = self._healthy_inference()
         for role in roles.CORE_ROLES:
@@ -242,6 +257,13 @@ class LocalJob:
             self.version = facts.weights_version
         if facts.checkpoint is not None:
             self.last_checkpoint = facts.checkpoint[1]
+        if facts.tracker_failure is not None:
+            merged = tracker_failures.merged(self.tracker_failed, *facts.tracker_failure)
+            if merged is not None:
+                self.tracker_failed = merged
+                self.console.print(f"{tracker_failures.line(*facts.tracker_failure)} (training goes on)",
+                                   style="yellow", soft_wrap=True, markup=False)
+        self.agent = progress.fold_agent(self.agent, facts.agent)
         if facts.metrics is not None:
             # The stream id's millisecond clock times steps without trusting the roles' clocks.
             self.metrics.append({**facts.metrics, "_t": event.time})
@@ -387,6 +409,8 @@ class LocalJob:
         errors = sum(int(x.get("reward_errors") or 0) for x in self.metrics)
         if errors:
             parts.append(f"{errors} reward errors")  # samples whose reward function failed (scored 0)
+        if self.agent:
+            parts.append(agent_line(self.agent))
         if self.stalled:
             parts.append("STALLED")
         return "  ".join(parts)
@@ -415,6 +439,15 @@ class LocalJob:
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def agent_line(agent: dict[str, int | float]) -> str:
+    """The agent counters in the progress line: the status subset (status.agent), zeros left out."""
+    parts = [f"{agent.get('episodes', 0)} episodes"]
+    parts += [f"{agent[n]} {n.replace('_', ' ')}" for n in counters.AGENT_STATUS[1:-1] if agent.get(n)]
+    if agent.get("turn_reward_mean") is not None:
+        parts.append(f"turn reward {agent['turn_reward_mean']:.3f}")
+    return ", ".join(parts)
 
 
 def _plot(metrics: list[dict[str, Any]], path: Path, title: str,
@@ -450,6 +483,10 @@ def materialize(spec: TrainingJobSpec, cache: Path, console: Console) -> Outcome
     judged as the operator judges a pod that exits with runtime.EXIT_CONFIG (Failed, InvalidSpec, the message
     naming spec.model.path); Ctrl-C during a download is an interruption."""
     console.print(f"model: {spec.model.path} (model cache {cache})", soft_wrap=True, markup=False)
+    if roles.uses_sandbox_pods(spec):
+        console.print("sandbox: spec.sandbox.mode is pods, but rlkube local has no pods: each snippet runs as a child "
+                      "of its actor (rlkube.core.actor.sandbox: rlimits, a network namespace where this kernel "
+                      "allows one, and the audit hook; the actor logs which)", soft_wrap=True, markup=False)
     try:
         path = fetch(spec, cache)  # what the operator's model init container runs
     except ModelError as exc:
@@ -472,6 +509,9 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
     name = (manifest.get("metadata") or {}).get("name") or "job"
     try:
         meta, spec = parse_manifest(manifest)
+        # The roles run this interpreter (with its PYTHONPATH): an entry point it cannot find fails here, by name.
+        if errs := importable_errors(spec):
+            raise SpecError(errs)
     except SpecError as exc:
         verdict = judge(Evidence(now=_now(), spec_error=str(exc)), None).outcome
         assert verdict is not None
@@ -518,6 +558,10 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
         restarts=job.restarts,
         stalled=job.stalled,
         evaluations=job.evaluations,
+        agent=job.agent,
+        conditions=[] if job.tracker_failed is None else [
+            {"type": tracker_failures.CONDITION, "status": "True", "reason": tracker_failures.REASON,
+             "message": job.tracker_failed}],
     )
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in job.metrics))
     if job.evaluations:
@@ -556,6 +600,7 @@ def cli(args) -> int:
         f"reward first-10 {_fmt(s['reward_first'])}, last-10 {_fmt(s['reward_last'])}; "
         + (f"eval reward {_fmt(s['eval_reward_first'])} (v{s['eval_versions'][0]}) -> {_fmt(s['eval_reward_last'])} "
            f"(v{s['eval_versions'][-1]}); " if s["eval_versions"] else "") +
+        (f"agent: {agent_line(result.agent)}; " if result.agent else "") +
         f"teardown {' -> '.join(s['teardown'])}; "
         f"{s['wall_seconds']}s; output {s['output_dir']}"
     )

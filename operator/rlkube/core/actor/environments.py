@@ -8,7 +8,8 @@ runtime.EXIT_CONFIG at start and the job fails with that message (rlkube.core.er
 an actor that can never run an episode.
 
 A factory that declares a `sandbox` parameter gets the job's code-execution sandbox (rlkube.core.actor.sandbox, limits
-from spec.task.environment.sandbox): its tools call `sandbox.python_tool(code)` (the built-in `python` tool) or
+from spec.task.environment.sandbox; with spec.sandbox.mode `pods` the job's sandbox pods instead,
+rlkube.core.actor.sandbox_client): its tools call `sandbox.python_tool(code)` (the built-in `python` tool) or
 `sandbox.run(code)`.
 """
 
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlkube.api.spec import EnvironmentSpec, TaskSpec
+from rlkube.contract import runtime
 from rlkube.core.actor import calculator
 from rlkube.core.actor.episodes import Environment, Limits
 from rlkube.core.actor.sandbox import Sandbox, SandboxLimits, network_namespace_available
+from rlkube.core.actor.sandbox_client import RemoteSandbox
 from rlkube.core.actor.task_types import TaskError, import_attribute
 
 log = logging.getLogger("rlkube.environments")
@@ -67,6 +71,12 @@ def load_environment(spec: TaskSpec) -> Environment | None:
         raise TaskError(field, f"the environment factory raised {type(exc).__name__}: {exc}") from None
     if not callable(getattr(built, "start", None)):
         raise TaskError(field, f"the factory returned {built!r}, which has no start(prompt) method")
+    others = [f for f in spec.prompt_sources() if f != "spec.task.environment.name"]
+    if others and callable(getattr(built, "prompt", None)):
+        # One prompt source (docs/design.md §2.4): validation refuses a built-in environment with another; only
+        # building an entryPoint's tells whether it draws its own, and then the other would be ignored.
+        raise TaskError(field, f"{env.entry_point or env.name!r} draws its own prompts (it has prompt()) and "
+                        f"{others[0]} is set too: set one prompt source")
     if not isinstance(getattr(built, "name", None), str):
         try:
             built.name = env.name or env.entry_point
@@ -82,12 +92,20 @@ def _wants_sandbox(factory: Callable[..., Any]) -> bool:
         return False
 
 
-def sandbox(env: EnvironmentSpec) -> Sandbox:
+def sandbox(env: EnvironmentSpec, environ: Mapping[str, str] | None = None) -> Sandbox | RemoteSandbox:
+    """The job's code-execution sandbox: the sandbox servers the launcher named (runtime.ENV_SANDBOX_URLS, set
+    with spec.sandbox.mode `pods`), else the in-process one. Either says which layers hold the snippet."""
     s = env.sandbox
-    built = Sandbox(SandboxLimits(timeout_s=s.timeout_seconds, cpu_s=s.cpu_seconds, memory_mb=s.memory_mib,
-                                  output_bytes=s.output_bytes))
-    log.info("code-execution sandbox: %s; network refused by %s", built.limits,
-             "a network namespace and the audit hook" if network_namespace_available() else
+    lim = SandboxLimits(timeout_s=s.timeout_seconds, cpu_s=s.cpu_seconds, memory_mb=s.memory_mib,
+                        output_bytes=s.output_bytes, processes=s.processes)
+    urls = [u for u in (os.environ if environ is None else environ).get(runtime.ENV_SANDBOX_URLS, "").split(",") if u]
+    if urls:
+        log.info("code-execution sandbox: %d sandbox server(s) %s, %s; each snippet in its own sandbox pod's "
+                 "runtime, a network namespace and the audit hook (docs/guide/sandbox.md)", len(urls), urls, lim)
+        return RemoteSandbox(urls, lim)
+    built = Sandbox(lim)
+    log.info("code-execution sandbox: in process (the actor's user, filesystem and pod), %s; network refused by %s",
+             built.limits, "a network namespace and the audit hook" if network_namespace_available() else
              "the audit hook alone (this kernel gives no unprivileged user namespace here)")
     return built
 

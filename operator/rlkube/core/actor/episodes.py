@@ -259,6 +259,14 @@ class EpisodeResult:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.tokens)
 
+    def counts(self) -> dict[str, int | float]:
+        """The episode's counts as its sample carries them (`Sample.episode`), each of its counter's type
+        (rlkube.contract.counters.EPISODE; `episodes` is the group's to add)."""
+        return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                "tool_timeouts": self.tool_timeouts, "sandbox_refusals": self.sandbox_refusals,
+                "truncated": int(self.truncated), "timed_out": int(self.timed_out), "drifted": int(self.drifted),
+                "turn_rewards": len(self.turn_rewards), "turn_reward_sum": float(sum(self.turn_rewards))}
+
 
 Sampler = Callable[[list[int], int], Awaitable[Reply]]
 """(prompt ids, max_tokens) -> one reply; raises to abandon the episode (the actor is stopping)."""

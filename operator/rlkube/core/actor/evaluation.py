@@ -5,7 +5,8 @@ Why here, in the actor: it has the inference servers, the prompt rendering and t
 the trainer's `weights_ready` events. Evaluation runs beside the workers in the actor's event loop, outside the lag
 counters, and its samples go to no rollout: the trainer never waits for it and the preprocessor never sees it.
 Its result is one `evaluation` event in the events stream (docs/design.md §5.2), which the launchers read into the
-job's status, Prometheus and `rlkube local`'s summary (rlkube.lifecycle.progress).
+job's status, Prometheus and `rlkube local`'s summary (rlkube.lifecycle.progress). With `spec.samples` the first
+`perStep` prompts' samples follow it on their own stream, for the trainer's samples.jsonl (docs/design.md §5.7).
 
 Held out, never trained on:
 - without `split`, a prompt is held out when a hash of its text (or messages) falls below `heldOutFraction`: the
@@ -36,6 +37,7 @@ from typing import Any
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import protocol
+from rlkube.contract import samples as sample_rows
 from rlkube.core.actor.episodes import SampleRefused, call_with_timeout, run_episode
 from rlkube.core.actor.tasks import Scorer, load_task
 from rlkube.core.actor.task_types import Prompt, TaskError
@@ -171,6 +173,7 @@ class EvalOutcome:
     reward: float
     failed: bool
     versions: list[int]
+    row: dict[str, Any] | None = None  # the prompt's sample row (rlkube.contract.samples), for spec.samples
 
 
 class Evaluator:
@@ -194,6 +197,9 @@ class Evaluator:
         self.last: int | None = None
         self.queue: asyncio.Queue[int] = asyncio.Queue()
         self.reported: list[int] = []
+        # spec.samples: the first perStep prompts' samples of each evaluated version go to the trainer's file
+        self.keep = spec.samples.per_step if spec.samples.every_steps > 0 else 0
+        self.rows: list[dict[str, Any]] = []  # the last evaluation's
 
     def on_version(self, version: int) -> None:
         """A weights_ready announced `version` (rlkube.core.actor calls this for each, in stream order)."""
@@ -229,6 +235,12 @@ class Evaluator:
                 event = await self.evaluate(session, version)
                 await redis.xadd(keys.events, protocol.encode_event(protocol.EVALUATION, **event))
                 reported = True
+                # After the event: a reader of the samples never sees rows of an unreported version. Sent even
+                # with no rows (every kept prompt skipped): the finished trainer waits for this version's entry.
+                if self.keep:
+                    await redis.xadd(keys.evaluation_samples, {sample_rows.EVALUATION_FIELD: json.dumps(
+                        {"version": version, "rows": self.rows}, ensure_ascii=False)}, maxlen=10_000,
+                        approximate=True)
                 self.reported.append(version)
                 log.info("evaluation of version %d: reward %s over %d prompts (sampled by versions %s-%s, %d "
                          "attempts) in %.1fs", version, event["reward_mean"], event["prompts"],
@@ -262,6 +274,8 @@ class Evaluator:
             if not versions or min(versions) == max(versions):
                 break
             at = max(versions)
+        self.rows = [{**o.row, "version": version, "step": version}
+                     for o in outcomes[:self.keep] if o is not None and o.row is not None]
         return {
             "version": version,
             "reward_mean": sum(o.reward for o in scored) / len(scored) if scored else None,
@@ -275,6 +289,19 @@ class Evaluator:
             "seconds": round(time.monotonic() - t0, 3),
             "actor": self.actor.name,
         }
+
+    def _row(self, prompt: Prompt, completion: str, turns: list[dict[str, Any]], reward: float, failed: bool,
+             sampled: int, finish: str, episode: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One eval prompt's sample row (rlkube.contract.samples); `version`/`step` are set by evaluate."""
+        row: dict[str, Any] = {
+            "kind": sample_rows.EVALUATION, "weight_version": sampled, "prompt": prompt.text,
+            "prompt_key": prompt_key(prompt), "completion": completion, "turns": turns, "reward": float(reward),
+            "finish_reason": finish, "time": sample_rows.now()}
+        if episode is not None:
+            row["episode"] = episode
+        if failed:
+            row["reward_error"] = True
+        return row
 
     async def one(self, session: Any, version: int, i: int, prompt: Prompt) -> EvalOutcome | None:
         """One prompt's reward (one completion, or one episode); None when a server refuses the prompt or the
@@ -291,8 +318,16 @@ class Evaluator:
             if actor.environment is None:
                 reply = await actor.request(session, rendered, version, n=1, max_tokens=self.max_new_tokens,
                                             temperature=self.temperature, seed=seed, stop=actor.halt)
-                reward, failed = self.score(prompt, reply["choices"][0]["text"])
-                return EvalOutcome(reward, failed, [version_of(reply)])
+                choice = reply["choices"][0]
+                reward, failed = self.score(prompt, choice["text"])
+                row = None
+                if i < self.keep:
+                    row = self._row(prompt, choice["text"], [{"role": "model", "text": choice["text"],
+                                                              "tokens": len(choice.get("token_ids") or ()),
+                                                              "masked": False}],
+                                    reward, failed, version_of(reply),
+                                    sample_rows.finish_reason(choice.get("finish_reason") == "stop"))
+                return EvalOutcome(reward, failed, [version_of(reply)], row)
             try:
                 episode = await call_with_timeout(actor.environment.start, prompt,
                                                   timeout=actor.limits.tool_timeout_s)
@@ -315,7 +350,17 @@ class Evaluator:
 
             result = await run_episode(episode, actor._reply(first["choices"][0], version_of(first)), sample,
                                        actor.encoder, actor.tokenizer.decode, actor.limits, self.max_new_tokens)
-            return EvalOutcome(result.reward, result.reward_error, sorted(set(result.versions)))
+            row = None
+            if i < self.keep:
+                decode = (lambda ids: actor.tokenizer.hf.decode(ids, skip_special_tokens=False))
+                counts = {"turns": result.turns, "tool_calls": result.tool_calls, "tool_errors": result.tool_errors,
+                          "tool_timeouts": result.tool_timeouts, "truncated": int(result.truncated),
+                          "timed_out": int(result.timed_out)}
+                row = self._row(prompt, decode(result.tokens), sample_rows.turns(result.tokens, result.env_spans,
+                                                                                  decode),
+                                result.reward, result.reward_error, min(result.versions, default=version),
+                                sample_rows.finish_reason(result.finished, counts), episode=counts)
+            return EvalOutcome(result.reward, result.reward_error, sorted(set(result.versions)), row)
         except self.refused as exc:
             log.error("evaluation: %s; skipping it", exc)
             return None

@@ -32,11 +32,12 @@ Two ways the counters can overcount and would otherwise stall the job forever (d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
-from rlkube.contract import protocol
+from rlkube.contract import counters, protocol
 
 # Lowers the counters when the trainer's documents_seen went back (a restart), at most once per event.
 # KEYS: reserved, written, last documents_seen, last event id ("ms-seq"); ARGV: event id, documents_seen.
@@ -164,15 +165,13 @@ class LagCounter:
         await self.redis.decrby(self.keys.reserved, n)
 
     async def write(self, group: protocol.RolloutGroup, documents_seen: int,
-                    totals: dict[str, int | float] | None = None) -> int | None:
+                    totals: Mapping[str, int | float] | None = None) -> int | None:
         """XADD the group if it fits the budget of the weights that sampled it (announced at documents_seen), and
         add `totals` (its episode counts) to the job's in the same script: its position, or None when it would be
         consumed too late (sample it again with newer weights; nothing is counted)."""
         fields = group.encode()
-        counted: list[str | int | float] = []
-        for name, value in (totals or {}).items():
-            counted += [name, "f" if isinstance(value, float) else "i", repr(value) if isinstance(value, float)
-                        else int(value)]
+        # HINCRBY or HINCRBYFLOAT by each counter's name, never by a value's Python type (rlkube.contract.counters)
+        counted = counters.script_args(totals or {})
         position = int(await self._write(keys=[self.keys.written, self.stream_keys.rollouts,
                                                self.stream_keys.episodes],
                                          args=[len(group.samples), self.budget(documents_seen), fields["group"],

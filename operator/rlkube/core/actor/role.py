@@ -55,7 +55,7 @@ from typing import TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from rlkube.contract import protocol, runtime, streams
+from rlkube.contract import counters, protocol, runtime, streams
 from rlkube.core import errors
 from rlkube.contract.context import RoleContext
 from rlkube.core.hf.loading import load_tokenizer
@@ -427,11 +427,7 @@ class Actor:
     def episode_group(self, results: list[EpisodeResult]) -> protocol.RolloutGroup:
         samples = [protocol.Sample(
             completion_tokens=r.tokens, logprobs=r.logprobs, reward=r.reward, finished=r.finished and not r.truncated,
-            reward_error=r.reward_error, env_spans=r.env_spans, versions=r.versions,
-            episode={"turns": r.turns, "tool_calls": r.tool_calls, "tool_errors": r.tool_errors,
-                     "tool_timeouts": r.tool_timeouts, "sandbox_refusals": r.sandbox_refusals,
-                     "truncated": int(r.truncated), "timed_out": int(r.timed_out), "drifted": int(r.drifted),
-                     "turn_rewards": len(r.turn_rewards), "turn_reward_sum": sum(r.turn_rewards)})
+            reward_error=r.reward_error, env_spans=r.env_spans, versions=r.versions, episode=r.counts())
             for r in results]
         return protocol.RolloutGroup(
             group_id=f"{self.name}-{uuid.uuid4().hex[:12]}",
@@ -446,14 +442,11 @@ class Actor:
 
     def episode_totals(self, group: protocol.RolloutGroup) -> dict[str, int | float] | None:
         """A group's episode counts, added to the job's totals (the trainer reports them) by the script that writes
-        the group (rlkube.core.actor.lag): None without an environment."""
+        the group (rlkube.core.actor.lag): None without an environment. Each is summed as its counter's type
+        (rlkube.contract.counters), so a group without per-turn rewards still adds the float 0.0 to their sum."""
         if self.environment is None:
             return None
-        totals: dict[str, int | float] = {"episodes": len(group.samples)}
-        for s in group.samples:
-            for key, value in (s.episode or {}).items():
-                totals[key] = totals.get(key, 0) + value
-        return totals
+        return counters.group_totals([s.episode or {} for s in group.samples])
 
     # --- supervised (sft): reference completions from the dataset ------------------------------------
 

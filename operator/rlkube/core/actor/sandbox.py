@@ -3,15 +3,21 @@
 An environment's tools run on a thread of their own (rlkube.core.actor.episodes.call_with_timeout), never on the actor's
 event loop; `Sandbox.run` blocks that thread only, while the snippet runs in a child process
 (rlkube.core.actor.sandbox_child) with:
-- a wall timeout (the child's process group is killed), CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS) and
-  the size of any file it writes (RLIMIT_FSIZE, its output included), set in the child before the snippet runs;
+- a wall timeout (the child's process group is killed), CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS),
+  the size of any file it writes (RLIMIT_FSIZE, its output included) and the processes and threads of its user
+  (RLIMIT_NPROC; not enforced for root), set in the child before the snippet runs;
 - no network, refused in layers that work as root and in the hardened pod (uid 10001, no capabilities, read-only
   root, /tmp writable): a network namespace of its own (unshare(CLONE_NEWUSER|CLONE_NEWNET): only a loopback that
   is down) where the kernel allows an unprivileged user namespace, and in any case a Python audit hook installed
   before the snippet runs that refuses every socket.*, ctypes.* and new-process event;
 - an environment of its own (nothing of the actor's: only CHILD_ENV's thread counts), `python -I` (no PYTHON*
   variables, no user site), and a fresh temporary directory as cwd
-  (under $TMPDIR, /tmp: the one writable place in the pod), removed afterwards.
+  (under $TMPDIR, /tmp: the one writable place in the pod; a sandbox server passes its own `work_root`),
+  removed afterwards.
+
+This is the in-process sandbox: it runs as the actor's user, on the actor's filesystem, in the actor's pod. With
+spec.sandbox.mode `pods` the same runner runs in a sandbox pod of its own instead (rlkube.core.sandbox.server,
+reached through rlkube.core.actor.sandbox_client); see docs/guide/sandbox.md for which layers each place has.
 
 A refusal is a result, not an exception: `SandboxResult.message()` says what happened and which layer refused
 ("refused by the audit hook", "refused by the network namespace"), so the episode goes on with that as the tool's
@@ -22,6 +28,7 @@ limit as a tool error; a snippet that merely raises is the model's error, not th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -48,11 +55,19 @@ class SandboxLimits:
     cpu_s: int = 5
     memory_mb: int = 512  # address space: a bare interpreter maps ~30 MiB
     output_bytes: int = 65536  # stdout and stderr each, and any file the snippet writes
+    processes: int = 64  # RLIMIT_NPROC: tasks (processes and threads) of the snippet's user
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> SandboxLimits:
+        return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls) if f.name in doc})
 
 
 @dataclass
 class SandboxResult:
-    outcome: str  # ok | error (the snippet raised) | refused | timeout | cpu | memory | output | killed
+    outcome: str  # ok | error (the snippet raised) | refused | timeout | cpu | memory | output | killed | unavailable
     stdout: str = ""
     stderr: str = ""
     refused_by: str | None = None  # "audit hook" | "network namespace"
@@ -60,6 +75,14 @@ class SandboxResult:
     layers: list[str] = field(default_factory=list)  # the network layers that were up
     exit_code: int | None = None
     seconds: float = 0.0
+    server: str | None = None  # the sandbox server that ran it (rlkube.core.actor.sandbox_client), None in process
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> SandboxResult:
+        return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls) if f.name in doc})
 
     def message(self) -> str:
         """The tool's answer: the snippet's output, or what stopped it."""
@@ -74,6 +97,7 @@ class SandboxResult:
             "memory": "stopped: over its memory limit",
             "output": "stopped: over its output limit",
             "killed": f"killed by signal {-(self.exit_code or 0)}",
+            "unavailable": "the sandbox server did not answer; the snippet's outcome is unknown",
             "error": "an error",
         }[self.outcome]
         tail = self.stderr.strip().splitlines()[-1:] if self.outcome != "refused" else []
@@ -95,13 +119,14 @@ class Sandbox:
     off to show the other refuses on its own)."""
 
     def __init__(self, limits: SandboxLimits | None = None, layers: tuple[str, ...] = LAYERS,
-                 python: str = sys.executable):
+                 python: str = sys.executable, work_root: str | None = None):
         unknown = set(layers) - set(LAYERS)
         if unknown:
             raise ValueError(f"unknown sandbox layers {sorted(unknown)} (known: {LAYERS})")
         self.limits = limits or SandboxLimits()
         self.layers = tuple(layers)
         self.python = python
+        self.work_root = work_root  # where each snippet's fresh directory is made (default: $TMPDIR)
         self._child = CHILD.read_text()
 
     def run(self, code: str) -> SandboxResult:
@@ -112,7 +137,7 @@ class Sandbox:
             note_tool("tool_errors", "sandbox_refusals")
         elif result.outcome in ("timeout", "cpu"):
             note_tool("tool_timeouts")
-        elif result.outcome in ("memory", "output", "killed"):
+        elif result.outcome in ("memory", "output", "killed", "unavailable"):
             note_tool("tool_errors")
         return result
 
@@ -122,14 +147,15 @@ class Sandbox:
 
     def _run(self, code: str) -> SandboxResult:
         lim = self.limits
-        work = tempfile.mkdtemp(prefix="rlkube-sandbox-")
+        work = tempfile.mkdtemp(prefix="rlkube-sandbox-", dir=self.work_root)
         try:
             cwd = os.path.join(work, "cwd")
             os.mkdir(cwd, 0o700)
             out_path, err_path = os.path.join(work, "stdout"), os.path.join(work, "stderr")
             status_r, status_w = os.pipe()
             config = {"status_fd": status_w, "layers": list(self.layers), "cpu_seconds": max(1, int(lim.cpu_s)),
-                      "memory_bytes": lim.memory_mb * 2 ** 20, "file_bytes": lim.output_bytes}
+                      "memory_bytes": lim.memory_mb * 2 ** 20, "file_bytes": lim.output_bytes,
+                      "processes": lim.processes}
             start = time.monotonic()
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 try:

@@ -52,6 +52,8 @@ def main() -> None:
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (config["cpu_seconds"], config["cpu_seconds"] + 1))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if config.get("processes"):
+        resource.setrlimit(resource.RLIMIT_NPROC, (config["processes"], config["processes"]))
     code = sys.stdin.read()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -8,7 +8,7 @@ one the checkpoint's safetensors hold, `model.embed_tokens.weight`), and loading
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -42,3 +42,23 @@ def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], alia
         if kept in full:
             full.setdefault(alias, full[kept])
     model.load_state_dict(full, strict=True)
+
+
+def copy_into(targets: Mapping[str, torch.Tensor], stream: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.dtype]:
+    """Copy each (HF name, tensor) of `stream` into `targets[name]` (as `named_weights` gives them: views of the
+    model's parameters) as it comes, converting dtypes, so a streamed update needs no copy of its own -> the dtype
+    each name arrived in. Strict like `load_weights`: an unknown name, a wrong shape or a missing name raises."""
+    arrived: dict[str, torch.dtype] = {}
+    with torch.no_grad():
+        for name, tensor in stream:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"unexpected weight {name!r}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {list(tensor.shape)}, the model's {list(target.shape)}")
+            target.copy_(tensor)
+            arrived[name] = tensor.dtype
+    missing = sorted(set(targets) - set(arrived))
+    if missing:
+        raise KeyError(f"weights missing from the update: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return arrived

@@ -4,7 +4,9 @@ directory (the same directory the trainer starts from, materialized from `spec.m
 
 An update is received by this process's own receiver (rlkube.core.weights.group.WeightReceiver; Fast-LLM's broadcast:
 rlkube.core.fast_llm_weights.FastLlmReceiver) as HF names in the transfer dtype, loaded by name into a copy of the
-model (converted to the served dtype) and swapped in; generation keeps going meanwhile. A LoRA job's update is the
+model (converted to the served dtype) and swapped in; generation keeps going meanwhile. Our group's updates are
+streamed: each bucket is copied into the copy's parameters as it arrives (WeightReceiver.receive_streamed), so an
+update costs the copy plus one bucket. A LoRA job's update is the
 adapter alone (kind "lora-adapter", rlkube.core.weights): the engine serves base + adapter by setting
 W = W0 + scaling x B @ A for each adapted weight of the copy, W0 from the base it loaded at start
 (rlkube.core.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlkube.contract import fast_llm_rendezvous
+from rlkube.contract import fast_llm_rendezvous, weight_transport
 from rlkube.contract.context import RoleContext
 from rlkube.core import lora
 from rlkube.core.fast_llm_weights import FastLlmReceiver
@@ -81,13 +83,11 @@ class NativeEngine(Engine):
         self.receiver.join(epoch)
 
     def receive(self, version: int) -> Received:
+        if not self.fast_llm:
+            return self._receive_streamed()
         t0 = time.monotonic()
-        if self.fast_llm:
-            state = self.receiver.receive()
-            meta: dict[str, Any] = {}
-        else:
-            version, state = self.receiver.receive(adapters=True)
-            meta = self.receiver.last_meta or {}
+        state = self.receiver.receive()
+        meta: dict[str, Any] = {}
         received = time.monotonic()
         model = copy.deepcopy(self.template)
         adapter = meta.get("kind") == ADAPTER
@@ -111,6 +111,51 @@ class NativeEngine(Engine):
             source = PARAMETERS
         return Received(version=version, adapter=adapter, checksum=checksum, checksum_source=source,
                         transfer_s=received - t0, load_s=time.monotonic() - received, loaded=model)
+
+    def _receive_streamed(self) -> Received:
+        """Our group's update, each bucket copied into a copy of the model as it arrives (rlkube.core.weights.group:
+        streamed receive): the copy is what generation swaps to, so sampling never sees a half-loaded model; the
+        update itself costs one bucket beside it. An adapter (small) is kept whole for the merge."""
+        t0 = time.monotonic()
+        model = copy.deepcopy(self.template)
+        targets = hf_state.named_weights(model)
+        arrived: dict[str, torch.dtype] = {}
+        adapter_state: dict[str, torch.Tensor] = {}
+        failed: list[Exception] = []
+
+        def load(stream) -> None:
+            if (self.receiver.receiving or {}).get("kind") == ADAPTER:
+                adapter_state.update((name, t.clone()) for name, t in stream)
+                return
+            try:
+                # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error
+                # (docs/references.md §6.15).
+                arrived.update(hf_state.copy_into(targets, stream))
+            except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+                failed.append(exc)
+                for _ in stream:  # the rest of the update, so the group stays in step
+                    pass
+
+        version = self.receiver.receive_streamed(load, adapters=True, reuse=True)
+        meta = self.receiver.last_meta or {}
+        received = time.monotonic()
+        adapter = meta.get("kind") == ADAPTER
+        try:
+            if failed:
+                raise failed[0]
+            if adapter:
+                lora.merge_into(model, self.base, adapter_state, float(meta["adapter"]["scaling"]))
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise UpdateRefused(f"{'the adapter' if adapter else 'weights'} of version {version} does not fit the "
+                                f"model: {exc}") from exc
+        if adapter:
+            checksum, source = self.receiver.last_checksum, RECEIVED
+        else:
+            # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost.
+            checksum = weights_checksum((n, t.to(arrived[n])) for n, t in targets.items() if n in arrived)
+            source = PARAMETERS
+        return Received(version=version, adapter=adapter, checksum=checksum, checksum_source=source,
+                        transfer_s=received - t0, load_s=0.0, loaded=model)
 
     def apply(self, update: Received) -> None:
         self.sampler.set_policy(update.loaded, update.version)
@@ -137,6 +182,16 @@ class NativeEngine(Engine):
         return None if done else "a batch is still running"
 
 
+def weight_receiver(ctx: RoleContext) -> WeightReceiver:
+    """This engine's receiver of the trainer's group: the transport from the one rule (rlkube.contract.
+    weight_transport; this engine samples on the CPU), the dtype it serves expected for `auto`."""
+    spec = ctx.spec
+    return WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=ctx.weight_sync_world_size,
+                          timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host,
+                          backend=weight_transport.receiver_transport(spec, "cpu"),
+                          transfer_dtype=weight_transport.transfer_dtype_name(spec))
+
+
 def open_engine(ctx: RoleContext) -> NativeEngine:
     """The job's model loaded for sampling, and the receiver of its trainer's updates (not joined yet)."""
     spec = ctx.spec
@@ -150,12 +205,10 @@ def open_engine(ctx: RoleContext) -> NativeEngine:
         # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
         receiver: WeightReceiver | FastLlmReceiver = FastLlmReceiver(
             ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=fast_llm_rendezvous.world_size(spec),
-            timeout_s=fast_llm_rendezvous.RECEIVER_TIMEOUT_S, backend=fast_llm_rendezvous.broadcast_backend(spec),
+            timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec), backend=fast_llm_rendezvous.broadcast_backend(spec),
             local_host=ctx.bind_host)
     else:
-        receiver = WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
-                                  world_size=ctx.weight_sync_world_size, timeout_s=RECEIVE_TIMEOUT_S,
-                                  local_host=ctx.bind_host)
+        receiver = weight_receiver(ctx)
     # Three threads share the GIL (HTTP loop, sampling, weight follower). With the default 5 ms switch interval
     # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
     # the broadcast, waits with it.

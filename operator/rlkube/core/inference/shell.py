@@ -45,6 +45,7 @@ from aiohttp import web
 
 from rlkube.contract import protocol, runtime, streams
 from rlkube.contract.context import RoleContext
+from rlkube.contract.weight_transport import TransportMismatch
 from rlkube.core.errors import write_termination_message
 from rlkube.core.inference.engine import Engine, UpdateRefused
 from rlkube.core.openai_api import (
@@ -175,6 +176,12 @@ class WeightFollower:
                     self.engine.join(epoch)
                 except StaleEpoch as exc:
                     log.info("%s", exc)
+                    return
+                except TransportMismatch as exc:
+                    # Trainer and engine disagree on the transport: a configuration error no rejoin can mend.
+                    log.critical("%s; exiting", exc)
+                    self.last_error = self.fatal = str(exc)
+                    os.kill(os.getpid(), signal.SIGTERM)
                     return
                 except WeightSyncError as exc:
                     log.warning("joining epoch %s failed: %s; waiting for the next announcement", epoch, exc)

@@ -55,10 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlkube.contract import fast_llm_rendezvous
+from rlkube.contract import fast_llm_rendezvous, weight_transport
 from rlkube.contract.context import RoleContext
 from rlkube.contract.fast_llm_rendezvous import EPOCH
 from rlkube.contract.parallel import tensor_parallel_heads_error
+from rlkube.contract.weight_transport import TransportMismatch
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf.loading import load_config, load_tokenizer
 from rlkube.core.hf.source import materialize_model
@@ -175,6 +176,7 @@ def combine_joins(results: list[dict[str, Any]]) -> dict[str, Any]:
     if not failed:
         return {"ok": True, "epoch": results[0]["epoch"], "ranks": [r.get("rank") for r in results]}
     return {"ok": False, "stale": any(r.get("stale") for r in failed),
+            "mismatch": any(r.get("mismatch") for r in failed),
             "error": "; ".join(dict.fromkeys(r["error"] for r in failed))}
 
 
@@ -243,6 +245,11 @@ class WeightGroup:
     bind_host: str | None
     fast_llm_backend: str | None = None
     fast_llm_timeout_s: float = 3600.0
+    # What each worker derives its transport from (rlkube.contract.weight_transport, beside its own device) and the
+    # transfer dtype it expects (`auto`: the dtype served).
+    trainer_device: str = "cpu"
+    placement: str = weight_transport.SEPARATE
+    transfer_dtype: str | None = None
 
 
 class VllmEngine(Engine):
@@ -310,10 +317,12 @@ class VllmEngine(Engine):
     def join(self, epoch: str) -> None:
         g = self.group
         joined = combine_joins(self._rpc("rlkube_join", g.addr, g.rank, g.world_size, epoch, RECEIVE_TIMEOUT_S,
-                                         g.bind_host))
+                                         g.bind_host, g.trainer_device, g.placement, g.transfer_dtype))
         if not joined["ok"]:
             self._rpc("rlkube_leave")  # a worker that did join holds a group its siblings are not in
             self.epoch = None
+            if joined.get("mismatch"):
+                raise TransportMismatch(f"joining epoch {epoch}: {joined['error']}")
             raise (StaleEpoch if joined.get("stale") else WeightSyncError)(f"joining epoch {epoch}: {joined['error']}")
         self.epoch = epoch
         self.ranks = joined["ranks"]
@@ -543,6 +552,15 @@ def _kill_children() -> None:
             child.kill()
 
 
+def weight_group(ctx: RoleContext) -> WeightGroup:
+    """Where the workers join the trainer's own group, and what each derives its transport from (the trainer's
+    device and the placement from the spec, beside its own device: rlkube.contract.weight_transport)."""
+    spec = ctx.spec
+    return WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), ctx.weight_sync_world_size, ctx.bind_host,
+                       trainer_device=weight_transport.trainer_device(spec), placement=weight_transport.placement(spec),
+                       transfer_dtype=weight_transport.transfer_dtype_name(spec))
+
+
 async def open_engine(ctx: RoleContext) -> VllmEngine:
     """vLLM started on the running event loop for the job's model, its workers checked to be one per
     spec.inference.tensorParallel rank (not joined to the weight-update group yet)."""
@@ -574,7 +592,7 @@ async def open_engine(ctx: RoleContext) -> VllmEngine:
         # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
         group = WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), fast_llm_rendezvous.world_size(spec),
                             ctx.bind_host, fast_llm_backend=fast_llm_rendezvous.broadcast_backend(spec),
-                            fast_llm_timeout_s=fast_llm_rendezvous.RECEIVER_TIMEOUT_S)
+                            fast_llm_timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec))
     else:
-        group = WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), ctx.weight_sync_world_size, ctx.bind_host)
+        group = weight_group(ctx)
     return VllmEngine(llm, served, asyncio.get_running_loop(), group)

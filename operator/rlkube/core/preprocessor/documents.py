@@ -3,7 +3,8 @@ the job's streams; tests and tests/learning_run.py call it directly).
 
 One document per usable sample in the Fast-LLM streaming format: tokens = prompt + completion,
 `loss_masking_spans` = [[0, len(prompt)]] plus an episode's environment spans, sampling log-probs (0 on the
-prompt), the policy version per token, the group-relative advantage (advantages.py) and the reward. Malformed,
+prompt), the policy version per token (in the trainer's units: steps for ours, documents seen for Fast-LLM's),
+the group-relative advantage (advantages.py) and the reward. Malformed,
 empty and too long samples are dropped with a log line; a group of one (unless cfg.drop_singletons is off: sft) and,
 when asked, a group of equal rewards yield none.
 """
@@ -11,6 +12,7 @@ when asked, a group of equal rewards yield none.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +32,12 @@ class DocumentConfig:
     # Drop groups whose usable samples all have the same reward (spec.algorithm.filterZeroAdvantageGroups; the
     # role turns it off for sft). Off here so that the pure function keeps every group unless asked.
     filter_zero_advantage: bool = False
+    # Non-zero for a Fast-LLM trainer (spec.algorithm.samplesPerStep): Fast-LLM reads a token's model_version in
+    # documents-seen units (its staleness is documents_seen - model_version; tests/fixtures/
+    # fast_llm_config_fields.json, `document`), so version v is written as the `documents_seen` of the
+    # weights_ready that announced it, or v x samplesPerStep when none was seen (rlkube.core.actor.lag's rule).
+    # 0: the version (a step), which our trainers read.
+    documents_per_version: int = 0
 
 
 EQUAL_REWARDS = 1e-6  # rewards closer than this count as equal (PipelineRL's epsilon, pipelinerl/preprocess.py:316)
@@ -41,18 +49,40 @@ def equal_rewards(samples: list[protocol.Sample]) -> bool:
     return max(rewards) - min(rewards) <= EQUAL_REWARDS
 
 
-def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig) -> list[protocol.Document]:
+def group_to_documents(group: protocol.RolloutGroup, cfg: DocumentConfig,
+                       announced: Mapping[int, int] | None = None) -> list[protocol.Document]:
     """Documents of one rollout group (pure). Samples that are malformed or too long are dropped with a log
-    line; the advantages are computed over the samples that remain."""
-    return documents_of(group, cfg)[0]
+    line; the advantages are computed over the samples that remain. `announced`: version -> documents_seen of
+    the weights_ready events seen (read only when cfg.documents_per_version is set)."""
+    return documents_of(group, cfg, announced)[0]
 
 
-def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[list[protocol.Document], float | None]:
+def version_units(versions: np.ndarray, cfg: DocumentConfig, announced: Mapping[int, int] | None = None) -> np.ndarray:
+    """Per-token versions in the units the trainer reads (see DocumentConfig.documents_per_version)."""
+    if not cfg.documents_per_version:
+        return versions
+    announced = announced or {}
+    out = np.empty_like(versions)
+    for v in np.unique(versions):
+        out[versions == v] = announced.get(int(v), int(v) * cfg.documents_per_version)
+    return out
+
+
+def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig,
+                 announced: Mapping[int, int] | None = None) -> tuple[list[protocol.Document], float | None]:
     """group_to_documents, and the reward its usable samples all had when the group was filtered for zero advantage
     (cfg.filter_zero_advantage; None when it was not filtered). The reward is a kept sample's: a dropped sample (too
     long, empty) may have had another."""
+    docs, _, filtered = documents_with_sources(group, cfg, announced)
+    return docs, filtered
+
+
+def documents_with_sources(group: protocol.RolloutGroup, cfg: DocumentConfig,
+                           announced: Mapping[int, int] | None = None
+                           ) -> tuple[list[protocol.Document], list[int], float | None]:
+    """documents_of, with the index in `group.samples` of each document's sample."""
     prompt = list(group.prompt_tokens)
-    samples = []
+    samples, sources = [], []
     for i, s in enumerate(group.samples):
         if not s.completion_tokens:
             log.warning("group %s: sample %d has an empty completion; dropped", group.group_id, i)
@@ -66,15 +96,16 @@ def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[lis
                         len(prompt) + len(s.completion_tokens), cfg.max_length)
         else:
             samples.append(s)
+            sources.append(i)
     if not samples:
-        return [], None
+        return [], [], None
     if len(samples) == 1 and cfg.drop_singletons:
         log.info("group %s has a single usable sample (no baseline, advantage 0); dropped", group.group_id)
-        return [], None
+        return [], [], None
     if cfg.filter_zero_advantage and equal_rewards(samples):
         log.debug("group %s: all %d rewards equal %.4g (zero advantage); filtered", group.group_id, len(samples),
                   samples[0].reward)
-        return [], samples[0].reward
+        return [], [], samples[0].reward
     if len(samples) < group.expected_size:
         log.info("group %s is partial: %d of %d samples", group.group_id, len(samples), group.expected_size)
     advantages = group_advantages([s.reward for s in samples], cfg.estimator, cfg.normalize)  # type: ignore[arg-type]
@@ -96,10 +127,10 @@ def documents_of(group: protocol.RolloutGroup, cfg: DocumentConfig) -> tuple[lis
                 reward=float(s.reward),
                 reward_error=bool(s.reward_error),
                 old_log_probabilities=old,
-                model_version=versions,
+                model_version=version_units(versions, cfg, announced),
             )
         )
-    return docs, None
+    return docs, sources, None
 
 
 def _episode_problem(s: protocol.Sample) -> str | None:

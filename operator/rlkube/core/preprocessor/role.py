@@ -51,8 +51,9 @@ import time
 
 import redis
 
-from rlkube.contract import protocol, streams, zero_advantage
-from rlkube.core.preprocessor.documents import DocumentConfig, documents_of, too_long
+from rlkube.contract import protocol, samples, streams, zero_advantage
+from rlkube.core.actor.lag import documents_seen_of
+from rlkube.core.preprocessor.documents import DocumentConfig, documents_with_sources, too_long
 from rlkube.core.errors import ConfigError
 from rlkube.contract.context import RoleContext
 from rlkube.core.roles import stop_on_signals
@@ -70,9 +71,11 @@ CLAIM_IDLE_MS = 30_000
 # for this consumer (another replica may have claimed it while we stalled). Returns 1, or 0 when not ours.
 # With it, the samples that became no document are credited back to the actors' lag counters (never below 0)
 # and a filtered group is counted.
-# KEYS: rollouts, documents, actors' reserved, actors' written, filtered groups, filtered samples;
-# ARGV: group, consumer, entry id, samples credited, filtered groups (0/1), filtered samples, then per document
-# its field count and fields.
+# With spec.samples each document's record (rlkube.contract.samples.record) goes to the records hash under the
+# document's new stream id, in the same step, so the trainer finds it for every document it reads.
+# KEYS: rollouts, documents, actors' reserved, actors' written, filtered groups, filtered samples, sample records;
+# ARGV: group, consumer, entry id, samples credited, filtered groups (0/1), filtered samples, records (0/1), then
+# per document its field count, its fields and (records 1) its record.
 _COMMIT = """
 local owned = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
 if #owned == 0 then return 0 end
@@ -86,11 +89,16 @@ if tonumber(ARGV[5]) > 0 then
   redis.call('INCRBY', KEYS[5], ARGV[5])
   redis.call('INCRBY', KEYS[6], ARGV[6])
 end
-local i = 7
+local records = tonumber(ARGV[7]) > 0
+local i = 8
 while i <= #ARGV do
   local n = tonumber(ARGV[i])
-  redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + n))
+  local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + n))
   i = i + n + 1
+  if records then
+    redis.call('HSET', KEYS[7], id, ARGV[i])
+    i = i + 1
+  end
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return 1
@@ -129,8 +137,17 @@ class PreprocessorRole:
             max_length=ctx.spec.model.max_sequence_length,
             drop_singletons=algo.loss != "sft",
             filter_zero_advantage=zero_advantage.filters(ctx.spec),
+            documents_per_version=algo.samples_per_step if ctx.spec.trainer.backend == "fast-llm" else 0,
         )
+        # A Fast-LLM trainer reads Fast-LLM's document fields only (protocol.FAST_LLM_DOCUMENT_FIELDS).
+        self.ours = ctx.spec.trainer.backend != "fast-llm"
+        # version -> documents_seen of every weights_ready read (model_version's units for Fast-LLM). The events
+        # are read after the rollouts, and an actor samples with a version only after its event, so the
+        # version of every group read is here.
+        self.announced: dict[int, int] = {}
         self.stall_bound = zero_advantage.limit(ctx.spec)
+        # Records for the trainer's sample tables (spec.samples); a Fast-LLM trainer reads none (it keeps no samples).
+        self.records = ctx.spec.samples.every_steps > 0 and ctx.spec.trainer.backend != "fast-llm"
         self.filtered_in_a_row = 0  # filtered groups since the last group that became documents
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
         self.consumer = protocol.preprocessor_consumer(ctx.index)
@@ -153,24 +170,34 @@ class PreprocessorRole:
 
     def _read_events(self, block: int | None = None) -> None:
         for event in self.events.read(block_ms=block, count=100):
+            if event.type == protocol.WEIGHTS_READY:
+                version, seen = documents_seen_of(event.payload, self.ctx.spec.algorithm.samples_per_step)
+                self.announced[version] = seen
             if event.type == protocol.TRAINING_FINISHED:
                 log.info("training_finished (%s): stopping after %d groups, %d documents", event.stream_id,
                          self.groups, self.documents)
                 self.finished = True
 
-    def commit(self, entry_id: str, docs: list[protocol.Document], credit: int = 0, filtered: int = 0) -> bool:
+    def commit(self, entry_id: str, docs: list[protocol.Document], credit: int = 0, filtered: int = 0,
+               records: list[bytes] | None = None) -> bool:
         """Write `docs` and acknowledge rollout entry `entry_id` in one atomic step, if the entry is still
         pending for this consumer; False (nothing written) when another replica has claimed it. With it,
-        `credit` samples that became no document go back to the actors' lag counters, and a filtered group of
-        `filtered` samples is counted."""
-        args: list = [protocol.ROLLOUTS_GROUP, self.consumer, entry_id, credit, int(filtered > 0), filtered]
-        for doc in docs:
-            fields = protocol.encode_document(doc)
+        `credit` samples that became no document go back to the actors' lag counters, a filtered group of
+        `filtered` samples is counted, and `records` (one per document) go to the sample records hash."""
+        if records is not None and len(records) != len(docs):
+            raise ValueError(f"{len(records)} sample records for {len(docs)} documents")
+        args: list = [protocol.ROLLOUTS_GROUP, self.consumer, entry_id, credit, int(filtered > 0), filtered,
+                      int(records is not None)]
+        for i, doc in enumerate(docs):
+            fields = protocol.encode_document(doc, ours=self.ours)
             args.append(2 * len(fields))
             for name, value in fields.items():
                 args += [name, value]
+            if records is not None:
+                args.append(records[i])
         keys = [self.keys.rollouts, self.keys.documents, self.keys.actor_samples_reserved,
-                self.keys.actor_samples_written, self.keys.filtered_groups, self.keys.filtered_samples]
+                self.keys.actor_samples_written, self.keys.filtered_groups, self.keys.filtered_samples,
+                self.keys.sample_records]
         return bool(self._commit(keys=keys, args=args))
 
     def _handle_rollouts(self, entries) -> None:
@@ -184,12 +211,18 @@ class PreprocessorRole:
                     group = protocol.RolloutGroup.decode(fields)
                 except ValueError as exc:
                     problem = str(exc)
-            docs, filtered_reward = documents_of(group, self.cfg) if group is not None else ([], None)
+            docs, sources, filtered_reward = (documents_with_sources(group, self.cfg, self.announced)
+                                              if group is not None
+                                              else ([], [], None))
             filtered = filtered_reward is not None
             # Samples the actors counted (lag.write advanced `written` by all of them) that reach no trainer.
             credit = len(group.samples) - len(docs) if group is not None else 0
+            records = None
+            if self.records and group is not None:
+                records = [samples.record(group.group_id, i, group.samples[i].finished, group.samples[i].episode,
+                                          group.actor) for i in sources]
             # A skipped entry is acknowledged too (with no documents), or it would be re-read forever.
-            if not self.commit(sid, docs, credit, len(group.samples) if filtered else 0):
+            if not self.commit(sid, docs, credit, len(group.samples) if filtered else 0, records):
                 self.lost += 1
                 log.warning("rollout entry %s was claimed by another preprocessor; not writing it", sid)
             elif group is None:

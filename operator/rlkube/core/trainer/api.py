@@ -336,7 +336,7 @@ class Trainer:
         tag = f"{tag}/{self._publications}"
         self.parallel.meet(tag)
         transfer = self.spec.trainer.weight_transfer
-        stream = self.backend.weight_stream(transfer_dtype(transfer.dtype, self.backend.device),
+        stream = self.backend.weight_stream(transfer_dtype(transfer.dtype, self.spec.model.dtype),
                                             transfer.bucket_megabytes * 2**20,
                                             rendezvous=lambda n: self.parallel.meet(f"{tag}/pass-{n}"),
                                             adapter=self.sends_adapter)

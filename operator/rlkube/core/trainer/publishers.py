@@ -15,10 +15,10 @@ from typing import Any, Protocol
 import redis
 import torch
 
-from rlkube.contract import protocol
+from rlkube.contract import protocol, weight_transport
 from rlkube.contract.context import RoleContext
 from rlkube.core.weights.publication import WeightPublisher
-from rlkube.core.weights.wire import transfer_dtype
+from rlkube.core.weights.wire import DTYPES
 
 log = logging.getLogger("rlkube.trainer")
 
@@ -63,8 +63,11 @@ def _make_publisher(ctx: RoleContext, client: redis.Redis, device: str) -> Publi
     if not ctx.weight_sync_addr:
         log.info("%s unset: announcing weights without transferring them", "RLKUBE_WEIGHT_SYNC_ADDR")
         return AnnounceOnly(client, ctx.keys)
-    transfer = ctx.spec.trainer.weight_transfer
+    spec = ctx.spec
+    # The one rule both ends read (rlkube.contract.weight_transport): this trainer's device, the engines' from the
+    # spec. Over gloo the buckets travel from host memory, so they are packed there.
+    transport = weight_transport.publisher_transport(spec, device)
     return WeightPublisher(client, ctx.keys, ctx.weight_sync_addr, ctx.weight_sync_world_size,
-                           backend="nccl" if device.startswith("cuda") else "gloo", device=device,
-                           transfer_dtype=transfer_dtype(transfer.dtype, device),
-                           bucket_bytes=transfer.bucket_megabytes * 2**20)
+                           backend=transport, device=device if transport == weight_transport.NCCL else "cpu",
+                           transfer_dtype=DTYPES[weight_transport.transfer_dtype_name(spec)],
+                           bucket_bytes=spec.trainer.weight_transfer.bucket_megabytes * 2**20)

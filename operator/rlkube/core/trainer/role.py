@@ -57,7 +57,7 @@ from typing import Any
 import redis
 import torch
 
-from rlkube.contract import checkpoint_loss, protocol, runtime, streams
+from rlkube.contract import checkpoint_loss, counters, protocol, runtime, streams
 from rlkube.contract.context import RoleContext
 from rlkube.contract.parallel import processes_per_node, trainer_world_size
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
@@ -66,6 +66,9 @@ from rlkube.core.hf.source import materialize_model
 from rlkube.core.roles import stop_on_signals
 from rlkube.core.trainer.api import Trainer
 from rlkube.core.trainer.publishers import _make_publisher
+from rlkube.core.tracking import Trackers, build_trackers
+from rlkube.core.tracking.fanout import TRACKING_DIR, job_params
+from rlkube.core.trainer.samples import SampleKeeper, output_dir
 
 log = logging.getLogger("rlkube.trainer")
 
@@ -94,13 +97,15 @@ class DocumentTimeout(RuntimeError):
 
 TRANSFER_POLL_S = 0.2  # how often the main thread checks for SIGTERM while a weight transfer runs
 TRANSFER_GRACE_S = 2.0  # after SIGTERM, how much longer a running transfer may take before it is abandoned
+EVALUATION_WAIT_S = 60.0  # how long the finished trainer waits for the final version's evaluation (trackers, samples)
 
 
 class TrainerRole:
     """The trainer process's loop; `stop` is set by SIGTERM (or by a test) to finish after the current step."""
 
     def __init__(self, ctx: RoleContext, client: redis.Redis, trainer: Trainer, stop: threading.Event | None = None,
-                 document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S):
+                 document_timeout_s: float = DEFAULT_DOCUMENT_TIMEOUT_S, samples: SampleKeeper | None = None,
+                 trackers: Trackers | None = None):
         self.ctx = ctx
         self.redis = client
         self.keys = ctx.keys
@@ -119,6 +124,14 @@ class TrainerRole:
         self.published = True  # the last weight transfer finished (False: abandoned on SIGTERM)
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
+        # spec.tracking (rank 0; does nothing when none is configured): metrics, evaluation results, sample tables.
+        self.trackers = trackers if trackers is not None else Trackers.none()
+        self._tracked_events = "0-0"  # how far the events stream was read for evaluation results
+        self._eval_versions: set[int] = set()
+        # spec.samples: the step's sample tables and the evaluation's (rlkube.core.trainer.samples); None: none kept
+        self.samples = samples
+        if samples is not None and samples.trackers is None:
+            samples.trackers = self.trackers  # each table also goes to the trackers that keep tables
 
     def _transfer(self, what: str, fn) -> bool:
         """Run a weight publication (announce + transfer) on a worker thread and wait for it, but stop waiting on
@@ -191,6 +204,7 @@ class TrainerRole:
                 sid = sid.decode() if isinstance(sid, bytes) else sid
                 try:
                     doc = protocol.decode_document(fields)
+                    doc.stream_id = sid
                     self._check_length(doc)
                 except ValueError as exc:
                     self.skipped += 1
@@ -255,11 +269,15 @@ class TrainerRole:
                 if docs is None:
                     break
                 t1 = time.monotonic()
+                version_before = t.version
                 step_metrics, doc_stats = self._train(docs)
+                self._keep_samples(version_before, docs)
                 t2 = time.monotonic()
                 self._publish()
                 t3 = time.monotonic()
-                self._event(protocol.METRICS, **self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2))
+                metrics = self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2)
+                self._event(protocol.METRICS, **metrics)
+                self._track_step(metrics)
                 self._checkpoint_if_due()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
             # Documents stopped coming, or another trainer rank died: keep what was trained (the consumed documents
@@ -270,6 +288,7 @@ class TrainerRole:
             if (self.leader and not t.collective and t.step
                     and (t.last_checkpoint is None or t.last_checkpoint[0] != t.step)):
                 self._checkpoint()
+            self._close_trackers(finished=False)
             raise
         if self.leader:
             self._finish(interrupted=t.step < algo.max_steps)
@@ -303,6 +322,18 @@ class TrainerRole:
         version_before = self.trainer.version
         step_metrics = self.trainer.train_step(docs)
         return step_metrics, self._document_stats(docs, version_before)
+
+    def _keep_samples(self, version: int, docs: Sequence[protocol.Document]) -> None:
+        """spec.samples: the step's documents' records are dropped, a due step's table and any new evaluation
+        rows appended to samples.jsonl (rank 0). Never fails the step: a sample is for people, not training."""
+        if self.samples is None:
+            return
+        try:
+            self.samples.keep_step(self.trainer.step, version, docs)
+            self.samples.forget(docs)
+            self.samples.drain_evaluations(self.trainer.step)
+        except Exception as exc:  # noqa: BLE001 - a full disk, a tokenizer that will not load: never the step
+            log.warning("step %d: keeping its samples failed: %s: %s", self.trainer.step, type(exc).__name__, exc)
 
     def _publish(self) -> None:
         """publish: the new version's weights (sharded or tensor parallel: every rank gathers, rank 0 sends)."""
@@ -347,9 +378,19 @@ class TrainerRole:
             # close() would wait for the blocked transfer; the inference servers leave the group on
             # training_finished, and the process exits without joining the transfer thread (see main()).
             log.warning("not closing the weight-update group: a transfer is still blocked in it")
+        self._close_trackers(finished=not interrupted)
         self._report_finished(interrupted)
 
+    def _drain_evaluation_samples(self) -> None:
+        """spec.samples: the evaluation rows actor 0 sent since the last step, into samples.jsonl."""
+        if self.samples is not None:
+            try:
+                self.samples.drain_evaluations(self.trainer.step)
+            except Exception as exc:  # noqa: BLE001 - never the finish
+                log.warning("keeping the evaluation samples failed: %s: %s", type(exc).__name__, exc)
+
     def _report_finished(self, interrupted: bool) -> None:
+        self._drain_evaluation_samples()
         step, path = self.trainer.last_checkpoint
         self._event(protocol.TRAINING_FINISHED, step=step, checkpoint=str(path), interrupted=interrupted,
                     documents_seen=self.trainer.documents_seen)
@@ -363,8 +404,87 @@ class TrainerRole:
         step, path = self.trainer.last_checkpoint  # set by resume(): only a resumed trainer starts at maxSteps
         log.info("checkpoint %s already holds all %d steps: nothing to train, reporting training_finished again",
                  path, step)
+        self._close_trackers(finished=True)
         self._report_finished(interrupted=False)
         return 0
+
+    # -- spec.tracking ---------------------------------------------------------------------------------------
+
+    def _track_step(self, metrics: dict[str, Any]) -> None:
+        """The step's metrics to the trackers (as `train/<name>`), the evaluation results actor 0 reported since
+        (as `eval/<name>` at their weight version), and any tracker failure as a `tracker_failed` event."""
+        if not self.trackers.workers:
+            return
+        step = metrics["step"]
+        self.trackers.log_metrics({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step)
+        self._track_evaluations()
+        self._report_tracker_failures()
+
+    def _track_evaluations(self) -> None:
+        """Evaluation events (docs/design.md §5.2) read from the events stream since the last look."""
+        try:
+            got = self.redis.xread({self.keys.events: self._tracked_events}, count=10_000)
+        except redis.RedisError as exc:
+            log.warning("tracking: could not read the evaluation results: %s", exc)
+            return
+        for _, entries in got or []:
+            for sid, fields in entries:
+                self._tracked_events = protocol.text(sid)
+                event = protocol.decode_event(sid, fields)
+                if event is None or event.type != protocol.EVALUATION:
+                    continue
+                version = protocol.as_int64(event.payload.get("version"))
+                if version is None:
+                    continue
+                self._eval_versions.add(version)
+                self.trackers.log_metrics({f"eval/{k}": v for k, v in event.payload.items()
+                                           if k not in ("type", "version", "actor")}, version)
+
+    def _await_final_evaluation(self) -> None:
+        """With spec.evaluation and trackers or samples, wait (bounded: EVALUATION_WAIT_S, at most half of
+        completionTimeoutSeconds; never on a stop) for the evaluation of the final version, which actor 0 scores
+        after the final weights_ready: its results should reach the trackers and its rows samples.jsonl too (actor 0
+        sends the rows just after the result). Training is over; nothing waits here."""
+        ev = self.ctx.spec.evaluation
+        tracking = bool(self.trackers.workers)
+        sampling = self.samples is not None and self.samples.enabled and self.samples.leader
+        if ev is None or not (tracking or sampling) or self._stopping():
+            return
+        due = self.trainer.version - self.trainer.version % ev.every_versions
+
+        def arrived() -> bool:
+            if tracking:
+                self._track_evaluations()
+            if sampling:
+                self._drain_evaluation_samples()
+            return ((not tracking or any(v >= due for v in self._eval_versions))
+                    and (not sampling or any(v >= due for v in self.samples.eval_done or ())))
+
+        limit = min(EVALUATION_WAIT_S, self.ctx.spec.run_policy.completion_timeout_seconds / 2)
+        log.info("waiting up to %.0fs for the evaluation of version %d", limit, due)
+        deadline = time.monotonic() + limit
+        while not arrived():
+            if time.monotonic() >= deadline:
+                log.info("no evaluation of version %d within %.0fs: finishing without it", due, limit)
+                return
+            if self.stop.wait(TRANSFER_POLL_S * 5):
+                return
+
+    def _close_trackers(self, finished: bool) -> None:
+        """Wait for the final evaluation (bounded), then flush and close the trackers (bounded) and report what
+        failed, before training_finished."""
+        if finished:
+            self._await_final_evaluation()
+        if not self.trackers.workers:
+            return
+        self._track_evaluations()
+        self._drain_evaluation_samples()  # the final evaluation's rows too, while the trackers take tables
+        self.trackers.close(finished=finished)
+        self._report_tracker_failures()
+
+    def _report_tracker_failures(self) -> None:
+        for failure in self.trackers.take_failures():
+            self._event(protocol.TRACKER_FAILED, tracker=failure.tracker, message=failure.message)
 
     def _checkpoint(self) -> None:
         path = self.trainer.save_checkpoint()
@@ -433,11 +553,10 @@ class TrainerRole:
         the previous step's report (rank 0 only); nothing for single-turn jobs."""
         if not self.leader or self.ctx.spec.task.environment is None:
             return {}
-        raw = self.redis.hgetall(self.keys.episodes)
-        totals = {protocol.text(k): float(v) for k, v in raw.items()}
+        totals = counters.read_hash(self.redis.hgetall(self.keys.episodes))  # each typed by its counter
         last = self._episodes_last
         self._episodes_last = totals
-        out: dict[str, float] = {f"episode_{k}": int(totals.get(k, 0)) for k in EPISODE_COUNTS}
+        out: dict[str, float] = {counters.METRIC_PREFIX + k: totals.get(k, 0) for k in EPISODE_COUNTS}
         new = totals.get("episodes", 0) - last.get("episodes", 0)
         if new > 0:
             for key in ("turns", "tool_calls"):
@@ -448,8 +567,9 @@ class TrainerRole:
         return out
 
 
-EPISODE_COUNTS = ("episodes", "turns", "tool_calls", "tool_errors", "tool_timeouts", "sandbox_refusals",
-                  "truncated", "timed_out", "drifted", "turn_rewards")
+EPISODE_COUNTS = tuple(name for name, c in counters.EPISODE.items() if c.type is int)
+"""The episode counters the metrics report as whole-job totals (`episode_<name>`); the float sum of the per-turn
+rewards is reported as their mean (`turn_reward_mean`)."""
 
 
 def require_expected_checkpoint(trainer: Trainer, env) -> None:
@@ -507,7 +627,39 @@ def build_role(ctx: RoleContext, client: redis.Redis, stop: threading.Event | No
     else:
         trainer.checkpoint_dir = None
     trainer.sync_from_leader()
-    return TrainerRole(ctx, client, trainer, stop, document_timeout_s=document_timeout_s)
+    return TrainerRole(ctx, client, trainer, stop, document_timeout_s=document_timeout_s,
+                       samples=_sample_keeper(ctx, client, trainer, model_dir, leader),
+                       trackers=_trackers(ctx, trainer, leader))
+
+
+def _trackers(ctx: RoleContext, trainer: Trainer, leader: bool) -> Trackers:
+    """spec.tracking's sinks (rank 0 only), their run kept under the checkpoint directory, and the job's config
+    logged as the run's params (docs/design.md §11)."""
+    if not leader or not ctx.spec.tracking.any:
+        return Trackers.none()
+    directory = Path(trainer.checkpoint_dir or "checkpoints") / TRACKING_DIR
+    trackers = build_trackers(ctx.spec.tracking, ctx.namespace, ctx.job, directory)
+    trackers.log_params(job_params(ctx.namespace, ctx.job, ctx.spec))
+    return trackers
+
+
+def _sample_keeper(ctx: RoleContext, client: redis.Redis, trainer: Trainer, model_dir: Path,
+                   leader: bool) -> SampleKeeper | None:
+    """spec.samples' keeper (None when off): rank 0 writes the tables where the launcher keeps the run's output,
+    else beside the checkpoints (docs/design.md §5.7); the tokenizer is loaded at the first table."""
+    if ctx.spec.samples.every_steps == 0:
+        return None
+    tokenizer: list[Any] = []
+
+    def decode(ids: list[int]) -> str:
+        if not tokenizer:
+            from rlkube.core.hf.tokenizer import Tokenizer
+
+            tokenizer.append(Tokenizer.load(model_dir))
+        return tokenizer[0].hf.decode(ids, skip_special_tokens=False)
+
+    return SampleKeeper(ctx.spec.samples, client, ctx.keys, output_dir(ctx.output_dir, trainer.checkpoint_dir),
+                        decode, leader=leader)
 
 
 def main() -> int:

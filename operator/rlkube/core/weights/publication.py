@@ -161,8 +161,9 @@ class WeightPublisher:
                          extra: dict[str, Any]) -> None:
         if self.sender.epoch is None:  # the last transfer broke the group: announce a new epoch
             self.epoch = self.sender.open()
+        # The transport rides along (rlkube.contract.weight_transport): what the servers find in the store at join.
         fields = protocol.weights_ready(step, documents_seen, epoch=self.epoch, version=int(version),
-                                        checksum=checksum, **extra)
+                                        checksum=checksum, transport=self.sender.backend, **extra)
         self._announced = (protocol.text(self.redis.xadd(self.keys.events, fields)), fields)
 
     def _announce(self) -> None:

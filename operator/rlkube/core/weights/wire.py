@@ -5,7 +5,7 @@ The weight contract (docs/design.md §5.6), whatever the trainer backend:
 - names: the Hugging Face parameter names of the job's model directory, each tied weight once (the backend's
   `weights()`, see rlkube.core.backends.base), so any engine that loads the directory can apply an update by name;
 - dtype: the trainer casts every floating-point tensor to the transfer dtype (`spec.trainer.weightTransfer.dtype`:
-  bfloat16 on GPUs, float32 on CPU by default; None keeps each tensor's own dtype) and the receiver converts to the
+  by default `auto`, the dtype the engines serve; None keeps each tensor's own dtype) and the receiver converts to the
   dtype it serves (load_state_dict copies with conversion). Non-float tensors (integer buffers) keep theirs.
 - buckets: consecutive tensors of one dtype are flattened into one buffer of at most `bucket_bytes`
   (`weightTransfer.bucketMegabytes`; a larger tensor gets a bucket of its own), one broadcast per bucket rather
@@ -16,8 +16,9 @@ The weight contract (docs/design.md §5.6), whatever the trainer backend:
   holds the transfer dtype exactly, e.g. float32 or bfloat16 served from a bfloat16 transfer).
 
 Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
-`{"version", "checksum", "kind", "tensors": [[name, shape, dtype], ...], "buckets": [[first, end, dtype, numel],
-...]}`, then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel
+`{"version", "checksum", "kind", "transport", "sums", "tensors": [[name, shape, dtype], ...], "buckets": [[first,
+end, dtype, numel], ...]}` (`sums`: each tensor's float64 sum, in a packed update only; `transport`: the group's,
+rlkube.contract.weight_transport), then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel
 as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
 
 `kind` says what the tensors are: "full" (absent in older senders: the same), every weight under its HF name; or
@@ -56,11 +57,10 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 CHECKSUM_REL_TOL = 1e-9  # float64 sums of the same values in another order differ in the last bits only
 
 
-def transfer_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """`spec.trainer.weightTransfer.dtype` as a torch dtype (`auto`: bfloat16 on GPUs, float32 on CPU)."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return DTYPES[name]
+def transfer_dtype(name: str, served: str = "float32") -> torch.dtype:
+    """`spec.trainer.weightTransfer.dtype` as a torch dtype; `auto` is `served`, the dtype the engines serve
+    (`spec.model.dtype`: rlkube.contract.weight_transport.transfer_dtype_name), which the receiver checks at join."""
+    return DTYPES[served if name == "auto" else name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,8 +77,21 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
         t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        sums.append((name, float(t.sum(dtype=torch.float64))))
+        sums.append((name, tensor_sum(t)))
     return combine_sums(sums)
+
+
+SUM_CHUNK = 2**16
+"""Elements summed at once by `tensor_sum`: `sum(dtype=float64)` of a whole tensor converts all of it to float64
+first (four times a bfloat16 tensor's bytes), which a streamed receive cannot afford for a 150k-vocabulary
+embedding; small chunks also keep the allocator from growing its heap (measured: 4 MiB extra at 2**16 elements,
+26 MiB at 2**20, for a 16 MiB tensor)."""
+
+
+def tensor_sum(t: torch.Tensor) -> float:
+    """The float64 sum of a tensor's values, converted a chunk at a time (SUM_CHUNK elements)."""
+    flat = t.detach().reshape(-1)
+    return math.fsum(float(flat[i:i + SUM_CHUNK].double().sum()) for i in range(0, flat.numel(), SUM_CHUNK))
 
 
 def combine_sums(sums: Iterable[tuple[str, float]]) -> float:
@@ -140,8 +153,10 @@ def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch
     # torch.cat copies: the buffers are a snapshot even when no cast happened.
     buffers = [torch.cat([tensors[i][1].reshape(-1) for i in range(first, end)])
                for first, end, _, _ in bucket_meta]
-    meta = {"tensors": specs, "buckets": bucket_meta, "checksum": weights_checksum(tensors),
-            "kind": FULL if adapter is None else ADAPTER}
+    # Each tensor's sum too: a streamed receiver checks every tensor before it loads it (rlkube.core.weights.group).
+    sums = [tensor_sum(t) for _, t in tensors]
+    meta = {"tensors": specs, "buckets": bucket_meta, "checksum": combine_sums(zip([n for n, _ in tensors], sums)),
+            "sums": sums, "kind": FULL if adapter is None else ADAPTER}
     if adapter is not None:
         meta["adapter"] = dict(adapter)
     return PackedWeights(meta, buffers)
