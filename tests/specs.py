@@ -16,6 +16,12 @@ from typing import Any
 
 import yaml
 
+from rlkube.lifecycle.roles import SANDBOX, TEARDOWN_ORDER
+
+POD_ORDER = tuple(r for r in TEARDOWN_ORDER if r != SANDBOX)
+"""The roles a job has pods of, in teardown order, when it runs the model's code in process (spec.sandbox.mode
+`process`, the default): its status still lists the sandbox stage, which has no pods and passes at once."""
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_PATH = ROOT / "examples" / "tiny-cpu.yaml"
 _EXAMPLE = yaml.safe_load(EXAMPLE_PATH.read_text())

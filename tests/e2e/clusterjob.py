@@ -406,6 +406,7 @@ def stage_names(status: dict) -> list[str]:
 
 
 FULL_ORDER = list(TEARDOWN_ORDER)
+POD_ORDER = list(specs.POD_ORDER)  # the pods' deletion order (no sandbox pods)
 
 # Mean reward of the last 10 steps minus the first 10 (what `rlkube local` reports). For seed 0 both `rlkube
 # local` and a cluster run of examples/tiny-cpu.yaml measured 0.15-0.19 here (first-10 ~0.06, last-10 ~0.21-0.25);

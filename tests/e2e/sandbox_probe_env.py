@@ -1,4 +1,4 @@
-"""A test-only environment for tests/e2e/test_sandbox_pods.py, mounted into the actor pods (a claim on PYTHONPATH):
+"""A test-only environment for tests/e2e/test_real_node_sandbox.py, mounted into the actor pods (a claim on PYTHONPATH):
 the calculator's episodes, whose first episodes in each actor also send the hostile snippets of PROBES to the
 job's sandbox (rlkube.core.actor.sandbox_client through the sandbox pods) and log each result as one line
 `SANDBOX-PROBE {json}` for the test to read from the actor's log, then one `SANDBOX-TIMING {json}`: a tool call's

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 
-from clusterjob import FULL_ORDER, example, stage_names
+from clusterjob import FULL_ORDER, POD_ORDER, example, stage_names
 from nodeagent.harness import wait_for
 
 # Long enough that the job cannot finish between "step 6 seen" and the trainer being frozen, nor before the
@@ -58,7 +58,7 @@ def teardown_order(job) -> list[str]:
 def assert_clean_end(job) -> None:
     """Ordered teardown as the node agent saw it, children gone, no process left."""
     order = teardown_order(job)
-    assert order == [r for r in FULL_ORDER if r in order], job.agent_signals()
+    assert order == [r for r in POD_ORDER if r in order], job.agent_signals()
     job.wait(lambda _: not job.children_left(), 60, "children removed")
     assert job.leftover_processes() == []
 
@@ -66,7 +66,7 @@ def assert_clean_end(job) -> None:
 def assert_nothing_duplicated(job, st: dict) -> None:
     assert stage_names(st) == FULL_ORDER  # every stage once, in order
     assert {n: len(u) for n, u in job.uids_per_pod().items() if len(u) != 1} == {}  # no pod created twice
-    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    assert job.order("deletion") == POD_ORDER, job.agent_signals()
     assert all(c["restarts"] == 0 for c in st["components"].values()), st["components"]
 
 

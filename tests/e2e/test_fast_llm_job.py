@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from clusterjob import FULL_ORDER, ROOT, example, stage_names
+from clusterjob import FULL_ORDER, POD_ORDER, ROOT, example, stage_names
 from hf_models import write_tiny_model
 from nodeagent.harness import AgentProcess
 
@@ -137,7 +137,7 @@ def test_fast_llm_job_receives_the_broadcast_and_succeeds(job, model_dir, engine
     assert [p.get("documents_seen") for p in follower.weights_ready] == \
         [i * (PER_STEP + OVERSHOOT) for i in range(STEPS + 1)], follower.describe()
 
-    assert stage_names(st) == FULL_ORDER and job.order("deletion") == FULL_ORDER, job.agent_signals()
+    assert stage_names(st) == FULL_ORDER and job.order("deletion") == POD_ORDER, job.agent_signals()
     assert not job.agent_signals("SIGKILL"), "a pod needed SIGKILL in a clean run"
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
     assert job.leftover_processes() == []

@@ -7,7 +7,7 @@ the task and Succeeds."""
 from __future__ import annotations
 
 import pytest
-from clusterjob import FULL_ORDER, MIN_MARGIN, example, run_to_success_and_learn
+from clusterjob import FULL_ORDER, MIN_MARGIN, POD_ORDER, example, run_to_success_and_learn
 
 pytestmark = pytest.mark.megatron
 
@@ -25,6 +25,6 @@ def test_megatron_tensor_parallel_2_on_two_trainer_nodes_learns_and_succeeds(job
         assert f"tensor parallel 2 x data parallel 1; this rank is tensor rank {rank} of data rank 0" in log, \
             log[-3000:]
         assert "Traceback" not in log, log[-3000:]
-    assert job.order("deletion") == FULL_ORDER, job.agent_signals()
+    assert job.order("deletion") == POD_ORDER, job.agent_signals()
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
     assert job.leftover_processes() == []

@@ -31,6 +31,7 @@ from realnode import (LOCAL_IMAGES, OPERATOR_IMAGE, OPERATOR_NS, ContainerExits,
 from rlkube.contract import protocol, runtime
 from rlkube.controller import builders, names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
+import specs
 from waiting import wait_for
 
 JOB_NS, CHAOS_NS = "team-a", "team-b"
@@ -136,7 +137,7 @@ def test_chart_installed_operator_runs_tiny_cpu_on_the_real_node(node, api, oper
 
     role_of = {pod_of(r): r for r in ROLES}
     deleted = [role_of[p] for p in sorted(pods.deleted_at_rv, key=pods.deleted_at_rv.get)]
-    assert deleted == list(TEARDOWN_ORDER), pods.deleted_at_rv
+    assert deleted == list(specs.POD_ORDER), pods.deleted_at_rv
     exited = {}
     for pod, ids in pods.containers.items():
         times = [exits.exits[i] for i in ids if i in exits.exits]

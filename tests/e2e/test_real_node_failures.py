@@ -14,7 +14,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from clusterjob import FULL_ORDER, example, stage_names
+from clusterjob import FULL_ORDER, POD_ORDER, example, stage_names
 from realnode import CORE_IMAGE, LOCAL_IMAGES, ContainerExits, PodWatch, RealJob
 from waiting import wait_for
 
@@ -183,7 +183,7 @@ def test_job_deleted_mid_run_stops_every_container_in_order_and_a_pod_ignoring_s
     by_role = {}
     for pod, t in exited.items():
         by_role[role_of[pod]] = max(t, by_role.get(role_of[pod], t))
-    assert sorted(by_role, key=by_role.get) == FULL_ORDER, exited
+    assert sorted(by_role, key=by_role.get) == POD_ORDER, exited
     frozen = job.pod("actor", 1)
     # The kubelet counts the grace from when it learns of the deletion, after it was stored: the least wait is the
     # grace, less the up to 1 s that `waited` can fall short.

@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from clusterjob import FULL_ORDER, example, stage_names, wait_for
+from clusterjob import FULL_ORDER, POD_ORDER, example, stage_names, wait_for
 
 VLLM_PYTHON = os.environ.get("RLKUBE_VLLM_PYTHON") or str(Path(__file__).resolve().parents[2] / ".venv-vllm/bin/python")
 
@@ -75,7 +75,7 @@ def test_vllm_job_succeeds_through_the_operator_across_a_kill_9_of_its_vllm_pod(
     assert "vLLM engine up" in first and "vLLM engine up" in restarted
     follower.stop()
     assert follower.finished is not None and follower.finished.step == STEPS, follower.describe()
-    assert stage_names(st) == FULL_ORDER and job.order("deletion") == FULL_ORDER
+    assert stage_names(st) == FULL_ORDER and job.order("deletion") == POD_ORDER
     assert not job.agent_signals("SIGKILL"), "a pod needed SIGKILL at teardown"
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
     assert job.leftover_processes() == []

@@ -208,12 +208,10 @@ class Env:
 
 def assert_stage_order(env: Env, job: str) -> None:
     """Every pod of a stage was gone before any pod of the next stage was asked to stop (watch order)."""
-    from rlkube.lifecycle.roles import TEARDOWN_ORDER
-
     pods = env.kubelet.job_pods(job)
     assert pods and all(p.gone_seq is not None for p in pods), [(p.name, p.gone_seq) for p in pods]
-    by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
-    for earlier, later in itertools.pairwise(TEARDOWN_ORDER):
+    by_role = {role: [p for p in pods if p.role == role] for role in specs.POD_ORDER}
+    for earlier, later in itertools.pairwise(specs.POD_ORDER):
         assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
             earlier, later)
 

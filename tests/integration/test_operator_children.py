@@ -32,7 +32,7 @@ from operator_harness import (  # noqa: F401 (fixtures)
     patch_spec,
     wait_event,
 )
-from rlkube.lifecycle.roles import TEARDOWN_ORDER
+import specs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -136,7 +136,7 @@ async def test_a_child_the_api_server_rejects_fails_the_job_with_its_message(env
     pods = env.kubelet.job_pods("badimg")
     assert sorted(p.role for p in pods) == ["inference", "preprocessor", "redis", "trainer"]
     assert all(p.gone_seq is not None for p in pods)
-    by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER if role != "actor"}
+    by_role = {role: [p for p in pods if p.role == role] for role in specs.POD_ORDER if role != "actor"}
     for earlier, later in pairwise(by_role):
         assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later])
     assert await children(kapi, env.namespace, "badimg") == {}

@@ -26,6 +26,7 @@ from operator_harness import (  # noqa: F401 (kapi is a fixture)
     wait_event,
 )
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
+import specs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -422,8 +423,8 @@ async def test_suspend_stops_in_order_and_resume_recreates(outcomes):
     assert out["left_while_suspended"] == {}
     first = out["first_pods"]
     assert len(first) == 5 and all(p.gone_seq for p in first)
-    by_role = {r: [p for p in first if p.role == r] for r in TEARDOWN_ORDER}
-    for a, b in pairwise(TEARDOWN_ORDER):
+    by_role = {r: [p for p in first if p.role == r] for r in specs.POD_ORDER}
+    for a, b in pairwise(specs.POD_ORDER):
         assert max(p.gone_seq for p in by_role[a]) < min(p.deleting_seq for p in by_role[b])
     assert out["phases"][:6] == ["Pending", "Starting", "Running", "Suspended", "Pending", "Starting"]
     assert len(out["pods"]) == 10  # every component recreated on resume

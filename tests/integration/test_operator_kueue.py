@@ -23,6 +23,7 @@ from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
 from rlkube.controller import kueue, names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
+import specs
 from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -206,8 +207,8 @@ async def test_kueue_gates_places_evicts_resumes_and_finishes(env: Env, kapi, ku
         assert suspended["teardown"]["reason"] == "Suspended" and suspended["teardown"]["stage"] == "Done"
         assert [s["name"] for s in suspended["teardown"]["stages"]] == list(TEARDOWN_ORDER)
         assert all(p.gone_seq for p in first)
-        by_role = {r: [p for p in first if p.role == r] for r in TEARDOWN_ORDER}
-        for a, b in pairwise(TEARDOWN_ORDER):
+        by_role = {r: [p for p in first if p.role == r] for r in specs.POD_ORDER}
+        for a, b in pairwise(specs.POD_ORDER):
             assert max(p.gone_seq for p in by_role[a]) < min(p.deleting_seq for p in by_role[b]), (a, b)
         assert await _pods(kapi, env.namespace, "kq") == {}
         wl = await kq.wait(wl_name, lambda w: not (w.get("status") or {}).get("admission"), "admission cleared")

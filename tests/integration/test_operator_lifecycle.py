@@ -14,6 +14,7 @@ import pytest
 from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
+import specs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -145,8 +146,8 @@ async def test_full_success_sequence_with_evidence_and_ordered_teardown(env: Env
     # gone before any pod of the next stage got its deletionTimestamp.
     pods = env.kubelet.job_pods("ok")
     assert all(p.gone_seq is not None for p in pods)
-    by_role = {role: [p for p in pods if p.role == role] for role in TEARDOWN_ORDER}
-    for earlier, later in pairwise(TEARDOWN_ORDER):
+    by_role = {role: [p for p in pods if p.role == role] for role in specs.POD_ORDER}
+    for earlier, later in pairwise(specs.POD_ORDER):
         if by_role[earlier] and by_role[later]:
             assert max(p.gone_seq for p in by_role[earlier]) < min(p.deleting_seq for p in by_role[later]), (
                 earlier, later)
