@@ -180,35 +180,6 @@ def run(args) -> int:
     return cli(args)
 
 
-def _plain_cli(args) -> int:
-    """Without rich (the base install has none): the same rows, one block each."""
-    try:
-        flt = Filter(parse_steps(args.step or []), args.kind, args.min_reward, args.max_reward, args.last)
-        rows = flt(rows_of(args.run, args.namespace, args.kubeconfig, args.context, args.verbose))
-    except (FileNotFoundError, ValueError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"{args.run}: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        sys.stdout.write(json.dumps(rows, ensure_ascii=False) + "\n")
-        return 0
-    for r in rows:
-        print(f"--- {r.get('kind')} step {r.get('step')} version {r.get('weight_version')} lag {r.get('lag')} "
-              f"reward {_num(r.get('reward'))} advantage {_num(r.get('advantage'))} {r.get('finish_reason')}")
-        print(f"prompt: {r.get('prompt', '')}\n{_completion(r)}")
-    return 0
-
-
-def run(args) -> int:
-    try:
-        import rich  # noqa: F401 - the `core` extra
-    except ImportError:
-        return _plain_cli(args)
-    return cli(args)
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("samples", help="print the rollout samples a job kept (spec.samples)")
     p.add_argument("run", help="a local run's output directory (or its samples.jsonl), or a TrainingJob's name")

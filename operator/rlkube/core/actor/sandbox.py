@@ -114,6 +114,19 @@ def network_namespace_available() -> bool:
         return False
 
 
+def count_outcome(result: SandboxResult) -> SandboxResult:
+    """Count a snippet's outcome on the current episode, wherever it ran (in process or in a sandbox pod): a
+    refusal as a tool error and a sandbox refusal, a time limit as a tool timeout, any other limit or a sandbox
+    that did not answer as a tool error."""
+    if result.outcome == "refused":
+        note_tool("tool_errors", "sandbox_refusals")
+    elif result.outcome in ("timeout", "cpu"):
+        note_tool("tool_timeouts")
+    elif result.outcome in ("memory", "output", "killed", "unavailable"):
+        note_tool("tool_errors")
+    return result
+
+
 class Sandbox:
     """Runs Python snippets under `limits`; `layers` picks the network layers (both by default; a test turns one
     off to show the other refuses on its own)."""
@@ -132,14 +145,7 @@ class Sandbox:
     def run(self, code: str) -> SandboxResult:
         """Run `code` to its end or its limits; blocks the calling thread (a tool's), never raises for the
         snippet's behaviour. Counted on the current episode (rlkube.core.actor.episodes.note_tool)."""
-        result = self._run(code)
-        if result.outcome == "refused":
-            note_tool("tool_errors", "sandbox_refusals")
-        elif result.outcome in ("timeout", "cpu"):
-            note_tool("tool_timeouts")
-        elif result.outcome in ("memory", "output", "killed", "unavailable"):
-            note_tool("tool_errors")
-        return result
+        return count_outcome(self._run(code))
 
     def python_tool(self, code: str) -> str:
         """The built-in `python` tool: the snippet's output, or what stopped it, as the tool message's text."""

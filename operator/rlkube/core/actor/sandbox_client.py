@@ -16,8 +16,7 @@ import threading
 import urllib.error
 import urllib.request
 
-from rlkube.core.actor.episodes import note_tool
-from rlkube.core.actor.sandbox import SandboxLimits, SandboxResult
+from rlkube.core.actor.sandbox import SandboxLimits, SandboxResult, count_outcome
 
 CONNECT_SLACK_S = 5.0
 """Seconds over the snippet's own wall limit an HTTP call may take (queueing behind other snippets, the network)."""
@@ -41,14 +40,7 @@ class RemoteSandbox:
 
     def run(self, code: str) -> SandboxResult:
         """Counted on the current episode as the in-process Sandbox.run counts (rlkube.core.actor.episodes.note_tool)."""
-        result = self._call(code)
-        if result.outcome == "refused":
-            note_tool("tool_errors", "sandbox_refusals")
-        elif result.outcome in ("timeout", "cpu"):
-            note_tool("tool_timeouts")
-        elif result.outcome in ("memory", "output", "killed", "unavailable"):
-            note_tool("tool_errors")
-        return result
+        return count_outcome(self._call(code))
 
     def python_tool(self, code: str) -> str:
         return self.run(code).message()
