@@ -181,8 +181,8 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
     except ValueError:  # a directory, hf://org/name[@rev] or a known builtin:// (random strings with :// are not)
         _set(spec, "model.path", "builtin://tiny-llama")
     # Images follow the container reference grammar (lifecycle/image_reference.py); random ASCII rarely does.
-    for where in ("image", "redis.image", *(f"{role}.image" for role in ("trainer", "inference", "actor",
-                                                                         "preprocessor"))):
+    for where in ("image", "redis.image", "sandbox.image", *(f"{role}.image" for role in (
+            "trainer", "inference", "actor", "preprocessor"))):
         if (image := _get(spec, where)) is not None and reference_error(image) is not None:
             _set(spec, where, "ghcr.io/rlkube/core:0.1.0")
     # Dataset tasks have rules of their own (tests/unit/test_task_spec.py): these cases use built-in tasks.
@@ -219,6 +219,16 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         _set(spec, "inference.engine", "vllm")
         if _eff(spec, "trainer.nodes") > 1 and not _get(spec, "trainer.checkpoint.claimName"):
             _set(spec, "trainer.checkpoint.claimName", "shared-checkpoints")
+        _drop(spec, "tracking")  # Fast-LLM's own trainer logs to its own trackers (validation)
+        if _eff(spec, "trainer.fastLlm.broadcastTimeoutSeconds") <= _eff(spec, "trainer.fastLlm.dataTimeoutSeconds"):
+            _drop(spec, "trainer.fastLlm.broadcastTimeoutSeconds")  # it must outlast the data wait (validation)
+            _drop(spec, "trainer.fastLlm.dataTimeoutSeconds")
+    if _eff(spec, "sandbox.mode") == "pods":  # validation.sandbox_errors: an environment, and every pod limit
+        if _get(spec, "task.environment") is None:
+            _set(spec, "sandbox.mode", "process")
+        else:
+            limits = {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi"}
+            _set(spec, "sandbox.resources.limits", {**limits, **(_get(spec, "sandbox.resources.limits") or {})})
     if external:
         _set(spec, "redis.mode", "external")
         _set(spec, "redis.url", redis_url)
@@ -283,7 +293,7 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         if where.kind == "builtin" and tensor_parallel_heads_error(*BUILTIN_ATTENTION_HEADS[where.location],
                                                                    _eff(spec, "inference.tensorParallel")):
             _set(spec, "inference.tensorParallel", 1)
-    for role in ROLES:
+    for role in (*ROLES, "sandbox"):
         requests = _get(spec, f"{role}.resources.requests") or {}
         limits = _get(spec, f"{role}.resources.limits") or {}
         for name in set(requests) & set(limits):

@@ -14,7 +14,7 @@ from rlkube.controller.times import fmt_time
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 KILL = teardown.KUBELET_KILL_SLACK  # the kubelet kills a pod past its grace itself; forcing waits for it
-GRACE = GracePeriods(actor=10, sandbox=3, preprocessor=10, inference=20, trainer=60, redis=5)
+GRACE = GracePeriods(actor=10, preprocessor=10, inference=20, trainer=60, redis=5)
 
 
 def pod(role: str, index: int = 0, **kw) -> PodView:
@@ -23,8 +23,8 @@ def pod(role: str, index: int = 0, **kw) -> PodView:
 
 
 def everything() -> list[PodView]:
-    return [pod("redis"), pod("trainer"), pod("inference"), pod("inference", 1), pod("sandbox"), pod("preprocessor"),
-            pod("actor"), pod("actor", 1)]
+    return [pod("redis"), pod("trainer"), pod("inference"), pod("inference", 1), pod("preprocessor"), pod("actor"),
+            pod("actor", 1)]
 
 
 def step(td, pods, now=T0, keep=False, streams=()):
@@ -46,11 +46,10 @@ def test_a_stage_waits_until_its_pods_are_gone_then_the_next_starts_in_the_same_
     gone = [p for p in everything() if p.role != "actor"]
     nxt = step(waiting.status, gone, now=T0 + timedelta(seconds=2))
     assert nxt.status.stages[0].finished_at == fmt_time(T0 + timedelta(seconds=2))
-    # The sandbox pods next (nothing calls them once the actors are gone), with their own grace.
-    assert nxt.status.stage == "sandbox" and [(a.name, a.grace_seconds) for a in nxt.actions] == [("j-sandbox-0", 3)]
+    assert nxt.status.stage == "preprocessor" and [a.name for a in nxt.actions] == ["j-preprocessor-0"]
 
 
-def test_the_order_is_actors_sandbox_preprocessor_inference_trainer_redis():
+def test_the_order_is_actors_preprocessor_inference_trainer_redis():
     td, pods, order = TeardownStatus(reason="Deleted"), everything(), []
     for i in range(10):
         s = step(td, pods, now=T0 + timedelta(seconds=i))
@@ -101,8 +100,8 @@ def test_a_delete_that_reached_the_api_server_late_still_gets_its_whole_grace():
 def test_resuming_after_a_restart_keeps_the_recorded_stages():
     td = TeardownStatus(reason="Succeeded", stage="inference")
     s0 = step(TeardownStatus(reason="Succeeded"), [])
-    td.stages = [x.model_copy() for x in s0.status.stages[:3]]
-    td.stages.append(s0.status.stages[3].model_copy(update={"finished_at": None}))
+    td.stages = [x.model_copy() for x in s0.status.stages[:2]]
+    td.stages.append(s0.status.stages[2].model_copy(update={"finished_at": None}))
     pods = [pod("redis"), pod("trainer"), pod("inference", deleting=True)]
     s = step(td, pods, now=T0 + timedelta(seconds=5))
     assert [x.started_at for x in s.status.stages] == [x.started_at for x in td.stages]

@@ -153,9 +153,21 @@ def test_a_sandbox_pod_that_is_gone_while_running_is_recreated_and_one_that_fail
     assert d.status.components["sandbox"].restarts == 1 and d.status.phase == "Running"
 
 
-def test_teardown_stops_the_sandbox_right_after_the_actors():
-    assert roles.TEARDOWN_ORDER.index("sandbox") == roles.TEARDOWN_ORDER.index("actor") + 1
+def test_teardown_stops_the_sandbox_pods_with_the_actors_each_with_its_own_grace():
+    from datetime import UTC, datetime
+
+    from rlkube.api.spec import GracePeriods
+    from rlkube.api.status import TeardownStatus
+    from rlkube.controller import teardown
+    from rlkube.controller.observed import PodView
+
+    assert roles.TEARDOWN_ORDER[0] == "actor" and "sandbox" not in roles.TEARDOWN_ORDER
     assert roles.TEARDOWN_ORDER[-1] == "redis"
+    pods = [PodView(name=f"j-{r}-0", uid=r, role=r, index=0) for r in ("redis", "trainer", "sandbox", "actor")]
+    step = teardown.advance(TeardownStatus(reason="Deleted"), pods, GracePeriods(actor=10, sandbox=3), False,
+                            datetime(2025, 1, 1, tzinfo=UTC))
+    assert step.status.stage == "actor"
+    assert sorted((a.name, a.grace_seconds) for a in step.actions) == [("j-actor-0", 10), ("j-sandbox-0", 3)]
 
 
 def test_the_chart_installs_a_gvisor_runtime_class_only_when_asked():

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from rlkube.api.spec import GracePeriods
-from rlkube.lifecycle.roles import TEARDOWN_ORDER
+from rlkube.lifecycle.roles import STAGE_ROLES, TEARDOWN_ORDER
 from rlkube.api.status import TeardownStage, TeardownStatus
 from rlkube.controller.actions import Action, DeletePod, DeleteStreams, Event
 from rlkube.controller.observed import PodView
@@ -49,7 +49,7 @@ class Step:
 
 def _targets(role: str, pods: list[PodView], keep_trainer_pod: bool) -> list[PodView]:
     """Pods this stage must see gone. A kept trainer pod is one that already terminated (its logs stay)."""
-    out = [p for p in pods if p.role == role]
+    out = [p for p in pods if p.role in STAGE_ROLES.get(role, (role,))]
     if role == "trainer" and keep_trainer_pod:
         out = [p for p in out if not p.terminated]
     return out
@@ -75,7 +75,8 @@ def advance(
         if stage is not None and stage.finished_at is not None:
             continue
         targets = _targets(role, pods, keep_trainer_pod)
-        period = getattr(grace, role)
+        # Each pod gets its own role's grace; the stage waits for the longest of them.
+        period = max([getattr(grace, role), *(getattr(grace, p.role) for p in targets)])
         if stage is None:
             stage = TeardownStage(name=role, started_at=fmt_time(now))
             td.stages.append(stage)
@@ -86,7 +87,7 @@ def advance(
         # created just before teardown began, or a pass whose deletes were lost with a killed operator.
         for p in targets:
             if not p.deleting:
-                step.actions.append(DeletePod(p.name, p.uid, period, role))
+                step.actions.append(DeletePod(p.name, p.uid, getattr(grace, p.role), role))
         if targets:
             started = parse_time(stage.started_at) or now
             # A pod's grace runs from when its delete reached the API server (deletionTimestamp = then + grace,

@@ -20,8 +20,12 @@ SANDBOX = "sandbox"
 
 START_ORDER = (REDIS, TRAINER, INFERENCE, SANDBOX, PREPROCESSOR, ACTOR)
 """Every role, in the order a pass considers starting them (each gate sees what earlier roles got)."""
-TEARDOWN_ORDER = (ACTOR, SANDBOX, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
-"""Stop order: producers first, inference after the trainer's finished event, Redis last (docs/design.md §4.4)."""
+TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
+"""Stop order: producers first, inference after the trainer's finished event, Redis last (docs/design.md §4.4).
+Sandbox pods stop in the actors' stage (STAGE_ROLES): only actors call them, and a job without them keeps the
+same five stages."""
+STAGE_ROLES = {ACTOR: (ACTOR, SANDBOX)}
+"""The roles whose pods a teardown stage stops, where more than its own."""
 CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
 """Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
 MODEL_ROLES = (TRAINER, INFERENCE, ACTOR)
