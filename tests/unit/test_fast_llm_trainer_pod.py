@@ -55,9 +55,14 @@ def test_a_broadcast_timeout_the_data_wait_would_outlast_is_refused_naming_the_f
 
 
 def test_the_vllm_engine_joins_with_the_spec_value():
-    """The receivers' side: the vLLM engine's group takes broadcast_timeout_s(spec), not a constant."""
-    source = (ROOT / "operator" / "rlkube" / "core" / "inference" / "vllm_engine.py").read_text()
-    assert "fast_llm_timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec)" in source
+    """The receivers' side: the group the vLLM engine's workers join takes the spec's broadcast timeout."""
+    from rlkube.contract.context import RoleContext
+    from rlkube.core.inference.vllm_engine import weight_group
+
+    ctx = RoleContext(namespace="ns", job="j", spec=spec(broadcastTimeoutSeconds=9000), redis_url="redis://unused",
+                      weight_sync_addr="127.0.0.1:29500")
+    group = weight_group(ctx)
+    assert group.fast_llm_timeout_s == 9000 and group.fast_llm_backend is not None
 
 
 # --- checkpoint loss ------------------------------------------------------------------------------------------

@@ -554,8 +554,13 @@ def _kill_children() -> None:
 
 def weight_group(ctx: RoleContext) -> WeightGroup:
     """Where the workers join the trainer's own group, and what each derives its transport from (the trainer's
-    device and the placement from the spec, beside its own device: rlkube.contract.weight_transport)."""
+    device and the placement from the spec, beside its own device: rlkube.contract.weight_transport). A Fast-LLM
+    trainer broadcasts its own way: its rendezvous, ranks, backend and timeout (rlkube.core.fast_llm_weights)."""
     spec = ctx.spec
+    if spec.trainer.backend == "fast-llm":
+        return WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), fast_llm_rendezvous.world_size(spec),
+                           ctx.bind_host, fast_llm_backend=fast_llm_rendezvous.broadcast_backend(spec),
+                           fast_llm_timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec))
     return WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), ctx.weight_sync_world_size, ctx.bind_host,
                        trainer_device=weight_transport.trainer_device(spec), placement=weight_transport.placement(spec),
                        transfer_dtype=weight_transport.transfer_dtype_name(spec))
@@ -588,11 +593,4 @@ async def open_engine(ctx: RoleContext) -> VllmEngine:
         raise SystemExit(f"vLLM runs workers of ranks {tp_ranks}; the weight-update group expects one per "
                          f"spec.inference.tensorParallel ({spec.inference.tensor_parallel}) rank, 0 to "
                          f"{spec.inference.tensor_parallel - 1}")
-    if spec.trainer.backend == "fast-llm":
-        # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
-        group = WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), fast_llm_rendezvous.world_size(spec),
-                            ctx.bind_host, fast_llm_backend=fast_llm_rendezvous.broadcast_backend(spec),
-                            fast_llm_timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec))
-    else:
-        group = weight_group(ctx)
-    return VllmEngine(llm, served, asyncio.get_running_loop(), group)
+    return VllmEngine(llm, served, asyncio.get_running_loop(), weight_group(ctx))
