@@ -6,17 +6,17 @@ Why a benchmark and not a test: memory numbers depend on the machine's allocator
 asserted in tests/unit/test_chunked_loss.py, and this prints it again at the full size (max differences).
 
 How: each variant runs in a FRESH subprocess (the peak RSS of a process only grows) on a random Qwen2 model of the
-given vocabulary with a tiny hidden size on CPU; the process reports ru_maxrss after building the model and batch
-(and one small warm-up pass) and again after the loss + backward; the difference is what the loss step added at
-its peak. tracemalloc does not see torch's allocations, RSS does. Each variant saves its loss and the gradients
-of the (tied) embedding and the final norm, which the parent compares.
+given vocabulary with a tiny hidden size on CPU; after building the model and batch (and one small warm-up pass) the
+process resets its peak RSS, runs the loss + backward and reports the peak minus the RSS it started from
+(bench/peak_memory.py): what the loss step added at its peak. tracemalloc does not see torch's allocations, RSS
+does. Each variant saves its loss and the gradients of the (tied) embedding and the final norm, which the parent
+compares.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,10 +24,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 VARIANTS = ("full", "chunked")
-
-
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _model_and_batch(vocab: int, tokens: int, hidden: int, sequences: int, seed: int):
@@ -59,6 +55,7 @@ def run_variant(variant: str, vocab: int, tokens: int, hidden: int, sequences: i
     """In THIS process (meant to be fresh): one loss + backward; returns the RSS numbers, saves loss and gradients."""
     import torch
 
+    from rlkube.bench import peak_memory
     from rlkube.core.backends.base import batch_loss, logprob_loss
     from rlkube.core.backends.torch_backend import model_logits, model_logprobs
     from rlkube.core.losses import LossConfig
@@ -76,10 +73,10 @@ def run_variant(variant: str, vocab: int, tokens: int, hidden: int, sequences: i
 
     step(_head(batch, 2)).loss.backward()  # warm-up: small, then zero
     model.zero_grad(set_to_none=True)
-    before = _rss_bytes()
+    before = peak_memory.reset_peak()
     result = step(batch)
     result.loss.backward()
-    after = _rss_bytes()
+    after = peak_memory.peak()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if n in ("model.embed_tokens.weight", "model.norm.weight")}
     torch.save({"loss": result.loss.detach(), "grads": grads, "stats": vars(result.stats)}, out)

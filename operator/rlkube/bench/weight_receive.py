@@ -52,21 +52,12 @@ def _served_model(config, dtype):
     return model
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def run_receiver(variant: str, addr: str, epoch: str, config_json: str, dtype_name: str) -> dict:
     """In THIS (fresh) process: join `epoch`, receive one update the `variant` way, report the memory it added."""
-    import gc
-
     import torch
     from transformers import Qwen2Config
 
+    from rlkube.bench import peak_memory
     from rlkube.core.hf import state as hf_state
     from rlkube.core.weights.group import WeightReceiver
     from rlkube.core.weights.wire import DTYPES, weights_checksum
@@ -76,10 +67,7 @@ def run_receiver(variant: str, addr: str, epoch: str, config_json: str, dtype_na
     targets = hf_state.named_weights(model)
     rx = WeightReceiver(addr, rank=1, world_size=2, timeout_s=300, local_host="127.0.0.1")
     rx.join(epoch)
-    gc.collect()
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    before = peak_memory.reset_peak()
     t0 = time.monotonic()
     if variant == "today":
         _, state = rx.receive()
@@ -88,7 +76,7 @@ def run_receiver(variant: str, addr: str, epoch: str, config_json: str, dtype_na
     else:
         rx.receive_streamed(lambda stream: hf_state.copy_into(targets, stream), reuse=True)
     seconds = time.monotonic() - t0
-    peak = _status("VmHWM")
+    peak = peak_memory.peak()
     served = weights_checksum(targets.items())
     rx.close()
     return {"variant": variant, "rss_before": before, "rss_peak": peak, "extra_peak": peak - before,
