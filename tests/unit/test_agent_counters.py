@@ -15,11 +15,9 @@ import specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
-from rlkube.api.status import AgentStatus, ComponentStatus, TrainingJobStatus
+from trainer_events import decide_running, event
+from rlkube.api.status import AgentStatus
 from rlkube.contract import counters, protocol
-from rlkube.controller.decisions import JobView, decide
-from rlkube.controller.observed import EventSource, Observed
-from rlkube.controller.times import fmt_time
 from rlkube.core.actor.episodes import EpisodeResult
 from rlkube.core.actor.lag import LagCounter
 from rlkube.core.actor.role import Actor
@@ -116,10 +114,6 @@ def test_counters_of_groups_with_and_without_turn_rewards_in_any_order(redis_ser
 # --- the status subset: one reading for the operator and `rlkube local` ------------------------------------------
 
 
-def _event(t: datetime, type_: str, **payload) -> protocol.TrainerEvent:
-    return protocol.TrainerEvent(f"{int(t.timestamp() * 1000)}-0", type_, {"type": type_, **payload})
-
-
 def _metrics(step: int, **agent) -> dict:
     return {"step": step, "reward_mean": 0.5, "lag_max": 1,
             **{counters.METRIC_PREFIX + n: v for n, v in agent.items() if n in counters.EPISODE}, **{
@@ -127,13 +121,13 @@ def _metrics(step: int, **agent) -> dict:
 
 
 def test_the_agent_status_is_read_by_type_and_rounded():
-    facts = progress.read(_event(datetime.now(timezone.utc), protocol.METRICS, **_metrics(
+    facts = progress.read(event(datetime.now(timezone.utc), protocol.METRICS, **_metrics(
         3, episodes=96, turns=150, tool_calls=54.0, drifted=True, turn_rewards=20, turn_reward_mean=0.123456,
         tool_calls_per_episode=0.56)))
     # an integral float is an integer count; a bool is no count; raw sums and per-episode rates stay out
     assert facts.agent == {"episodes": 96, "turns": 150, "tool_calls": 54, "turn_reward_mean": 0.1235}
     assert type(facts.agent["tool_calls"]) is int
-    single_turn = progress.read(_event(datetime.now(timezone.utc), protocol.METRICS, step=3, reward_mean=0.5))
+    single_turn = progress.read(event(datetime.now(timezone.utc), protocol.METRICS, step=3, reward_mean=0.5))
     assert single_turn.agent is None
 
 
@@ -155,21 +149,15 @@ def test_any_payload_is_read_without_raising_and_only_as_the_counters_types(payl
 def test_operator_and_local_show_the_same_agent_status(tmp_path):
     now = datetime.now(timezone.utc)
     t0 = now - timedelta(seconds=30)
-    events = (_event(t0, protocol.WEIGHTS_READY, step=0, version=0, documents_seen=0),
-              _event(t0 + timedelta(seconds=1), protocol.METRICS, **_metrics(
+    events = (event(t0, protocol.WEIGHTS_READY, step=0, version=0, documents_seen=0),
+              event(t0 + timedelta(seconds=1), protocol.METRICS, **_metrics(
                   1, episodes=32, turns=40, tool_calls=8, turn_rewards=8, turn_reward_mean=0.05)),
               # a step whose episodes earned no per-turn reward: no turn_reward_mean, the last one stays
-              _event(t0 + timedelta(seconds=2), protocol.METRICS, **_metrics(
+              event(t0 + timedelta(seconds=2), protocol.METRICS, **_metrics(
                   2, episodes=64, turns=72, tool_calls=8, tool_errors=1, truncated=2, turn_rewards=8)))
     raw = specs.spec()
     spec = parse_spec(raw)
-    status = TrainingJobStatus(phase="Running", start_time=fmt_time(t0), running_since=fmt_time(t0),
-                               started_spec=raw, started_generation=1)
-    for role in ("redis", "trainer", "inference", "preprocessor", "actor"):
-        status.components[role] = ComponentStatus(desired=1, ready=0)
-    d = decide(JobView("ns", "j", "uid-j", 1, raw, spec, None, False, status),
-               Observed(events=events, event_source=EventSource("Reachable", "Connected", "", caught_up=True),
-                        events_read_to_end=True), now)
+    d = decide_running(raw, events, t0, now)
     want = {"episodes": 64, "turns": 72, "tool_calls": 8, "tool_errors": 1, "tool_timeouts": 0,
             "sandbox_refusals": 0, "truncated": 2, "timed_out": 0, "drifted": 0, "turn_reward_mean": 0.05}
     assert d.status.agent is not None and d.status.agent.model_dump() == want
@@ -184,5 +172,5 @@ def test_operator_and_local_show_the_same_agent_status(tmp_path):
     assert result.summary()["agent"] == job.agent
     # a single-turn job shows no agent counters in either
     plain = LocalJob("p", spec, raw, tmp_path, Console(file=open("/dev/null", "w")))
-    plain._ingest(_event(t0, protocol.METRICS, step=1, reward_mean=0.5))
+    plain._ingest(event(t0, protocol.METRICS, step=1, reward_mean=0.5))
     assert plain.agent is None

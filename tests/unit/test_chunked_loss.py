@@ -27,7 +27,8 @@ from hf_models import builtin_dir, write_tiny_model
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _full_and_chunked(chunk, temperature, tied=False, seed=0):
+def _inputs(seed=0):
+    """Hidden states [3, 11, 8], tokens and per-token weights, and a head onto a vocabulary of 37, from `seed`."""
     g = torch.Generator().manual_seed(seed)
     b, t, h, v = 3, 11, 8, 37
     hidden = torch.randn(b, t, h, generator=g)
@@ -36,6 +37,11 @@ def _full_and_chunked(chunk, temperature, tied=False, seed=0):
     head = torch.nn.Linear(h, v, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.randn(v, h, generator=g))
+    return hidden, tokens, weights, head
+
+
+def _full_and_chunked(chunk, temperature, tied=False, seed=0):
+    hidden, tokens, weights, head = _inputs(seed)
     results = []
     for chunked in (False, True):
         hd = hidden.clone().requires_grad_(True)
@@ -138,14 +144,8 @@ def test_chunked_logprobs_pass_a_float64_gradient_check(chunk, temperature):
 
 def test_a_retained_graph_backwards_twice_to_twice_the_gradient():
     full, _ = _full_and_chunked(4, 0.7)
-    g = torch.Generator().manual_seed(0)
-    b, t, h, v = 3, 11, 8, 37
-    hidden = torch.randn(b, t, h, generator=g).requires_grad_(True)
-    tokens = torch.randint(0, v, (b, t), generator=g)
-    weights = torch.randn(b, t - 1, generator=g)
-    head = torch.nn.Linear(h, v, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(v, h, generator=g))
+    hidden, tokens, weights, head = _inputs()
+    hidden.requires_grad_(True)
     logp, _ = chunked_token_logprobs(hidden, head, tokens, 0.7, 4)
     loss = (logp * weights).sum()
     loss.backward(retain_graph=True)
@@ -197,14 +197,8 @@ def test_the_vocabulary_parallel_path_on_one_rank_equals_the_full_path():
     """VocabParallel with one rank (all-reduces that do nothing): the tensor-parallel branch's arithmetic; the real
     two-rank run is the megatron tier's tests/integration/test_megatron_parallel.py."""
     full, _ = _full_and_chunked(4, 0.7)
-    g = torch.Generator().manual_seed(0)
-    b, t, h, v = 3, 11, 8, 37
-    hidden = torch.randn(b, t, h, generator=g).requires_grad_(True)
-    tokens = torch.randint(0, v, (b, t), generator=g)
-    weights = torch.randn(b, t - 1, generator=g)
-    head = torch.nn.Linear(h, v, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(v, h, generator=g))
+    hidden, tokens, weights, head = _inputs()
+    hidden.requires_grad_(True)
     logp, entropy = chunked_token_logprobs(hidden, head, tokens, 0.7, 4,
                                            VocabParallel(0, lambda x: None, lambda x: x))
     (logp * weights).sum().backward()

@@ -16,13 +16,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import specs
 from rich.console import Console
+from trainer_events import decide_running, event
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.api.status import ComponentStatus, TrainingJobStatus
+from rlkube.api.status import TrainingJobStatus
 from rlkube.contract import protocol
-from rlkube.controller.decisions import JobView, decide
-from rlkube.controller.observed import EventSource, Observed
-from rlkube.controller.times import fmt_time
 from rlkube.core.actor import evaluation
 from rlkube.core.actor.evaluation import Evaluator, TrainingPrompts, due_version, eval_prompts, held_out, prompt_key
 from rlkube.core.actor.tasks import load_task
@@ -190,35 +188,25 @@ def test_a_split_with_a_held_out_fraction_and_a_dataset_without_reward_are_refus
 # -- reading an evaluation event: one rule for both launchers ------------------------------------------------------
 
 
-def _event(t: datetime, type_: str, **payload) -> protocol.TrainerEvent:
-    return protocol.TrainerEvent(f"{int(t.timestamp() * 1000)}-0", type_, {"type": type_, **payload})
-
-
 def test_an_evaluation_is_read_as_eval_reward_and_not_as_trainer_life():
-    facts = progress.read(_event(datetime.now(timezone.utc), protocol.EVALUATION, version=8, reward_mean=0.123456))
+    facts = progress.read(event(datetime.now(timezone.utc), protocol.EVALUATION, version=8, reward_mean=0.123456))
     assert facts.evaluation == (8, 0.1235) and not facts.from_trainer and facts.step is None
-    assert progress.read(_event(datetime.now(timezone.utc), protocol.EVALUATION, version="x",
+    assert progress.read(event(datetime.now(timezone.utc), protocol.EVALUATION, version="x",
                                 reward_mean=1.0)).evaluation is None
-    assert progress.read(_event(datetime.now(timezone.utc), protocol.METRICS, step=1)).from_trainer
+    assert progress.read(event(datetime.now(timezone.utc), protocol.METRICS, step=1)).from_trainer
 
 
 def test_operator_and_local_read_evaluations_alike(tmp_path):
     now = datetime.now(timezone.utc)
     t0 = now - timedelta(seconds=30)
-    events = (_event(t0, protocol.WEIGHTS_READY, step=0, version=0, documents_seen=0),
-              _event(t0 + timedelta(seconds=1), protocol.EVALUATION, version=0, reward_mean=0.0625),
-              _event(t0 + timedelta(seconds=2), protocol.METRICS, step=4, reward_mean=0.2),
-              _event(t0 + timedelta(seconds=3), protocol.EVALUATION, version=4, reward_mean=0.25, prompts=30,
+    events = (event(t0, protocol.WEIGHTS_READY, step=0, version=0, documents_seen=0),
+              event(t0 + timedelta(seconds=1), protocol.EVALUATION, version=0, reward_mean=0.0625),
+              event(t0 + timedelta(seconds=2), protocol.METRICS, step=4, reward_mean=0.2),
+              event(t0 + timedelta(seconds=3), protocol.EVALUATION, version=4, reward_mean=0.25, prompts=30,
                      skipped=2, reward_errors=1, attempts=1, seconds=3.5))
     raw = specs.spec(**{"evaluation": {"everyVersions": 4}})
     spec = parse_spec(raw)
-    status = TrainingJobStatus(phase="Running", start_time=fmt_time(t0), running_since=fmt_time(t0),
-                               started_spec=raw, started_generation=1)
-    for role in ("redis", "trainer", "inference", "preprocessor", "actor"):
-        status.components[role] = ComponentStatus(desired=1, ready=0)
-    d = decide(JobView("ns", "j", "uid-j", 1, raw, spec, None, False, status),
-               Observed(events=events, event_source=EventSource("Reachable", "Connected", "", caught_up=True),
-                        events_read_to_end=True), now)
+    d = decide_running(raw, events, t0, now)
     tr = d.status.trainer
     assert (tr.eval_version, tr.eval_reward_mean) == (4, 0.25)
     assert (tr.eval_prompts, tr.eval_skipped, tr.eval_reward_errors) == (30, 2, 1)
