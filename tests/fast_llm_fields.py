@@ -10,9 +10,13 @@ safetensors, no GPU) on each sample config, `pretrained.path` pointed at a confi
 sample's format. tests/unit/test_fast_llm_config.py then checks the generated configs against the record. It
 also records, from the source text alone (`document_schema`, any Python), the document record Fast-LLM's streaming
 dataset parses strictly (RedisStreamingDocumentData): tests/unit/test_fast_llm_documents.py checks every document
-kind our preprocessor writes against it.
+kind our preprocessor writes against it. And it runs Fast-LLM's own parser (RedisStreamingDocumentData.from_message,
+which needs torch) on every kind of document our preprocessor writes, read from a real Redis stream (redis-server
+on PATH) that our preprocessor role filled, and records its verdict on each (`document.fast_llm_parse`); it exits
+non-zero when Fast-LLM refuses one, or accepts the negative control (a reward-error document as our own trainers'
+entry, whose `reward_error` key Fast-LLM does not know).
 
-    python3.12 -m venv /tmp/fl && /tmp/fl/bin/pip install pyyaml requests numpy packaging pydantic orjson redis
+    python3.12 -m venv /tmp/fl && /tmp/fl/bin/pip install pyyaml requests numpy packaging pydantic orjson redis torch
     # for --validate also: torch safetensors 'transformers>=4.57.3,<6'
     PYTHONPATH=operator /tmp/fl/bin/python tests/fast_llm_fields.py --fast-llm-git PATH_TO_FAST_LLM_GIT \
         [--validate] [--compare-commit OTHER_SHA] --out tests/fixtures/fast_llm_config_fields.json
@@ -319,6 +323,132 @@ def document_schema(src: Path) -> dict:
     }
 
 
+# --- our documents through Fast-LLM's own parser ---------------------------------------------------------------
+
+PROMPT = [1, 5, 6]
+ANNOUNCED = ((0, 0), (1, 8), (2, 17))
+"""(step, documents_seen) of the weights_ready events Fast-LLM publishes before the corpus: documents seen, not
+steps (a step of 8 documents, then one of 9)."""
+
+
+def _sample(n: int, reward: float, **kw):
+    from rlkube.contract import protocol
+
+    return protocol.Sample([20 + i for i in range(n)], [-0.25] * n, reward, **kw)
+
+
+def document_groups() -> dict:
+    """One rollout group per kind of document a fast-llm job's preprocessor writes (tests/unit/
+    test_fast_llm_documents.py writes the same corpus), sampled with versions 0..2."""
+    from rlkube.contract import protocol
+
+    return {
+        "single-turn": protocol.RolloutGroup("single", PROMPT, [_sample(2, 1.0), _sample(3, 0.0)], model_version=1,
+                                             expected_size=2),
+        # an episode: environment turns masked like the prompt, tokens sampled by two versions
+        "multi-turn": protocol.RolloutGroup("episode", PROMPT, [
+            _sample(8, 1.0, env_spans=[(2, 5)], versions=[1, 1, 1, 1, 1, 2, 2, 2], episode={"turns": 2.0}),
+            _sample(8, 0.0, env_spans=[(3, 6)], versions=[2] * 8, episode={"turns": 2.0})],
+            model_version=1, expected_size=2),
+        "reward error": protocol.RolloutGroup("failed", PROMPT, [_sample(2, 0.0, reward_error=True),
+                                                                 _sample(2, 1.0)], model_version=2, expected_size=2),
+        "truncated": protocol.RolloutGroup("cut", PROMPT, [_sample(4, 0.0, finished=False), _sample(2, 1.0)],
+                                           model_version=0, expected_size=2),
+        # written only with filterZeroAdvantageGroups off (on, the default, the group becomes no document)
+        "zero advantage": protocol.RolloutGroup("flat", PROMPT, [_sample(3, 1.0), _sample(3, 1.0)],
+                                                model_version=2, expected_size=2),
+    }
+
+
+def document_corpus() -> list[tuple[str, dict[bytes, bytes]]]:
+    """(kind, stream entry) of every document in a real Redis stream that our preprocessor role filled for the
+    shipped fast-llm example (groupSize 2, samplesPerStep 8, zero-advantage groups kept): the entries exactly as
+    Fast-LLM's streaming dataset reads them (XREADGROUP, bytes keys and values). Then two kinds written by our
+    encoder alone: an SFT row (validation refuses loss sft for fast-llm, so a fast-llm job writes none; encoded
+    the same way) and the negative control, the reward-error document as our own trainers' entry."""
+    import numpy as np
+
+    from rlkube.contract import protocol
+    from rlkube.contract.context import RoleContext
+    from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
+    from rlkube.core.preprocessor.role import PreprocessorRole
+    from rlkube.lifecycle.validation import parse_spec
+    from rlkube.local.redis_server import RedisServer
+
+    raw = copy.deepcopy(samples()["examples/fast-llm.yaml"]["spec"])
+    raw["algorithm"].update(groupSize=2, samplesPerStep=8, filterZeroAdvantageGroups=False)
+    spec = parse_spec(raw)
+    groups = document_groups()
+    corpus: list[tuple[str, dict[bytes, bytes]]] = []
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
+        client = server.client()
+        ctx = RoleContext("ns", "job", spec, server.url)
+        role = PreprocessorRole(ctx, client, max_ahead=10_000)
+        for step, seen in ANNOUNCED:
+            client.xadd(ctx.keys.events, protocol.encode_event(protocol.WEIGHTS_READY, step=step,
+                                                               documents_seen=seen))
+        for group in groups.values():
+            client.xadd(ctx.keys.rollouts, group.encode())
+        for _ in range(len(groups)):
+            role.poll()
+        # Fast-LLM's read (fast_llm/data/dataset/streaming.py): a consumer group on the stream, XREADGROUP.
+        client.xgroup_create(ctx.keys.documents, "fast_llm_group", id="0", mkstream=True)
+        read = client.xreadgroup("fast_llm_group", "fast_llm_consumer_0", {ctx.keys.documents: ">"}, count=1000)
+        entries = [fields for _, messages in read for _, fields in messages]
+        kinds = [kind for kind, group in groups.items() for _ in group.samples]
+        if len(entries) != len(kinds):
+            raise SystemExit(f"the preprocessor wrote {len(entries)} documents for {len(kinds)} samples")
+        corpus += list(zip(kinds, entries, strict=True))
+        client.close()
+    row = protocol.RolloutGroup("row", PROMPT, [_sample(5, 0.0)], model_version=0, expected_size=1)
+    sft = group_to_documents(row, DocumentConfig(drop_singletons=False, documents_per_version=8))[0]
+    corpus.append(("sft row", {k.encode(): v for k, v in protocol.encode_document(sft, ours=False).items()}))
+    failed = protocol.Document(np.arange(4, dtype=np.int64), [(0, 2)], 0.5, 1.0, reward_error=True)
+    corpus.append(("negative control: reward error as our trainers' entry",
+                   {k.encode(): v for k, v in protocol.encode_document(failed).items()}))
+    return corpus
+
+
+def _plain(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def parse_documents(corpus: list[tuple[str, dict[bytes, bytes]]], src: Path) -> list[dict]:
+    """Fast-LLM's own RedisStreamingDocumentData.from_message (strict from_dict, then its _validate: tensors
+    decoded, lengths checked) on every entry of the corpus; its verdict and what it parsed."""
+    sys.path.insert(0, str(src))
+    from fast_llm.data.dataset.streaming import RedisStreamingDocumentData
+
+    verdicts = []
+    for kind, message in corpus:
+        entry = {"kind": kind, "stream_fields": sorted(k.decode() for k in message)}
+        if b"data" in message:
+            entry["data_keys"] = sorted(json.loads(message[b"data"]))
+        try:
+            parsed = RedisStreamingDocumentData.from_message(message)
+            parsed.to_document()  # what the dataset does next with it
+        except Exception as exc:  # noqa: BLE001 - the verdict is what is recorded
+            entry.update(accepted=False, error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
+        else:
+            entry["accepted"] = True
+            entry["parsed"] = {name: _plain(getattr(parsed, name))
+                               for name, field in type(parsed).__dataclass_fields__.items()
+                               if field.init and not name.startswith("_") and getattr(parsed, name) is not None}
+            entry["parsed"]["tokens_dtype"] = str(parsed.tokens.dtype)
+        verdicts.append(entry)
+    return verdicts
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def _fast_llm_validate(config: dict, path: Path, src: Path, work: Path, world: tuple[int, int]) -> subprocess.CompletedProcess:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [sys.executable, "-m", "fast_llm.cli", "train", "gpt", "--config", str(path), "--validate"]
@@ -389,6 +519,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if missing:
             raise SystemExit(f"Fast-LLM {commit} has no field {', '.join(missing)}")
+        verdicts = parse_documents(document_corpus(), src)
+        for v in verdicts:
+            print(f"from_message {v['kind']!r}: {'accepted' if v['accepted'] else 'REFUSED ' + v['error']}; "
+                  f"fields {v['stream_fields']} data {v.get('data_keys', [])}", file=sys.stderr)
+        if not all(v["accepted"] for v in verdicts if not v["kind"].startswith("negative control")):
+            raise SystemExit("Fast-LLM refused a document our preprocessor writes (see above)")
+        if any(v["accepted"] for v in verdicts if v["kind"].startswith("negative control")):
+            raise SystemExit("Fast-LLM accepted the negative control: the parse checks nothing")
         record = {
             "fast_llm": {"repository": fastllm.FAST_LLM_REPOSITORY, "commit": commit},
             "how": "written by tests/fast_llm_fields.py from Fast-LLM's config classes at this commit",
@@ -396,7 +534,11 @@ def main(argv: list[str] | None = None) -> int:
             "dict_fields": dynamic,
             "fields": fields,
             **wire_facts(src),
-            "document": document_schema(src),
+            "document": {**document_schema(src), "fast_llm_parse": {
+                "how": "each document from a real Redis stream our preprocessor role filled (XREADGROUP, as Fast-LLM "
+                       "reads it) through Fast-LLM's own RedisStreamingDocumentData.from_message and to_document, "
+                       f"Fast-LLM at this commit, Python {sys.version.split()[0]}, torch {_torch_version()}",
+                "verdicts": verdicts}},
             "samples": {name: {**sample, "config_sha256": config_sha256(configs[name])}
                         for name, sample in samples().items()},
         }

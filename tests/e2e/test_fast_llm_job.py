@@ -1,4 +1,4 @@
-"""`trainer.backend: fast-llm` through the operator (issue 23, must-show 1), one job per engine (the vLLM one in the
+"""`trainer.backend: fast-llm` through the operator (docs/design.md §8), one job per engine (the vLLM one in the
 vllm tier: RLKUBE_VLLM_PYTHON, as tests/e2e/test_vllm_job.py): the trainer pod runs
 the operator's command (rlkube.core.fast_llm_launch -> torchrun -> `fast-llm train gpt --config ...`) where the
 image's `fast-llm` is the stand-in (tests/integration/fast_llm_stand_in.py, Fast-LLM's Redis and broadcast calls
@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -40,7 +42,9 @@ def fast_llm_bin():
     bin_dir = Path(tempfile.mkdtemp(prefix="rlkube-e2e-fast-llm-bin-", dir="/var/tmp"))  # /tmp: a pod's emptyDir
     bin_dir.chmod(0o755)
     program = bin_dir / "fast-llm"
-    program.write_text(f'#!/bin/sh\nexec python {STAND_IN} "$@" --overshoot {OVERSHOOT}\n')
+    # A test may add arguments for the stand-in in `extra-args` (one run of the module at a time).
+    program.write_text(f'#!/bin/sh\nexec python {STAND_IN} "$@" --overshoot {OVERSHOOT} '
+                       f'$(cat {bin_dir}/extra-args 2>/dev/null)\n')
     program.chmod(0o755)
     yield bin_dir
     shutil.rmtree(bin_dir, ignore_errors=True)
@@ -139,5 +143,82 @@ def test_fast_llm_job_receives_the_broadcast_and_succeeds(job, model_dir, engine
 
     assert stage_names(st) == FULL_ORDER and job.order("deletion") == POD_ORDER, job.agent_signals()
     assert not job.agent_signals("SIGKILL"), "a pod needed SIGKILL in a clean run"
+    job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
+    assert job.leftover_processes() == []
+
+
+KILLED_AFTER, RESTART_STEPS = 2, 4
+FAST_LLM_DEFAULT_TIMEOUT_S = 600
+"""Fast-LLM's RedisConfig.timeout default, its broadcast group's timeout when nothing sets it (and the stand-in's
+rendezvous timeout here): a restarted trainer whose receivers never rejoin fails after it."""
+
+
+def test_a_fast_llm_trainer_killed_between_updates_resumes_and_the_job_succeeds(job, model_dir, fast_llm_bin):
+    """The trainer container is SIGKILLed between updates: once step KILLED_AFTER was broadcast, served and
+    checkpointed, the stand-in holds where Fast-LLM waits for the next step's documents (`--pause-after-step`, in
+    a run that resumed nothing) and is killed there; its emptyDir checkpoint survives the in-place restart. The
+    restarted launcher opens a new broadcast store and announces it; the inference server joins the new group
+    at once (no failed transfer is needed), Fast-LLM resumes from its checkpoint, and the job Succeeds long before
+    the broadcast timeout would have ended a trainer left alone in its group, with every step after the checkpoint
+    trained exactly once."""
+    extra = fast_llm_bin / "extra-args"
+    extra.write_text(f"--pause-after-step {KILLED_AFTER}\n")
+    try:
+        _kill_between_updates_and_succeed(job, model_dir)
+    finally:
+        extra.unlink(missing_ok=True)
+
+
+def _kill_between_updates_and_succeed(job, model_dir) -> None:
+    job.apply(example(**{
+        "spec.model.path": str(model_dir),
+        "spec.model.maxSequenceLength": 64,
+        "spec.algorithm.maxSteps": RESTART_STEPS,
+        "spec.algorithm.samplesPerStep": PER_STEP,
+        "spec.algorithm.groupSize": 4,
+        "spec.trainer.backend": "fast-llm",
+        "spec.trainer.image": "ghcr.io/rlkube/trainer-fast-llm:0.1.0",
+        "spec.trainer.gpusPerNode": 1,
+        "spec.trainer.fastLlm": {"modelFormat": "qwen2"},
+        "spec.trainer.checkpoint": {"intervalSteps": 1},
+        "spec.runPolicy.backoffLimit": 3,
+    }))
+    follower = job.follow()
+    trainer_pod, inference_pod = f"{job.name}-trainer-0", f"{job.name}-inference-0"
+    job.wait(lambda _: f"stand-in: paused after step {KILLED_AFTER}" in job.agent.container_log(job.namespace,
+                                                                                                trainer_pod)
+             and f"weights version {KILLED_AFTER} in effect" in job.agent.container_log(job.namespace, inference_pod),
+             600, f"step {KILLED_AFTER} checkpointed and served, the trainer held before the next")
+    os.killpg(job.pid("trainer"), signal.SIGKILL)  # launcher, torchrun and Fast-LLM at once
+    killed_at = time.monotonic()
+
+    tj = job.wait_phase(("Succeeded", "Failed"), 900)
+    took = time.monotonic() - killed_at
+    st = tj["status"]
+    assert st["phase"] == "Succeeded", job.diagnostics()
+    assert st["completion"]["finalStep"] == RESTART_STEPS and st["completion"]["trainerExitCode"] == 0, st["completion"]
+    assert st["components"]["trainer"]["restarts"] == 1, st["components"]
+    print(f"\nkilled after step {KILLED_AFTER}; Succeeded {took:.0f}s later")
+    assert took < FAST_LLM_DEFAULT_TIMEOUT_S, took
+
+    trainer_log = job.agent.container_log(job.namespace, trainer_pod)
+    inference_log = job.agent.container_log(job.namespace, inference_pod)
+    runs = re.split(r"==> trainer/\d+\.log <==", trainer_log)[1:]  # the container's first run, then its restart
+    assert len(runs) == 2, trainer_log[-3000:]
+    (resumed,) = [int(s) for s in re.findall(r"stand-in: resumed from checkpoint (\d+)", runs[1])]
+    assert resumed == KILLED_AFTER, runs[1][-3000:]
+    trained = [[int(step) for step in re.findall(r"stand-in: trained step (\d+)", run)] for run in runs]
+    # Up to the checkpoint in the first run, every later step once in the restart: none lost, none repeated.
+    assert trained == [list(range(1, resumed + 1)), list(range(resumed + 1, RESTART_STEPS + 1))], trained
+    # Rejoined on the launcher's announcement: no transfer failed (none was under way when the trainer died).
+    assert "Fast-LLM's trainer opened broadcast generation" in inference_log, inference_log[-3000:]
+    assert "refused" not in inference_log, inference_log[-3000:]
+    served = checksums(inference_log, r"weights version (\d+) in effect \(checksum (\S+?),")
+    sent = checksums(trainer_log, r"stand-in: checksum (\d+) (\S+)")
+    assert abs(served[RESTART_STEPS] - sent[RESTART_STEPS]) <= 1e-9 * max(1.0, abs(sent[RESTART_STEPS]))
+    follower.stop()
+    steps = [p["step"] for p in follower.weights_ready]
+    # The first run's updates, then the restart's: run_begin at the resumed step and each later step once.
+    assert steps == list(range(resumed + 1)) + list(range(resumed, RESTART_STEPS + 1)), follower.describe()
     job.wait(lambda _: not job.children_left(), 60, "children garbage-collected")
     assert job.leftover_processes() == []

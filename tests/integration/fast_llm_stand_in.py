@@ -5,6 +5,7 @@ records (d3d20226).
 
 `python fast_llm_stand_in.py CONFIG_YAML RENDEZVOUS_TIMEOUT_S [--model DIR] [--steps N] [--overshoot K]`, or as
 Fast-LLM's own command line, `fast_llm_stand_in.py train gpt --config CONFIG_YAML [--overshoot K] [--timeout-s S]`
+(both also take `--pause-after-step K`)
 (what a trainer pod's torchrun runs as `fast-llm`: the model is the config's `pretrained.path`, the steps its
 `training.train_iters`; tests/e2e/test_fast_llm_job.py), reading from the config the same fields Fast-LLM reads:
 - the streaming callback's constructor (fast_llm/engine/training/streaming.py:40-55, rank 0): `redis.Redis(host,
@@ -21,7 +22,11 @@ Fast-LLM's own command line, `fast_llm_stand_in.py train gpt --config CONFIG_YAM
   broadcast_object((shard_name, layer_name, shape, dtype)) and broadcast(tensor), then broadcast_object(None);
   the framing below follows Fast-LLM's broadcast helpers (fast_llm/core/distributed.py:50-64,
   163-198, 295-302), pickle included;
-- train_end (streaming.py:82-86): XADD `training_finished` ({"type"} only).
+- train_end (streaming.py:82-86): XADD `training_finished` ({"type"} only);
+- checkpoints (fast_llm/engine/training/trainer.py): with `run.experiment_dir` and `training.checkpoint.interval`
+  set, `{experiment_dir}/checkpoint/{step}` every interval steps, and at start the newest one is resumed from
+  (its completed_steps and documents_seen; run_begin announces that step). `--pause-after-step K` (a run that
+  resumed from no checkpoint only) holds it after step K, between updates, for a test to kill it there.
 The weights: with --model, the HF checkpoint's tensors under their HF names, in its dtype, the tied output
 weight left out as Fast-LLM's export does, each moved by `step x 1e-3` so every update differs; without, one
 2x3 float32 tensor. Prints `stand-in: <what>` lines (`stand-in: checksum <step> <value>`: weights_checksum of an
@@ -36,6 +41,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 
 import redis
 import torch
@@ -115,22 +121,52 @@ def read_documents(client, rank: int, n: int) -> list[list[int]]:
     return docs
 
 
+def save_checkpoint(experiment_dir: str, step: int, documents_seen: int) -> None:
+    """`{experiment_dir}/checkpoint/{step}` with the counters Fast-LLM's checkpoint metadata holds
+    (fast_llm/engine/training/trainer.py: completed_steps, documents_seen), written to a temporary name first."""
+    root = os.path.join(experiment_dir, "checkpoint")
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".{step}.tmp")
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "metadata.yaml"), "w") as f:
+        yaml.safe_dump({"completed_steps": step, "documents_seen": documents_seen}, f)
+    os.replace(tmp, os.path.join(root, str(step)))
+    print(f"stand-in: checkpoint {step}", flush=True)
+
+
+def resume(experiment_dir: str | None) -> tuple[int, int]:
+    """(completed_steps, documents_seen) of the newest checkpoint (trainer.py: `_get_last_checkpoint`, then
+    `_load_checkpoint`), (0, 0) without one."""
+    root = os.path.join(experiment_dir, "checkpoint") if experiment_dir else None
+    steps = [int(n) for n in os.listdir(root) if n.isdigit()] if root and os.path.isdir(root) else []
+    if not steps:
+        return 0, 0
+    with open(os.path.join(root, str(max(steps)), "metadata.yaml")) as f:
+        meta = yaml.safe_load(f)
+    print(f"stand-in: resumed from checkpoint {meta['completed_steps']} ({meta['documents_seen']} documents seen)",
+          flush=True)
+    return meta["completed_steps"], meta["documents_seen"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     if argv[:2] == ["train", "gpt"]:  # `fast-llm train gpt --config FILE`, as the trainer pod runs Fast-LLM
         cli = argparse.ArgumentParser(prog="fast-llm train gpt")
         cli.add_argument("--config", required=True)
         cli.add_argument("--overshoot", type=int, default=0)
         cli.add_argument("--timeout-s", type=float, default=600.0)
+        cli.add_argument("--pause-after-step", type=int, default=None)
         args = cli.parse_args(argv[2:])
         config = yaml.safe_load(open(args.config))
         return argparse.Namespace(config=args.config, timeout_s=args.timeout_s, model=config["pretrained"]["path"],
-                                  steps=config["training"]["train_iters"], overshoot=args.overshoot)
+                                  steps=config["training"]["train_iters"], overshoot=args.overshoot,
+                                  pause_after_step=args.pause_after_step)
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
     parser.add_argument("timeout_s", type=float)
     parser.add_argument("--model")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--overshoot", type=int, default=0)
+    parser.add_argument("--pause-after-step", type=int, default=None)
     return parser.parse_args(argv)
 
 
@@ -163,7 +199,10 @@ def main() -> int:
         broadcast_weights(events, group, step, seen, ((WEIGHTS_SHARD, k, v) for k, v in named.items()))
         print(f"stand-in: checksum {step} {checksum(named)!r}", flush=True)
 
-    update(0, 0)  # run_begin
+    experiment = config.get("run", {}).get("experiment_dir")
+    interval = config.get("training", {}).get("checkpoint", {}).get("interval")
+    completed, seen = resume(experiment)
+    update(completed, seen)  # run_begin(completed_steps, documents_seen)
 
     data = config["data"]["datasets"]["training"]
     client = redis.Redis(host=data["host"], port=data["port"])
@@ -174,11 +213,17 @@ def main() -> int:
             raise
     if args.steps == 0:
         print(f"stand-in: document {read_documents(client, rank, 1)[0]}", flush=True)
-    seen = 0
     per_step = config["schedule"]["docs_per_step"] + args.overshoot
-    for step in range(1, args.steps + 1):
+    for step in range(completed + 1, args.steps + 1):
         seen += len(read_documents(client, rank, per_step))
+        print(f"stand-in: trained step {step} ({seen} documents seen)", flush=True)
         update(step, seen)  # step_end
+        if experiment and interval and step % interval == 0:
+            save_checkpoint(experiment, step, seen)
+        if step == args.pause_after_step and completed == 0:
+            # Held where Fast-LLM waits for the next step's documents, for a test to kill it between updates.
+            print(f"stand-in: paused after step {step}", flush=True)
+            threading.Event().wait()
     events.xadd("fast_llm_events", {"event": json.dumps({"type": "training_finished"})})
     print("stand-in: broadcast done", flush=True)
     return 0

@@ -5,7 +5,8 @@ calls (fast_llm_stand_in.py; Fast-LLM itself needs Python 3.12 and CUDA).
 Covered: Fast-LLM's password-less Redis client works through the relay (and is refused without it); a wrong
 password reaches no Redis; under the pod's torchrun command (static rendezvous) Fast-LLM's broadcast rendezvous
 finds the store the launcher hosts and an inference-side peer receives the weights, and without that store it
-cannot rendezvous (what PipelineRL works around); the Secret never reaches Fast-LLM's environment; exit status and
+cannot rendezvous (what PipelineRL works around); the launcher announces its store's generation, which the
+receiver reads from the store it joined through; the Secret never reaches Fast-LLM's environment; exit status and
 SIGTERM pass through.
 """
 
@@ -133,12 +134,13 @@ def _launch(cmd: list[str], tmp_path: Path) -> subprocess.Popen:
                             cwd=tmp_path, start_new_session=True)
 
 
-def _receive(addr: tuple[str, int], world: int, timeout_s: float) -> dict[str, torch.Tensor]:
-    """The inference side of Fast-LLM's broadcast group, as both engines join it: rank 1 of `world`."""
+def _receive(addr: tuple[str, int], world: int, timeout_s: float) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The inference side of Fast-LLM's broadcast group, as both engines join it: rank 1 of `world`. The weights,
+    and the generation of the store the group was joined through."""
     receiver = FastLlmReceiver(f"{addr[0]}:{addr[1]}", 1, world, timeout_s=timeout_s)
     receiver.join()  # Fast-LLM's rank 0 forms the group in its callback's constructor, before any weights_ready
     try:
-        return receiver.receive()
+        return receiver.receive(), receiver.generation
     finally:
         receiver.close()
 
@@ -150,7 +152,7 @@ def test_pod_command_gives_fast_llm_redis_and_the_broadcast_store(secured_redis,
     proc = _launch(cmd, tmp_path)
     try:
         broadcast = config["callbacks"]["streaming"]["broadcast"]
-        weights = _receive(("127.0.0.1", broadcast["port"]), broadcast["external_world_size"] + 1, 60)
+        weights, generation = _receive(("127.0.0.1", broadcast["port"]), broadcast["external_world_size"] + 1, 60)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -159,8 +161,10 @@ def test_pod_command_gives_fast_llm_redis_and_the_broadcast_store(secured_redis,
     assert proc.returncode == 0, out
     assert {k: (v.dtype, v.tolist()) for k, v in weights.items()} == {
         "model.layers.0.weight": (torch.float32, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])}
-    events = [json.loads(f[b"event"])["type"] for _, f in admin.xrange("fast_llm_events")]
-    assert events == ["weights_ready", "training_finished"]
+    events = [json.loads(f[b"event"]) for _, f in admin.xrange("fast_llm_events")]
+    assert [e["type"] for e in events] == ["broadcast_opened", "weights_ready", "training_finished"]
+    # The launcher announced its store's generation before Fast-LLM started; the receiver read the same from it.
+    assert generation and events[0]["generation"] == generation
     # Under torchrun (agent store: the broadcast rendezvous is a client only), without the Secret in its env.
     assert "stand-in: rank 0 agent store True password in env False" in out, out
     assert "stand-in: document [5, 6, 7]" in out

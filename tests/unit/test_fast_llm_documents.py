@@ -23,6 +23,7 @@ from rlkube.core.preprocessor import role as preprocessor_role
 from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
 from rlkube.core.preprocessor.role import PreprocessorRole
 from rlkube.lifecycle.validation import parse_spec
+from fast_llm_fields import PROMPT, _sample, document_corpus, document_groups
 
 FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "fast_llm_config_fields.json").read_text())
 SCHEMA = FIXTURE["document"]
@@ -98,28 +99,10 @@ def _short_reads(monkeypatch):
     monkeypatch.setattr(preprocessor_role, "HOLD_POLL_MS", 10)
 
 
-PROMPT = [1, 5, 6]
-
-
-def _sample(n: int, reward: float, **kw) -> protocol.Sample:
-    return protocol.Sample([20 + i for i in range(n)], [-0.25] * n, reward, **kw)
-
-
 def _groups() -> dict[str, protocol.RolloutGroup]:
-    """One rollout group per kind of document an RL job writes, sampled with versions 0..2."""
-    return {
-        "single-turn": protocol.RolloutGroup("single", PROMPT, [_sample(2, 1.0), _sample(3, 0.0)], model_version=1,
-                                             expected_size=2),
-        # an episode: environment turns masked like the prompt, tokens sampled by two versions
-        "multi-turn": protocol.RolloutGroup("episode", PROMPT, [
-            _sample(8, 1.0, env_spans=[(2, 5)], versions=[1, 1, 1, 1, 1, 2, 2, 2], episode={"turns": 2.0}),
-            _sample(8, 0.0, env_spans=[(3, 6)], versions=[2] * 8, episode={"turns": 2.0})],
-            model_version=1, expected_size=2),
-        "reward error": protocol.RolloutGroup("failed", PROMPT, [_sample(2, 0.0, reward_error=True),
-                                                                 _sample(2, 1.0)], model_version=2, expected_size=2),
-        "truncated": protocol.RolloutGroup("cut", PROMPT, [_sample(4, 0.0, finished=False), _sample(2, 1.0)],
-                                           model_version=0, expected_size=2),
-    }
+    """One rollout group per kind of document an RL job writes: the corpus the recording tool ran Fast-LLM's own
+    parser on (tests/fast_llm_fields.py, document_groups)."""
+    return document_groups()
 
 
 def test_every_document_a_fast_llm_job_writes_is_one_fast_llm_accepts(redis_server, redis_client):
@@ -175,3 +158,31 @@ def test_our_trainers_keep_the_reward_error():
     doc = protocol.Document(np.arange(4, dtype=np.int64), [(0, 2)], reward_error=True)
     assert protocol.decode_document(protocol.encode_document(doc)).reward_error is True
     assert protocol.decode_document(protocol.encode_document(doc, ours=False)).reward_error is False
+
+
+RECORDED = SCHEMA["fast_llm_parse"]["verdicts"]
+NEGATIVE = "negative control: reward error as our trainers' entry"
+
+
+def test_fast_llms_own_parser_accepted_every_kind_and_refused_the_control():
+    kinds = {v["kind"] for v in RECORDED}
+    assert kinds == set(_groups()) | {"sft row", NEGATIVE}
+    assert all(v["accepted"] for v in RECORDED if v["kind"] != NEGATIVE), [v for v in RECORDED if not v["accepted"]]
+    (control,) = [v for v in RECORDED if v["kind"] == NEGATIVE]
+    assert not control["accepted"] and "Unknown field `reward_error`" in control["error"], control
+
+
+def test_what_we_write_today_is_what_fast_llm_parsed():
+    """Our preprocessor's corpus now (the tool's own writer: real preprocessor role, real redis-server), document
+    by document against Fast-LLM's recorded parse of it: same stream fields, same data keys, same values."""
+    corpus = document_corpus()
+    assert [kind for kind, _ in corpus] == [v["kind"] for v in RECORDED]
+    for (kind, message), recorded in zip(corpus, RECORDED, strict=True):
+        assert sorted(k.decode() for k in message) == recorded["stream_fields"], kind
+        if kind == NEGATIVE:
+            with pytest.raises(ValueError, match="Unknown field"):
+                fast_llm_parse(message)
+            continue
+        ours = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in fast_llm_parse(message).items()}
+        theirs = {k: v for k, v in recorded["parsed"].items() if k != "tokens_dtype"}
+        assert ours == theirs, (kind, ours, theirs)

@@ -32,6 +32,7 @@ class RecordingEngine(Engine):
         self.calls: list[tuple] = []
         self.outcomes = list(outcomes or [])
         self.join_error = join_error
+        self.store_generation: str | None = None  # what the broadcast store names at the next Fast-LLM join
         self._version = 0
         self._joined = False
 
@@ -45,7 +46,7 @@ class RecordingEngine(Engine):
 
     def join_fast_llm(self, stop: threading.Event) -> bool:
         self.calls.append(("join_fast_llm",))
-        self._joined, self.epoch = True, "fast-llm"
+        self._joined, self.epoch, self.fast_llm_generation = True, "fast-llm", self.store_generation
         return True
 
     def join(self, epoch: str) -> None:
@@ -148,6 +149,42 @@ def test_fast_llm_updates_are_versioned_by_the_step_and_a_failed_transfer_rejoin
     follower.handle(ready(None, 4))
     assert engine.calls[3:] == [("receive", 4), ("apply", 4)]
     assert follower.rejected == 1 and engine.version == 4
+
+
+def _announce(client, keys: protocol.StreamKeys, generation: str) -> protocol.TrainerEvent:
+    """What the trainer pod's launcher writes before Fast-LLM starts (rlkube.core.fast_llm_launch)."""
+    sid = client.xadd(keys.events, protocol.encode_event(protocol.BROADCAST_OPENED, generation=generation))
+    ((_, fields),) = client.xrange(keys.events, sid, sid)
+    return protocol.decode_event(sid, fields)
+
+
+def test_a_restarted_fast_llm_trainer_is_rejoined_on_its_announcement_and_only_the_newest_counts(redis_client):
+    keys = protocol.StreamKeys("t/")
+    engine = RecordingEngine(fast_llm=True)
+    follower = WeightFollower(redis_client, keys, engine)
+    engine.store_generation = "g1"
+    first = _announce(redis_client, keys, "g1")
+    follower.handle(first)  # no group held: join the announced one
+    assert engine.calls == [("leave",), ("join_fast_llm",)] and engine.fast_llm_generation == "g1"
+    follower.handle(first)  # the generation held: nothing to do
+    assert len(engine.calls) == 2
+    # The trainer restarted twice: only the newest announcement is acted on (both stores are at one address).
+    second, third = _announce(redis_client, keys, "g2"), _announce(redis_client, keys, "g3")
+    engine.store_generation = "g3"
+    follower.handle(second)
+    assert len(engine.calls) == 2
+    follower.handle(third)
+    assert engine.calls[2:] == [("leave",), ("join_fast_llm",)] and engine.fast_llm_generation == "g3"
+    # A receiver that already joined the newest store (after a failed transfer) stays in it.
+    follower.handle(third)
+    assert len(engine.calls) == 4
+
+
+def test_a_broadcast_announcement_means_nothing_to_our_own_wire(redis_client):
+    keys = protocol.StreamKeys("t/")
+    engine = RecordingEngine()
+    WeightFollower(redis_client, keys, engine).handle(_announce(redis_client, keys, "g1"))
+    assert engine.calls == []
 
 
 def test_training_finished_leaves_the_group_and_a_stopped_follower_takes_no_update():

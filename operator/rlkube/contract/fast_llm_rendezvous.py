@@ -12,6 +12,18 @@ WEIGHTS_SHARD = "weights"
 """The shard name of model weights in Fast-LLM's metadata (fast_llm/engine/checkpoint/huggingface.py:101); other shards are received and
 dropped, as PipelineRL's receiver does."""
 
+GENERATION_KEY = "rlkube/broadcast_generation"
+"""The key of the broadcast store (hosted by the trainer pod's launcher, rlkube.core.fast_llm_launch) that names
+its generation, a fresh value each time the launcher starts. Fast-LLM forms its group once per trainer run and
+announces nothing before that group is complete, so a restarted trainer would wait in its group constructor for
+receivers still in the dead one. The launcher writes the generation here and announces it in the trainer's events
+(protocol.BROADCAST_OPENED) before Fast-LLM starts; a receiver reads it from the store it joined through, and on an
+announcement of another generation leaves its group and joins the new one. Read from the store, not the events,
+the generation is the one of the group actually joined, whatever the order of joins and announcements."""
+GENERATION_WAIT_S = 5.0
+"""How long a receiver waits for the generation key after its rendezvous (the launcher writes it right after
+opening the store); a store without it (no rlkube launcher) is generation None."""
+
 RECEIVER_TIMEOUT_S = 7200.0
 """spec.trainer.fastLlm.broadcastTimeoutSeconds' default (broadcast_timeout_s is a job's value)."""
 

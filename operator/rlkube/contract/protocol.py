@@ -37,7 +37,11 @@ EVALUATION = "evaluation"  # written by actor 0, not the trainer (spec.evaluatio
 # A tracker (spec.tracking) that failed in the trainer: {"type", "tracker", "message"}, once per tracker and trainer
 # process; the launchers report it as the condition TrackerFailed (rlkube.core.tracking).
 TRACKER_FAILED = "tracker_failed"
-EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION, TRACKER_FAILED)
+# A Fast-LLM trainer pod's launcher opened a new weight-broadcast store: {"type", "generation"}, before Fast-LLM
+# starts; receivers in an older generation's group join the new one (rlkube.contract.fast_llm_rendezvous).
+BROADCAST_OPENED = "broadcast_opened"
+EVENT_TYPES = (WEIGHTS_READY, TRAINING_FINISHED, CHECKPOINT_SAVED, METRICS, EVALUATION, TRACKER_FAILED,
+               BROADCAST_OPENED)
 
 
 def consumer_name(rank: int) -> str:

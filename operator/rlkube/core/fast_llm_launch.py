@@ -16,7 +16,9 @@ Fast-LLM's own launcher (`torchrun ... --no-python fast-llm train gpt --config .
    ProcessGroupPool in fast_llm/engine/distributed/distributed.py). torchrun gives its workers
    TORCHELASTIC_USE_AGENT_STORE=True, which makes that rendezvous a client only, so no process would serve the
    store and rank 0 and the inference servers would wait for each other forever. PipelineRL's launcher hosts the
-   store before it starts torchrun (pipelinerl/launch.py on its fast-llm branch); so does this process.
+   store before it starts torchrun (pipelinerl/launch.py on its fast-llm branch); so does this process. It also
+   gives the store a fresh generation and announces it in the trainer's events before Fast-LLM starts: receivers
+   still in a dead trainer's group join the new one (rlkube.contract.fast_llm_rendezvous.GENERATION_KEY).
 
 
 Before it starts the child it checks two things that would otherwise only burn the job's restart budget:
@@ -44,9 +46,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from collections.abc import Sequence
 
-from rlkube.contract import checkpoint_loss, protocol, runtime
+from rlkube.contract import checkpoint_loss, fast_llm_rendezvous, protocol, runtime
 from rlkube.contract.runtime import ENV_REDIS_PASSWORD
 from rlkube.core.errors import ConfigError, write_termination_message
 
@@ -168,15 +172,38 @@ class _Connection:
             self.upstream.close()
 
 
-def host_broadcast_store(port: int):
-    """Serve the TCPStore Fast-LLM's rank 0 and the inference servers meet in (clients only under torchrun).
+def host_broadcast_store(port: int, generation: str | None = None):
+    """Serve the TCPStore Fast-LLM's rank 0 and the inference servers meet in (clients only under torchrun), with
+    its generation (a fresh one unless given) under fast_llm_rendezvous.GENERATION_KEY.
 
     Bound on every interface: Fast-LLM reaches it on loopback, the inference servers through the trainer Service."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    return dist.TCPStore("0.0.0.0", port, None, True, timedelta(seconds=300), wait_for_workers=False)
+    store = dist.TCPStore("0.0.0.0", port, None, True, timedelta(seconds=300), wait_for_workers=False)
+    store.set(fast_llm_rendezvous.GENERATION_KEY, generation or uuid.uuid4().hex)
+    return store
+
+
+ANNOUNCE_ATTEMPTS, ANNOUNCE_RETRY_S = 30, 2.0  # Redis may still be starting with the job's other pods
+
+
+def announce_generation(client, stream: str, generation: str) -> None:
+    """Tell the receivers a new broadcast store is open (protocol.BROADCAST_OPENED), before Fast-LLM starts: those
+    still in an older generation's group leave it and join this one, so the new trainer's group constructor does
+    not wait its whole timeout for them (rlkube.contract.fast_llm_rendezvous.GENERATION_KEY)."""
+    import redis
+
+    for attempt in range(ANNOUNCE_ATTEMPTS):
+        try:
+            client.xadd(stream, protocol.encode_event(protocol.BROADCAST_OPENED, generation=generation))
+            return
+        except redis.exceptions.ConnectionError as exc:
+            if attempt + 1 == ANNOUNCE_ATTEMPTS:
+                raise
+            log.warning("announcing broadcast generation %s: %s; retrying", generation, exc)
+            time.sleep(ANNOUNCE_RETRY_S)
 
 
 def _exit_code(returncode: int) -> int:
@@ -281,6 +308,17 @@ def run(argv: Sequence[str] | None = None, env: dict | None = None) -> int:
 
     relay = RedisAuthRelay(args.redis_listen, args.redis_upstream, env.get(ENV_REDIS_PASSWORD) or None).start()
     store = host_broadcast_store(args.broadcast_store_port) if args.broadcast_store_port else None
+    if store is not None:
+        import redis
+
+        generation = store.get(fast_llm_rendezvous.GENERATION_KEY).decode()
+        host, port = args.redis_upstream
+        client = redis.Redis(host=host, port=port, password=env.get(ENV_REDIS_PASSWORD) or None, socket_timeout=30)
+        try:
+            announce_generation(client, args.events_stream, generation)
+        finally:
+            client.close()
+        log.info("weight-broadcast generation %s announced in %s", generation, args.events_stream)
     log.info("redis relay %s:%d -> %s:%d%s; starting %s", *relay.address, *args.redis_upstream,
              f"; weight-broadcast store on port {args.broadcast_store_port}" if store is not None else "",
              " ".join(command))

@@ -34,9 +34,13 @@ One update (streaming.py:97-119), after each successful step and once at run beg
   (distributed.py:50-64). On gloo every buffer is on the CPU (distributed.py:30-36).
 - `training_finished` (streaming.py:82-86) comes after the last update; Fast-LLM then shuts its group down.
 
-What a receiver cannot do: rejoin. Fast-LLM forms the group once, with a fixed world size, and has no epochs;
-an inference server that restarts finds no group to join (Fast-LLM's next broadcast fails and the trainer pod
-restarts, forming the group anew with every server).
+Rejoining. Fast-LLM forms the group once, with a fixed world size, and has no epochs: an inference server that
+restarts finds no group to join (Fast-LLM's next broadcast fails and the trainer pod restarts, forming the group
+anew with every server). A restarted trainer announces nothing before its group is complete, so a receiver idle in
+the dead trainer's group would never notice it: the trainer pod's launcher (rlkube.core.fast_llm_launch) writes a
+fresh generation into the store it hosts and announces it (protocol.BROADCAST_OPENED) before Fast-LLM starts; a
+receiver records the generation of the store it joined through (`generation`) and the inference shell rejoins on
+an announcement of another one (rlkube.contract.fast_llm_rendezvous.GENERATION_KEY).
 """
 
 from __future__ import annotations
@@ -50,7 +54,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlkube.contract.fast_llm_rendezvous import EPOCH, WEIGHTS_SHARD, store_prefix
+from rlkube.contract.fast_llm_rendezvous import (
+    EPOCH,
+    GENERATION_KEY,
+    GENERATION_WAIT_S,
+    WEIGHTS_SHARD,
+    store_prefix,
+)
 from rlkube.core.weights.group import WeightSyncError, _check_backend, _drop_group, _make_group, parse_addr
 
 log = logging.getLogger(__name__)
@@ -74,6 +84,17 @@ def unpickle_metadata(data: bytes) -> Any:
     return _MetadataUnpickler(io.BytesIO(data)).load()
 
 
+def store_generation(store) -> str | None:
+    """The generation the trainer pod's launcher wrote in the broadcast store (GENERATION_KEY), None for a store
+    without one (a Fast-LLM rank 0 not started by rlkube's launcher)."""
+    try:
+        if not store.check([GENERATION_KEY]):
+            store.wait([GENERATION_KEY], datetime.timedelta(seconds=GENERATION_WAIT_S))
+        return store.get(GENERATION_KEY).decode()
+    except Exception:  # noqa: BLE001 - torch raises DistStoreError or a plain RuntimeError on the timeout
+        return None
+
+
 class FastLlmReceiver:
     """One receiving rank of Fast-LLM's broadcast group (an inference server, or one of its TP workers)."""
 
@@ -91,6 +112,7 @@ class FastLlmReceiver:
         self.local_host = local_host
         self.pg: dist.ProcessGroup | None = None
         self.epoch: str | None = None
+        self.generation: str | None = None  # the broadcast store's (GENERATION_KEY) when joined
 
     @property
     def joined(self) -> bool:
@@ -104,12 +126,13 @@ class FastLlmReceiver:
             # distributed.py:65-72: the same call Fast-LLM's rank 0 makes, with our rank (a store client).
             store, _, _ = next(dist.rendezvous(f"tcp://{self.host}:{self.port}", self.rank, self.world_size,
                                                timeout=self.timeout))
+            generation = store_generation(store)
             prefixed = dist.PrefixStore(store_prefix(self.world_size), store)
             self.pg = _make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
         except Exception as exc:
             raise WeightSyncError(f"joining Fast-LLM's weight broadcast at {self.host}:{self.port} as rank "
                                   f"{self.rank} of {self.world_size} failed: {exc}") from exc
-        self.epoch = EPOCH
+        self.epoch, self.generation = EPOCH, generation
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

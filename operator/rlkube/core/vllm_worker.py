@@ -233,10 +233,12 @@ class RlkubeWorkerExtension:
         return {"ok": True, "rank": rank}
 
     def rlkube_fast_llm_status(self) -> dict[str, Any]:
-        """{"joined": bool, "error": the join's failure or None, "rank"}: joined once the group formed."""
+        """{"joined": bool, "error": the join's failure or None, "rank", "generation": the broadcast store's}:
+        joined once the group formed."""
         receiver = self._rlkube_fast_llm
         return {"joined": receiver is not None and receiver.joined, "error": self._rlkube_fast_llm_error,
-                "rank": receiver.rank if receiver is not None else None}
+                "rank": receiver.rank if receiver is not None else None,
+                "generation": receiver.generation if receiver is not None else None}
 
     def rlkube_fast_llm_receive(self, version: int) -> dict[str, Any]:
         """Receive one Fast-LLM update (announced as step `version`) and load it by HF name. A failed transfer

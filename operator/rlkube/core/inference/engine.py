@@ -68,6 +68,9 @@ class Engine(ABC):
     epoch: str | None
     """The weight-update epoch /health reports: the one joined, None before (and, for our own wire, after) a
     group."""
+    fast_llm_generation: str | None = None
+    """Fast-LLM only: the generation of the broadcast store the group was joined through (rlkube.contract.
+    fast_llm_rendezvous.GENERATION_KEY); an announced other generation means a restarted trainer to rejoin."""
     ranks: list[int]
     """The ranks this server joined the group as (one per tensor-parallel worker)."""
     world_size: int

@@ -9,12 +9,13 @@ A background thread (`WeightFollower`) follows the trainer's events stream. On `
 join the announced epoch's weight-update group when it is a new one (leaving the old), receive and load the update,
 and put it in effect; generation keeps going meanwhile (docs/references.md §6.4: the first update must not pause
 generation, so requests are never gated on the update). A Fast-LLM trainer forms its broadcast group once, before
-its first `weights_ready`, which carries no epoch: the follower joins it at start-up and again after a failed
-transfer (a restarted Fast-LLM forms it anew with every receiver). /health answers 200 only once the engine is
-warm and the first update arrived over the group (so the server has joined it; the trainer's start-up push makes
-that happen without any training step). An update that arrives but cannot be served is counted in
-`rejected_updates` and the old version keeps serving; one that may have left the engine half loaded stops the
-server with exit 1 (the restart brings a fresh one, which loads the model directory and rejoins). On
+its first `weights_ready`, which carries no epoch: the follower joins it at start-up, again after a failed
+transfer, and when the trainer pod's launcher announces a new broadcast store (`broadcast_opened`, a restarted
+trainer: it forms the group anew with every receiver and waits for them in its constructor). /health answers 200
+only once the engine is warm and the first update arrived over the group (so the server has joined it; the
+trainer's start-up push makes that happen without any training step). An update that arrives but cannot be
+served is counted in `rejected_updates` and the old version keeps serving; one that may have left the engine half
+loaded stops the server with exit 1 (the restart brings a fresh one, which loads the model directory and rejoins). On
 `training_finished` it leaves the group, as the trainer does on the same event (docs/references.md §6.5), and the
 server keeps serving until SIGTERM, then exits 0.
 
@@ -73,6 +74,20 @@ STOP_WAIT_S = 0.5
 
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
+
+
+def newest_announcement(client: redis.Redis, stream: str, page: int = 200) -> protocol.TrainerEvent | None:
+    """The newest BROADCAST_OPENED event in the events stream, None for none."""
+    cursor = "+"
+    while True:
+        entries = client.xrevrange(stream, cursor, "-", count=page)
+        for sid, fields in entries:
+            event = protocol.decode_event(sid, fields)
+            if event is not None and event.type == protocol.BROADCAST_OPENED:
+                return event
+        if len(entries) < page:
+            return None
+        cursor = "(" + protocol.text(entries[-1][0])
 
 
 class WeightFollower:
@@ -157,6 +172,10 @@ class WeightFollower:
             self.engine.leave()
             self.finished.set()
             return
+        if event.type == protocol.BROADCAST_OPENED:
+            if self.engine.fast_llm:
+                self._rejoin_fast_llm(event)
+            return
         if event.type != protocol.WEIGHTS_READY:
             return
         t0 = time.monotonic()
@@ -202,6 +221,27 @@ class WeightFollower:
         log.info("%s version %d in effect (checksum %r, transfer %.3fs, load %.3fs)",
                  "adapter" if update.adapter else "weights", update.version, update.checksum, update.transfer_s,
                  update.load_s)
+
+    def _rejoin_fast_llm(self, event: protocol.TrainerEvent) -> None:
+        """A Fast-LLM trainer pod's launcher opened a broadcast store (a trainer that restarted): unless it is the
+        generation of the group held, leave that group (its trainer is gone) and join the new one, whose trainer
+        waits in its group constructor for every receiver (rlkube.contract.fast_llm_rendezvous.GENERATION_KEY).
+        Only the newest announcement counts: every generation is reached at the same address, so acting on an
+        older one would leave the current group."""
+        generation = event.payload.get("generation")
+        try:
+            newest = newest_announcement(self.redis, self.keys.events)
+        except redis.exceptions.RedisError as exc:
+            log.warning("reading the newest broadcast announcement: %s; acting on %s", exc, event.stream_id)
+            newest = event
+        if newest is not None and newest.stream_id != event.stream_id:
+            return  # a newer announcement follows in the stream
+        if self.engine.joined and self.engine.fast_llm_generation == generation:
+            return
+        log.info("Fast-LLM's trainer opened broadcast generation %s (%s): joining it", generation,
+                 f"ours is {self.engine.fast_llm_generation}" if self.engine.joined else "no group held")
+        self.engine.leave()
+        self._join_fast_llm()
 
     def _refused(self, event: protocol.TrainerEvent, exc: Exception) -> None:
         self.rejected += 1
