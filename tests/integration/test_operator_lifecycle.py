@@ -80,7 +80,8 @@ async def test_example_creates_exactly_its_children_and_nothing_more(env: Env, k
     assert redis["command"][:2] == ["redis-server", "--port"] and "$(REDIS_PASSWORD)" in redis["command"]
     assert redis["readinessProbe"]["tcpSocket"]["port"] == 6379
     config_json = kids["ConfigMap/tiny-cpu-config"]["data"]["job.json"]
-    assert json.loads(config_json) == {"namespace": env.namespace, "name": "tiny-cpu", "spec": job["spec"]}
+    assert json.loads(config_json) == {"namespace": env.namespace, "name": "tiny-cpu", "uid": job["metadata"]["uid"],
+                                       "spec": job["spec"]}
 
     # The operator reads events from its Redis pod (a real redis-server at the pod IP, password from the Secret).
     await env.recorder.wait(

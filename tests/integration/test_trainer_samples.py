@@ -130,6 +130,44 @@ def test_a_trainer_restarted_from_an_older_checkpoint_keeps_each_step_once(redis
     assert [(r["step"], r["reward"]) for r in rows] == [(2, 0.25), (4, 0.5), (6, 1.0)]
 
 
+def test_a_new_job_on_a_reused_claim_keeps_its_own_steps_and_a_restart_of_it_keeps_each_once(redis_client, tmp_path):
+    """The claim still holds an earlier job's samples.jsonl (steps 2 and 4, versions 0 and 2 evaluated): a new job
+    (another uid) keeps its steps 2 and 4 and evaluates its versions all the same; its restarted trainer (the same
+    uid) keeps none of them twice. A reader asking for the new job's rows gets its rows only."""
+    import numpy as np
+
+    keys = protocol.StreamKeys.for_job("ns", "reused")
+    spec = SamplesSpec(everySteps=2, perStep=1)
+
+    def doc(sid: str, reward: float) -> protocol.Document:
+        return protocol.Document(tokens=np.arange(6, dtype=np.int64), loss_masking_spans=[(0, 3)], advantage=0.0,
+                                 reward=reward, stream_id=sid)
+
+    def evaluated(version: int) -> None:
+        redis_client.xadd(keys.evaluation_samples, {contract.EVALUATION_FIELD: orjson.dumps(
+            {"version": version, "rows": [{"kind": "evaluation", "version": version, "step": version}]})})
+
+    old = SampleKeeper(spec, redis_client, keys, tmp_path, decode, run="uid-old")
+    evaluated(0)
+    assert len(old.keep_step(2, 1, [doc("1-0", 0.1)])) == 1 and len(old.keep_step(4, 3, [doc("2-0", 0.2)])) == 1
+    assert [r["version"] for r in old.drain_evaluations(4)] == [0]
+    redis_client.delete(keys.evaluation_samples)  # the new job's own Redis
+
+    new = SampleKeeper(spec, redis_client, keys, tmp_path, decode, run="uid-new")
+    evaluated(0)
+    assert [r["run"] for r in new.keep_step(2, 1, [doc("3-0", 0.5)])] == ["uid-new"]
+    assert [r["run"] for r in new.drain_evaluations(2)] == ["uid-new"]
+    restarted = SampleKeeper(spec, redis_client, keys, tmp_path, decode, run="uid-new")
+    assert restarted.keep_step(2, 1, [doc("4-0", 0.7)]) == [] and restarted.drain_evaluations(2) == []
+    assert len(restarted.keep_step(4, 3, [doc("5-0", 0.9)])) == 1
+    rows = list(contract.read_rows(tmp_path / contract.FILE))
+    mine = contract.of_run(rows, "uid-new")
+    assert [(r["kind"], r["step"], r["reward"] if r["kind"] == contract.TRAIN else None) for r in mine] == [
+        ("train", 2, 0.5), ("evaluation", 0, None), ("train", 4, 0.9)]
+    assert len(rows) == len(mine) + 3  # the earlier job's rows stay (the file is only appended to)
+    assert contract.kept_steps(tmp_path / contract.FILE, "uid-new") == {2, 4}
+
+
 def test_the_file_stops_at_max_bytes_and_training_rows_are_cut_at_max_text_chars(redis_client, tmp_path):
     keys = protocol.StreamKeys.for_job("ns", "bound")
     spec = SamplesSpec(everySteps=1, perStep=1, maxBytes=4096, maxTextChars=16)

@@ -58,13 +58,13 @@ def test_services_are_headless_with_port_equal_to_target_port():
 def test_config_map_holds_the_job_config_in_runtime_format():
     job = ref()
     doc = json.loads(builders.config_map(job)["data"]["job.json"])
-    assert doc == {"namespace": "ns", "name": "tj", "spec": job.raw_spec}
+    assert doc == {"namespace": "ns", "name": "tj", "uid": "uid-1", "spec": job.raw_spec}  # uid: the run (docs/design.md §5.7)
     import tempfile
 
     from rlkube.contract.runtime import write_job_config
 
     with tempfile.TemporaryDirectory() as d:
-        written = write_job_config(Path(d) / "job.json", "ns", "tj", job.raw_spec).read_text()
+        written = write_job_config(Path(d) / "job.json", "ns", "tj", job.raw_spec, uid=job.uid).read_text()
     assert written == builders.config_map(job)["data"]["job.json"]
 
 

@@ -72,6 +72,36 @@ def test_a_line_cut_by_a_crash_is_skipped(tmp_path):
     assert samples.evaluated_versions(path) == {10}
 
 
+def test_a_run_counts_and_reads_only_its_own_rows_on_a_shared_file(tmp_path):
+    """A claim reused by a new job: the earlier job's rows are not the new job's kept steps, and the readers (a run
+    directory through its job.json's uid, a job through its uid) show the new job's rows only."""
+    from rlkube.contract import runtime
+    from rlkube.runs.samples import local_rows, rows_of
+
+    log = samples.BoundedLog(tmp_path / samples.FILE, max_bytes=1 << 20)
+    log.append([{"kind": "train", "step": 30, "run": "old"},
+                {"kind": "evaluation", "version": 30, "step": 30, "run": "old"},
+                {"kind": "train", "step": 10, "run": "new"}, {"kind": "train", "step": 20}])
+    assert samples.kept_steps(log.path, "new") == {10} and samples.kept_steps(log.path, "old") == {30}
+    assert samples.kept_steps(log.path) == {20}  # a keeper that knows no run: the rows that name none
+    assert samples.evaluated_versions(log.path, "new") == set()
+    assert len(rows_of(str(tmp_path))) == 4  # no job.json: the reader cannot tell runs apart
+    runtime.write_job_config(tmp_path / "job.json", "ns", "job", {}, uid="new")
+    assert [r["step"] for r in rows_of(str(tmp_path))] == [10] == [r["step"] for r in local_rows(tmp_path)]
+    assert [r["step"] for r in samples.of_run(samples.read_rows(log.path), "old")] == [30, 30]
+
+
+def test_text_read_through_the_api_server_is_cut_into_rows_at_newlines_only(tmp_path):
+    """A model's text may hold U+2028 or U+0085, which JSON keeps as they are (ensure_ascii off) and str.splitlines
+    cuts at: every row comes back whole."""
+    log = samples.BoundedLog(tmp_path / samples.FILE, max_bytes=1 << 20)
+    rows = [{"kind": "train", "step": 30, "completion": f"a{sep}b"} for sep in ("\u2028", "\x85", "\x0c", "")]
+    log.append(rows)
+    text = log.path.read_text(encoding="utf-8")
+    assert list(samples.parse_text(text)) == rows == list(samples.read_rows(log.path))
+    assert len(list(samples.parse_rows(text.splitlines()))) < len(rows)  # what splitlines did
+
+
 def test_filters_by_step_kind_and_reward():
     rows = [{"kind": k, "step": s, "reward": r} for k in ("train", "evaluation") for s in (10, 20, 30)
             for r in (0.0, 1.0)]
@@ -98,3 +128,22 @@ def test_the_claim_reader_pod_is_hardened_read_only_and_owned_by_the_job():
     (container,) = pod["spec"]["containers"]
     assert container["volumeMounts"][0]["readOnly"] is True and container["command"][-1] == "/checkpoints/samples.jsonl"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1" and pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_an_exec_reply_is_cut_into_its_channels_and_its_exit_code():
+    """pods/exec frames (channel byte, data): stdout joined before decoding (a frame may end inside a UTF-8
+    character), stderr apart, the exit code from the error channel's status."""
+    from rlkube.runs.kube import exec_result
+
+    row = '{"kind": "train", "step": 30, "completion": "é"}\n'.encode()
+    cut = row.index(b"\xc3") + 1
+    ok = exec_result([b"\x01", b"\x02", b"\x03", b"\x01" + row[:cut], b"\x02warning\n", b"\x01" + row[cut:],
+                      b'\x03{"metadata": {}, "status": "Success"}'])
+    assert (ok.stdout, ok.stderr, ok.code) == (row.decode(), "warning\n", 0)
+    assert list(samples.parse_text(ok.stdout)) == [json.loads(row)]
+    status = {"status": "Failure", "reason": "NonZeroExitCode",
+              "details": {"causes": [{"reason": "ExitCode", "message": "1"}]}}
+    failed = exec_result([b"\x02Traceback (most recent call last):\nFileNotFoundError: x\n",
+                          b"\x03" + json.dumps(status).encode()])
+    assert failed.code == 1 and "FileNotFoundError" in failed.stderr and failed.stdout == ""
+    assert exec_result([]).code == 1  # nothing at all came back: not an empty file

@@ -98,6 +98,20 @@ def test_run_state_keeps_ids_and_logged_steps_per_tracker_across_restarts(tmp_pa
     assert RunState(tmp_path / "other", "job").run_id("wandb") != first.run_id("wandb")  # another job's run
 
 
+def test_a_new_job_on_a_reused_volume_starts_its_own_run(tmp_path):
+    """The run state names its run (the TrainingJob's uid): the same job's restart resumes it, another job that
+    finds the file on a reused claim starts a run of its own instead of logging into the earlier job's."""
+    first = RunState(tmp_path, "job", uid="uid-1")
+    first.set_run_id("mlflow", "abc")
+    first.mark("mlflow", {"train/loss": 1.0}, 30)
+    restarted = RunState(tmp_path, "job", uid="uid-1")
+    assert restarted.resumed and restarted.run_id("mlflow") == "abc"
+    other = RunState(tmp_path, "job", uid="uid-2")
+    assert not other.resumed and other.run_id("mlflow") is None and other.run_id("wandb") != first.run_id("wandb")
+    assert other.unlogged("mlflow", {"train/loss": 0.5}, 1) == {"train/loss": 0.5}
+    assert RunState(tmp_path, "job", uid="uid-2").resumed  # the file is the new job's now
+
+
 def test_an_unreadable_run_state_starts_a_new_run(tmp_path):
     (tmp_path / "run.json").write_text("{not json")
     state = RunState(tmp_path, "job")

@@ -50,6 +50,7 @@ class RoleContext:
     checkpoint_dir: Path | None = None
     output_dir: Path | None = None
     model_cache_dir: Path | None = None  # None: rlkube.core.hf.source.default_cache_dir()
+    uid: str | None = None  # the run: the TrainingJob's uid, or the id `rlkube local` drew (None: not given)
 
     @property
     def keys(self) -> StreamKeys:
@@ -91,4 +92,5 @@ class RoleContext:
             checkpoint_dir=Path(env[ENV_CHECKPOINT_DIR]) if env.get(ENV_CHECKPOINT_DIR) else None,
             output_dir=Path(env[ENV_OUTPUT_DIR]) if env.get(ENV_OUTPUT_DIR) else None,
             model_cache_dir=Path(env[ENV_MODEL_CACHE]) if env.get(ENV_MODEL_CACHE) else None,
+            uid=str(doc["uid"]) if doc.get("uid") else None,
         )

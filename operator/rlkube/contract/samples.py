@@ -16,6 +16,9 @@ A row (one JSON object per line):
                    environment's answers are `masked` (out of the loss, as the prompt is)
     reward, advantage (train), finish_reason ("stop", "length", "truncated", "timeout"), episode (counts: turns,
     tool_calls, tool_errors, ...; multi-turn only), group, truncated (text cut at maxTextChars), time
+    run            the run that kept it: the TrainingJob's uid in a cluster, the id `rlkube local` draws per run
+                   (the job config's `uid`). A claim can outlive its job: a new job writing to it appends beside
+                   an earlier job's rows, and neither its keeper nor its readers take those for its own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +132,12 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
         yield from parse_rows(fh)
 
 
+def parse_text(text: str) -> Iterator[dict[str, Any]]:
+    """The rows of a samples file's text (read through the API server): cut at "\\n" alone, as the file is written;
+    str.splitlines would also cut inside a row at the U+2028 or U+0085 a model's text may hold (JSON keeps them)."""
+    return parse_rows(text.split("\n"))
+
+
 def parse_rows(lines: Any) -> Iterator[dict[str, Any]]:
     for line in lines:
         try:
@@ -139,21 +148,29 @@ def parse_rows(lines: Any) -> Iterator[dict[str, Any]]:
             yield row
 
 
-def evaluated_versions(path: Path) -> set[int]:
-    """The versions whose evaluation rows the file holds (a restarted trainer does not write them twice)."""
-    return _numbers(path, EVALUATION, "version")
+def of_run(rows: Iterable[dict[str, Any]], run: str | None) -> list[dict[str, Any]]:
+    """The rows run `run` kept (every row when the reader does not know the run: a file copied on its own)."""
+    return [r for r in rows if run is None or r.get("run") == run]
 
 
-def kept_steps(path: Path) -> set[int]:
-    """The steps whose training rows the file holds: a trainer restarted from an older checkpoint trains those steps
-    again and keeps none of them twice (the first rows stay: the file is only appended to)."""
-    return _numbers(path, TRAIN, "step")
+def evaluated_versions(path: Path, run: str | None = None) -> set[int]:
+    """The versions whose evaluation rows run `run` wrote to the file (its restarted trainer does not write them
+    twice; another run's rows are not its)."""
+    return _numbers(path, EVALUATION, "version", run)
 
 
-def _numbers(path: Path, kind: str, key: str) -> set[int]:
+def kept_steps(path: Path, run: str | None = None) -> set[int]:
+    """The steps whose training rows run `run` kept in the file: its trainer restarted from an older checkpoint
+    trains those steps again and keeps none of them twice (the first rows stay: the file is only appended to). Rows
+    of another run (an earlier job on the same claim) do not count: a new job keeps its own steps."""
+    return _numbers(path, TRAIN, "step", run)
+
+
+def _numbers(path: Path, kind: str, key: str, run: str | None) -> set[int]:
     if not path.exists():
         return set()
-    return {int(r[key]) for r in read_rows(path) if r.get("kind") == kind and isinstance(r.get(key), int)}
+    return {int(r[key]) for r in read_rows(path)
+            if r.get("kind") == kind and r.get("run") == run and isinstance(r.get(key), int)}
 
 
 def record(group_id: str, index: int, finished: bool, episode: dict[str, Any] | None, actor: str) -> bytes:

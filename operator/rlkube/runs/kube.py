@@ -16,6 +16,8 @@ WsApiClient speaks the exec websocket protocol.
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION, TrainingJobSpec
@@ -28,6 +30,48 @@ class JobFilesError(RuntimeError):
     """The job's file cannot be read (no such job, no trainer pod and no claim, the file absent)."""
 
 
+@dataclass(frozen=True)
+class JobFile:
+    text: str
+    where: str  # how it was read, for --verbose
+    uid: str | None  # the TrainingJob's metadata.uid: the run whose rows are the job's (docs/design.md §5.7)
+
+
+STDOUT, STDERR, ERROR = 1, 2, 3  # the channels of the exec websocket protocol (v4.channel.k8s.io)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    stdout: str
+    stderr: str
+    code: int | None  # the command's exit code; None: the API server sent no status (the stream broke)
+
+
+def exec_result(frames: list[bytes | str]) -> ExecResult:
+    """What a pods/exec websocket carried: each frame is its channel's byte then data. Each channel's bytes are
+    joined before decoding (a frame may end inside a UTF-8 character); the error channel holds the exit status."""
+    channels: dict[int, bytearray] = {STDOUT: bytearray(), STDERR: bytearray(), ERROR: bytearray()}
+    for frame in frames:
+        data = frame.encode() if isinstance(frame, str) else bytes(frame or b"")
+        if len(data) > 1 and data[0] in channels:
+            channels[data[0]] += data[1:]
+    code: int | None = None
+    if channels[ERROR]:
+        try:
+            status = json.loads(bytes(channels[ERROR]))
+            if status.get("status") == "Success":
+                code = 0
+            else:
+                causes = (status.get("details") or {}).get("causes") or []
+                code = next((int(c["message"]) for c in causes if c.get("reason") == "ExitCode"), 1)
+        except (ValueError, TypeError, AttributeError, KeyError):
+            code = 1
+    text = {k: bytes(v).decode("utf-8", errors="replace") for k, v in channels.items()}
+    if code is None and not text[STDOUT]:
+        code = 1  # nothing came back, not even a status: no reading to trust
+    return ExecResult(text[STDOUT], text[STDERR] or text[ERROR], code)
+
+
 def _names(job: str) -> tuple[str, str]:
     from rlkube.controller import names
 
@@ -35,7 +79,8 @@ def _names(job: str) -> tuple[str, str]:
 
 
 async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
-                context: str | None) -> tuple[str, str]:
+                context: str | None) -> JobFile:
+    from aiohttp import WSMsgType
     from kubernetes_asyncio import client, config
     from kubernetes_asyncio.client.rest import ApiException
     from kubernetes_asyncio.stream import WsApiClient
@@ -53,6 +98,7 @@ async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
             if exc.status == 404:
                 raise JobFilesError(f"no TrainingJob {namespace}/{job}") from None
             raise
+        uid = (obj.get("metadata") or {}).get("uid")
         spec = (obj.get("status") or {}).get("startedSpec") or obj.get("spec") or {}
         checkpoint = (spec.get("trainer") or {}).get("checkpoint") or {}
         directory = checkpoint.get("path") or "/checkpoints"
@@ -66,13 +112,22 @@ async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
                 raise
         if pod is not None and pod.status.phase == "Running" and _running(pod, "trainer"):
             async with WsApiClient(cfg) as ws:
-                out = await client.CoreV1Api(ws).connect_get_namespaced_pod_exec(
+                # Unparsed (_preload_content=False): the client would json.loads a whole reply and hand back the
+                # str() of a one-row file's dict; and its own reader mixes stderr into stdout, dropping the exit code.
+                connection = await client.CoreV1Api(ws).connect_get_namespaced_pod_exec(
                     trainer, namespace, container="trainer", command=["python", "-c", READ, path], stderr=True,
-                    stdin=False, stdout=True, tty=False)
-            if "Traceback" in out and "FileNotFoundError" in out:
-                raise JobFilesError(f"{path} does not exist in pod {namespace}/{trainer} yet (spec.samples: the "
-                                    "first table is written at step everySteps)")
-            return out, f"{path} in the running trainer pod {namespace}/{trainer} (pods/exec)"
+                    stdin=False, stdout=True, tty=False, _preload_content=False)
+                async with connection as socket:
+                    result = exec_result([m.data async for m in socket
+                                          if m.type in (WSMsgType.BINARY, WSMsgType.TEXT)])
+            if result.code != 0:
+                if "FileNotFoundError" in result.stderr:
+                    raise JobFilesError(f"{path} does not exist in pod {namespace}/{trainer} yet (spec.samples: the "
+                                        "first table is written at step everySteps)")
+                raise JobFilesError(f"reading {path} in pod {namespace}/{trainer} failed (exit {result.code}): "
+                                    f"{result.stderr[-500:]}")
+            return JobFile(result.stdout, f"{path} in the running trainer pod {namespace}/{trainer} (pods/exec)",
+                           uid)
         claim = checkpoint.get("claimName")
         if not claim:
             raise JobFilesError(
@@ -81,7 +136,8 @@ async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
         image = ((spec.get("trainer") or {}).get("image") or spec.get("image")
                  or TrainingJobSpec.model_fields["image"].default)
         text = await _read_claim(core, namespace, reader, image, claim, directory, path, obj)
-        return text, f"{path} on claim {namespace}/{claim} (a reader pod, pods/log; the trainer pod is not running)"
+        return JobFile(text, f"{path} on claim {namespace}/{claim} (a reader pod, pods/log; the trainer pod is not "
+                       "running)", uid)
 
 
 def _running(pod: Any, container: str) -> bool:
@@ -143,7 +199,12 @@ async def _read_claim(core: Any, namespace: str, name: str, image: str, claim: s
                 raise JobFilesError(f"the reader pod {namespace}/{name} did not finish in {READER_TIMEOUT_S:g}s "
                                     f"(phase {pod.status.phase})")
             await asyncio.sleep(0.5)
-        log = await core.read_namespaced_pod_log(name, namespace, container="reader")
+        # Unparsed, as the exec above: a one-row file is one JSON object, which the client would turn into a dict.
+        response = await core.read_namespaced_pod_log(name, namespace, container="reader", _preload_content=False)
+        try:
+            log = (await response.read()).decode("utf-8", errors="replace")
+        finally:
+            response.release()
         if pod.status.phase == "Failed":
             raise JobFilesError(f"reading {path} from claim {claim} failed: {log[-500:]}")
         return log
@@ -173,6 +234,7 @@ async def _gone(core: Any, namespace: str, name: str, timeout_s: float = 60.0) -
 
 
 def read_job_file(namespace: str, job: str, filename: str, kubeconfig: str | None = None,
-                  context: str | None = None) -> tuple[str, str]:
-    """The text of `filename` in job `job`'s trainer output (its checkpoint directory), and where it was read."""
+                  context: str | None = None) -> JobFile:
+    """`filename` in job `job`'s trainer output (its checkpoint directory): its text, where it was read, and the
+    job's uid (its run: the claim may also hold an earlier job's rows)."""
     return asyncio.run(_read(namespace, job, filename, kubeconfig, context))

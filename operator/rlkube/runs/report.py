@@ -60,8 +60,9 @@ def load_run(run: str, namespace: str = "default", kubeconfig: str | None = None
                 name = json.loads(job.read_text()).get("name") or name
             except ValueError:
                 pass
-        r = Run(name, _jsonl(path / "metrics.jsonl"), _jsonl(path / "evaluation.jsonl"),
-                _jsonl(path / contract.FILE))
+        from rlkube.runs.samples import local_rows
+
+        r = Run(name, _jsonl(path / "metrics.jsonl"), _jsonl(path / "evaluation.jsonl"), local_rows(path))
         if not r.metrics:
             r.notes.append(f"{path}: no metrics.jsonl (written when `rlkube local` ends)")
         return r

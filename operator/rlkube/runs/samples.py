@@ -18,21 +18,37 @@ def rows_of(run: str, namespace: str = "default", kubeconfig: str | None = None,
     """Every row a run kept. `run`: a local run's output directory, a samples file, or a TrainingJob's name."""
     path = Path(run)
     if path.is_dir():
-        path = path / contract.FILE
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no samples in this run's output (spec.samples.everySteps 0, or no "
-                                    "step kept yet)")
-        return list(contract.read_rows(path))
+        if not (path / contract.FILE).exists():
+            raise FileNotFoundError(f"{path / contract.FILE}: no samples in this run's output (spec.samples."
+                                    "everySteps 0, or no step kept yet)")
+        return local_rows(path)
     if path.is_file():
         return list(contract.read_rows(path))
     if "/" in run or run.startswith("."):
         raise FileNotFoundError(f"{run}: no such run directory or file")
     from rlkube.runs.kube import read_job_file
 
-    text, where = read_job_file(namespace, run, contract.FILE, kubeconfig, context)
+    got = read_job_file(namespace, run, contract.FILE, kubeconfig, context)
+    rows = list(contract.parse_text(got.text))
+    mine = contract.of_run(rows, got.uid)
     if verbose:
-        print(f"read {where}", file=sys.stderr)
-    return list(contract.parse_rows(text.splitlines()))
+        print(f"read {got.where}: {len(mine)} rows of this job (uid {got.uid})"
+              + (f", {len(rows) - len(mine)} of earlier jobs on the same volume left out" if len(mine) < len(rows)
+                 else ""), file=sys.stderr)
+    return mine
+
+
+def local_rows(directory: Path) -> list[dict[str, Any]]:
+    """The rows a local run directory's run kept: those of the run its job.json names (`uid`), else every row."""
+    path = Path(directory) / contract.FILE
+    if not path.exists():
+        return []
+    uid = None
+    try:
+        uid = json.loads((Path(directory) / "job.json").read_text()).get("uid")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return contract.of_run(contract.read_rows(path), uid)
 
 
 @dataclass(frozen=True)

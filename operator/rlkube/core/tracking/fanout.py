@@ -132,13 +132,15 @@ def job_params(namespace: str, name: str, spec: TrainingJobSpec) -> dict[str, An
     return {"job.namespace": namespace, "job.name": name, **flatten(wire, "spec")}
 
 
-def build_trackers(spec: TrackingSpec, namespace: str, name: str, directory: Path | None, env=None) -> Trackers:
+def build_trackers(spec: TrackingSpec, namespace: str, name: str, directory: Path | None, env=None,
+                   uid: str | None = None) -> Trackers:
     """The sinks `spec` configures, their run state kept in `directory` (the checkpoint directory's `tracking/`;
-    None: nowhere, a run that cannot be resumed). Nothing configured: a Trackers that does nothing."""
+    None: nowhere, a run that cannot be resumed) for the run `uid`. Nothing configured: a Trackers that does
+    nothing."""
     env = os.environ if env is None else env
     if not spec.any:
         return Trackers.none()
-    run = RunState(directory, name)
+    run = RunState(directory, name, uid)
     tags = {"rlkube.namespace": namespace, "rlkube.job": name}
     trackers = Trackers(run=run, secrets=tuple(env.get(k, "") for k in SECRET_ENV))
     base = Path(directory) if directory is not None else Path(TRACKING_DIR)

@@ -6,6 +6,8 @@ logs to the same run. The file also holds, per tracker and series of metrics (th
 `eval`), the newest step the tracker took (marked after its client returned): after a restart the steps up to it
 are not logged again (a crash after the last checkpoint re-trains those steps; the trackers keep their first
 values), so a run's steps never repeat, and steps still queued when the process died are logged by the next one.
+The file names the run it belongs to (the TrainingJob's uid, or the id `rlkube local` drew): a new job on a reused
+volume starts a run of its own instead of writing into the earlier job's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def series(key: str) -> str:
 class RunState:
     """The run's ids and, per tracker and series, the newest step it took; written atomically after each change."""
 
-    def __init__(self, directory: Path | None, name: str):
+    def __init__(self, directory: Path | None, name: str, uid: str | None = None):
         self.path = None if directory is None else Path(directory) / RUN_FILE
         self.lock = threading.Lock()
         data: dict[str, Any] = {}
@@ -41,6 +43,12 @@ class RunState:
             except (OSError, ValueError) as exc:
                 log.warning("tracking: ignoring unreadable %s (%s): starting a new run", self.path, exc)
                 data = {}
+        if uid and data.get("uid") != uid:
+            if data:
+                log.info("tracking: %s belongs to run %s, not to this job's (%s): starting a new run", self.path,
+                         data.get("uid") or "(unnamed)", uid)
+            data = {}
+        self.uid = uid
         self.resumed = bool(data)
         self.name = str(data.get("name") or name)
         self.ids: dict[str, str] = {k: str(v) for k, v in (data.get("ids") or {}).items()}
@@ -80,7 +88,8 @@ class RunState:
         if self.path is None:
             return
         with self.lock:
-            data = {"name": self.name, "ids": dict(self.ids), "logged": {t: dict(s) for t, s in self.logged.items()}}
+            data = {"name": self.name, "uid": self.uid, "ids": dict(self.ids),
+                    "logged": {t: dict(s) for t, s in self.logged.items()}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{RUN_FILE}.{os.getpid()}.{threading.get_ident()}")

@@ -32,10 +32,11 @@ TABLE_TRAIN, TABLE_EVALUATION = "samples", "evaluation_samples"  # the trackers'
 class SampleKeeper:
     """What one trainer process does for `spec.samples`. `decode` turns token ids into text (the model's
     tokenizer, special tokens kept: what the model saw); `trackers` has `log_table(name, rows, step)` (rlkube.core.tracking) or is
-    None."""
+    None. `run` identifies the run (the job config's uid): every row carries it, and only this run's rows already
+    in the file count as kept (a claim reused by a new job holds an earlier job's rows)."""
 
     def __init__(self, spec: SamplesSpec, client: redis.Redis, keys: protocol.StreamKeys, out_dir: Path,
-                 decode: Any, trackers: Any = None, leader: bool = True):
+                 decode: Any, trackers: Any = None, leader: bool = True, run: str | None = None):
         self.spec = spec
         self.redis = client
         self.keys = keys
@@ -44,10 +45,11 @@ class SampleKeeper:
         self._decode = decode
         self.trackers = trackers
         self.leader = leader
+        self.run = run
         self.enabled = spec.every_steps > 0
         self.eval_from = "0-0"
-        self.eval_done: set[int] | None = None  # versions already in the file (read at the first drain)
-        self.kept: set[int] | None = None  # steps already in the file (read at the first due step)
+        self.eval_done: set[int] | None = None  # this run's versions in the file (read at the first drain)
+        self.kept: set[int] | None = None  # this run's steps in the file (read at the first due step)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode(list(ids))
@@ -66,7 +68,7 @@ class SampleKeeper:
         if not self.due(step) or not docs:
             return []
         if self.kept is None:
-            self.kept = contract.kept_steps(self.path)
+            self.kept = contract.kept_steps(self.path, self.run)
         if step in self.kept:  # trained again by a trainer restarted from an older checkpoint: kept once
             return []
         chosen = sorted(random.Random(step).sample(range(len(docs)), min(self.spec.per_step, len(docs))))
@@ -105,6 +107,7 @@ class SampleKeeper:
             "group": record.get("group"),
             "tokens": {"prompt": prompt_end, "completion": len(completion)},
             "time": contract.now(),
+            "run": self.run,
         }
         if record.get("episode"):
             row["episode"] = record["episode"]
@@ -117,7 +120,7 @@ class SampleKeeper:
         if not self.enabled or not self.leader:
             return []
         if self.eval_done is None:
-            self.eval_done = contract.evaluated_versions(self.path)
+            self.eval_done = contract.evaluated_versions(self.path, self.run)
         got = self.redis.xread({self.keys.evaluation_samples: self.eval_from}, count=100)
         out: list[dict[str, Any]] = []
         for _, entries in got or []:
@@ -133,7 +136,8 @@ class SampleKeeper:
                 if version in self.eval_done:
                     continue
                 self.eval_done.add(version)
-                rows = [contract.clip(r, self.spec.max_text_chars) for r in rows if isinstance(r, dict)]
+                rows = [contract.clip({**r, "run": self.run}, self.spec.max_text_chars) for r in rows
+                        if isinstance(r, dict)]
                 self._write(TABLE_EVALUATION, rows, version)
                 out += rows
         return out
