@@ -55,20 +55,78 @@ CNI_BIN = Path("/usr/lib/cni")
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "buildah", "busybox-static", "dnsmasq-base", "runsc")
 RUNSC_HANDLER = "runsc"
 """containerd's runtime handler for gVisor (when runsc is installed): a RuntimeClass's `handler`."""
-# Debian 12's runsc (20221219) decides that it was left in the host's network namespace when
-# /proc/sys/net/core/rmem_default exists in the pod's, which holds only for kernels before 5.15's per-namespace
-# net.core sysctls: on this kernel it refuses every pod ("cannot run with network enabled in root network
-# namespace"). Each runsc call therefore runs in a mount namespace of its own (a slave of the host's, so later
-# mounts still reach it) whose /proc/sys has kernel, vm and fs but an empty net: the check then sees the pod's
-# namespace as it is. Nothing of it outlives the runsc processes.
-RUNSC_WRAPPER = """#!/bin/sh
-exec unshare -m --propagation slave /bin/sh -ec '
+# containerd's runc shim drives Debian's runsc (which ships no containerd-shim-runsc-v1) through this wrapper, which
+# mends four things between them (docs/guide/sandbox.md, "gVisor on a node"):
+# - runsc 20221219 decides that it was left in the host's network namespace when /proc/sys/net/core/rmem_default
+#   exists in the pod's, which holds for every namespace since kernel 5.15's per-namespace net.core sysctls: it
+#   refuses every pod ("cannot run with network enabled in root network namespace"). Each runsc call runs in a mount
+#   namespace of its own (a slave of the host's) whose /proc/sys has kernel, vm and fs but an empty net.
+# - A pod's app container is a runsc subcontainer of the pause container's sandbox, and `runsc start` hands its own
+#   stdio to it; the shim runs `start` with stdout/stderr on a pipe it reads to EOF, which the sandbox then holds for
+#   the container's life, so the shim never returned from starting the task. `create` leaves a holder process with
+#   the container's stdio (the pipes the shim gave `create`), and `start` runs on those instead.
+# - `runsc create` of a subcontainer reports the sandbox's pid, which exits only with the pod, so the shim would never
+#   see the app container exit. The holder's pid is reported instead: it waits for `start`, then for the container
+#   (`runsc wait`) and exits with its status.
+# - The shim takes a kill that fails with "container not running" (runc's words) for a process already gone, and
+#   anything else for an error: runsc says "sandbox is not running" for a pod whose sandbox has exited, so the CRI
+#   plugin could never delete a stopped pod (StopPodSandbox failed for ever). `kill` says it in runc's words.
+RUNSC_WRAPPER = r"""#!/bin/sh
+RUNSC=@RUNSC@
+runsc() {
+  unshare -m --propagation slave /bin/sh -ec '
 mkdir -p /run/rlkube-runsc-sys
 mount --bind /proc/sys /run/rlkube-runsc-sys
 mount -t tmpfs -o size=16k rlkube-runsc /proc/sys
 for d in kernel vm fs; do mkdir /proc/sys/$d; mount --bind /run/rlkube-runsc-sys/$d /proc/sys/$d; done
 mkdir /proc/sys/net
-exec {runsc} "$@"' runsc "$@"
+exec "$0" "$@"' "$RUNSC" "$@"
+}
+cmd= root= log= bundle= pidfile= prev=
+for a in "$@"; do
+  case "$prev" in --root) root=$a;; --log) log=$a;; --bundle) bundle=$a;; --pid-file) pidfile=$a;; esac
+  case "$a" in create|start|delete|kill) [ -n "$cmd" ] || cmd=$a;; esac
+  prev=$a
+done
+id=$prev
+d=${log%/*}
+case "$cmd" in
+create)
+  grep -q '"io.kubernetes.cri.container-type" *: *"container"' "$bundle/config.json" || { runsc "$@"; exit $?; }
+  runsc "$@" || exit $?
+  mkfifo "$d/rlkube-started"
+  /bin/sh -c 'read rc < "$0/rlkube-started" || exit 255; [ "$rc" = 0 ] || exit 255
+out=$("$1" --root "$2" --log "$0/log.json" --log-format json wait "$3" </dev/null 2>/dev/null) || exit 255
+status=$(printf "%s" "$out" | sed -n "s/.*\"exitStatus\": *\([0-9]*\).*/\1/p")
+exit "${status:-255}"' "$d" "$RUNSC" "$root" "$id" &
+  echo $! > "$d/rlkube-holder"
+  printf %s $! > "$pidfile"
+  ;;
+start)
+  [ -p "$d/rlkube-started" ] || { runsc "$@"; exit $?; }
+  h=$(cat "$d/rlkube-holder")
+  exec </proc/$h/fd/0 >/proc/$h/fd/1 2>/proc/$h/fd/2
+  runsc "$@"; rc=$?
+  echo $rc > "$d/rlkube-started"
+  exit $rc
+  ;;
+delete)
+  runsc "$@"; rc=$?
+  if [ -p "$d/rlkube-started" ]; then  # a holder still waiting for a start that never came: let it go
+    h=$(cat "$d/rlkube-holder")
+    ! kill -0 "$h" 2>/dev/null || timeout 2 sh -c 'echo deleted > "$0"' "$d/rlkube-started"
+    rm -f "$d/rlkube-started" "$d/rlkube-holder"
+  fi
+  exit $rc
+  ;;
+kill)
+  out=$(runsc "$@" 2>&1) && exit 0
+  rc=$?
+  case "$out" in *"is not running"*) echo "container not running: $out" >&2;; *) printf '%s\n' "$out" >&2;; esac
+  exit $rc
+  ;;
+*) runsc "$@"; exit $?;;
+esac
 """
 # OCI archives of images from buildah's storage, by tag and image id (the latest build of each tag): a node imports
 # an unchanged image without a push.
@@ -237,13 +295,12 @@ state = "{self.sockdir / 'state'}"
         """The `runsc` runtime handler (gVisor) when Debian's runsc is installed: containerd's runc shim driving runsc
         (Debian ships no containerd-shim-runsc-v1; runsc speaks runc's command line) through RUNSC_WRAPPER. A
         RuntimeClass whose handler is `runsc` asks for gVisor's sentry, on the ptrace platform (this VM offers no
-        usable KVM: `runsc --platform=kvm` hangs). Pod sandboxes start; a pod's app container (a runsc subcontainer)
-        does not under the runc shim, which never returns from creating its task (docs/guide/sandbox.md)."""
+        usable KVM: `runsc --platform=kvm` hangs)."""
         runsc = shutil.which("runsc")
         if runsc is None:
             return ""
         wrapper = self.workdir / "containerd" / "runsc"
-        wrapper.write_text(RUNSC_WRAPPER.format(runsc=runsc))
+        wrapper.write_text(RUNSC_WRAPPER.replace("@RUNSC@", runsc))
         wrapper.chmod(0o755)
         return f"""    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{RUNSC_HANDLER}]
       runtime_type = "io.containerd.runc.v2"

@@ -1,5 +1,5 @@
 """Code the model writes runs in the job's sandbox pods on the real node (kubelet + containerd, a RuntimeClass of the
-node's `runc` handler by default, RUNTIME below; `runsc`, gVisor, where it runs pods), and nothing it tries gets out:
+node's `runc` handler by default, or of its `runsc` handler, gVisor; RUNTIME below), and nothing it tries gets out:
 
 A job with spec.sandbox.mode `pods` whose environment (tests/e2e/sandbox_probe_env.py, mounted into the actor from
 a claim) sends hostile snippets to the sandbox pods: a TCP connection to a listener this test holds on the node,
@@ -36,10 +36,11 @@ from waiting import wait_for
 RUNTIME = os.environ.get("RLKUBE_E2E_SANDBOX_RUNTIME", "runc")
 """The node's runtime handler for the sandbox pods (a RuntimeClass of that handler either way): `runc` by default, where
 the default seccomp profile refuses the snippets' network namespace, so the audit hook holds the network; `runsc`
-(gVisor, RLKUBE_E2E_SANDBOX_RUNTIME=runsc) does not run a pod here: Debian 12's runsc (20221219) under containerd's
-runc v2 shim (Debian packages no containerd-shim-runsc-v1) creates a pod's app container, a runsc subcontainer of the
-pause container's sandbox, but the shim never returns from creating its task, so the container never starts
-(docs/guide/sandbox.md, "gVisor on a node")."""
+(gVisor, RLKUBE_E2E_SANDBOX_RUNTIME=runsc: Debian's runsc driven by containerd's runc shim through
+tests/cluster/node.py's RUNSC_WRAPPER) runs the sandbox pods (tests/integration/test_real_kubelet_gvisor.py), and
+here its pods, spec and the socket, read and fork probes pass, but with the audit hook off the fork loop is bounded
+only by its wall limit, and the sandbox pod then stops answering (gVisor's ptrace platform on this 2-core VM):
+the write and ok probes never return before the job ends (docs/guide/sandbox.md, "gVisor on a node")."""
 RUNTIME_CLASS = {"runsc": "gvisor", "runc": "runc"}[RUNTIME]
 SNIPPET_TIMEOUT = 5
 pytestmark = pytest.mark.skipif(RUNTIME == "runsc" and shutil.which("runsc") is None,
@@ -113,7 +114,9 @@ def test_hostile_snippets_in_gvisor_sandbox_pods_are_refused_or_bounded_and_the_
     manifest = specs.with_overrides(doc, {
         **LOCAL_IMAGES,
         "spec.inference.resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
-        "spec.algorithm.maxSteps": 4, "spec.algorithm.samplesPerStep": 16,
+        # The probe episode sends its snippets one after another while the other episodes train; under gVisor they
+        # (and the timing calls after them) take tens of seconds, so the job runs long enough to see them all.
+        "spec.algorithm.maxSteps": 16 if RUNTIME == "runsc" else 4, "spec.algorithm.samplesPerStep": 16,
         "spec.task.environment": {
             "entryPoint": "sandbox_probe_env:factory", "maxTurns": 3, "maxEpisodeTokens": 24,
             "toolTimeoutSeconds": 600, "episodeTimeoutSeconds": 900,
@@ -165,7 +168,9 @@ def test_hostile_snippets_in_gvisor_sandbox_pods_are_refused_or_bounded_and_the_
     for p in probes.values():
         assert p["server"].startswith("http://sandboxed-sandbox-"), p
         # runsc: the audit hook is off, the pod and the namespace hold alone; runc: no namespace, the hook holds.
-        assert p["layers"] == (["netns"] if RUNTIME == "runsc" else ["audit"]), p
+        # (A snippet killed at its wall limit never reported its layers: the fork loop under runsc.)
+        if p["outcome"] not in ("timeout", "killed"):
+            assert p["layers"] == (["netns"] if RUNTIME == "runsc" else ["audit"]), p
 
     # The listener is reachable from a pod (the actor's own connection) and saw nothing from a snippet.
     assert b"actor-control" in listener.received, listener.received

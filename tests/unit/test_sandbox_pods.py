@@ -102,6 +102,26 @@ def test_a_pool_that_cannot_work_is_refused_naming_the_field(overrides, field):
     assert field in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("template, field", [
+    ({"spec": {"containers": [{"name": "sandbox", "env": [{"name": runtime.ENV_SANDBOX_LIMITS, "value": "{}"}]}]}},
+     f"spec.sandbox.template.spec.containers[sandbox].env[{runtime.ENV_SANDBOX_LIMITS}]"),
+    ({"spec": {"containers": [{"name": "helper"}]}}, "spec.sandbox.template.spec.containers[helper]"),
+    ({"metadata": {"labels": {"rlkube.io/role": "actor"}}}, "spec.sandbox.template.metadata.labels[rlkube.io/role]"),
+    ({"spec": {"volumes": [{"name": "tmp", "emptyDir": {}}]}}, "spec.sandbox.template.spec.volumes[tmp]"),
+])
+def test_a_sandbox_template_that_takes_what_the_operator_sets_is_refused_naming_the_field(template, field):
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw(**{"sandbox.template": template}))
+    assert field in str(err.value), str(err.value)
+
+
+def test_a_sandbox_template_may_add_its_own_env_and_the_operator_builds_it():
+    tpl = {"spec": {"containers": [{"name": "sandbox", "env": [{"name": runtime.ENV_SANDBOX_LAYERS,
+                                                                  "value": "netns"}]}]}}
+    pod = builders.sandbox_pod(ref(raw(**{"sandbox.template": tpl})), 0)
+    assert env_of(pod)[runtime.ENV_SANDBOX_LAYERS] == "netns"
+
+
 # -- the operator's decisions ------------------------------------------------------------------------------
 
 
@@ -137,6 +157,20 @@ def test_sandbox_pods_start_with_the_trainer_and_the_actors_wait_for_them_ready(
     assert creates(d) == [] and d.status.components["sandbox"].ready == 1
     up[-1] = pod("sandbox", 1)
     d = run(view(TrainingJobStatus(phase="Starting")), up)
+    assert creates(d) == ["j-actor-0"]
+
+
+def test_a_job_running_before_its_sandbox_pods_are_ready_still_holds_its_actors_back():
+    # The trainer reports (its first event) before the sandbox pods are ready: the job turns Running, and the
+    # actors, none of which exists yet, still start only through their gate.
+    from rlkube.api.status import TrainerStatus
+
+    running = TrainingJobStatus(phase="Running", trainer=TrainerStatus(last_event_id="1-0"))
+    up = [pod("redis"), pod("trainer"), pod("inference"), pod("preprocessor"), pod("sandbox", ready=False),
+          pod("sandbox", 1, ready=False)]
+    d = run(view(running), up)
+    assert d.status.phase == "Running" and creates(d) == []
+    d = run(view(d.status), [*up[:4], pod("sandbox"), pod("sandbox", 1)], now=T0 + timedelta(seconds=5))
     assert creates(d) == ["j-actor-0"]
 
 

@@ -1,43 +1,12 @@
 """One reconcile pass as a pure function: (job, observed pods and trainer events, time) -> actions + new status.
 
-This is the operator's behaviour, all of it (docs/design.md §4), kept free of I/O (and of randomness: the managed
-Redis password is minted by the applier when it creates the Secret, actions.Create.mint) so every transition has a
-table-driven unit test. `decide` is a short recipe of named steps, each a function of the pass's scratch state
-(`_Pass`); phases and condition types are the API's enums (rlkube.api.status), never spelled here:
-
-    Pending -> Starting -> Running -> Draining -> Succeeded | Failed        (and Suspended)
-
-- Start-up is readiness-gated: ConfigMap/Secret/Services/Redis first; trainer and inference pods once Redis
-  is Ready (together: the trainer never waits for inference); the preprocessor once they exist; actors once
-  every inference server is Ready. Gates apply only before Running; later a missing pod is recreated at once.
-- Outcome (decided once, never changed; conditions Succeeded/Failed carry the reason):
-  training_finished AND trainer exit 0 -> Succeeded, unless the event stopped short of maxSteps (or says
-  `interrupted`) -> Failed/TrainingInterrupted. Event without exit for completionTimeoutSeconds -> the trainer
-  is stopped and the job succeeds only with the final step and a checkpoint (else TrainerDidNotExit).
-  Exit 0 without event for completionTimeoutSeconds -> Failed/TrainerExitedWithoutFinishedEvent.
-  Trainer failures beyond backoffLimit -> Failed/BackoffLimitExceeded. No trainer event for
-  eventTimeoutSeconds while Running -> Stalled=True, and Failed/Stalled if runPolicy.failOnStall.
-  A trainer that lost its checkpoint volume (exit 78 naming spec.trainer.checkpoint.claimName) ->
-  Failed/CheckpointLost; a new job on an emptyDir checkpoint volume whose backoffLimit allows restarts gets a
-  Warning Event (EphemeralCheckpoints) at creation (rlkube.contract.checkpoint_loss).
-  A spec the schema could not reject -> Failed/InvalidSpec, nothing created. A child the API server rejects as
-  invalid (400/422: a value the CRD schema let through, e.g. a pod-template label value with a space) ->
-  Failed/InvalidSpec with the API server's message; nothing more is created, the rest is torn down.
-- Spec changes while the job runs are not applied (pods are not rolled): the job keeps deciding by the spec it
-  started with (status.startedSpec); only runPolicy.suspend is live. A change is reported once per distinct set
-  of changed paths: a Warning Event and the condition SpecChangeIgnored. A resume starts from the new spec.
-- A ConfigMap, Secret or Service deleted by hand is recreated by the next pass (Warning Event ChildRecreated)
-  while the job runs; never once the outcome is decided or a teardown runs.
-- Failures below the limit: a Failed pod (restartPolicy Never, or evicted) is replaced: deleted, then
-  recreated by the next pass (trainer: resumes from its checkpoint volume); OnFailure restarts happen in
-  place and count through restartCount. Producers and inference that end before training_finished are
-  replaced too; the job continues.
-- Once the outcome is decided (or the job is deleted or suspended), nothing is created again and the
-  ordered teardown (teardown.py) runs; the phase becomes Succeeded/Failed/Suspended when it is done
-  (ResourcesReleased=True).
-- Kueue gate (kueue.py): a job labelled kueue.x-k8s.io/queue-name is held, exactly as if suspended, until its
-  Workload is admitted; an eviction holds it again (the ordered suspend). Its pods get the admitted flavours'
-  node selectors and tolerations; the Workload is marked Finished when the job has finished.
+Why pure: this is the operator's behaviour, all of it, so it is kept free of I/O (and of randomness: the managed
+Redis password is minted by the applier, actions.Create.mint) and every transition has a table-driven unit test.
+`decide` is a short recipe of named steps over the pass's scratch state (`_Pass`); phases and condition types are
+the API's enums (rlkube.api.status), never spelled here. What it decides: start order and gates (docs/design.md
+§3; a gate also holds a role none of whose pods exists yet after Running, as the trainer's first event can turn
+the job Running first), the outcome and its reasons (§4.1-§4.3, through lifecycle/judgement.py), the ordered
+teardown (§4.4), spec changes, suspend, Kueue and children recreated by hand (§4.5).
 """
 
 from __future__ import annotations
@@ -506,7 +475,10 @@ def _create_missing(p: _Pass) -> None:
     ready = {r: c.ready for r, c in p.status.components.items()}
     ckpt = p.status.trainer.last_checkpoint
     for role in roles.START_ORDER:  # each gate sees what this pass already created
-        if gated and not roles.may_start(job.spec, role, roles.StartState(exist, ready)):
+        # A role none of whose pods exists starts through its gate in any phase: the trainer's first event turns the
+        # job Running while the sandbox pods (or inference) may not be ready yet, and the actors must still wait.
+        first = exist[role] == 0
+        if (gated or first) and not roles.may_start(job.spec, role, roles.StartState(exist, ready)):
             continue
         for i in range(roles.replicas(job.spec, role)):
             if names.pod_name(job.name, role, i) in present:

@@ -28,12 +28,16 @@ TMP_MOUNT = "/tmp"
 SHM_MOUNT = "/dev/shm"
 MODEL_CACHE_MOUNT = "/var/cache/rlkube/models"
 """The model cache in every pod that loads the model (runtime.ENV_MODEL_CACHE points there)."""
+SANDBOX_TMP = "the snippets' directories, sized by spec.sandbox.resources.limits.ephemeral-storage"
+"""Why a sandbox pod's /tmp is the operator's: a snippet's writes are bounded by its size limit."""
 
 
 def role_volumes(role: str, spec: TrainingJobSpec) -> tuple[str, ...]:
     """The volumes the builders give a role's pods."""
     if role == "redis":
         return ()
+    if role == "sandbox":
+        return (VOLUME_TMP,)
     extra = {"trainer": (VOLUME_CHECKPOINTS, VOLUME_SHM), "inference": (VOLUME_SHM,)}.get(role, ())
     return (VOLUME_CONFIG, VOLUME_TMP, *extra, *data_volumes(role, spec))
 
@@ -54,6 +58,8 @@ def owned_volumes(role: str, spec: TrainingJobSpec) -> dict[str, str]:
     """Volumes a pod template may not replace (name -> where they come from); tmp and dshm it may."""
     if role == "redis":
         return {}
+    if role == "sandbox":
+        return {VOLUME_TMP: SANDBOX_TMP}
     owned = {VOLUME_CONFIG: "the job config"}
     if role == "trainer":
         owned[VOLUME_CHECKPOINTS] = "use spec.trainer.checkpoint.claimName"
@@ -69,6 +75,8 @@ def owned_mounts(role: str, spec: TrainingJobSpec) -> dict[str, str]:
     """Mount paths a pod template may not take (path -> why)."""
     if role == "redis":
         return {}
+    if role == "sandbox":
+        return {TMP_MOUNT: SANDBOX_TMP}
     owned = {CONFIG_MOUNT: "the job config"}
     if role == "trainer":
         owned[spec.trainer.checkpoint.path.rstrip("/")] = "spec.trainer.checkpoint.path"
