@@ -1,5 +1,5 @@
 """examples/tiny-cpu.yaml with `trainer.backend: megatron`, trainer.nodes 2 and tensor parallel 2 through the operator
-on the test node agent (issue 10, must-show 3, the megatron half): two trainer pods split every layer of the model
+on the test node agent (docs/design.md §6, the megatron backend): two trainer pods split every layer of the model
 (data parallel 1) over gloo, find each other by the operator's headless Service, the tensor-parallel peer trains
 the documents rank 0 reads, rank 0 gathers the weights for inference and writes the checkpoints, and the job learns
 the task and Succeeds."""

@@ -1,9 +1,10 @@
-"""Issue 9, must-show 3: for tiny random Llama, Qwen2 and Qwen3 models built here (grouped-query attention; Qwen2
-and Qwen3 with tied embeddings; Llama with the character tokenizer, the Qwens with a byte-level BPE tokenizer
-trained here): the torch backend loads the directory and trains, the checkpoint is a HF directory that
-transformers loads with the trainer's logits, and the native engine, updated in flight through the real weight
-path (WeightPublisher -> gloo group -> WeightFollower, announced on Redis), samples with the trainer's log-probs.
-Everything float32, so the tolerances are float32 rounding (logits 1e-5, log-probs 1e-4)."""
+"""The model families a job may name work end to end (docs/design.md §6): for tiny random Llama, Qwen2 and Qwen3
+models built here (grouped-query attention; Qwen2 and Qwen3 with tied embeddings; Llama with the character tokenizer,
+the Qwens with a byte-level BPE tokenizer trained here): the torch backend loads the directory and trains, the
+checkpoint is a HF directory that transformers loads with the trainer's logits, and the native engine, updated in
+flight through the real weight path (WeightPublisher -> gloo group -> WeightFollower, announced on Redis), samples
+with the trainer's log-probs. Everything float32, so the tolerances are float32 rounding (logits 1e-5, log-probs
+1e-4)."""
 
 from __future__ import annotations
 

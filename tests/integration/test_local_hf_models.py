@@ -1,5 +1,5 @@
-"""`rlkube local` on Hugging Face models (issue 9): the model is materialized once before any role starts, and a
-tiny random Qwen2 with a byte-level BPE tokenizer trained on the spot runs real jobs.
+"""`rlkube local` on Hugging Face models (docs/design.md §3): the model is materialized once before any role starts,
+and a tiny random Qwen2 with a byte-level BPE tokenizer trained on the spot runs real jobs.
 
 - A model that cannot work (a missing directory, an hf:// model absent from the offline hub cache) fails the job
   with the operator's verdict for a config error (Failed, InvalidSpec, message naming spec.model.path) and starts

@@ -1,11 +1,11 @@
-"""LoRA under FSDP2 (spec.trainer.lora with sharding fsdp; issue 22): two real trainer ranks over gloo (the harness
-of test_trainer_fsdp, one process per rank) train a LoRA adapter on their shares of each step's documents. The
-adapter equals the unsharded LoRA trainer's fed the union of the same documents from the same initial adapter;
-the base stays bit-for-bit the initial one; Adam holds state for the adapter alone; the checkpoint is PEFT's adapter
-directory (PeftModel.from_pretrained gives the trainer's logits); the merged weights and the adapter alone stream
-with checksums that agree; and a restart resumes from the distributed checkpoint, still equal to the unsharded run.
-The trainer role itself (python -m rlkube.core.trainer on two ranks, Redis documents) trains and checkpoints a
-LoRA adapter under FSDP too.
+"""LoRA under FSDP2 (spec.trainer.lora with sharding fsdp; docs/design.md §6): two real trainer ranks over gloo (the
+harness of test_trainer_fsdp, one process per rank) train a LoRA adapter on their shares of each step's documents. The
+adapter equals the unsharded LoRA trainer's fed the union of the same documents from the same initial adapter; the
+base stays bit-for-bit the initial one; Adam holds state for the adapter alone; the checkpoint is PEFT's adapter
+directory (PeftModel.from_pretrained gives the trainer's logits); the merged weights and the adapter alone stream with
+checksums that agree; and a restart resumes from the distributed checkpoint, still equal to the unsharded run. The
+trainer role itself (python -m rlkube.core.trainer on two ranks, Redis documents) trains and checkpoints a LoRA
+adapter under FSDP too.
 
 Tolerance: float32, only the gradients' summation order differs (reduce-scatter vs one process). Adam scales each
 element's update by its own gradient's size (m / sqrt(v)), so an element whose gradient is tiny and a sum of

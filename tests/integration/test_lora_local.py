@@ -1,4 +1,4 @@
-"""`rlkube local examples/lora-cpu.yaml` (issue 22, LoRA): a LoRA job learns on CPU with the roles as processes,
+"""`rlkube local examples/lora-cpu.yaml` (docs/design.md §6): a LoRA job learns on CPU with the roles as processes,
 its inference server receiving the adapter alone after every step, and ends with a PEFT adapter checkpoint; a
 restarted trainer whose adapter file was deleted fails the job at once (exit 78, ConfigError) naming the path.
 

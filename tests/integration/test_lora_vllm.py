@@ -1,4 +1,4 @@
-"""spec.trainer.lora with `inference.engine: vllm` (issue 22, LoRA): the LoRA trainer publishes its MERGED full
+"""spec.trainer.lora with `inference.engine: vllm` (docs/design.md §6): the LoRA trainer publishes its MERGED full
 weights (kind "full", base + scaling x B @ A under the HF names; docs/design.md §5.6) through the real weight-update
 group (WeightPublisher -> gloo -> the vLLM workers), and the vLLM server's log-probs after the update are the
 trainer's (PEFT model, base + adapter) to LOGPROB_TOLERANCE, as test_vllm_server.py bounds vLLM's CPU kernels

@@ -1,8 +1,8 @@
-"""spec.trainer.lora across the real pieces (issue 22, LoRA): the adapter-only update through the weight-update group
-(WeightPublisher -> gloo -> WeightFollower, announced on Redis) with its bytes and time against the full weights,
-the native engine's log-probs after it equal to the trainer's, a receiver that takes full weights refusing it,
-the checkpoint loaded by `PeftModel.from_pretrained`, and a resume whose adapter is gone or torn failing with a
-ConfigError naming the path. float32 throughout: log-probs agree to 1e-4 (measured ~1e-6)."""
+"""spec.trainer.lora across the real pieces (docs/design.md §5.6, §6): the adapter-only update through the
+weight-update group (WeightPublisher -> gloo -> WeightFollower, announced on Redis) with its bytes and time against
+the full weights, the native engine's log-probs after it equal to the trainer's, a receiver that takes full weights
+refusing it, the checkpoint loaded by `PeftModel.from_pretrained`, and a resume whose adapter is gone or torn failing
+with a ConfigError naming the path. float32 throughout: log-probs agree to 1e-4 (measured ~1e-6)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ Python files, and the whole text of the other files, under operator/, tests/, ch
 top-level README.md, Makefile and pyproject.toml, and fails on:
 - a document of docs/ named without its `docs/` path (a bare or differently-rooted name cannot be followed);
 - a citation of the team's notes outside the repository (its notes on the seed systems, its shared folder);
+- a citation of an issue tracker ("issue" or "must-show" and a number): a tracker is not in the repository, and
+  its numbers say nothing to a reader; the text says the why itself, or cites docs/design.md;
 - a section sign whose number is not a numbered heading of the cited document, or that follows no cited
   document (a bare `§N` refers to the last `docs/<name>.md` named before it in the same docstring, in the file's
   comments, or in the same text file).
@@ -35,6 +37,8 @@ SECTION = re.compile(r"§\s?(?P<number>\d+(?:\.\d+)*)")
 CHAINED = re.compile(r"[\s`,;-]*(?:(?:and|or)[\s`]*)?")
 """What may stand between a document's name (or a section of it) and the next section of the same citation."""
 OUTSIDE = re.compile(r"seed-systems|shared/reference|/work/shared|\bseed pitfall\b|\bseed \d+\.\d+", re.IGNORECASE)
+TRACKER = re.compile(r"\b(?:issues?|must[- ]shows?)\b[\s,#]*\d+", re.IGNORECASE)
+"""An issue tracker's numbers: "issue", "issues" or "must-show" followed by a number (test_planted_bad_citations_fail)."""
 
 
 @cache
@@ -51,6 +55,9 @@ def problems(text: str, own_doc: str | None = None) -> list[str]:
     out: list[str] = []
     for m in OUTSIDE.finditer(text):
         out.append(f"cites a document outside the repository: {m.group(0)!r}")
+    for m in TRACKER.finditer(text):
+        out.append(f"cites an issue tracker, which is not in the repository: {m.group(0)!r} (say the why itself, "
+                   "or cite docs/design.md §N)")
     events = [(m.start(), "doc", m) for m in DOC_NAME.finditer(text)]
     events += [(m.start(), "section", m) for m in SECTION.finditer(text)]
     current, chain_end = own_doc, -1  # the document sections refer to; where its last citation ended
@@ -145,6 +152,11 @@ def test_planted_bad_citations_fail():
         "see docs/references.md §6.16": "has no section 6.16",
         "never by counting samples (§6.1)": "follows no cited document",
         "see docs/nonexistent.md §1": "follows no cited document",  # not a docs/ document this check knows
+        "spec.trainer.lora (issue 22, LoRA): validation": "cites an issue tracker",
+        "Issue 9, must-show 3: tiny random models": "cites an issue tracker",
+        "through the operator (must-show 1)": "cites an issue tracker",
+        "a dead watch connection (kopf issues 585, 957)": "cites an issue tracker",
+        "see issue #12": "cites an issue tracker",
     }
     for text, expected in bad.items():
         found = problems(text)

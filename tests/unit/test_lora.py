@@ -1,4 +1,4 @@
-"""spec.trainer.lora (issue 22, LoRA): validation, the torch backend with a PEFT adapter, the adapter update's size
+"""spec.trainer.lora (docs/design.md §6): validation, the torch backend with a PEFT adapter, the adapter update's size
 and wire marking, the engine's merge (base + scaling x B @ A) against PEFT's own merge, and the reference policy
 as the base with the adapter disabled. Everything float32 on the built-in tiny model; the integration tests
 (tests/integration/test_lora_weight_updates.py, test_lora_local.py) cross the real weight-update group and `rlkube local`."""

@@ -1,5 +1,5 @@
-"""The model in the operator's pods (issue 9): the init container that materializes spec.model.path, the model cache,
-model and dataset volumes, their validation, and an init container's failure read as the pod's exit."""
+"""The model in the operator's pods (docs/design.md §3): the init container that materializes spec.model.path, the
+model cache, model and dataset volumes, their validation, and an init container's failure read as the pod's exit."""
 
 from __future__ import annotations
 

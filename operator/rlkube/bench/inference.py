@@ -1,10 +1,10 @@
 """`rlkube bench inference [--json]`: vLLM against the native engine on the same model and load, and what a weight
 update costs per MB next to the physical limit, a raw gloo broadcast of the same bytes, measured in the same run.
 
-Why both in one command: issue 11 asks whether vLLM is worth its weight here (tokens/s under the actor's kind of
-load: n samples per prompt, per-token log-probs) and whether its in-flight updates waste time beyond moving the
-bytes. Per engine it starts the real inference server process with this process as the trainer
-(rlkube.bench.serve.serving), then
+Why both in one command: choosing vLLM here means knowing whether it is worth its weight (tokens/s under the
+actor's kind of load: n samples per prompt, per-token log-probs) and whether its in-flight updates waste time beyond
+moving the bytes, on the same model and load. Per engine it starts the real inference server process with this
+process as the trainer (rlkube.bench.serve.serving), then
 - tokens/s: `concurrency` clients send actor-style requests (the same prompt, n, max_tokens, log-probs) for
   `seconds`, after a warm-up of the same load; tokens are the completions' `usage.completion_tokens`;
 - weight updates: `updates` publishes of the model's weights (the transfer dtype of a CPU trainer, float32):

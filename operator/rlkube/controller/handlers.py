@@ -40,7 +40,8 @@ FINALIZER = "rlkube.io/teardown"
 IDLE_WORKER_SECONDS = 0.5
 WATCH_SERVER_TIMEOUT = 120
 """Server-side watch timeout: the API server ends each watch after this long and kopf starts a new one, so a
-silently dead connection never stops the handlers (kopf issues 585, 957, 1276)."""
+silently dead connection never stops the handlers (a known failure of long-lived watches, which kopf's
+`settings.watching.server_timeout` exists to bound)."""
 WATCH_CLIENT_TIMEOUT = 150
 REQUEST_TIMEOUT = 60
 

@@ -1,43 +1,10 @@
 """Policy losses over per-token log-probs (pure torch, no model, no I/O), shared by every torch-based backend.
 
-All losses take, per predicted token: `new_logp` (current policy, with gradient), `old_logp` (the SAMPLING
-log-prob the actor recorded, i.e. the behaviour policy; docs/references.md §6.15: the importance ratio is new/old, not
-new/new-detached), the document's scalar `advantages` [B] broadcast to its tokens, and a boolean `mask`.
-
-- grpo / ppo: token-level ratio r = exp(new - old), loss = -min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A).
-  (With group-relative advantages and no critic the two are the same objective; both names are accepted.)
-- gspo: sequence-level ratio s = exp(mean over the sequence's loss tokens of (new - old)), clipped the same way;
-  the sequence's loss is counted once per loss token so that every loss is normalised the same way.
-- reinforce: -A logp weighted by the stop-gradient ratio clamp(r, 0, 1 + eps_hi) (PipelineRL's off-policy
-  correction: stale samples are down-weighted, never up-weighted beyond 1 + eps).
-- sft: cross-entropy -logp on the unmasked tokens (advantages ignored).
-
-Off-policy correction (`OffPolicyConfig`, spec.algorithm.offPolicyCorrection; off by default). Why: the sampler
-(vLLM, the native engine) and the trainer compute different probabilities for the same weights (kernels, dtypes),
-and samples lag the trainer by up to maxLag versions, so training on the sampler's log-probs as if they were the
-trainer's is silently off-policy. With a mode set, the loss is DECOUPLED (verl's rollout correction, PR
-verl-project/verl#3750; decoupled PPO, Hilton et al. 2021, arXiv:2110.00641): the PPO ratio is taken against the
-trainer's own log-probs at the time of the step (detached; the "proximal" policy, what verl recomputes as
-old_log_prob), and the mismatch between trainer and sampler is corrected by a separate, detached importance weight
-w = pi_trainer / pi_sampler multiplying each token's loss:
-- tis (truncated IS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training";
-  verl `rollout_is` mode truncate): w <- min(w, cap).
-- mis (masked IS; Liu, Li et al. 2025, "When Speed Kills Stability"; verl mode mask, NeMo-RL `icepop`):
-  w <- w if lower <= w <= cap else 0 (the token, or the whole sequence, drops out of the gradient).
-- level token: w_t = exp(logp_trainer_t - logp_sampler_t) per token; level sequence: one weight per sequence,
-  exp(sum over its loss tokens of the same differences) (the product of the token ratios, verl's "sequence").
-Log-ratios are clamped to +-20 before exp (verl's safety bound). Masked tokens stay in the normaliser (the step's
-loss-token count, fixed before the forward pass), so they count as zero-gradient tokens. With mode none the
-mismatch metrics are still reported: logprob_diff_abs (mean |logp_trainer - logp_sampler|), is_ratio_mean/min/max.
-
-KL to a reference policy (`LossConfig.kl_coef`, spec.algorithm.klCoef; 0 by default): kl_coef x k3 per loss token
-is added to the loss, with the k3 estimator of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating
-KL Divergence", http://joschu.net/blog/kl-approx.html; verl's kl_penalty "low_var_kl" / GRPO, arXiv:2402.03300
-eq. 4): k3 = exp(ref - new) - (ref - new) - 1 >= 0, gradient through `new`. Reported as `ref_kl`.
-
-Every loss is a SUM over loss tokens divided by `normalizer`, the number of loss tokens of the whole optimizer
-step, so that micro-batches accumulate to the same gradient as one big batch. Statistics come back as sums
-(`LossStats`) that merge across micro-batches before being turned into means.
+Why one module: the torch and megatron backends must train the same objective, so the losses (grpo/ppo, gspo,
+reinforce, sft), the off-policy correction (tis, mis), the KL term and the chunked log-probs are written once.
+The old log-prob is the actor's SAMPLING log-prob: the ratio is new/old, not new/new-detached
+(docs/references.md §6.15). Every loss is a SUM over loss tokens divided by the step's loss-token count, so
+micro-batches accumulate to one big batch's gradient. The definitions and their sources: docs/design.md §6.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Multi-turn episodes: the model replies, an environment answers (tool results, a user's next message), and the
 episode ends with a reward. Kept as the exact token ids the engine sampled, so training sees what was sampled.
 
-An environment (`Environment`) starts an `Episode` from a task's prompt (a dataset row or a generated one), or
-draws its own prompts (`prompt(rng)`, e.g. the built-in `calculator`, rlkube.core.actor.calculator). An episode answers
-each reply with `respond(reply)`: the messages to append ([{role, content}, ...]), or None/[] when it is over;
-`reward()` scores it at the end, however it ended (done, out of turns or tokens, a tool that hung or raised).
-
-Why token ids and not text: re-rendering the conversation between turns re-tokenizes what the model wrote, and a
-different tokenization (or a template that renders history differently) means the trainer learns on tokens the
-engine never sampled (docs/references.md §6 has the sampler/trainer mismatch). `run_episode` keeps the ids the
-engine returned, appends ONLY the environment's new messages, tokenized by the chat template applied to them alone
-(`MessageEncoder`), and sends the ids as the next prompt; the history is never rendered again.
-
-Drift: the episode also keeps the conversation as messages (the replies decoded, the environment's messages), and
-`MessageEncoder.rerender` renders it whole, as a system that re-renders history would, so the actor counts the
-episodes whose re-rendered ids differ from the exact ones (`drifted`, in the trainer's metrics): a template that
-renders history differently from what was sampled (a separator after each turn, a re-tokenized reply) is seen,
-while training stays on the exact ids.
-
-Limits (spec.task.environment): maxTurns replies, maxEpisodeTokens tokens in all (prompt included), and
-toolTimeoutSeconds for each `respond`/`reward` call. Those calls are the environment's code (tools included) and
-run on a thread of their own (`call_with_timeout`), never on the actor's event loop: a tool that hangs is abandoned
-at its timeout (its thread is a daemon and holds nothing the actor needs), the episode ends and is scored and
-counted, and the actor goes on. A call that raises ends the episode the same way (a tool error).
-episodeTimeoutSeconds bounds the whole episode, from its first reply to its last (tool calls and later turns;
-the final scoring has its own toolTimeoutSeconds): past it the episode is ended where it stands, scored by the
-environment's reward() (0 when that fails too) and counted as truncated and timed out (`timed_out`).
-
-Tools inside an answer: a tool that catches its own failure (the sandbox's python tool, rlkube.core.actor.sandbox, gives
-its refusal or timeout as the tool's answer so the episode goes on) reports it with `note_tool`, which counts it on
-the episode whose `respond` is running (a context variable the tool's thread inherits).
-
-Per-turn rewards: `respond` may return `Turn(messages, reward)` instead of messages: the turn's reward is kept
-(`turn_rewards`, reported as the mean per rewarded turn, `turn_reward_mean`). The episode's reward, the one number
-its advantage is computed from (one advantage for every sampled token of the episode, as for a single-turn
-completion), is `reward()` ("final", the default) or, with episodeReward `sum`, the per-turn rewards plus
-`reward()`: per-turn rewards enter advantages only through that sum.
+An `Environment` starts an `Episode` from a task's prompt or draws its own (`prompt(rng)`); the episode answers
+each reply with `respond(reply)` (messages, a `Turn` with the turn's reward, or None when it is over) and is scored
+by `reward()` however it ended. Why token ids and not text: re-rendering the history re-tokenizes what the model
+wrote, so the trainer would learn on tokens the engine never sampled; `run_episode` appends only the environment's
+new messages and counts the episodes a whole re-render would change (`drifted`). The environment's calls are
+user code and run on threads of their own (`call_with_timeout`), so a tool that hangs ends its episode, never the
+actor. The record, the limits, the counts and per-turn rewards: docs/design.md §5.3.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """The actor role (`python -m rlkube.core.actor`): samples rollout groups from inference and scores them.
 
-It waits until every inference server (RLKUBE_INFERENCE_URLS) answers /health, then runs a few concurrent
-workers, each looping: reserve a group's samples within the lag bound (lag.py) -> a task prompt, rendered as text,
-or through the model's chat template as token ids (tasks.prompt_renderer) -> POST /v1/completions with
-n = groupSize (round robin over the servers) -> the task's reward per completion -> XADD one `RolloutGroup` entry
-with the per-token sampling log-probs. The steps are named: `build_actor` (task, environment, tokenizer,
+Why its own role: sampling and scoring scale apart from training, any number of replicas (RLKUBE_INDEX) sharing the
+lag counters in Redis (docs/design.md §7). The steps are named: `build_actor` (task, environment, tokenizer,
 rendering, eval set), `Actor.run` (events -> inference health -> workers -> report), `Actor.worker` (reserve ->
-`sample_and_write` or `write_reference` -> count, or give the reservation back).
-
-Rules it keeps (the pitfalls of docs/references.md §6):
-- It stops (exit 0) on `training_finished`, NEVER by counting samples (§6.1); SIGTERM also exits 0 promptly.
-  With spec.evaluation, actor 0 first scores the eval versions already due (rlkube.core.actor.evaluation); SIGTERM
-  cuts that short too.
-  A stop interrupts every wait (an HTTP request a server holds or never answers, a back-off, the lag bound),
-  never a Redis write: a reservation is either used by a written group or given back, never both or neither.
-- A group's `model_version` is the version of the weights that sampled it, stamped at the rollout's start
-  (§6.9): the server's `model_version` (the policy its batch started with), else the trainer version the actor
-  knew when it sent the request.
-- A failed HTTP request is retried (on the next server, with backoff), never fatal; a 400 (a prompt the model
-  cannot take) skips that prompt.
-- Any number of replicas (RLKUBE_INDEX) can run at once: the lag counter is shared in Redis.
-- A reward that raises scores that sample 0, marks it (`Sample.reward_error`, summed into the trainer's
-  `reward_errors` metric) and is logged; it never stops the actor. A task that cannot be built (a missing
-  dataset, an unknown column) exits at start with the message naming the spec field.
-
-Supervised mode (loss sft, which requires spec.task.dataset.completionField): the actor does not call inference.
-Each worker reserves ONE sample, reads the next row's prompt (rendered and tokenized as it would be sent to
-inference) and reference completion (tokenized without special tokens, then the tokenizer's eos so that stopping
-is learned) and writes a one-sample group whose sampling log-probs are 0 (the sft loss does not read them); the
-preprocessor turns it into a document whose loss mask covers only the completion. Such a document depends on no
-weights, so it is stamped, at write time, with the newest version the trainer announced: its position then passes
-the write check whenever the reservation did, a refusal (another replica's later reservation written first) is
-retried with the same row once a newer version is announced, and the trainer's lag metrics read the time the row
-waited in the streams. It goes through the same reserve/write counters as samples, so the lag bound still
-limits how far the actors read ahead of the trainer. A reward in the spec, if any, scores the reference completion
-(reported as reward_mean); none is needed.
+`sample_and_write` or `write_reference` -> count, or give the reservation back). What it writes: §5.3; supervised
+(sft) groups and their version stamp: §6. The rules it keeps (docs/references.md §6): it stops on
+`training_finished`, never by counting samples (§6.1); a group's `model_version` is the weights that sampled it
+(§6.9). A stop interrupts every wait, never a Redis write (a reservation is used or given back, never both); a
+failed request is retried on the next server, a 400 skips the prompt; a reward that raises scores 0 and is
+counted (`reward_errors`), never stopping the actor.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ documents, as for the torch backend. The gradient norm adds the squares of the s
 is a COLLECTIVE with TP > 1 (`collective_weights`): every rank calls `weights()`, `state()` in the same order.
 
 Not used: megatron's DistributedDataParallel and distributed optimizer (their gradient buffers are allocated on
-`torch.cuda.current_device()`; see the report of issue 10), pipeline parallelism and sequence parallelism.
+`torch.cuda.current_device()`, so they cannot run on CPU), pipeline parallelism and sequence parallelism.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and the weights published to inference are Hugging Face directories and Hugging 
 (docs/design.md §5.6). This module turns a transformers config into GPTModel's arguments and converts tensors
 (weights, and Adam moments, which have their parameter's shape) both ways. It is pure: no megatron import, no I/O.
 
-Why not a maintained bridge (issue 9 asked to evaluate them first, against megatron-core 0.16.1, Python 3.11, CPU):
+Why not a maintained bridge (both were tried first, against megatron-core 0.16.1, Python 3.11, CPU):
 - Megatron-Bridge 0.3.1 (the last release for Python 3.11) requires transformer-engine[core_cu13], mamba-ssm,
   causal-conv1d and nvidia-resiliency-ext (CUDA builds) and transformers<5, and `import megatron.bridge` imports
   transformer_engine unconditionally: it cannot be installed or imported on a CPU machine next to transformers 5.

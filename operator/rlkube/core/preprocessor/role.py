@@ -1,46 +1,11 @@
 """The preprocessor ROLE (`python -m rlkube.core.preprocessor`): rollout groups -> training documents
 (documents.py, the pure conversion), on the job's streams.
 
-It reads the actors' rollout groups, computes group-relative advantages, and writes one document per sample in
-the Fast-LLM streaming format (so the same stream feeds the torch, Megatron and Fast-LLM trainers):
-tokens = prompt + completion, `loss_masking_spans` = [[0, len(prompt)]] (the prompt is EXCLUDED from the loss),
-sampling log-probs with 0 on the prompt, the policy version per token, the scalar advantage and reward.
-A multi-turn episode (rlkube.core.actor.episodes) is one document too: its environment spans join the prompt in
-`loss_masking_spans` (log-prob 0 there), and each token carries the version that sampled it (`Sample.versions`).
-
-Rules it keeps (the pitfalls of docs/references.md §6):
-- It stops when the trainer publishes `training_finished`, never by counting samples (§6.1, §6.2).
-- Partial groups are used as they are; a group of one has no baseline (advantage 0) and is dropped (§6.10).
-- Groups whose rewards are all equal (zero advantage, nothing to learn) are dropped when
-  `spec.algorithm.filterZeroAdvantageGroups` is on (the default; never for loss sft), as PipelineRL's
-  filter_zero_advantage_groups (pipelinerl/preprocess.py:316-353, applied at :548-552 and counted as
-  `preprocessor/filtered_out_samples` at :677) and DAPO's dynamic sampling; they are counted in Redis
-  (`StreamKeys.filtered_groups`/`filtered_samples`) and the trainer reports the counts in its metrics. More than
-  `spec.algorithm.maxConsecutiveFilteredGroups` of them in a row and the role exits runtime.EXIT_CONFIG naming it:
-  the trainer is starved, and the job fails with reason ZeroAdvantageStall (rlkube.contract.zero_advantage).
-- Lag credit (docs/design.md §7): every sample of a group that yields no document (filtered, a singleton, too
-  long, malformed) is taken off the actors' `written` and `reserved` counters in the same atomic step that
-  acknowledges the group, so sample positions count only samples that reach the trainer and the actors sample
-  replacements instead of waiting for documents that never come.
-- Backpressure: while the trainer's consumer group lags the documents stream by more than
-  2 x samplesPerStep entries (XINFO: entries-added - entries-read) it stops reading rollouts, so documents are
-  never produced far ahead of the trainer and their policy versions stay fresh. Each replica checks on its
-  own, so with N replicas the bound can be overshot by up to N reads (READ_COUNT groups at most each).
-- Nothing is trimmed from the documents stream (approximate MAXLEN trimming crashed slow readers,
-  docs/references.md §6.12).
-- Malformed rollout entries and unknown events are logged and skipped (a skipped rollout entry is acknowledged).
-
-Any number of replicas share the rollouts through one consumer group (`protocol.ROLLOUTS_GROUP`), replica i
-reading as consumer `preprocessor-{i}`, so every group becomes documents exactly once:
-- New entries come from XREADGROUP '>'; each group's documents are written and its entry acknowledged by one
-  Lua script, which is atomic (a crash leaves both or neither) and first checks that the entry is still
-  pending for this consumer, so an entry claimed away from a replica that stalled is not written twice.
-- A (re)started replica first re-reads its own pending entries (XREADGROUP from id 0): the ones it had read but
-  not written before it died.
-- Entries left pending by a replica that never comes back (scaled down) are taken over with XAUTOCLAIM once
-  they have been idle for `claim_idle_ms`.
-Events are read by every replica with plain XREAD from the start of the stream (not through a group): each
-replica must see training_finished, including one published while it was down.
+Why a role of its own: advantages need a whole group, and one document format (Fast-LLM's) feeds every trainer,
+so the actors only sample and the trainers only train. Its contracts: the rollouts it reads and the replicas'
+consumer group (docs/design.md §5.3), the documents it writes (§5.4), backpressure (§5.5), advantages and
+zero-advantage filtering (§6), and the lag credit it gives back for groups that yield no document (§7). It stops on
+`training_finished`, never by counting samples (docs/references.md §6.1, §6.2), and trims nothing (§6.12).
 """
 
 from __future__ import annotations

@@ -1,37 +1,11 @@
 """The weight update's wire format (docs/design.md §5.6): what one update is (header, buckets, checksum), whatever
 carries it (rlkube.core.weights.group broadcasts it).
 
-The weight contract (docs/design.md §5.6), whatever the trainer backend:
-- names: the Hugging Face parameter names of the job's model directory, each tied weight once (the backend's
-  `weights()`, see rlkube.core.backends.base), so any engine that loads the directory can apply an update by name;
-- dtype: the trainer casts every floating-point tensor to the transfer dtype (`spec.trainer.weightTransfer.dtype`:
-  by default `auto`, the dtype the engines serve; None keeps each tensor's own dtype) and the receiver converts to the
-  dtype it serves (load_state_dict copies with conversion). Non-float tensors (integer buffers) keep theirs.
-- buckets: consecutive tensors of one dtype are flattened into one buffer of at most `bucket_bytes`
-  (`weightTransfer.bucketMegabytes`; a larger tensor gets a bucket of its own), one broadcast per bucket rather
-  than one per tensor;
-- checksum: the sender puts `weights_checksum()` of what it sends into the metadata; the receiver recomputes it on
-  what arrived and refuses an update that differs, and an engine can report the checksum of what it serves
-  (`weights_checksum` of its weights cast to the transfer dtype: equal to the trainer's whenever the served dtype
-  holds the transfer dtype exactly, e.g. float32 or bfloat16 served from a bfloat16 transfer).
-
-Wire format of one update (identical for gloo on CPU and NCCL on GPUs): a metadata object
-`{"version", "checksum", "kind", "transport", "sums", "tensors": [[name, shape, dtype], ...], "buckets": [[first,
-end, dtype, numel], ...]}` (`sums`: each tensor's float64 sum, in a packed update only; `transport`: the group's,
-rlkube.contract.weight_transport), then every bucket in that order (tensors `first..end-1` flattened), then a `null` sentinel. Objects travel
-as a length (int64) followed by the JSON bytes (uint8), so no pickle crosses the wire.
-
-`kind` says what the tensors are: "full" (absent in older senders: the same), every weight under its HF name; or
-"lora-adapter" (an `AdapterUpdate`, or a sharded trainer's `StreamedWeights(adapter=...)`; spec.trainer.lora), the
-adapter's A and B matrices under PEFT's names (rlkube.core.lora) with `adapter` in the metadata ({"format", "rank",
-"alpha", "scaling", "target_modules"}): the receiver serves base + adapter, W = W0 + scaling x B @ A on its own base
-copy. `WeightReceiver.receive` (rlkube.core.weights.group) refuses an adapter update unless its caller said it
-serves adapters (`adapters=True`), so no engine loads one as weights.
-
-A trainer that shards its weights (FSDP) cannot pack a snapshot without holding the whole model on rank 0: it
-publishes a `StreamedWeights` instead, which every trainer rank builds from its shards (names, shapes, dtypes and
-the checksum need no gather) and whose buckets the ranks gather one at a time while rank 0 sends each; the bytes
-on the wire are the same as for the packed update (`plan_buckets` decides both layouts).
+Why apart from the transport: the trainer's publisher, the native engine and vLLM's workers must agree byte for
+byte on one update, for gloo and NCCL alike, for full weights and LoRA adapters, packed or streamed from FSDP
+shards (`plan_buckets` decides both layouts). The contract (HF names, the transfer dtype, buckets, the checksum,
+`kind`) and the wire (a JSON metadata object as an int64 length plus bytes, the buckets, a `null` sentinel; no
+pickle) are docs/design.md §5.6.
 """
 
 from __future__ import annotations
