@@ -7,6 +7,8 @@
 #               API and CLI reference); `make test` builds it too (tests/integration/test_docs_site.py)
 #   make bench  runs `rlkube bench operator` against the project's own control plane (BENCH_ARGS="-n 20 --json")
 #   make gpu-smoke  runs the training core's GPU smoke check with the python3 at hand (GPU_SMOKE_ARGS="--out f")
+#   make gpu-e2e    runs the real pipeline colocated on one GPU (GPU_E2E_ARGS="--cpu" here); `make gpu-carry`
+#                   first packs what a GPU machine with only torch and transformers lacks into $(GPU_CARRY)
 # pip installs into the project's virtual environment $(VENV) (created when missing), never the system interpreter.
 SYSTEM_PYTHON ?= python3
 VENV ?= .venv
@@ -33,7 +35,7 @@ MLFLOW_STAMP = $(MLFLOW_VENV)/.rlkube-installed
 # the real node's containerd, runc, runsc (gVisor, the sandbox pods' runtime), CNI plugins, buildah, a static
 # busybox, iptables (kube-proxy) and dnsmasq (the cluster DNS) (tests/cluster/node.py), mmdebstrap (the images'
 # base, images/build.py), chromium (the report's and the docs site's headless checks, tests/headless_chromium.py
-# and tests/integration/test_docs_site.py) and docker-registry (`make test-registry`).
+# and tests/integration/test_docs_site.py) and docker-registry (tests/e2e/test_registry.py).
 APT_DEMO = redis-server
 APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 gcc libc6-dev \
                golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev \
@@ -43,7 +45,7 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: images push docs demo test test-vllm-image test-registry bench gpu-smoke deps deps-apt deps-pip deps-vllm deps-mlflow venv control-plane crd demo-cluster
+.PHONY: images push docs demo test test-vllm-image test-registry bench gpu-smoke gpu-e2e gpu-carry deps deps-apt deps-pip deps-vllm deps-mlflow venv control-plane crd demo-cluster
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
@@ -71,11 +73,11 @@ test-vllm-image: deps control-plane
 	$(MAKE) images IMAGES="operator core redis vllm-cpu" IMAGES_ARGS=--check
 	RLKUBE_VLLM_IMAGE=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_vllm_image.py
 
-# `make push` into a docker-registry on loopback and the real node pulling from it (tests/e2e/test_registry.py;
-# opt-in until it has passed end to end here).
+# `make push` into a docker-registry on this machine and the real node pulling from it (tests/e2e/test_registry.py),
+# alone; `make test` runs it too.
 test-registry: deps control-plane
 	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
-	RLKUBE_REGISTRY_E2E=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_registry.py
+	$(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_registry.py
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
 # kubeconfig in place of {kubeconfig}, and stops it.
@@ -87,6 +89,34 @@ bench: deps control-plane
 # has torch and transformers already; nothing of ours is installed (operator/ is on the path, as here), no venv.
 gpu-smoke:
 	PYTHONPATH=operator$${PYTHONPATH:+:$$PYTHONPATH} python3 -m rlkube.bench.gpu_smoke $(GPU_SMOKE_ARGS)
+
+# The real pipeline on one GPU (rlkube/bench/gpu_e2e.py, docs/guide/colocated.md): `rlkube local` with Redis and
+# every role as processes, colocated. Like gpu-smoke, with the GPU machine's python3 and operator/ on the path; what
+# that machine lacks comes from $(GPU_CARRY) when it exists (`make gpu-carry` here, then carry the folder there):
+# our pure-Python dependencies as wheels for its Python, installed into a folder of their own, and Debian's
+# redis-server unpacked from its packages (dpkg -x) with the libraries it links.
+GPU_CARRY ?= .gpu-carry
+GPU_PYTHON_VERSION ?= 3.12
+GPU_CARRY_WHEELS = pydantic pydantic-core annotated-types typing-inspection orjson redis
+GPU_CARRY_DEBS = redis-server redis-tools libjemalloc2 liblzf1
+gpu-e2e:
+	@if [ -d $(GPU_CARRY)/wheels ]; then \
+	  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target $(GPU_CARRY)/site $(GPU_CARRY)/wheels/*.whl || exit 1; fi
+	PYTHONPATH=operator:$(GPU_CARRY)/site$${PYTHONPATH:+:$$PYTHONPATH} \
+	  REDIS_SERVER_BIN=$$(command -v redis-server || echo $(CURDIR)/$(GPU_CARRY)/redis/usr/bin/redis-server) \
+	  LD_LIBRARY_PATH=$(CURDIR)/$(GPU_CARRY)/redis/usr/lib/x86_64-linux-gnu$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} \
+	  python3 -m rlkube.bench.gpu_e2e $(GPU_E2E_ARGS)
+
+gpu-carry:
+	rm -rf $(GPU_CARRY) && mkdir -p $(GPU_CARRY)/wheels $(GPU_CARRY)/debs
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(GPU_CARRY)/wheels $(GPU_CARRY_WHEELS)
+	cd $(GPU_CARRY)/debs && apt-get download $(GPU_CARRY_DEBS)
+	for d in $(GPU_CARRY)/debs/*.deb; do dpkg -x $$d $(GPU_CARRY)/redis; done
+	rm -rf $(GPU_CARRY)/debs
+	du -sh $(GPU_CARRY)
 
 deps: deps-apt deps-pip
 

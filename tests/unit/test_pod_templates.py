@@ -318,7 +318,9 @@ def test_every_child_of_every_example_passes_the_security_assertion(path):
     raw = doc["spec"]
     children = builders.all_children(job_of(raw), password="pa55-w0rd-value")
     pods = [c for c in children if c["kind"] == "Pod"]
-    assert {p["metadata"]["labels"]["rlkube.io/role"] for p in pods} >= {"trainer", "inference", "actor"}
+    # A colocated engine runs in the trainer's pod (docs/guide/colocated.md): no inference pod of its own.
+    engine = set() if raw.get("inference", {}).get("placement") == "colocated" else {"inference"}
+    assert {p["metadata"]["labels"]["rlkube.io/role"] for p in pods} >= {"trainer", "actor"} | engine
     for pod in pods:
         assert_hardened_pod(pod, raw)
     assert_no_secret_value(children, ["pa55-w0rd-value"])

@@ -26,7 +26,7 @@ RULE = [
     ("cpu", "cuda", wt.SEPARATE, wt.GLOO),
     ("cuda", "cuda", wt.SEPARATE, wt.NCCL),
     ("cuda:0", "cuda:3", wt.SEPARATE, wt.NCCL),
-    ("cuda", "cuda", wt.COLOCATED, wt.CUDA_IPC),
+    ("cuda", "cuda", wt.COLOCATED, wt.GLOO),  # one GPU: through host memory (the zero-copy cuda-ipc is not built)
     ("cpu", "cpu", wt.COLOCATED, wt.GLOO),
     ("cuda", "cpu", wt.COLOCATED, wt.GLOO),
 ]
@@ -54,19 +54,22 @@ TABLE = [
     ("cpu", "cpu", wt.SEPARATE, "vllm", wt.GLOO),
     ("cuda", "cpu", wt.SEPARATE, "native", wt.GLOO),  # the GPU job with native engines: NCCL on main, never formed
     ("cuda", "cuda", wt.SEPARATE, "vllm", wt.NCCL),
+    ("cpu", "cpu", wt.COLOCATED, "native", wt.GLOO),  # spec.inference.placement colocated: loopback gloo
+    ("cuda", "cuda", wt.COLOCATED, "native", wt.GLOO),  # the engine on the trainer's GPU: NCCL cannot pair them
 ]
 
 
 @pytest.mark.parametrize(("trainer", "engine", "placement", "backend", "expected"), TABLE)
 def test_publisher_and_every_receiver_derive_the_same_transport(trainer, engine, placement, backend, expected):
-    ctx = ctx_for(1 if trainer == "cuda" else 0, backend)
+    ctx = ctx_for(1 if trainer == "cuda" else 0, backend, **{"inference.placement": placement})
     assert wt.placement(ctx.spec) == placement
+    assert wt.engine_device(ctx.spec) == engine
     publisher = _make_publisher(ctx, None, trainer)  # built as the trainer builds it, on `trainer`
     assert publisher.sender.backend == expected
     # Over gloo the buckets are packed in host memory, over NCCL on the trainer's GPU.
     assert publisher.sender.device.type == ("cuda" if expected == wt.NCCL else "cpu")
     if backend == "native":
-        assert engine == "cpu"  # the native engine samples on the CPU
+        # the native engine samples on the CPU, or on the trainer's GPU when colocated; gloo receives on the host
         receiver = weight_receiver(ctx)
         assert (receiver.backend, receiver.device.type) == (expected, "cpu")
     else:

@@ -881,6 +881,24 @@ class InferenceSpec(Model):
     vllm: VllmSpec = Field(default_factory=VllmSpec, description="vLLM engine arguments (engine `vllm` only).")
     replicas: int = Field(1, ge=1, description="Inference servers; each joins the weight-update group.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of each server.")
+    placement: Literal["separate", "colocated"] = Field(
+        "separate",
+        description=(
+            "`separate`: each inference server runs in a pod (local: a process) of its own, on devices of its own. "
+            "`colocated`: the native engine shares the trainer's pod and devices: the trainer pod runs both "
+            "processes (rlkube.core.colocated) and holds the GPU once, so a one-GPU machine runs a GPU job; needs "
+            "engine native, replicas 1, one trainer pod with one process, backend torch (docs/guide/colocated.md)."
+        ),
+    )
+    device_memory_fraction: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description=(
+            "With placement `colocated` on a GPU: the share of the GPU's memory the engine may allocate "
+            "(torch.cuda.set_per_process_memory_fraction); the trainer may take the rest. Ignored on CPU."
+        ),
+    )
     image: str | None = Field(None, min_length=1, description="Image (default: spec.image).")
     resources: Resources = Field(default_factory=Resources, description="Resources of each server.")
     template: PodTemplate | None = Field(None, description=TEMPLATE_DESCRIPTION)

@@ -26,6 +26,9 @@ ENV_WEIGHT_SYNC = "RLKUBE_WEIGHT_SYNC_ADDR"  # host:port of the trainer's TCPSto
 ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0.0.1 locally)
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
+# A colocated trainer (spec.inference.placement colocated): JSON {"env": {...}, "unset": [...]} that turns the
+# trainer's environment into its engine's (rlkube.core.colocated starts both processes).
+ENV_COLOCATED_ENGINE = "RLKUBE_COLOCATED_ENGINE"
 ENV_SANDBOX_URLS = "RLKUBE_SANDBOX_URLS"  # actor: comma-separated base URLs of the job's sandbox servers
 # sandbox server: its per-snippet limits (JSON of rlkube.core.actor.sandbox.SandboxLimits), set by the launcher
 ENV_SANDBOX_LIMITS = "RLKUBE_SANDBOX_LIMITS"
@@ -95,8 +98,16 @@ def with_password(url: str, password: str | None) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-def write_job_config(path: Path, namespace: str, name: str, spec: dict) -> Path:
+def job_config(namespace: str, name: str, spec: dict, uid: str | None = None) -> str:
+    """The job config every role reads (rlkube.contract.context): the job's namespace, name, the run's `uid` (the
+    TrainingJob's metadata.uid; `rlkube local` draws one per run: what tells this run's kept rows from an earlier
+    job's on a reused claim, docs/design.md §5.7) and the spec as applied."""
+    doc = {"namespace": namespace, "name": name, **({"uid": uid} if uid else {}), "spec": spec}
+    return json.dumps(doc, indent=1)
+
+
+def write_job_config(path: Path, namespace: str, name: str, spec: dict, uid: str | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"namespace": namespace, "name": name, "spec": spec}, indent=1))
+    path.write_text(job_config(namespace, name, spec, uid))
     return path

@@ -3,13 +3,16 @@ the publisher and by every receiver alike, so both ends of the weight-update gro
 
     trainer device   engine device   placement    transport
     cuda             cuda            separate     nccl       (two GPUs: NCCL between them)
-    cuda             cuda            colocated    cuda-ipc   (one GPU: the engine maps the trainer's buckets)
+    cuda             cuda            colocated    gloo       (one GPU: NCCL puts no two ranks on one device)
     anything else (a CPU on either side)          gloo       (host memory; a GPU side copies through the host)
 
 Each side knows its own device and reads the other's from the spec (`trainer_device`, `engine_device`); the
 publisher writes what it derived into the group's store before anyone joins, and a receiver that derived
-something else refuses to join, naming both (rlkube.core.weights.group: the join handshake). `cuda-ipc` is the
-rule's answer for a colocated placement; its transfer is not built yet, so both ends refuse it clearly.
+something else refuses to join, naming both (rlkube.core.weights.group: the join handshake). A colocated placement
+(spec.inference.placement, docs/guide/colocated.md) on a GPU goes through host memory over loopback gloo: the
+trainer packs each bucket on the host, the engine copies it onto the shared GPU. `cuda-ipc` (the engine mapping the
+trainer's buckets, zero-copy) is the faster answer for that row; its transfer is not built, so the rule does not
+return it and rlkube.core.weights.group refuses it by name.
 
 Also here: what `weightTransfer.dtype: auto` means (the dtype the engine serves). Pure: no torch.
 """
@@ -42,8 +45,8 @@ def transport(trainer_device: str, engine_device: str, placement: str = SEPARATE
     """The transport between a trainer on `trainer_device` and an engine on `engine_device` (module docstring)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"weight-transport placement {placement!r} is not one of {PLACEMENTS}")
-    if device_type(trainer_device) == "cuda" and device_type(engine_device) == "cuda":
-        return CUDA_IPC if placement == COLOCATED else NCCL
+    if device_type(trainer_device) == "cuda" and device_type(engine_device) == "cuda" and placement == SEPARATE:
+        return NCCL
     return GLOO
 
 
@@ -54,13 +57,16 @@ def trainer_device(spec) -> str:
 
 def engine_device(spec) -> str:
     """An inference engine's device as the spec asks for it (what the publisher assumes of the engines): the
-    native engine samples on the CPU; a vLLM server holds GPUs when the job does (TrainingJobSpec.gpus_per_pod)."""
+    native engine samples on the CPU, or on the trainer's GPU when colocated with it; a vLLM server holds GPUs when
+    the job does (TrainingJobSpec.gpus_per_pod)."""
+    if placement(spec) == COLOCATED:
+        return trainer_device(spec)
     return "cuda" if spec.gpus_per_pod("inference") > 0 else "cpu"
 
 
 def placement(spec) -> str:
-    """Where the engines run relative to the trainer: always on devices of their own today."""
-    return SEPARATE
+    """Where the engines run relative to the trainer: `spec.inference.placement`."""
+    return spec.inference.placement
 
 
 def publisher_transport(spec, own_device: str) -> str:

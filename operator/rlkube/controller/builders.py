@@ -28,7 +28,6 @@ resolves `{pod}.{service}` to pod IPs directly, exactly as cluster DNS does for 
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,15 @@ from rlkube.controller import fastllm, names, podtemplate
 from rlkube.controller.placement import Placement, with_placement
 from rlkube.lifecycle import image_reference
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module, sandbox_env
-from rlkube.lifecycle.roles import CORE_ROLES, DATASET_ROLES, MODEL_ROLES, START_ORDER, replicas, uses_sandbox_pods
+from rlkube.lifecycle.roles import (
+    CORE_ROLES,
+    DATASET_ROLES,
+    MODEL_ROLES,
+    START_ORDER,
+    colocated,
+    replicas,
+    uses_sandbox_pods,
+)
 from rlkube.lifecycle.validation import parse_quantity
 
 MASTER_PORT = 29400
@@ -150,14 +157,14 @@ def container_security_context(read_only_root: bool) -> dict:
 
 
 def config_map(job: JobRef) -> dict:
-    """`{job}-config` with `job.json` in runtime.write_job_config's format (and a fast-llm job's Fast-LLM config)."""
-    doc = {"namespace": job.namespace, "name": job.name, "spec": job.raw_spec}
+    """`{job}-config` with `job.json` in runtime.job_config's format, the run's uid the job's (and a fast-llm job's
+    Fast-LLM config)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(job, names.config_name(job.name), names.job_labels(job.name)),
         "data": {
-            names.CONFIG_KEY: json.dumps(doc, indent=1),
+            names.CONFIG_KEY: runtime.job_config(job.namespace, job.name, job.raw_spec, job.uid),
             **fastllm.config_map_data(job.spec, job.namespace, job.name),
         },
     }
@@ -186,6 +193,9 @@ _SERVICE_PORTS = {
 
 
 def service(job: JobRef, role: str) -> dict:
+    ports = list(_SERVICE_PORTS[role])
+    if role == "trainer" and colocated(job.spec):  # its pod serves the engine too (rlkube.core.colocated)
+        ports += _SERVICE_PORTS["inference"]
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -198,7 +208,7 @@ def service(job: JobRef, role: str) -> dict:
             "publishNotReadyAddresses": True,
             "ports": [
                 {"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}
-                for port_name, port in _SERVICE_PORTS[role]
+                for port_name, port in ports
             ],
         },
     }
@@ -209,9 +219,11 @@ def services(job: JobRef) -> list[dict]:
 
 
 def service_roles(spec: TrainingJobSpec) -> list[str]:
-    """Roles of this job that have a headless Service: Redis when managed, the sandbox with sandbox pods."""
+    """Roles of this job that have a headless Service: Redis when managed, the sandbox with sandbox pods, inference
+    unless its engine is colocated in the trainer's pod (reached through the trainer's Service)."""
     return [r for r in names.SERVICE_ROLES
-            if (r != "redis" or spec.redis.mode == "managed") and (r != "sandbox" or uses_sandbox_pods(spec))]
+            if (r != "redis" or spec.redis.mode == "managed") and (r != "sandbox" or uses_sandbox_pods(spec))
+            and (r != "inference" or not colocated(spec))]
 
 
 OPERATOR_PEER = {"app.kubernetes.io/part-of": "rlkube", "app.kubernetes.io/component": "operator"}
@@ -339,7 +351,9 @@ def addresses(job: JobRef) -> Addresses:
         redis_url=redis_url(job),
         # $(POD_IP) expands only from variables defined earlier in the container's env list (see _core_env).
         bind_host="$(POD_IP)",
-        inference_urls=tuple(names.inference_urls(job.name, spec.inference.replicas, runtime.INFERENCE_PORT)),
+        # A colocated engine serves from the trainer's pod (rlkube.core.colocated).
+        inference_urls=((f"http://{trainer0}:{runtime.INFERENCE_PORT}",) if colocated(spec) else
+                        tuple(names.inference_urls(job.name, spec.inference.replicas, runtime.INFERENCE_PORT))),
         inference_ports=(runtime.INFERENCE_PORT,) * spec.inference.replicas,
         weight_sync_host=trainer0,
         weight_sync_port=runtime.WEIGHT_SYNC_PORT,
@@ -464,18 +478,24 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     volumes += data
     if role in MODEL_ROLES:
         container["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
-    if role == "inference":
+    engine_ports: list[dict] = []
+    if role == "inference" or (role == "trainer" and colocated(job.spec)):
+        # The engine's port; Ready once it joined the trainer's group (/health): for a colocated trainer pod too,
+        # which is what the actors wait for (lifecycle.roles).
         port = runtime.INFERENCE_PORT
-        container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+        engine_ports = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
         container["readinessProbe"] = {
             "httpGet": {"path": "/health", "port": port},
             "periodSeconds": 2,
             "failureThreshold": 3,
         }
+    if role == "inference":
+        container["ports"] = engine_ports
     if role == "trainer":
         container["ports"] = [
             {"name": "weight-sync", "containerPort": runtime.WEIGHT_SYNC_PORT, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
+            *engine_ports,
         ]
         ckpt = job.spec.trainer.checkpoint
         container["volumeMounts"].append({"name": names.VOLUME_CHECKPOINTS, "mountPath": ckpt.path})

