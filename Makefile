@@ -45,7 +45,11 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export DEBIAN_FRONTEND = noninteractive
 
-.PHONY: images push docs demo test test-vllm-image test-registry bench gpu-smoke gpu-e2e gpu-carry deps deps-apt deps-pip deps-vllm deps-mlflow venv control-plane crd demo-cluster
+.PHONY: images push docs demo test test-vllm-image test-registry bench gpu-smoke gpu-e2e gpu-carry deps deps-apt deps-pip deps-vllm deps-mlflow venv control-plane crd demo-cluster hooks
+
+# The repository's commit-msg hook (docs/development/contributing.md): a subject of at most 72 characters and a body.
+hooks:
+	git config core.hooksPath .githooks
 
 demo:
 	$(MAKE) deps-apt APT_PACKAGES="$(APT_DEMO)"
