@@ -293,6 +293,11 @@ def make_valid(spec: dict, redis_url: str, external: bool) -> dict:
         if where.kind == "builtin" and tensor_parallel_heads_error(*BUILTIN_ATTENTION_HEADS[where.location],
                                                                    _eff(spec, "inference.tensorParallel")):
             _set(spec, "inference.tensorParallel", 1)
+    # Colocated: one native engine beside one torch trainer process (validation.colocated_errors).
+    if _eff(spec, "inference.placement") == "colocated" and (
+            _eff(spec, "inference.engine") != "native" or _eff(spec, "inference.replicas") != 1
+            or backend != "torch" or ranks != 1):
+        _drop(spec, "inference.placement")
     for role in (*ROLES, "sandbox"):
         requests = _get(spec, f"{role}.resources.requests") or {}
         limits = _get(spec, f"{role}.resources.limits") or {}

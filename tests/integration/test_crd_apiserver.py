@@ -55,6 +55,9 @@ MALFORMED = [
     ("spec.task.reward.function", "not a function", "spec.task.reward.function"),  # module:function pattern
     ("spec.task.dataset.format", "csv", "spec.task.dataset.format"),        # unknown dataset format
     ("spec.task.dataset.mountPath", "data", "spec.task.dataset.mountPath"),  # relative mount path
+    # A Secret name the operator puts into a secretKeyRef: refused at apply, not when the pod is created.
+    ("spec.tracking.wandb", {"project": "p", "apiKeySecret": {"name": "W_and_B", "key": "k"}},
+     "spec.tracking.wandb.apiKeySecret.name"),
 ]
 
 

@@ -31,6 +31,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from operator_harness import OperatorProcess
 
+from rlkube.lifecycle import roles
 from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller import names
 from rlkube.contract import protocol
@@ -113,8 +114,9 @@ def first_pods(name: str, spec: dict) -> set[str]:
     external (reachable) Redis, the trainer and inference pods."""
     if spec["redis"]["mode"] == "managed":
         return {names.pod_name(name, "redis")}
-    return {names.pod_name(name, "trainer", i) for i in range(spec["trainer"]["nodes"])} | {
-        names.pod_name(name, "inference", i) for i in range(spec["inference"]["replicas"])}
+    parsed = parse_spec(spec)  # a colocated engine has no pod of its own (lifecycle.roles.replicas)
+    return {names.pod_name(name, role, i) for role in ("trainer", "inference")
+            for i in range(roles.replicas(parsed, role))}
 
 
 def settled(job: dict, kids: list[dict]) -> bool:
@@ -134,7 +136,7 @@ def check_children(job: dict, kids: list[dict]) -> None:
         assert kid["owners"] == [("TrainingJob", name, uid, True)], kid
         assert kid["labels"][names.LABEL_MANAGED_BY] == names.MANAGED_BY and kid["labels"][names.LABEL_JOB] == name
         if kid["kind"] == "Pod":
-            assert kid["labels"][names.LABEL_ROLE] in ("redis", "trainer", "inference", "preprocessor", "actor")
+            assert kid["labels"][names.LABEL_ROLE] in roles.START_ORDER
 
 
 def local_verdict(spec: dict) -> str | None:

@@ -106,6 +106,13 @@ class ModelSpec(Model):
 ENTRY_POINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 """`package.module:attribute`, the form of every importable plug-in (task factories, reward functions)."""
 
+SECRET_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A Secret's name: a lowercase RFC 1123 subdomain (at most 253 characters), what the API server demands of the
+secretKeyRef the operator builds from it. (spec.redis.passwordSecret is checked by the operator instead: a managed
+Redis ignores it, lifecycle.validation.pod_field_errors.)"""
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+"""A key inside a Secret, as the API server demands of a secretKeyRef's key."""
+
 Scalar = str | int | float | bool
 
 
@@ -1036,8 +1043,9 @@ class ApiKeySecretRef(Model):
     """A key of a Secret in the job's namespace: the operator passes it to the trainer pod as an environment
     variable (secretKeyRef); its value never appears in the spec, the status, Events, logs or the job's ConfigMap."""
 
-    name: str = Field(..., min_length=1, max_length=253, description="Secret name (in the job's namespace).")
-    key: str = Field(..., min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+    name: str = Field(..., min_length=1, max_length=253, pattern=SECRET_NAME,
+                      description="Secret name (in the job's namespace).")
+    key: str = Field(..., min_length=1, max_length=253, pattern=SECRET_KEY,
                      description="Key inside the Secret holding the API key.")
 
 
