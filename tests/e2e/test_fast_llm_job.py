@@ -102,19 +102,24 @@ JOINED = {"native": "joined Fast-LLM's weight broadcast as rank 1 of 2",
           "vllm": "joined Fast-LLM's weight broadcast as ranks [1] of 2"}
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_fast_llm_job_receives_the_broadcast_and_succeeds(job, model_dir, engine):
-    job.apply(example(**(VLLM if engine == "vllm" else {}), **{
+def fast_llm_overrides(model_dir, steps: int) -> dict:
+    """A fast-llm job of `steps` steps on the test's Qwen2 model, run by the trainer-fast-llm image."""
+    return {
         "spec.model.path": str(model_dir),
         "spec.model.maxSequenceLength": 64,
-        "spec.algorithm.maxSteps": STEPS,
+        "spec.algorithm.maxSteps": steps,
         "spec.algorithm.samplesPerStep": PER_STEP,
         "spec.algorithm.groupSize": 4,
         "spec.trainer.backend": "fast-llm",
         "spec.trainer.image": "ghcr.io/rlkube/trainer-fast-llm:0.1.0",
         "spec.trainer.gpusPerNode": 1,
         "spec.trainer.fastLlm": {"modelFormat": "qwen2"},
-    }))
+    }
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fast_llm_job_receives_the_broadcast_and_succeeds(job, model_dir, engine):
+    job.apply(example(**(VLLM if engine == "vllm" else {}), **fast_llm_overrides(model_dir, STEPS)))
     follower = job.follow()
     tj = job.wait_phase(("Succeeded", "Failed"), 900)
     st = tj["status"]
@@ -170,16 +175,7 @@ def test_a_fast_llm_trainer_killed_between_updates_resumes_and_the_job_succeeds(
 
 
 def _kill_between_updates_and_succeed(job, model_dir) -> None:
-    job.apply(example(**{
-        "spec.model.path": str(model_dir),
-        "spec.model.maxSequenceLength": 64,
-        "spec.algorithm.maxSteps": RESTART_STEPS,
-        "spec.algorithm.samplesPerStep": PER_STEP,
-        "spec.algorithm.groupSize": 4,
-        "spec.trainer.backend": "fast-llm",
-        "spec.trainer.image": "ghcr.io/rlkube/trainer-fast-llm:0.1.0",
-        "spec.trainer.gpusPerNode": 1,
-        "spec.trainer.fastLlm": {"modelFormat": "qwen2"},
+    job.apply(example(**fast_llm_overrides(model_dir, RESTART_STEPS), **{
         "spec.trainer.checkpoint": {"intervalSteps": 1},
         "spec.runPolicy.backoffLimit": 3,
     }))

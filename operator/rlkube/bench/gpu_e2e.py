@@ -21,7 +21,6 @@ Exit status 0 only when the job Succeeded and every checksum verified.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlkube.bench.gpu_smoke import QWEN2_VOCAB, write_model
+from rlkube.bench.gpu_smoke import QWEN2_VOCAB, emit, write_model
 
 log = logging.getLogger("rlkube.gpu_e2e")
 
@@ -250,13 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("gpu-e2e failed")
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["wall_s"] = round(time.monotonic() - started, 1)
-    line = json.dumps(result, default=str)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-    return 0 if result["ok"] else 1
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -630,10 +630,15 @@ def main(argv: list[str] | None = None) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["failed"] = sorted(k for k, v in result["checks"].items() if not v)
     result["wall_s"] = round(time.monotonic() - started, 2)
+    return emit(result, args.out)
+
+
+def emit(result: dict, out: Path | None) -> int:
+    """The check's one JSON line, on stdout and in `out` (--out); the exit status says whether it passed."""
     line = json.dumps(result, default=str)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(line + "\n")
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
     return 0 if result["ok"] else 1
