@@ -27,6 +27,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests check what is drawn, not how fast: on a loaded 2-core machine a draw can take seconds, and
+# hypothesis's per-example deadline and its too_slow health check then fail a correct test.
+settings.register_profile("rlkube", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("rlkube")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

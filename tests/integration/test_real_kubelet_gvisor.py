@@ -14,7 +14,9 @@ API server:
 from __future__ import annotations
 
 import copy
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,30 @@ def _tail(node: Node, name: str) -> str:
     return (Path(node.workdir) / f"{name}.log").read_text(errors="replace")[-2000:]
 
 
+def _stuck(node: Node, core: client.CoreV1Api, name: str) -> str:
+    """What a pod that does not go away is waiting on: its status as the API server has it, the kubelet's and
+    containerd's lines that name its uid or its containers (the tail alone is the kubelet's garbage collector),
+    and the runsc processes still alive."""
+    try:
+        got = core.read_namespaced_pod(name, NAMESPACE)
+    except client.ApiException as exc:
+        return f"pod read failed: {exc.status}"
+    keys = [got.metadata.uid] + [st.container_id.rsplit("/", 1)[-1] for st in got.status.container_statuses or []
+                                 if st.container_id]
+    logs = {log: (Path(node.workdir) / f"{log}.log").read_text(errors="replace").splitlines()
+            for log in ("kubelet", "containerd")}
+    # The pod sandbox's id appears only in lines that name the pod once ("returns sandbox id ..."): take it too.
+    keys += {i for line in logs["containerd"] if keys[0] in line for i in re.findall(r"[0-9a-f]{64}", line)}
+    lines = []
+    for log, text in logs.items():
+        lines += [f"{log}: {line[:400]}" for line in text if any(k in line for k in keys)][-25:]
+    procs = subprocess.run(["ps", "-eww", "-o", "pid,etimes,stat,args"], capture_output=True, text=True).stdout
+    runsc = [line[:300] for line in procs.splitlines() if "runsc" in line]
+    return (f"deletionTimestamp={got.metadata.deletion_timestamp} phase={got.status.phase} "
+            f"containers={[(st.name, st.state.to_dict()) for st in got.status.container_statuses or []]}\n"
+            + "\n".join(lines) + "\nrunsc processes:\n" + "\n".join(runsc))
+
+
 def test_the_operators_sandbox_pod_runs_on_gvisor_and_its_exit_reaches_the_kubelet(node, api):
     core = client.CoreV1Api(api)
     pod = _sandbox_pod("gvisor-probe", PROBE, "Never")
@@ -121,5 +147,7 @@ def test_a_running_sandbox_pod_on_gvisor_stops_when_deleted(node, api):
         except client.ApiException as exc:
             return exc.status == 404
 
-    # The shell ignores SIGTERM as pid 1: the kubelet kills it after the grace period, and the pod goes.
-    wait_for(gone, 60, lambda: f"the pod to be deleted; kubelet log: {_tail(node, 'kubelet')}", 0.5)
+    # The shell ignores SIGTERM as pid 1: the kubelet kills it after the grace period, and the pod goes. Each
+    # step (the kill, the holder's `runsc wait`, the sandbox's stop and delete) is a runsc call on the ptrace
+    # platform, which a loaded machine slows many times over: the bound is the one the pod had to start.
+    wait_for(gone, 180, lambda: f"the pod to be deleted: {_stuck(node, core, 'gvisor-server')}", 0.5)
