@@ -221,8 +221,8 @@ def run_ro(tag: str, argv: list[str], user: str = "10001:10001") -> subprocess.C
             spec["process"].update(terminal=False, args=argv, user={"uid": uid, "gid": gid},
                                    env=[*cfg["OCIv1"]["config"].get("Env", []), "HOME=/tmp"],
                                    cwd=cfg["OCIv1"]["config"].get("WorkingDir") or "/")
-            # As the operator's pods have it (controller/builders.py): /tmp is a writable volume and HOME. Without
-            # it `import torch` fails on a read-only root ("No usable temporary directory found").
+            # As the operator's pods have it (controller/manifests/builders.py): /tmp is a writable volume and HOME.
+            # Without it `import torch` fails on a read-only root ("No usable temporary directory found").
             spec["mounts"].append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                                    "options": ["nosuid", "nodev", "mode=1777"]})
             # The machine's network namespace (no CNI here); the pod network is the cluster's business.

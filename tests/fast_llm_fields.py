@@ -3,7 +3,7 @@ Fast-LLM config uses, their types, defaults and where Fast-LLM declares them, at
 
 Why a tool and a committed fixture: Fast-LLM needs Python >= 3.12 (and CUDA to train), rlkube runs on 3.11, so
 the unit tests cannot import Fast-LLM. This tool runs where Fast-LLM's config classes can be imported (Python
-3.12; they need only PyYAML, requests and numpy), walks the configs rlkube.controller.fastllm writes for the
+3.12; they need only PyYAML, requests and numpy), walks the configs rlkube.controller.manifests.fastllm writes for the
 sample specs below through Fast-LLM's config classes, and records every field it meets. With --validate it also
 runs Fast-LLM's CLI validation (`fast-llm train gpt --config X --validate`, which needs torch, transformers and
 safetensors, no GPU) on each sample config, `pretrained.path` pointed at a config.json-only checkpoint of the
@@ -85,7 +85,7 @@ def config_sha256(config: dict) -> str:
 
 def build_configs() -> dict[str, dict]:
     from rlkube.lifecycle.validation import parse_spec
-    from rlkube.controller import fastllm
+    from rlkube.controller.manifests import fastllm
 
     out = {}
     for name, sample in samples().items():
@@ -496,7 +496,7 @@ def validate(configs: dict[str, dict], src: Path, work: Path) -> dict[str, dict]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast-llm-git", required=True, help="a git directory of ServiceNow/Fast-LLM (bare is fine)")
-    parser.add_argument("--commit", help="default: rlkube.controller.fastllm.FAST_LLM_COMMIT")
+    parser.add_argument("--commit", help="default: rlkube.controller.manifests.fastllm.FAST_LLM_COMMIT")
     parser.add_argument("--validate", action="store_true", help="also run Fast-LLM's CLI validation")
     parser.add_argument("--compare-commit", help="also list the recorded fields another Fast-LLM commit lacks")
     parser.add_argument("--fields-only", action="store_true", help=argparse.SUPPRESS)
@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if sys.version_info < (3, 12):
         raise SystemExit("Fast-LLM's source needs Python >= 3.12")
-    from rlkube.controller import fastllm
+    from rlkube.controller.manifests import fastllm
 
     commit = args.commit or fastllm.FAST_LLM_COMMIT
     commit = subprocess.run(["git", "-C", args.fast_llm_git, "rev-parse", f"{commit}^{{commit}}"], check=True,

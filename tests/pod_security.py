@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 WRITABLE_ROOT = {("inference", "vllm-gpu"), ("trainer", "fast-llm")}
-"""(role, engine/backend) whose root filesystem stays writable (controller/builders.writable_root): vLLM only with
-GPUs (a GPU trainer gives the vLLM servers GPUs, TrainingJobSpec.gpus_per_pod)."""
+"""(role, engine/backend) whose root filesystem stays writable (controller/manifests/builders.writable_root): vLLM
+only with GPUs (a GPU trainer gives the vLLM servers GPUs, TrainingJobSpec.gpus_per_pod)."""
 
 
 def assert_hardened_pod(pod: dict, spec: dict) -> None:
@@ -69,7 +69,7 @@ def assert_no_service_account_token(pod: dict) -> None:
         assert SERVICE_ACCOUNT_MOUNT not in mounts, (name, c["name"], mounts)
 
 
-SANDBOX_UID = 10002  # controller/builders.SANDBOX_RUN_AS: no other role's
+SANDBOX_UID = 10002  # controller/manifests/builders.SANDBOX_RUN_AS: no other role's
 
 
 def assert_sandbox_pod(pod: dict, spec: dict) -> None:

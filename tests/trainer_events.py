@@ -7,9 +7,9 @@ from datetime import datetime
 
 from rlkube.api.status import ComponentStatus, TrainingJobStatus
 from rlkube.contract import protocol
-from rlkube.controller.decisions import Decision, JobView, decide
-from rlkube.controller.observed import EventSource, Observed
-from rlkube.controller.times import fmt_time
+from rlkube.controller.decisions.decisions import Decision, JobView, decide
+from rlkube.controller.decisions.observed import EventSource, Observed
+from rlkube.controller.decisions.times import fmt_time
 from rlkube.lifecycle.validation import parse_spec
 
 ROLES = ("redis", "trainer", "inference", "preprocessor", "actor")

@@ -21,7 +21,7 @@ def _crd(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import yaml
 
-    from rlkube.controller.names import job_name_error
+    from rlkube.controller.manifests.names import job_name_error
     from rlkube.lifecycle.validation import SpecError, importable_errors, parse_manifest, published_images
 
     with open(args.file) as fh:
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the validating admission webhook over TLS on this port (0: not served)")
     p.add_argument("--webhook-cert-dir", default="/etc/rlkube/webhook",
                    help="directory holding the webhook's tls.crt and tls.key (a kubernetes.io/tls Secret)")
-    p.set_defaults(func=_lazy("rlkube.controller.entry:cli"))
+    p.set_defaults(func=_lazy("rlkube.controller.process.entry:cli"))
 
     # Benchmarks live in rlkube.bench (the top floor: nothing shipped imports it). `operator` needs only the base
     # install and a cluster; `pipeline` and `serve` run the training core (the `core` extra).

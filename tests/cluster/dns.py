@@ -1,7 +1,7 @@
 """The cluster's DNS for a real node (tests/cluster/node.py): Debian's dnsmasq, fed the Services' names.
 
 Test infrastructure (not shipped). No CoreDNS is installable here (no registry, no Debian package), and the
-operator's pods find each other by name (`{pod}.{service}:port`, controller/names.py; Redis at `{job}-redis`),
+operator's pods find each other by name (`{pod}.{service}:port`, controller/manifests/names.py; Redis at `{job}-redis`),
 so a real DNS server answers them: dnsmasq, which re-reads the hosts files of its `--hostsdir` when they change.
 A watcher (a thread of the test process) follows Services and Endpoints through the API server and rewrites one
 hosts file, with the records CoreDNS's kubernetes plugin serves for them (docs/references.md §12):

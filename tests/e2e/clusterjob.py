@@ -27,7 +27,7 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from nodeagent.harness import AgentProcess, wait_for
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 from rlkube.contract import protocol, runtime
 import specs
 

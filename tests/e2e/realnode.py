@@ -30,7 +30,7 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from kubernetes.stream import stream
 from rlkube.contract import protocol, runtime
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

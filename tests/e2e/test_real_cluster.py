@@ -29,7 +29,7 @@ from realnode import (LOCAL_IMAGES, OPERATOR_IMAGE, OPERATOR_NS, ContainerExits,
                       create_namespace, diagnostics, hostpath_claim, inside, lease_holder,
                       operator_pod, webhook_serving)
 from rlkube.contract import protocol, runtime
-from rlkube.controller import builders, names
+from rlkube.controller.manifests import builders, names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 import specs
 from waiting import wait_for

@@ -28,7 +28,7 @@ from kubernetes import client
 from realnode import LOCAL_IMAGES, ContainerRuns, PodWatch, RealJob, hostpath_claim
 from waiting import wait_for
 
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 MAX_RESTARTS = 4

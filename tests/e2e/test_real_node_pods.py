@@ -23,7 +23,7 @@ from realnode import (LOCAL_IMAGES, OPERATOR_NS, ContainerRuns, PodWatch, exec_i
                       operator_pod)
 from waiting import wait_for
 
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 
 STEPS = 10
 

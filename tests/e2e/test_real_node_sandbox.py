@@ -30,7 +30,7 @@ from clusterjob import ROOT, secret_password
 from kubernetes import client
 from pod_security import SANDBOX_UID, assert_hardened_pod, assert_sandbox_pod
 from realnode import LOCAL_IMAGES, ContainerRuns, hostpath_claim
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 from waiting import wait_for
 
 RUNTIME = os.environ.get("RLKUBE_E2E_SANDBOX_RUNTIME", "runc")

@@ -29,7 +29,7 @@ from realnode import (CORE_IMAGE, OPERATOR_IMAGE, OPERATOR_NS, REDIS_IMAGE, VLLM
                       create_namespace, diagnostics, exec_in, inside, install_operator, logs, real_cluster,
                       webhook_serving)
 from rlkube.contract import runtime
-from rlkube.controller import builders, names
+from rlkube.controller.manifests import builders, names
 from specs import with_overrides
 from waiting import wait_for
 

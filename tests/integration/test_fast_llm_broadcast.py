@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from fast_llm_stand_in import broadcast_group, send, send_pickled
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller import fastllm
+from rlkube.controller.manifests import fastllm
 from rlkube.contract import fast_llm_rendezvous, runtime
 from rlkube.core.fast_llm_weights import FastLlmReceiver, unpickle_metadata
 from rlkube.core.weights.group import WeightSyncError
@@ -141,3 +141,50 @@ def test_metadata_is_unpickled_to_shapes_and_dtypes_only():
     assert unpickle_metadata(pickle.dumps(meta)) == meta
     with pytest.raises(WeightSyncError):
         unpickle_metadata(pickle.dumps(("weights", "x", torch.Size([1]), torch.zeros(1))))  # a tensor: refused
+
+
+def test_a_streamed_receive_hands_each_weight_on_as_it_arrives_and_drops_what_the_engine_leaves():
+    # As the native engine receives (FastLlmReceiver.receive_streamed): tensor by tensor, the non-weight shard
+    # dropped, the checksum summed as they go by; a load that stops early (a weight that does not fit) leaves the
+    # rest to be received and dropped, so the next update arrives whole.
+    from rlkube.core.weights.wire import weights_checksum
+
+    g = Group(2, [1])
+    rx = g.receivers[0]
+    first = [("weights", "a", torch.arange(3.0)), ("grads", "a", torch.full((3,), 7.0)),
+             ("weights", "b", torch.ones(2, 2, dtype=torch.bfloat16)), ("weights", "c", torch.tensor([4.0]))]
+    second = [("weights", "c", torch.tensor([9.0]))]
+    seen: list[list] = []
+
+    def stop_after_one(stream):
+        name, tensor = next(stream)
+        seen.append([name, tensor.tolist()])
+
+    def take_all(stream):
+        seen.append([(name, tensor.tolist()) for name, tensor in stream])
+
+    results: list = []
+
+    def recv():
+        try:
+            results.append(rx.receive_streamed(stop_after_one))
+            results.append(rx.last_checksum)
+            results.append(rx.receive_streamed(take_all))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            results.append(exc)
+
+    t = threading.Thread(target=recv)
+    t.start()
+    try:
+        for update in (first, second):
+            for shard, name, tensor in update:
+                send_pickled(g.sender, (shard, name, tensor.shape, tensor.dtype))
+                send(g.sender, tensor)
+            send_pickled(g.sender, None)
+        t.join(30)
+        assert results[0] is None and results[2] is None  # the wire carries no version: the step is it
+        assert seen == [["a", [0.0, 1.0, 2.0]], [("c", [9.0])]]
+        assert results[1] == weights_checksum([(n, t) for s, n, t in first if s == "weights"])
+        assert rx.last_checksum == weights_checksum([("c", torch.tensor([9.0]))]) and rx.joined
+    finally:
+        g.close()

@@ -25,7 +25,7 @@ import redis
 import torch
 import yaml
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller import fastllm
+from rlkube.controller.manifests import fastllm
 from rlkube.core import fast_llm_launch
 from rlkube.core.fast_llm_weights import FastLlmReceiver
 from rlkube.local.ports import free_port

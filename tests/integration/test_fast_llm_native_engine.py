@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 from hf_models import write_tiny_model
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller import fastllm
+from rlkube.controller.manifests import fastllm
 from rlkube.contract import protocol
 from rlkube.core import fast_llm_launch
 from rlkube.local.ports import free_port

@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 from hf_models import write_tiny_model
 from rlkube.contract import protocol
-from rlkube.controller import fastllm
+from rlkube.controller.manifests import fastllm
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.local.ports import free_port
 from serve_helpers import RoleProcesses, http_json, log_text, wait_for, write_config
@@ -77,7 +77,8 @@ def test_a_restarted_fast_llm_trainer_is_rejoined_and_resumes_from_its_checkpoin
     config["run"]["experiment_dir"] = str(experiment)
     assert config["training"]["checkpoint"]["interval"] == 1 and config["training"]["train_iters"] == STEPS
     (tmp_path / "fast-llm.yaml").write_text(yaml.safe_dump(config))
-    # The pod's command (controller.fastllm.pod_command) with loopback ports, `fast-llm` run as the stand-in.
+    # The pod's command (controller.manifests.fastllm.pod_command) with loopback ports, `fast-llm` run as the
+    # stand-in.
     command = [sys.executable, "-m", "rlkube.core.fast_llm_launch", "--redis-listen", f"127.0.0.1:{relay_port}",
                "--redis-upstream", f"127.0.0.1:{redis_server.port}", "--broadcast-store-port", str(store_port),
                "--events-stream", protocol.EVENTS_STREAM, "--",

@@ -33,7 +33,7 @@ from operator_harness import OperatorProcess
 
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 from rlkube.contract import protocol
 
 pytestmark = pytest.mark.timeout(1200)

@@ -104,7 +104,7 @@ def test_the_base_install_runs_the_operator_without_torch(base_venv, away):
     out = base_venv.run([base_venv.bin("rlkube"), "operator", "--help"], away)
     assert out.returncode == 0 and "--all-namespaces" in out.stdout, out.stderr
     # --help only parses arguments: import what the operator runs too, and check nothing pulled torch in.
-    code = ("import sys, rlkube.controller.main, rlkube.controller.handlers, rlkube.bench.operator\n"
+    code = ("import sys, rlkube.controller.process.main, rlkube.controller.process.handlers, rlkube.bench.operator\n"
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = base_venv.run([base_venv.python, "-c", code], away)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -21,7 +21,8 @@ import pytest
 import yaml
 from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, kapi  # noqa: F401 (fixtures)
-from rlkube.controller import kueue, names
+from rlkube.controller.decisions import kueue
+from rlkube.controller.manifests import names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 import specs
 from waiting import wait_for

@@ -34,8 +34,8 @@ from operator_harness import (  # noqa: F401 (fixtures)
     wait_event,
 )
 
-from rlkube.controller.lease import Timing
-from rlkube.controller.times import parse_time
+from rlkube.controller.process.lease import Timing
+from rlkube.controller.decisions.times import parse_time
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
 pytestmark = pytest.mark.timeout(240)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-from rlkube.controller.watcher import EventWatcher, RedisClients, Target
+from rlkube.controller.reconcile.watcher import EventWatcher, RedisClients, Target
 from rlkube.contract import protocol
 from rlkube.local.redis_server import RedisServer
 
@@ -76,7 +76,7 @@ async def test_reports_unreachable_with_the_reason_then_reconnects(tmp_path):
 
 
 async def test_a_watcher_retired_by_a_pass_stops_in_the_background_and_stop_watcher_waits_for_it(tmp_path):
-    from rlkube.controller.loop import JobLoop, Shared
+    from rlkube.controller.reconcile.loop import JobLoop, Shared
 
     with RedisServer(tmp_path / "r", password="pw") as server:
         keys = protocol.StreamKeys.for_job("ns", "job")

@@ -24,7 +24,7 @@ from cluster.control_plane import ControlPlane
 from cluster.node import BUSYBOX_IMAGE, Node, running
 from kubernetes import client, config
 from rlkube.contract import runtime
-from rlkube.controller import builders, names
+from rlkube.controller.manifests import builders, names
 from rlkube.lifecycle.validation import parse_spec
 from waiting import wait_for
 

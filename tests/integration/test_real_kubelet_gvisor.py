@@ -24,7 +24,7 @@ import specs
 from cluster.control_plane import ControlPlane
 from cluster.node import BUSYBOX_IMAGE, RUNSC_HANDLER, Node, running
 from kubernetes import client, config
-from rlkube.controller import builders
+from rlkube.controller.manifests import builders
 from rlkube.lifecycle.validation import parse_spec
 from waiting import wait_for
 

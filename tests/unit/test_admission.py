@@ -1,10 +1,10 @@
-"""The admission webhook's review (rlkube.controller.admission): the operator's own rules at apply time, CREATE
+"""The admission webhook's review (rlkube.controller.process.admission): the operator's own rules at apply time, CREATE
 only, the AdmissionReview answer the API server expects. Served for real in tests/integration/test_chart_apply.py."""
 
 from __future__ import annotations
 
 import specs
-from rlkube.controller import admission
+from rlkube.controller.process import admission
 
 
 def _review(obj: dict, operation: str = "CREATE", uid: str = "u-1") -> dict:

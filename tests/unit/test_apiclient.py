@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from rlkube.controller.apiclient import MERGE_PATCH, ApiClient, ApiError, in_cluster_server
+from rlkube.controller.reconcile.apiclient import MERGE_PATCH, ApiClient, ApiError, in_cluster_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,7 +163,7 @@ try:
     cli.main(["operator", "--leader-elect", "--peering", "p"])
 except SystemExit as exc:
     print("exit:", exc, file=sys.stderr)
-import rlkube.controller.election, rlkube.controller.handlers, kopf
+import rlkube.controller.process.election, rlkube.controller.process.handlers, kopf
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("kubernetes", "kubernetes_asyncio", "pykube")
              and sys.modules[m] is not None))
 """

@@ -29,7 +29,7 @@ from helm_chart import (
 
 from rlkube.api.crd import crd_yaml
 from rlkube.cli import build_parser
-from rlkube.controller import admission
+from rlkube.controller.process import admission
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -298,7 +298,7 @@ def test_replicas_elect_a_leader_on_a_lease_in_the_release_namespace():
     assert parsed.leader_elect and parsed.standalone and parsed.peering is None
     assert (parsed.lease_name, parsed.lease_namespace) == ("ops-lease", "rlkube-system")
     assert (parsed.lease_duration, parsed.lease_renew_deadline, parsed.lease_retry_period) == (30, 20, 4)
-    from rlkube.controller.lease import Timing
+    from rlkube.controller.process.lease import Timing
 
     Timing(parsed.lease_duration, parsed.lease_renew_deadline, parsed.lease_retry_period)  # what the operator accepts
     # The identity comes from the pod name; the downward API provides it.
@@ -357,7 +357,7 @@ def _exported_metric_names() -> set[str]:
     """Every series name the operator's registry can expose (per-job gauges included)."""
     from prometheus_client import REGISTRY
 
-    import rlkube.controller.metrics  # noqa: F401 (registers the operator's collectors)
+    import rlkube.controller.reconcile.metrics  # noqa: F401 (registers the operator's collectors)
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {f.name + suffix for f in REGISTRY.collect() for suffix in suffixes.get(f.type, ("",))}
@@ -390,7 +390,7 @@ def test_grafana_dashboard_queries_only_metrics_the_operator_exports():
     assert {f"rlkube_trainingjob_{n}" for n in per_job} <= used
     # every agent counter of status.agent and the evaluation's counts (rlkube.contract.counters) are plotted
     from rlkube.contract import counters
-    from rlkube.controller.jobmetrics import AGENT_PREFIX, EVAL_COUNTS
+    from rlkube.controller.reconcile.jobmetrics import AGENT_PREFIX, EVAL_COUNTS
     shown = {f"rlkube_trainingjob_{AGENT_PREFIX}{n}" for n in counters.AGENT_STATUS}
     shown |= {f"rlkube_trainingjob_{n}" for n, _ in EVAL_COUNTS}
     assert shown - used == set(), f"not on the dashboard: {shown - used}"
@@ -455,7 +455,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 def test_rbac_covers_every_child_the_operator_builds(path):
     # The children come from the operator's own pure builders, so a new kind of child without RBAC fails here.
     from rlkube.lifecycle.validation import parse_manifest
-    from rlkube.controller.builders import JobRef, all_children
+    from rlkube.controller.manifests.builders import JobRef, all_children
 
     doc = next(d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "TrainingJob")
     meta, spec = parse_manifest(doc)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller import builders, names
+from rlkube.controller.manifests import builders, names
 from rlkube.contract import runtime
 from rlkube.core.checkpoint import checkpoint_name
 from rlkube.contract import checkpoint_loss

@@ -15,11 +15,12 @@ import pytest
 import specs
 import yaml
 from rlkube.contract import runtime
-from rlkube.controller import admission, builders
-from rlkube.controller.actions import Create
+from rlkube.controller.manifests import builders
+from rlkube.controller.process import admission
+from rlkube.controller.decisions.actions import Create
 from rlkube.api.status import TrainingJobStatus
-from rlkube.controller.decisions import JobView, decide
-from rlkube.controller.observed import EventSource, Observed, PodView
+from rlkube.controller.decisions.decisions import JobView, decide
+from rlkube.controller.decisions.observed import EventSource, Observed, PodView
 from rlkube.core import colocated as supervisor
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.environment import COLOCATED_MODULE, role_module

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller import builders
-from rlkube.controller.builders import JobRef
+from rlkube.controller.manifests import builders
+from rlkube.controller.manifests.builders import JobRef
 from rlkube.lifecycle.roles import CORE_ROLES
 import specs
 

@@ -15,16 +15,16 @@ from rlkube.api.status import (
     TrainingJobStatus,
 )
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller.actions import (
+from rlkube.controller.decisions.actions import (
     Create,
     DeleteJob,
     DeleteObject,
     DeletePod,
     DeleteStreams,
 )
-from rlkube.controller.decisions import Decision, JobView, decide
-from rlkube.controller.observed import EventSource, Observed, PodView, Rejected
-from rlkube.controller.times import fmt_time
+from rlkube.controller.decisions.decisions import Decision, JobView, decide
+from rlkube.controller.decisions.observed import EventSource, Observed, PodView, Rejected
+from rlkube.controller.decisions.times import fmt_time
 from rlkube.contract import protocol
 from rlkube.contract.protocol import TrainerEvent
 import specs
@@ -169,8 +169,8 @@ def pulling(role: str, reason: str, **kw) -> PodView:
 
 
 def test_an_image_that_cannot_be_pulled_fails_the_job_after_its_timeout_naming_the_field():
-    """controller/image_pull.py: the kubelet retries a pull forever; the job fails once the pull has failed for
-    the timeout since the operator first saw it fail (kept in the status), naming the field that set the image and
+    """controller/decisions/image_pull.py: the kubelet retries a pull forever; the job fails once the pull has failed
+    for the timeout since the operator first saw it fail (kept in the status), naming the field that set the image and
     quoting the kubelet."""
     actor = pulling("actor", "ErrImagePull")
 
@@ -851,7 +851,7 @@ FAST_LLM = {"trainer.backend": "fast-llm", "trainer.gpusPerNode": 1, "trainer.fa
 def test_fast_llm_finished_event_is_the_final_step_even_when_the_last_update_was_skipped(last_weights_ready):
     """Fast-LLM publishes no weights_ready for an unsuccessful (skipped) update, and its training_finished has no
     step: the last weights_ready may read 39 of 40. Its training_finished stands for train_iters steps done and
-    the final checkpoint saved under run.experiment_dir (rlkube.controller.fastllm.finished)."""
+    the final checkpoint saved under run.experiment_dir (rlkube.controller.manifests.fastllm.finished)."""
     events = [ev(protocol.WEIGHTS_READY, ms(T0) - 5, step=last_weights_ready, documents_seen=1280),
               ev(protocol.TRAINING_FINISHED, ms(T0))]
     d = run(job(running_status(), **FAST_LLM), all_pods(trainer=trainer_exited(0)), events)

@@ -6,7 +6,7 @@ import kopf
 import orjson
 import pytest
 
-from rlkube.controller import handlers
+from rlkube.controller.process import handlers
 
 
 def _body() -> dict:
@@ -47,7 +47,7 @@ def test_kopf_sees_no_change_in_any_event_and_stores_no_diffbase():
 
 
 def test_a_loop_is_woken_by_spec_and_label_changes_not_by_its_own_status_writes():
-    from rlkube.controller.loop import JobLoop, Shared
+    from rlkube.controller.reconcile.loop import JobLoop, Shared
 
     loop = JobLoop(Shared(kube=None), "ns", "tj")
     body = _body()
@@ -87,8 +87,8 @@ def test_startup_sets_watch_and_request_timeouts_and_the_finalizer():
 
 
 def test_actions_go_in_waves_of_one_kind_in_the_decisions_order():
-    from rlkube.controller.actions import Create, DeleteObject, DeletePod, DeleteStreams
-    from rlkube.controller.loop import waves
+    from rlkube.controller.decisions.actions import Create, DeleteObject, DeletePod, DeleteStreams
+    from rlkube.controller.reconcile.loop import waves
 
     def create(kind: str, name: str) -> Create:
         return Create({"kind": kind, "metadata": {"name": name}})
@@ -108,7 +108,7 @@ def test_kopf_decodes_watch_events_with_orjson_and_trims_them():
 
     from kopf._cogs.clients import api as kopf_api
 
-    from rlkube.controller import watchdecode
+    from rlkube.controller.process import watchdecode
 
     # Where kopf decodes watch lines: the name this shim replaces (a kopf upgrade that moves it fails here).
     assert "json.loads(line.decode(" in inspect.getsource(kopf_api.stream)
@@ -188,7 +188,7 @@ async def test_login_without_credentials_says_where_it_looked(tmp_path, monkeypa
 def test_the_operator_reads_tls_sockets_in_small_chunks(monkeypatch):
     from asyncio import sslproto
 
-    from rlkube.controller import main
+    from rlkube.controller.process import main
 
     monkeypatch.setattr(sslproto.SSLProtocol, "max_size", 256 * 1024)  # restored after the test
     main.small_tls_read_buffers()

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import jsonschema
 import yaml
-from rlkube.controller import builders, kueue
-from rlkube.controller.actions import Create, PatchWorkloadStatus
-from rlkube.controller.decisions import decide
-from rlkube.controller.observed import Observed
-from rlkube.controller.placement import Placement, with_placement
+from rlkube.controller.decisions import kueue
+from rlkube.controller.manifests import builders
+from rlkube.controller.decisions.actions import Create, PatchWorkloadStatus
+from rlkube.controller.decisions.decisions import decide
+from rlkube.controller.decisions.observed import Observed
+from rlkube.controller.manifests.placement import Placement, with_placement
 from rlkube.lifecycle.phases import Phase
 from test_controller_decisions import T0, all_pods, job
 

@@ -1,4 +1,4 @@
-"""The pure leader election decisions (rlkube.controller.lease): create, acquire, renew, wait, expiry measured
+"""The pure leader election decisions (rlkube.controller.process.lease): create, acquire, renew, wait, expiry measured
 on the candidate's own clock, release, and the leader's renew deadline. Clocks are passed in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from rlkube.controller.lease import (
+from rlkube.controller.process.lease import (
     LeaseRecord,
     Seen,
     Timing,

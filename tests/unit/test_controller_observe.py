@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from rlkube.api.status import TrainingJobStatus
-from rlkube.controller.loop import merge_patch, parse_status, without_empty_strings
-from rlkube.controller.observed import pod_view
-from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
+from rlkube.controller.reconcile.loop import merge_patch, parse_status, without_empty_strings
+from rlkube.controller.decisions.observed import pod_view
+from rlkube.controller.decisions.times import fmt_time, parse_time, stream_id_key, stream_id_time
 
 
 def _pod(**status) -> dict:
@@ -50,7 +50,7 @@ def test_pod_view_of_a_terminated_and_of_a_deleting_pod():
 
 def test_pod_view_of_an_init_container_waiting_on_its_image_pull():
     """While the model init container waits on its pull, the role's container only says PodInitializing: the
-    init container's reason and message are the pod's (controller/image_pull.py reads them)."""
+    init container's reason and message are the pod's (controller/decisions/image_pull.py reads them)."""
     raw = _pod(
         phase="Pending",
         initContainerStatuses=[{"name": "model", "restartCount": 0, "state": {"waiting": {

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
-from rlkube.controller import loop as loop_mod
-from rlkube.controller import names
-from rlkube.controller.actions import Create
-from rlkube.controller.loop import JobLoop, Shared
+from rlkube.controller.reconcile import loop as loop_mod
+from rlkube.controller.manifests import names
+from rlkube.controller.decisions.actions import Create
+from rlkube.controller.reconcile.loop import JobLoop, Shared
 from test_controller_decisions import T0, all_pods, job, run
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from rlkube.controller import specdiff
+from rlkube.controller.decisions import specdiff
 from specs import DELETE, with_overrides
 
 STARTED = {

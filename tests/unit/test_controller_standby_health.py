@@ -9,7 +9,7 @@ import aiohttp
 import psutil
 import pytest
 
-from rlkube.controller.main import standby_health
+from rlkube.controller.process.main import standby_health
 from rlkube.local.ports import free_port
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from rlkube.api.status import TeardownStage, TeardownStatus, TrainingJobStatus
-from rlkube.controller import loop as loop_mod
-from rlkube.controller.actions import Create, DeleteObject, DeletePod, Event
-from rlkube.controller.decisions import Decision
-from rlkube.controller.loop import COALESCE_SECONDS, JobLoop, Shared, routine_patch
+from rlkube.controller.reconcile import loop as loop_mod
+from rlkube.controller.decisions.actions import Create, DeleteObject, DeletePod, Event
+from rlkube.controller.decisions.decisions import Decision
+from rlkube.controller.reconcile.loop import COALESCE_SECONDS, JobLoop, Shared, routine_patch
 
 
 def _tearing_down(stage: str = "preprocessor") -> TrainingJobStatus:

@@ -7,10 +7,10 @@ from datetime import UTC, datetime, timedelta
 from rlkube.api.spec import GracePeriods
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 from rlkube.api.status import TeardownStatus
-from rlkube.controller import teardown
-from rlkube.controller.actions import DeletePod, DeleteStreams
-from rlkube.controller.observed import PodView
-from rlkube.controller.times import fmt_time
+from rlkube.controller.decisions import teardown
+from rlkube.controller.decisions.actions import DeletePod, DeleteStreams
+from rlkube.controller.decisions.observed import PodView
+from rlkube.controller.decisions.times import fmt_time
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 KILL = teardown.KUBELET_KILL_SLACK  # the kubelet kills a pod past its grace itself; forcing waits for it

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from rlkube.api.status import ConditionType
-from rlkube.controller.observed import EventSource
+from rlkube.controller.decisions.observed import EventSource
 from rlkube.lifecycle.phases import Reason
 
 pytestmark = pytest.mark.unit
@@ -31,8 +31,8 @@ CRD = ROOT / "crds" / "rlkube.io_trainingjobs.yaml"
 TEMPLATE_ROOT = "spec.trainer.template"
 
 EXTRA_REASONS = {
-    EventSource().reason,  # EventSourceReachable's reason before the first read (controller/observed.py)
-    "ForceDeleted",  # the Event of a pod force-deleted after its teardown stage (controller/teardown.py)
+    EventSource().reason,  # EventSourceReachable's reason before the first read (controller/decisions/observed.py)
+    "ForceDeleted",  # the Event of a pod force-deleted after its teardown stage (controller/decisions/teardown.py)
 }
 
 

@@ -329,7 +329,7 @@ def test_prometheus_exposes_the_eval_reward_from_the_status_and_nothing_before_o
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rlkube.controller.jobmetrics import PREFIX, JobStatusCollector
+    from rlkube.controller.reconcile.jobmetrics import PREFIX, JobStatusCollector
 
     def scrape(status: TrainingJobStatus) -> dict[str, float]:
         c = JobStatusCollector(clock=lambda: 0.0)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import builders, fastllm, names
+from rlkube.controller.manifests import builders, fastllm, names
 from rlkube.contract import protocol, runtime
 from torch.distributed.run import config_from_args, get_args_parser
 from specs import with_overrides

@@ -1,6 +1,6 @@
 """What rlkube supplies around a Fast-LLM trainer that Fast-LLM does not: timeouts from the spec on both sides of
 its broadcast and on its documents, the checkpoint-loss rule over Fast-LLM's checkpoints, and a clear failure for
-an image without Fast-LLM (rlkube.core.fast_llm_launch, rlkube.controller.fastllm; docs/design.md §8)."""
+an image without Fast-LLM (rlkube.core.fast_llm_launch, rlkube.controller.manifests.fastllm; docs/design.md §8)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlkube.contract import checkpoint_loss, fast_llm_rendezvous, protocol, runtime
-from rlkube.controller import fastllm
+from rlkube.controller.manifests import fastllm
 from rlkube.core import fast_llm_launch
 from rlkube.lifecycle.evidence import Evidence, Failure
 from rlkube.lifecycle.judgement import judge

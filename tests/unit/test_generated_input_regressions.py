@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from rlkube.api.spec import MAX_SECONDS, RunPolicy
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller.names import job_name_error
-from rlkube.controller.times import stream_id_time
+from rlkube.controller.manifests.names import job_name_error
+from rlkube.controller.decisions.times import stream_id_time
 from rlkube.contract import protocol
 from rlkube.lifecycle import progress
 

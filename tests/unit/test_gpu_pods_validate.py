@@ -12,8 +12,8 @@ import yaml
 from pod_security import assert_hardened_pod
 
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller import builders
-from rlkube.controller.builders import JobRef
+from rlkube.controller.manifests import builders
+from rlkube.controller.manifests.builders import JobRef
 from rlkube.contract.parallel import rank_env
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")  # the dev extra installs it

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import specs
-from rlkube.controller import builders
-from rlkube.controller.builders import JobRef
+from rlkube.controller.manifests import builders
+from rlkube.controller.manifests.builders import JobRef
 from rlkube.lifecycle.image_reference import relocate
 from rlkube.lifecycle.validation import parse_spec
 

@@ -270,7 +270,7 @@ def test_fast_llm_image_runs_fast_llms_launcher_on_the_operators_config():
     # the operator mounts, exactly the program and arguments of the operator's trainer pods.
     from torch.distributed.run import get_args_parser
 
-    from rlkube.controller import fastllm
+    from rlkube.controller.manifests import fastllm
 
     (cmd,) = DOCKERFILES["trainer-fast-llm"].all("CMD")
     assert cmd.json and cmd.value[0] == "torchrun"

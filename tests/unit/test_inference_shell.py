@@ -13,6 +13,7 @@ from rlkube.core.inference.engine import PARAMETERS, Engine, Received, UpdateRef
 from rlkube.contract.weight_transport import TransportMismatch
 from rlkube.core.inference import shell
 from rlkube.core.inference.shell import WeightFollower
+from rlkube.core.inference.weight_source import FastLlmBroadcast, WeightSource
 from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
 pytestmark = pytest.mark.unit
@@ -24,7 +25,7 @@ class RecordingEngine(Engine):
     name = "recording"
 
     def __init__(self, fast_llm: bool = False, outcomes: list | None = None, join_error: Exception | None = None):
-        self.fast_llm = fast_llm
+        self.source = FastLlmBroadcast() if fast_llm else WeightSource()  # as each engine's open chooses it
         self.epoch = None
         self.ranks = [1]
         self.world_size = 2
@@ -44,8 +45,8 @@ class RecordingEngine(Engine):
     def joined(self) -> bool:
         return self._joined
 
-    def join_fast_llm(self, stop: threading.Event) -> bool:
-        self.calls.append(("join_fast_llm",))
+    def join_broadcast(self, stop: threading.Event) -> bool:
+        self.calls.append(("join_broadcast",))
         self._joined, self.epoch, self.fast_llm_generation = True, "fast-llm", self.store_generation
         return True
 
@@ -55,8 +56,8 @@ class RecordingEngine(Engine):
             raise self.join_error
         self._joined, self.epoch = True, epoch
 
-    def receive(self, version: int) -> Received:
-        self.calls.append(("receive", version))
+    def receive_announced(self, step: int) -> Received:
+        self.calls.append(("receive", step))
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
             self._joined = False  # as both engines: a failed transfer leaves the group
@@ -145,7 +146,7 @@ def test_fast_llm_updates_are_versioned_by_the_step_and_a_failed_transfer_rejoin
     engine = RecordingEngine(fast_llm=True, outcomes=[WeightSyncError("Fast-LLM weight broadcast failed"), 4])
     follower = WeightFollower(None, protocol.StreamKeys("t/"), engine)
     follower.handle(ready(None, 3))  # not joined yet: joins first
-    assert engine.calls == [("join_fast_llm",), ("receive", 3), ("join_fast_llm",)]
+    assert engine.calls == [("join_broadcast",), ("receive", 3), ("join_broadcast",)]
     follower.handle(ready(None, 4))
     assert engine.calls[3:] == [("receive", 4), ("apply", 4)]
     assert follower.rejected == 1 and engine.version == 4
@@ -165,7 +166,7 @@ def test_a_restarted_fast_llm_trainer_is_rejoined_on_its_announcement_and_only_t
     engine.store_generation = "g1"
     first = _announce(redis_client, keys, "g1")
     follower.handle(first)  # no group held: join the announced one
-    assert engine.calls == [("leave",), ("join_fast_llm",)] and engine.fast_llm_generation == "g1"
+    assert engine.calls == [("leave",), ("join_broadcast",)] and engine.fast_llm_generation == "g1"
     follower.handle(first)  # the generation held: nothing to do
     assert len(engine.calls) == 2
     # The trainer restarted twice: only the newest announcement is acted on (both stores are at one address).
@@ -174,7 +175,7 @@ def test_a_restarted_fast_llm_trainer_is_rejoined_on_its_announcement_and_only_t
     follower.handle(second)
     assert len(engine.calls) == 2
     follower.handle(third)
-    assert engine.calls[2:] == [("leave",), ("join_fast_llm",)] and engine.fast_llm_generation == "g3"
+    assert engine.calls[2:] == [("leave",), ("join_broadcast",)] and engine.fast_llm_generation == "g3"
     # A receiver that already joined the newest store (after a failed transfer) stays in it.
     follower.handle(third)
     assert len(engine.calls) == 4

@@ -1,4 +1,5 @@
-"""Per-job metrics from the status (rlkube.controller.jobmetrics), read back through the Prometheus text format.
+"""Per-job metrics from the status (rlkube.controller.reconcile.jobmetrics), read back through the Prometheus text
+format.
 
 Each test uses its own registry and a fixed clock; the integration test (tests/integration/
 test_operator_metrics.py) scrapes the operator's real endpoint during a job and compares with the API server.
@@ -11,7 +12,7 @@ from datetime import UTC, datetime
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rlkube.api.status import TrainingJobStatus
-from rlkube.controller.jobmetrics import PHASES, PREFIX, JobStatusCollector
+from rlkube.controller.reconcile.jobmetrics import PHASES, PREFIX, JobStatusCollector
 
 NOW = datetime(2025, 1, 1, 12, 0, 30, tzinfo=UTC).timestamp()
 
@@ -108,7 +109,7 @@ def test_the_latest_status_replaces_the_previous_and_a_forgotten_job_has_no_seri
 
 def test_agent_counters_of_the_status_are_gauges_named_after_their_counters():
     from rlkube.contract import counters
-    from rlkube.controller.jobmetrics import AGENT_PREFIX
+    from rlkube.controller.reconcile.jobmetrics import AGENT_PREFIX
 
     agent = {"episodes": 640, "turns": 1100, "toolCalls": 460, "toolErrors": 3, "toolTimeouts": 1,
              "sandboxRefusals": 2, "truncated": 40, "timedOut": 1, "drifted": 7, "turnRewardMean": 0.0625}

@@ -19,6 +19,16 @@ The floors, lowest first; a module imports only modules of its own floor or of f
   connected components of the module graph are single modules).
 - The operator process (rlkube.controller and everything it imports) reaches no role module: nothing of
   rlkube.core, whose training stack the operator image does not carry.
+- Inside the operator, its four folders are floors of their own, lowest first (CONTROLLER_FLOORS):
+
+    0 manifests   the child manifests, pure
+    1 decisions   what the operator observes and decides, pure
+    2 reconcile   the reconcile I/O: each job's loop, the event watcher, the API client, the metrics
+    3 process     the process: entry, kopf handlers, leader election, the admission webhook
+
+  Every module of rlkube.controller is in one of them, and imports only its own folder and those below. The two
+  pure folders, and every rlkube module they reach, import no client or server library (IO_LIBRARIES): what they
+  do is tested without an API server, a Redis or an event loop.
 - No shipped module finds files relative to itself up into the repository (`parents[N]`) or reaches into the
   repository's tests/: an installed wheel has neither (tests/integration/test_install.py runs one).
 - The operator's modules and `rlkube bench operator` import nothing of the training stack (torch, numpy, ...):
@@ -54,6 +64,16 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """Lowest first. A package named here holds all its submodules; the root `rlkube` only itself."""
 OPERATOR = "rlkube.controller"
 ROLES = "rlkube.core"
+CONTROLLER_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("manifests", ("rlkube.controller.manifests",)),
+    ("decisions", ("rlkube.controller.decisions",)),
+    ("reconcile", ("rlkube.controller.reconcile",)),
+    ("process", ("rlkube.controller.process",)),
+)
+"""The operator's folders, lowest first; a module of one imports only its own folder and those below."""
+PURE = ("rlkube.controller.manifests", "rlkube.controller.decisions")
+IO_LIBRARIES = ("kopf", "aiohttp", "kubernetes_asyncio", "kubernetes", "redis")
+"""What the pure folders never import, directly or through any rlkube module they import."""
 
 Graph = Mapping[str, set[str]]
 
@@ -201,9 +221,33 @@ def reachable(graph: Graph, starts: Iterable[str]) -> set[str]:
     return seen
 
 
-def _package(module: str) -> str:
+def _package(module: str, depth: int = 2) -> str:
     parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 1 else module
+    return ".".join(parts[:depth]) if len(parts) > 1 else module
+
+
+def inner_graph(graph: Graph, package: str) -> dict[str, set[str]]:
+    """The arrows among the modules below `package` (the package's own `__init__` left out)."""
+    def inside(module: str) -> bool:
+        return module.startswith(package + ".")
+    return {m: {t for t in targets if inside(t)} for m, targets in graph.items() if inside(m)}
+
+
+def _under(module: str, packages: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def banned_imports(graph: Graph, trees: Mapping[str, ast.Module], starts: Iterable[str],
+                   banned: Iterable[str] = IO_LIBRARIES) -> dict[str, list[str]]:
+    """For every rlkube module `starts` reach (themselves included), the banned libraries it imports, wherever the
+    import statement is. `trees`: module name (packages under their own name) -> its syntax tree."""
+    banned = tuple(banned)
+    found = {}
+    for module in sorted(reachable(graph, starts)):
+        hits = sorted(i for i in _imports(trees[module]) if _under(i, banned))
+        if hits:
+            found[module] = hits
+    return found
 
 
 def drawing(graph: Graph, floors=FLOORS) -> str:
@@ -222,6 +266,37 @@ def drawing(graph: Graph, floors=FLOORS) -> str:
             below = sorted(arrows[package], key=lambda p: (-(floor_of(p, floors) or 0), p))
             lines.append(f"    {package:20} -> {', '.join(below) if below else '(nothing of rlkube)'}")
     return "\n".join(lines)
+
+
+def controller_drawing(graph: Graph) -> str:
+    """The operator's folders, top first, each with its modules and the folders it imports."""
+    inner = inner_graph(graph, OPERATOR)
+    lines = [f"{OPERATOR} floors, top first; a folder imports only itself and the folders below it"]
+    for i in reversed(range(len(CONTROLLER_FLOORS))):
+        name, (folder,) = CONTROLLER_FLOORS[i]
+        modules = sorted(m.rpartition(".")[2] for m in inner if m.startswith(folder + "."))
+        below = {_package(t, 3) for m, targets in inner.items() if m.startswith(folder + ".") for t in targets}
+        below = sorted((b for b in below if b != folder), key=lambda b: -(floor_of(b, CONTROLLER_FLOORS) or 0))
+        lines.append(f"{i} {name:10} ({len(modules)} modules) -> {', '.join(below) if below else '(no other folder)'}")
+        lines.append(f"    {', '.join(modules)}")
+    return "\n".join(lines)
+
+
+def summary(graph: Graph) -> str:
+    """What `python -m tests.unit.test_layering` prints: both drawings and what the checks count."""
+    trees = {_module_name(k): v for k, v in _modules().items()}
+    pure = [m for m in graph if _under(m, PURE)]
+    bans = banned_imports(graph, trees, pure)
+    return "\n".join([
+        drawing(graph),
+        "",
+        controller_drawing(graph),
+        "",
+        f"modules: {len(graph)}; import circles: {len(cycles(graph))}; arrows up: {len(upward_arrows(graph))}; "
+        f"arrows up inside {OPERATOR}: {len(upward_arrows(inner_graph(graph, OPERATOR), CONTROLLER_FLOORS))}",
+        f"{' and '.join(PURE)}: {len(pure)} modules reaching {len(reachable(graph, pure))} rlkube modules; "
+        f"imports of {', '.join(IO_LIBRARIES)} among them: {sum(map(len, bans.values()))}",
+    ])
 
 
 # --- the checks ---------------------------------------------------------------------------------------------
@@ -262,12 +337,13 @@ def test_the_checks_catch_an_upward_import_and_a_circle():
     # the environment that imported the runtime (a circle, and contract -> lifecycle upward).
     graph = {m: set(t) for m, t in _graph().items()}
     assert cycles(graph) == [] and upward_arrows(graph) == []
-    graph["rlkube.api.spec"].add("rlkube.controller.names")
-    assert upward_arrows(graph) == ["rlkube.api.spec (api) imports rlkube.controller.names (controller, local)"]
+    graph["rlkube.api.spec"].add("rlkube.controller.manifests.names")
+    assert upward_arrows(graph) == [
+        "rlkube.api.spec (api) imports rlkube.controller.manifests.names (controller, local)"]
     graph["rlkube.contract.runtime"].add("rlkube.lifecycle.validation")
     assert ["rlkube.contract.runtime", "rlkube.lifecycle.environment", "rlkube.lifecycle.validation"] in cycles(graph)
     assert "rlkube.contract.runtime (contract) imports rlkube.lifecycle.validation (lifecycle)" in upward_arrows(graph)
-    graph["rlkube.controller.builders"].add("rlkube.core.trainer")
+    graph["rlkube.controller.manifests.builders"].add("rlkube.core.trainer")
     operator = reachable(graph, [m for m in graph if m.startswith(OPERATOR + ".")])
     assert "rlkube.core.trainer" in operator
 
@@ -332,8 +408,8 @@ def test_the_operator_and_the_operator_bench_import_no_training_stack():
     # (mlflow-skinny, wandb) bring it in, and redis-py imports it whenever it is there (its SDK then imports psutil).
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
-        "import rlkube.cli, rlkube.controller.entry, rlkube.controller.main, rlkube.controller.handlers, "
-        "rlkube.controller.loop\n"
+        "import rlkube.cli, rlkube.controller.process.entry, rlkube.controller.process.main, "
+        "rlkube.controller.process.handlers, rlkube.controller.reconcile.loop\n"
         "print(sorted(m for m in sys.modules if m == 'rlkube.core' or m.startswith('rlkube.core.')))\n"
         "import rlkube.bench.operator\n"
         "rlkube.cli.build_parser().parse_args(['bench', 'operator', '--jobs', '2', '--kubeconfig', 'k'])\n"
@@ -344,5 +420,63 @@ def test_the_operator_and_the_operator_bench_import_no_training_stack():
     assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout
 
 
+def test_the_controller_folders_are_floors():
+    graph = _graph()
+    inner = inner_graph(graph, OPERATOR)
+    assert {"rlkube.controller.manifests.builders", "rlkube.controller.decisions.decisions",
+            "rlkube.controller.reconcile.loop", "rlkube.controller.process.main"} <= set(inner)
+    assert graph[OPERATOR] == set()  # the package itself: a docstring, no module loose beside the folders
+    assert upward_arrows(inner, CONTROLLER_FLOORS) == []
+    for name, (folder,) in CONTROLLER_FLOORS:
+        assert folder in graph, f"{folder} ({name}) is missing"
+
+
+def test_the_controller_floor_check_catches_an_upward_import_and_a_loose_module():
+    inner = inner_graph({m: set(t) for m, t in _graph().items()}, OPERATOR)
+    inner["rlkube.controller.manifests.builders"].add("rlkube.controller.decisions.observed")
+    inner["rlkube.controller.decisions.decisions"].add("rlkube.controller.reconcile.kube")
+    inner["rlkube.controller.loose"] = set()
+    assert upward_arrows(inner, CONTROLLER_FLOORS) == [
+        "rlkube.controller.decisions.decisions (decisions) imports rlkube.controller.reconcile.kube (reconcile)",
+        "rlkube.controller.loose is on no floor (add it to FLOORS)",
+        "rlkube.controller.manifests.builders (manifests) imports rlkube.controller.decisions.observed (decisions)",
+    ]
+
+
+def test_the_pure_folders_reach_no_client_or_server_library():
+    graph = _graph()
+    trees = {_module_name(k): v for k, v in _modules().items()}
+    pure = [m for m in graph if _under(m, PURE)]
+    assert "rlkube.controller.decisions.decisions" in pure and "rlkube.controller.manifests.builders" in pure
+    assert "rlkube.contract.protocol" in reachable(graph, pure)  # the check follows them out of the controller
+    assert banned_imports(graph, trees, pure) == {}
+    # ... and sees the operator's own I/O modules, wherever their imports are.
+    io = [m for m in graph if _under(m, ("rlkube.controller.reconcile", "rlkube.controller.process"))]
+    found = banned_imports(graph, trees, io)
+    assert {"aiohttp", "kopf", "redis.exceptions"} <= set(found["rlkube.controller.reconcile.loop"])
+    assert "kopf._cogs.clients" in found["rlkube.controller.process.watchdecode"]  # in a function
+
+
+def test_the_ban_check_catches_an_import_in_a_function_and_through_another_module():
+    graph = {"rlkube.controller.decisions.a": {"rlkube.lifecycle.b"}, "rlkube.lifecycle.b": set()}
+    trees = {"rlkube.controller.decisions.a": ast.parse("import rlkube.lifecycle.b\n"),
+             "rlkube.lifecycle.b": ast.parse("def f():\n    from redis.asyncio import Redis\n")}
+    assert banned_imports(graph, trees, ["rlkube.controller.decisions.a"]) == {
+        "rlkube.lifecycle.b": ["redis.asyncio", "redis.asyncio.Redis"]}
+
+
+def test_the_pure_folders_load_no_client_or_server_library():
+    # What the static check above cannot see: a third-party library of theirs that loads one. In a fresh
+    # interpreter, import every module of the pure folders and list which of IO_LIBRARIES got loaded.
+    modules = sorted(m for m in _graph() if _under(m, PURE))
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {IO_LIBRARIES!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.stdout.split("\n")[0] == "[]", out.stdout
+
+
 if __name__ == "__main__":
-    print(drawing(_graph()))
+    print(summary(_graph()))

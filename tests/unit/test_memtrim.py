@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from rlkube.controller import memtrim
+from rlkube.controller.process import memtrim
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROGRAM = """
 import asyncio, gc
-from rlkube.controller import memtrim
+from rlkube.controller.process import memtrim
 
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20

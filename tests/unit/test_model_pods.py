@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 
 import pytest
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import builders, names
-from rlkube.controller.builders import JobRef
-from rlkube.controller.observed import pod_view
+from rlkube.controller.manifests import builders, names
+from rlkube.controller.manifests.builders import JobRef
+from rlkube.controller.decisions.observed import pod_view
 from rlkube.contract import runtime
 from rlkube.lifecycle.roles import CORE_ROLES, MODEL_ROLES
 from specs import spec as raw_spec

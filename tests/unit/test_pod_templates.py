@@ -1,6 +1,6 @@
 """Per-role pod template overrides (`spec.<role>.template`): every field merged by its documented rule
-(controller/podtemplate.py), every refusal naming the field (lifecycle/validation.py, api/spec.py), the hardened
-defaults of every child, the Redis NetworkPolicy, GPUs, /dev/shm and the trainer's ranks."""
+(controller/manifests/podtemplate.py), every refusal naming the field (lifecycle/validation.py, api/spec.py), the
+hardened defaults of every child, the Redis NetworkPolicy, GPUs, /dev/shm and the trainer's ranks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import yaml
 from pod_security import assert_hardened_pod, assert_no_secret_value, selects
 
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import builders
-from rlkube.controller.builders import JobRef
+from rlkube.controller.manifests import builders
+from rlkube.controller.manifests.builders import JobRef
 from rlkube.contract.parallel import rank_env
 from rlkube.lifecycle.environment import operator_env_names
 from rlkube.lifecycle.roles import START_ORDER
@@ -163,7 +163,7 @@ def test_trainer_anti_affinity_is_the_operators_until_the_template_gives_its_own
 
 
 def test_topology_spread_constraints_merge_by_topology_key():
-    from rlkube.controller import podtemplate
+    from rlkube.controller.manifests import podtemplate
 
     base = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "trainer"}], "topologySpreadConstraints": [
         {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]}}

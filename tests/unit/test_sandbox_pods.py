@@ -13,10 +13,10 @@ from helm_chart import find, render
 from pod_security import SANDBOX_UID, assert_hardened_pod, assert_sandbox_pod
 from rlkube.api.status import TrainingJobStatus
 from rlkube.contract import runtime
-from rlkube.controller import builders
-from rlkube.controller.actions import Create
-from rlkube.controller.decisions import JobView, decide
-from rlkube.controller.observed import EventSource, Observed, PodView
+from rlkube.controller.manifests import builders
+from rlkube.controller.decisions.actions import Create
+from rlkube.controller.decisions.decisions import JobView, decide
+from rlkube.controller.decisions.observed import EventSource, Observed, PodView
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.validation import SpecError, parse_spec
 
@@ -192,8 +192,8 @@ def test_teardown_stops_the_sandbox_pods_with_the_actors_each_with_its_own_grace
 
     from rlkube.api.spec import GracePeriods
     from rlkube.api.status import TeardownStatus
-    from rlkube.controller import teardown
-    from rlkube.controller.observed import PodView
+    from rlkube.controller.decisions import teardown
+    from rlkube.controller.decisions.observed import PodView
 
     assert roles.TEARDOWN_ORDER[0] == "actor" and "sandbox" not in roles.TEARDOWN_ORDER
     assert roles.TEARDOWN_ORDER[-1] == "redis"

@@ -16,7 +16,7 @@ from test_controller_decisions import T0, all_pods, cond, ev, job, run, running_
 import specs
 from rlkube.api.spec import TrackingSpec, TrainingJobSpec
 from rlkube.contract import protocol, runtime
-from rlkube.controller import builders
+from rlkube.controller.manifests import builders
 from rlkube.core.tracking import Trackers
 from rlkube.core.tracking.fanout import flatten, job_params, redact
 from rlkube.core.tracking.run import RunState

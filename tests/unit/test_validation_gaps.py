@@ -23,11 +23,11 @@ import pytest
 import specs
 import yaml
 from rlkube.api.status import TrainingJobStatus
-from rlkube.controller import admission
-from rlkube.controller.actions import Create
-from rlkube.controller.decisions import decide
-from rlkube.controller.loop import job_view
-from rlkube.controller.observed import EventSource, Observed
+from rlkube.controller.process import admission
+from rlkube.controller.decisions.actions import Create
+from rlkube.controller.decisions.decisions import decide
+from rlkube.controller.reconcile.loop import job_view
+from rlkube.controller.decisions.observed import EventSource, Observed
 
 CALCULATOR = {"name": "calculator"}
 DATASET = {"path": "/data/prompts.jsonl"}

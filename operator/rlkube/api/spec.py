@@ -497,7 +497,7 @@ class LoraSpec(Model):
         "linear layer of the decoder blocks (embeddings and the LM head stay frozen).")
 
 
-# --- per-role pod template overrides (a partial Kubernetes PodTemplateSpec; merged by controller/podtemplate.py) ---
+# --- per-role pod template overrides (a partial PodTemplateSpec; merged by controller/manifests/podtemplate.py) ---
 
 
 class TemplateMetadata(Model):
@@ -740,7 +740,7 @@ class PodSpecOverride(Model):
 
 
 class PodTemplate(Model):
-    """A partial pod template merged into what the operator builds for a role (rules: controller/podtemplate.py)."""
+    """A partial pod template merged into what the operator builds for a role (controller/manifests/podtemplate.py)."""
 
     metadata: TemplateMetadata = Field(default_factory=TemplateMetadata, description="Labels and annotations.")
     spec: PodSpecOverride = Field(default_factory=PodSpecOverride, description="Placement, identity, security, "

@@ -202,7 +202,7 @@ async def run_one(
 
 
 async def api_client(kubeconfig: str, pool_size: int) -> client.ApiClient:
-    """The bench's own client (the operator's is rlkube.controller.apiclient): the kubeconfig, `pool_size`
+    """The bench's own client (the operator's is rlkube.controller.reconcile.apiclient): the kubeconfig, `pool_size`
     connections, and no proxy lookup per request (kubernetes_asyncio's session has trust_env on, which reads
     ~/.netrc in a worker thread on every call)."""
     cfg = client.Configuration()

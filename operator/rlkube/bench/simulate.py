@@ -38,7 +38,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from rlkube.bench.listwatch import ListWatch
 from rlkube.contract import protocol, runtime
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 from rlkube.local.redis_server import RedisServer
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ def step_of(path: str) -> int | None:
 
 def fast_llm_checkpoint(experiment_dir: str, step: int) -> str:
     """Where Fast-LLM saves step `step`'s checkpoint (fast_llm/engine/training/config.py:143, `checkpoint/{step}`
-    under `run.experiment_dir`, which rlkube.controller.fastllm sets to spec.trainer.checkpoint.path)."""
+    under `run.experiment_dir`, which rlkube.controller.manifests.fastllm sets to spec.trainer.checkpoint.path)."""
     return f"{experiment_dir.rstrip('/')}/checkpoint/{step}"
 
 

@@ -2,7 +2,7 @@
 
 A Fast-LLM trainer does not speak our weight-sync protocol (rlkube.core.weights: epochs, JSON metadata,
 buckets, a checksum); it broadcasts the way its streaming callback does, and both engines receive exactly that.
-Every fact below is Fast-LLM's at the commit rlkube.controller.fastllm.FAST_LLM_COMMIT (d3d20226, the one
+Every fact below is Fast-LLM's at the commit rlkube.controller.manifests.fastllm.FAST_LLM_COMMIT (d3d20226, the one
 tests/fixtures/fast_llm_config_fields.json records), cited file:line; PipelineRL's receiver on its `fast-llm`
 branch (pipelinerl/vllm1.py, init_actor_update_group and receive_weight_update_fast_llm) does the same.
 
@@ -49,6 +49,7 @@ import datetime
 import io
 import logging
 import pickle
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from rlkube.contract.fast_llm_rendezvous import (
     store_prefix,
 )
 from rlkube.core.weights.group import WeightSyncError, _check_backend, _drop_group, _make_group, parse_addr
+from rlkube.core.weights.wire import combine_sums, tensor_sum
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,11 @@ class FastLlmReceiver:
         self.pg: dist.ProcessGroup | None = None
         self.epoch: str | None = None
         self.generation: str | None = None  # the broadcast store's (GENERATION_KEY) when joined
+        # WeightReceiver's report of an update, for engines that take either: Fast-LLM's wire has no metadata (every
+        # update is full weights) and no checksum of its own; `last_checksum` is of the tensors received.
+        self.receiving: dict[str, Any] | None = None
+        self.last_meta: dict[str, Any] | None = None
+        self.last_checksum: float | None = None
 
     @property
     def joined(self) -> bool:
@@ -153,16 +160,7 @@ class FastLlmReceiver:
             raise RuntimeError("FastLlmReceiver.receive() before join()")
         state: dict[str, torch.Tensor] = {}
         try:
-            while (meta := self._object()) is not None:
-                if not (isinstance(meta, tuple) and len(meta) == 4):
-                    raise WeightSyncError(f"Fast-LLM broadcast: expected (shard, name, shape, dtype), got {meta!r}")
-                shard, name, shape, dtype = meta
-                if not isinstance(dtype, torch.dtype):
-                    raise WeightSyncError(f"Fast-LLM broadcast: {name} has no torch dtype ({dtype!r})")
-                buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-                self._broadcast(buffer)  # every tensor, whatever its shard, or the ranks fall out of step
-                if shard == WEIGHTS_SHARD:
-                    state[name] = buffer
+            state.update(self._tensors())
         except WeightSyncError:
             self.close()
             raise
@@ -170,6 +168,66 @@ class FastLlmReceiver:
             self.close()
             raise WeightSyncError(f"Fast-LLM weight broadcast failed: {exc}") from exc
         return state
+
+    def receive_streamed(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+                         adapters: bool = False, reuse: bool = False) -> None:
+        """One update loaded as it arrives, in WeightReceiver.receive_streamed's shape (`adapters` and `reuse` mean
+        nothing here: Fast-LLM sends full weights, a buffer per tensor): `load` is called once with an iterator of
+        (HF name, tensor in the dtype Fast-LLM sent it), tensor by tensor in Fast-LLM's order, so an update costs
+        the receiver one tensor, not a copy of the model. What `load` leaves unread is received and dropped up to
+        the end marker (the ranks stay in step); `last_checksum` is summed as the tensors go by. Returns None: the
+        wire carries no version (the announcement's step is it). Raises WeightSyncError when the transfer failed,
+        whatever `load` did with the error; the group is dropped on any failure (Fast-LLM cannot re-form it with
+        us anyway)."""
+        if self.pg is None:
+            raise RuntimeError("FastLlmReceiver.receive_streamed() before join()")
+        sums: list[tuple[str, float]] = []
+        failure: list[BaseException] = []
+        ended = [False]
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            try:
+                for name, tensor in self._tensors():
+                    sums.append((name, tensor_sum(tensor)))
+                    yield name, tensor
+            except BaseException as exc:
+                failure.append(exc)
+                raise
+            ended[0] = True
+
+        try:
+            stream = tensors()
+            load(stream)
+            for _ in stream:  # what `load` left: received and dropped
+                pass
+        except BaseException:
+            self.close()
+            if failure:
+                raise self._transfer_error(failure[0]) from failure[0]
+            raise
+        if failure or not ended[0]:
+            self.close()
+            error = failure[0] if failure else RuntimeError("the update ended before Fast-LLM's end marker")
+            raise self._transfer_error(error) from error
+        self.last_checksum = combine_sums(sums)
+        return None
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of each weights-shard tensor of one update, up to the end marker."""
+        while (meta := self._object()) is not None:
+            if not (isinstance(meta, tuple) and len(meta) == 4):
+                raise WeightSyncError(f"Fast-LLM broadcast: expected (shard, name, shape, dtype), got {meta!r}")
+            shard, name, shape, dtype = meta
+            if not isinstance(dtype, torch.dtype):
+                raise WeightSyncError(f"Fast-LLM broadcast: {name} has no torch dtype ({dtype!r})")
+            buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            self._broadcast(buffer)  # every tensor, whatever its shard, or the ranks fall out of step
+            if shard == WEIGHTS_SHARD:
+                yield name, buffer
+
+    @staticmethod
+    def _transfer_error(exc: BaseException) -> WeightSyncError:
+        return exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"Fast-LLM weight broadcast failed: {exc}")
 
     def close(self) -> None:
         pg, self.pg = self.pg, None

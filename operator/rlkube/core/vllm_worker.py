@@ -170,9 +170,10 @@ class RlkubeWorkerExtension:
             return {"ok": False, "stale": False, "error": str(exc)}
         return {"ok": True, "epoch": epoch, "rank": rank}
 
-    def rlkube_receive(self) -> dict[str, Any]:
-        """Receive one update streamed into the model: each bucket goes to vLLM's `load_weights` as it arrives
-        (WeightReceiver.receive_streamed), so the update costs one bucket of memory. The checksums are of what
+    def rlkube_receive(self, step: int = 0) -> dict[str, Any]:
+        """Receive one update (announced as `step`: our wire carries its own version) streamed into the model: each
+        bucket goes to vLLM's `load_weights` as it arrives (WeightReceiver.receive_streamed), so the update costs
+        one bucket of memory. The checksums are of what
         arrived (verified against the trainer's after the last bucket) and of what the model now holds under the
         received names. A failure once the first tensor was loaded is fatal: the model is half loaded."""
         receiver = self._rlkube_receiver

@@ -1,7 +1,7 @@
 """What of a role's pod the operator owns: its label keys, volumes and mount paths.
 
-Both the pod builders (rlkube.controller.builders, through rlkube.controller.names, which re-exports these) and
-the spec validation (rlkube.lifecycle.validation, which refuses a pod template that takes one of them) need the
+Both the pod builders (rlkube.controller.manifests.builders, through rlkube.controller.manifests.names, which
+re-exports these) and the spec validation (rlkube.lifecycle.validation, which refuses a pod template that takes one of them) need the
 same rules; they live here, below both, so validation does not reach up into the controller. Pure string rules.
 """
 

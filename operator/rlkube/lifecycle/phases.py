@@ -22,7 +22,7 @@ class Reason:
     COMPONENT_BACKOFF_LIMIT_EXCEEDED = "ComponentBackoffLimitExceeded"
     STALLED = "Stalled"
     INVALID_SPEC = "InvalidSpec"
-    IMAGE_PULL_FAILED = "ImagePullFailed"  # a pod's image could not be pulled (controller/image_pull.py)
+    IMAGE_PULL_FAILED = "ImagePullFailed"  # a pod's image could not be pulled (controller/decisions/image_pull.py)
     CHECKPOINT_LOST = "CheckpointLost"  # a recreated trainer found no checkpoint where one was saved
     ZERO_ADVANTAGE_STALL = "ZeroAdvantageStall"  # every group filtered for equal rewards: the trainer starves
     INTERRUPTED = "Interrupted"  # `rlkube local` stopped by the user

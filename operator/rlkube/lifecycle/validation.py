@@ -451,8 +451,8 @@ def fast_llm_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.model.path", "fast-llm imports a Hugging Face checkpoint directory; "
                                                   "built-in models exist only in rlkube's own trainers"))
     if spec.model.path.startswith("hf://"):
-        # rlkube.controller.fastllm hands spec.model.path to Fast-LLM as `pretrained.path`, a directory; nothing
-        # materializes an hf:// model into the trainer pod for it (the other roles fetch it themselves).
+        # rlkube.controller.manifests.fastllm hands spec.model.path to Fast-LLM as `pretrained.path`, a directory;
+        # nothing materializes an hf:// model into the trainer pod for it (the other roles fetch it themselves).
         errs.append(FieldError("spec.model.path", "fast-llm imports a checkpoint directory and cannot fetch an "
                                                   "hf:// model; give a path on a volume (model.claimName)"))
     if spec.algorithm.loss not in FAST_LLM_LOSSES:

@@ -73,7 +73,7 @@ def exec_result(frames: list[bytes | str]) -> ExecResult:
 
 
 def _names(job: str) -> tuple[str, str]:
-    from rlkube.controller import names
+    from rlkube.controller.manifests import names
 
     return names.pod_name(job, "trainer", 0), f"{job}-samples-reader"
 

@@ -3,6 +3,8 @@
 - `shell`: the weight follower (the trainer's events stream -> join, receive, put in effect), the HTTP server
   (/v1/completions, /v1/models, /health), shutdown and the exit code; the same for every engine.
 - `engine`: what the shell asks of an engine (join, receive and apply weights, generate, version, checksum).
+- `weight_source`: where an engine's updates come from (our versioned group or Fast-LLM's broadcast), chosen once
+  when it opens: when the shell has it join, follow announcements and rejoin.
 - `native_engine`: `spec.inference.engine: native`, the torch sampler (rlkube.core.sampling) in this process.
 - `vllm_engine`: `spec.inference.engine: vllm`, vLLM's AsyncLLM in this process, updated through its workers
   (rlkube.core.vllm_worker).

@@ -6,9 +6,9 @@ The shell owns everything the two engines share: following the trainer's events 
 and the exit code. An engine owns its model: how it joins the weight-update group (one receiver, or one per
 vLLM worker), how it receives and loads an update, how it samples, and how its processes stop.
 
-Threads: `join_fast_llm`, `join`, `receive`, `apply` and `leave` are called from the follower's thread (they may
-block in the group); `start`, `generate`, `stream`, `shutdown` and `close` on the server's event loop; `version`,
-`epoch`, `ranks` and `ready` from either (read without a lock).
+Threads: `join_broadcast`, `join`, `receive_announced`, `apply` and `leave` are called from the follower's thread
+(they may block in the group); `start`, `generate`, `stream`, `shutdown` and `close` on the server's event loop;
+`version`, `epoch`, `ranks` and `ready` from either (read without a lock).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from rlkube.core.inference.weight_source import WeightSource
 from rlkube.core.openai_api import ServedModel, StreamChunks
 from rlkube.core.sampling import GenerationRequest, GenerationResult
 
@@ -62,9 +63,10 @@ class Engine(ABC):
     name: ClassVar[str]
     """spec.inference.engine's value for it; /health reports it."""
     served: ServedModel
-    fast_llm: bool
-    """The trainer is Fast-LLM: its broadcast group is formed once, joined at start-up (`join_fast_llm`), and its
-    announcements carry no epoch (the step is the version)."""
+    source: WeightSource = WeightSource()
+    """Where its updates come from, chosen once when it opens (rlkube.core.inference.weight_source): our versioned
+    group (the default) or Fast-LLM's broadcast, which is joined at start-up (`join_broadcast`) and whose
+    announcements carry no epoch (the step is the version). Stateless: one instance may serve several engines."""
     epoch: str | None
     """The weight-update epoch /health reports: the one joined, None before (and, for our own wire, after) a
     group."""
@@ -95,20 +97,22 @@ class Engine(ABC):
         return True
 
     @abstractmethod
-    def join_fast_llm(self, stop: threading.Event) -> bool:
-        """Join Fast-LLM's broadcast group; False when `stop` was set first. Raises WeightSyncError (and has left
-        whatever part of the group it joined)."""
+    def join_broadcast(self, stop: threading.Event) -> bool:
+        """Join Fast-LLM's broadcast group (the FastLlmBroadcast source); False when `stop` was set first. Raises
+        WeightSyncError (and has left whatever part of the group it joined)."""
 
     @abstractmethod
     def join(self, epoch: str) -> None:
-        """Leave the group held and join `epoch`'s (blocks until the trainer forms it). Raises StaleEpoch (a group
-        this server cannot be part of: the trainer's next announcement will do) or WeightSyncError."""
+        """Leave the group held and join `epoch`'s of our versioned group (blocks until the trainer forms it).
+        Raises StaleEpoch (a group this server cannot be part of: the trainer's next announcement will do),
+        TransportMismatch or WeightSyncError."""
 
     @abstractmethod
-    def receive(self, version: int) -> Received:
-        """Receive one update and load it, without putting it in effect. `version` is the announcement's step (what
-        a Fast-LLM update is versioned by; our own wire carries its version). Raises WeightSyncError (the transfer
-        failed; the group is left) or UpdateRefused (it arrived but cannot be served)."""
+    def receive_announced(self, step: int) -> Received:
+        """Receive the update an announcement (`weights_ready` of `step`) announced and load it, without putting it
+        in effect. Its version is the one it carries (our wire), or `step` where the wire carries none (Fast-LLM's
+        broadcast). Raises WeightSyncError (the transfer failed; the group is left) or UpdateRefused (it arrived but
+        cannot be served)."""
 
     @abstractmethod
     def apply(self, update: Received) -> None:

@@ -2,11 +2,12 @@
 (rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.sampling, a KV cache) over the job's Hugging Face model
 directory (the same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
 
-An update is received by this process's own receiver (rlkube.core.weights.group.WeightReceiver; Fast-LLM's broadcast:
-rlkube.core.fast_llm_weights.FastLlmReceiver) as HF names in the transfer dtype, loaded by name into a copy of the
-model (converted to the served dtype) and swapped in; generation keeps going meanwhile. Our group's updates are
-streamed: each bucket is copied into the copy's parameters as it arrives (WeightReceiver.receive_streamed), so an
-update costs the copy plus one bucket. A LoRA job's update is the
+An update is received by this process's own receiver, the one of the weight source chosen at open
+(rlkube.core.inference.weight_source: rlkube.core.weights.group.WeightReceiver for our group,
+rlkube.core.fast_llm_weights.FastLlmReceiver for Fast-LLM's broadcast) as HF names in the transfer dtype, loaded by
+name into a copy of the model (converted to the served dtype) and swapped in; generation keeps going meanwhile.
+Both are streamed: each bucket (Fast-LLM: each tensor) is copied into the copy's parameters as it arrives
+(`receive_streamed`), so an update costs the copy plus one bucket. A LoRA job's update is the
 adapter alone (kind "lora-adapter", rlkube.core.weights): the engine serves base + adapter by setting
 W = W0 + scaling x B @ A for each adapted weight of the copy, W0 from the base it loaded at start
 (rlkube.core.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
@@ -34,6 +35,7 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
+from rlkube.core.inference.weight_source import FastLlmBroadcast, WeightSource, weight_source
 from rlkube.core.openai_api import ServedModel, StreamChunks
 from rlkube.core.sampling import GenerationRequest, GenerationResult, SamplingEngine
 from rlkube.core.weights.group import WeightReceiver
@@ -48,13 +50,12 @@ class NativeEngine(Engine):
     name = "native"
 
     def __init__(self, sampler: SamplingEngine, receiver: WeightReceiver | FastLlmReceiver,
-                 template: torch.nn.Module, served: ServedModel | None = None):
+                 template: torch.nn.Module, served: ServedModel | None = None, source: WeightSource | None = None):
         self.sampler = sampler
-        self.receiver = receiver
+        self.receiver = receiver  # the source's: ours, or Fast-LLM's (both receive streamed, by HF name)
         self.served = served
-        self.fast_llm = isinstance(receiver, FastLlmReceiver)
+        self.source = source if source is not None else WeightSource()
         self.template = template  # the model a received update is loaded into (a copy of it per update)
-        self.aliases = hf_state.tied_aliases(template)  # received without tied duplicates: put them back
         # The base weights W0 an adapter update is merged onto (the template is never changed: no copy needed).
         self.base = dict(template.named_parameters())
         self.ranks = [receiver.rank]
@@ -79,47 +80,19 @@ class NativeEngine(Engine):
     def fast_llm_generation(self) -> str | None:
         return getattr(self.receiver, "generation", None)
 
-    def join_fast_llm(self, stop: threading.Event) -> bool:
+    def join_broadcast(self, stop: threading.Event) -> bool:
         self.receiver.join()
         return True
 
     def join(self, epoch: str) -> None:
         self.receiver.join(epoch)
 
-    def receive(self, version: int) -> Received:
-        if not self.fast_llm:
-            return self._receive_streamed()
-        t0 = time.monotonic()
-        state = self.receiver.receive()
-        meta: dict[str, Any] = {}
-        received = time.monotonic()
-        model = copy.deepcopy(self.template)
-        adapter = meta.get("kind") == ADAPTER
-        try:
-            if adapter:
-                lora.merge_into(model, self.base, state, float(meta["adapter"]["scaling"]))
-            else:
-                # By HF name, converted to the served dtype; strict: a missing or extra tensor is an error
-                # (docs/references.md §6.15).
-                hf_state.load_weights(model, state, self.aliases)
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            raise UpdateRefused(f"{'the adapter' if adapter else 'weights'} of version {version} does not fit the "
-                                f"model: {exc}") from exc
-        # What is served, in the dtypes it travelled in: equals the trainer's checksum when nothing was lost (an
-        # adapter: the adapter as received and verified).
-        if adapter:
-            checksum, source = self.receiver.last_checksum, RECEIVED
-        else:
-            served = hf_state.named_weights(model)
-            checksum = weights_checksum((n, t.to(state[n].dtype)) for n, t in served.items() if n in state)
-            source = PARAMETERS
-        return Received(version=version, adapter=adapter, checksum=checksum, checksum_source=source,
-                        transfer_s=received - t0, load_s=time.monotonic() - received, loaded=model)
-
-    def _receive_streamed(self) -> Received:
-        """Our group's update, each bucket copied into a copy of the model as it arrives (rlkube.core.weights.group:
-        streamed receive): the copy is what generation swaps to, so sampling never sees a half-loaded model; the
-        update itself costs one bucket beside it. An adapter (small) is kept whole for the merge."""
+    def receive_announced(self, step: int) -> Received:
+        """The announced update, each bucket (Fast-LLM's: each tensor) copied into a copy of the model as it arrives
+        (WeightReceiver.receive_streamed, FastLlmReceiver.receive_streamed): the copy is what generation swaps to,
+        so sampling never sees a half-loaded model; the update itself costs one bucket beside it. An adapter
+        (small) is kept whole for the merge. Versioned as the update says, or by `step` where the wire carries no
+        version (Fast-LLM's)."""
         t0 = time.monotonic()
         model = copy.deepcopy(self.template)
         targets = hf_state.named_weights(model)
@@ -140,7 +113,8 @@ class NativeEngine(Engine):
                 for _ in stream:  # the rest of the update, so the group stays in step
                     pass
 
-        version = self.receiver.receive_streamed(load, adapters=True, reuse=True)
+        carried = self.receiver.receive_streamed(load, adapters=True, reuse=True)
+        version = step if carried is None else carried
         meta = self.receiver.last_meta or {}
         received = time.monotonic()
         adapter = meta.get("kind") == ADAPTER
@@ -197,6 +171,16 @@ def weight_receiver(ctx: RoleContext) -> WeightReceiver:
                           transfer_dtype=weight_transport.transfer_dtype_name(spec))
 
 
+def broadcast_receiver(ctx: RoleContext) -> FastLlmReceiver:
+    """This engine's receiver of Fast-LLM's broadcast: its rendezvous, ranks, backend and wire
+    (rlkube.core.fast_llm_weights)."""
+    spec = ctx.spec
+    return FastLlmReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
+                           world_size=fast_llm_rendezvous.world_size(spec),
+                           timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec),
+                           backend=fast_llm_rendezvous.broadcast_backend(spec), local_host=ctx.bind_host)
+
+
 def open_engine(ctx: RoleContext) -> NativeEngine:
     """The job's model loaded for sampling, and the receiver of its trainer's updates (not joined yet)."""
     spec = ctx.spec
@@ -210,16 +194,10 @@ def open_engine(ctx: RoleContext) -> NativeEngine:
     check_sequence_length(model.config, spec.model.max_sequence_length)
     sampler = SamplingEngine(model, tokenizer, version=0, seed=spec.model.seed * 1000 + ctx.index)
     served = ServedModel(spec.model.path, tokenizer, spec.model.max_sequence_length)
-    if spec.trainer.backend == "fast-llm":
-        # Fast-LLM's broadcast, not ours: its rendezvous, ranks, backend and wire (rlkube.core.fast_llm_weights).
-        receiver: WeightReceiver | FastLlmReceiver = FastLlmReceiver(
-            ctx.weight_sync_addr, rank=ctx.weight_sync_rank(), world_size=fast_llm_rendezvous.world_size(spec),
-            timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec), backend=fast_llm_rendezvous.broadcast_backend(spec),
-            local_host=ctx.bind_host)
-    else:
-        receiver = weight_receiver(ctx)
+    source = weight_source(spec)  # chosen once: the receiver is that source's
+    receiver = broadcast_receiver(ctx) if isinstance(source, FastLlmBroadcast) else weight_receiver(ctx)
     # Three threads share the GIL (HTTP loop, sampling, weight follower). With the default 5 ms switch interval
     # the follower waits that long at every hand-over while sampling runs Python, and the trainer, blocked in
     # the broadcast, waits with it.
     sys.setswitchinterval(0.001)
-    return NativeEngine(sampler, receiver, copy.deepcopy(model), served)
+    return NativeEngine(sampler, receiver, copy.deepcopy(model), served, source)

@@ -6,12 +6,13 @@ An aiohttp server on RLKUBE_BIND_HOST:RLKUBE_PORT with POST /v1/completions, GET
 same small OpenAI-compatible API for both engines (rlkube.core.openai_api: request checks, response shape).
 
 A background thread (`WeightFollower`) follows the trainer's events stream. On `weights_ready` it has the engine
-join the announced epoch's weight-update group when it is a new one (leaving the old), receive and load the update,
-and put it in effect; generation keeps going meanwhile (docs/references.md §6.4: the first update must not pause
-generation, so requests are never gated on the update). A Fast-LLM trainer forms its broadcast group once, before
-its first `weights_ready`, which carries no epoch: the follower joins it at start-up, again after a failed
-transfer, and when the trainer pod's launcher announces a new broadcast store (`broadcast_opened`, a restarted
-trainer: it forms the group anew with every receiver and waits for them in its constructor). /health answers 200
+join the group that sends the update when it holds no such group, receive and load the update, and put it in
+effect; generation keeps going meanwhile (docs/references.md §6.4: the first update must not pause generation, so
+requests are never gated on the update). When a group is joined is the engine's weight source's to say, chosen
+once when the engine opens (rlkube.core.inference.weight_source): ours on an announced epoch that is new (leaving
+the old), Fast-LLM's broadcast at start-up, again after a failed transfer, and when the trainer pod's launcher
+announces a new broadcast store (`broadcast_opened`, a restarted trainer: it forms the group anew with every
+receiver and waits for them in its constructor). /health answers 200
 only once the engine is warm and the first update arrived over the group (so the server has joined it; the
 trainer's start-up push makes that happen without any training step). An update that arrives but cannot be
 served is counted in `rejected_updates` and the old version keeps serving; one that may have left the engine half
@@ -60,7 +61,7 @@ from rlkube.core.openai_api import (
     sse,
 )
 from rlkube.core.sampling import EngineStopped
-from rlkube.core.weights.group import StaleEpoch, WeightSyncError
+from rlkube.core.weights.group import WeightSyncError
 
 log = logging.getLogger("rlkube.inference")
 
@@ -132,23 +133,8 @@ class WeightFollower:
         self.engine.leave()
         return True
 
-    def _join_fast_llm(self) -> bool:
-        """Fast-LLM forms its broadcast group once, before its first weights_ready (rlkube.core.fast_llm_weights):
-        join it, retrying until it forms or we are stopped."""
-        while not self._stop.is_set():
-            try:
-                if not self.engine.join_fast_llm(self._stop):
-                    return False
-                log.info("joined Fast-LLM's weight broadcast as %s of %d", self.engine.ranks_text(),
-                         self.engine.world_size)
-                return True
-            except WeightSyncError as exc:
-                log.warning("joining Fast-LLM's weight broadcast: %s; retrying", exc)
-                self._stop.wait(1.0)
-        return False
-
     def _run(self) -> None:
-        if self.engine.fast_llm and not self._join_fast_llm():
+        if not self.engine.source.start(self.engine, self._stop):
             return
         # From the newest weights_ready/training_finished already in the stream on. Redis may come up after us
         # (pods start together) or restart: the reader keeps reconnecting.
@@ -173,40 +159,22 @@ class WeightFollower:
             self.finished.set()
             return
         if event.type == protocol.BROADCAST_OPENED:
-            if self.engine.fast_llm:
-                self._rejoin_fast_llm(event)
+            self.engine.source.opened(self.engine, event, lambda: self._newest_announcement(event), self._stop)
             return
         if event.type != protocol.WEIGHTS_READY:
             return
         t0 = time.monotonic()
-        if self.engine.fast_llm:
-            # Fast-LLM announces, then broadcasts (streaming.py:99-116); its step is the version.
-            if not self.engine.joined and not self._join_fast_llm():
-                return
-        else:
-            epoch = event.payload.get("epoch")
-            if not isinstance(epoch, str):
-                log.warning("weights_ready %s has no `epoch`: not a native weight-sync trainer; ignored",
-                            event.stream_id)
-                return
-            if epoch != self.engine.epoch:
-                log.info("joining weight-update epoch %s (was %s)", epoch, self.engine.epoch)
-                try:
-                    self.engine.join(epoch)
-                except StaleEpoch as exc:
-                    log.info("%s", exc)
-                    return
-                except TransportMismatch as exc:
-                    # Trainer and engine disagree on the transport: a configuration error no rejoin can mend.
-                    log.critical("%s; exiting", exc)
-                    self.last_error = self.fatal = str(exc)
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    return
-                except WeightSyncError as exc:
-                    log.warning("joining epoch %s failed: %s; waiting for the next announcement", epoch, exc)
-                    return
         try:
-            update = self.engine.receive(event.step or 0)
+            if not self.engine.source.prepare(self.engine, event, self._stop):
+                return
+        except TransportMismatch as exc:
+            # Trainer and engine disagree on the transport: a configuration error no rejoin can mend.
+            log.critical("%s; exiting", exc)
+            self.last_error = self.fatal = str(exc)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        try:
+            update = self.engine.receive_announced(event.step or 0)
         except (WeightSyncError, UpdateRefused) as exc:
             self._refused(event, exc)
             return
@@ -222,26 +190,13 @@ class WeightFollower:
                  "adapter" if update.adapter else "weights", update.version, update.checksum, update.transfer_s,
                  update.load_s)
 
-    def _rejoin_fast_llm(self, event: protocol.TrainerEvent) -> None:
-        """A Fast-LLM trainer pod's launcher opened a broadcast store (a trainer that restarted): unless it is the
-        generation of the group held, leave that group (its trainer is gone) and join the new one, whose trainer
-        waits in its group constructor for every receiver (rlkube.contract.fast_llm_rendezvous.GENERATION_KEY).
-        Only the newest announcement counts: every generation is reached at the same address, so acting on an
-        older one would leave the current group."""
-        generation = event.payload.get("generation")
+    def _newest_announcement(self, event: protocol.TrainerEvent) -> protocol.TrainerEvent | None:
+        """The newest BROADCAST_OPENED event in the stream (`event` itself when the stream cannot be read)."""
         try:
-            newest = newest_announcement(self.redis, self.keys.events)
+            return newest_announcement(self.redis, self.keys.events)
         except redis.exceptions.RedisError as exc:
             log.warning("reading the newest broadcast announcement: %s; acting on %s", exc, event.stream_id)
-            newest = event
-        if newest is not None and newest.stream_id != event.stream_id:
-            return  # a newer announcement follows in the stream
-        if self.engine.joined and self.engine.fast_llm_generation == generation:
-            return
-        log.info("Fast-LLM's trainer opened broadcast generation %s (%s): joining it", generation,
-                 f"ours is {self.engine.fast_llm_generation}" if self.engine.joined else "no group held")
-        self.engine.leave()
-        self._join_fast_llm()
+            return event
 
     def _refused(self, event: protocol.TrainerEvent, exc: Exception) -> None:
         self.rejected += 1
@@ -252,8 +207,8 @@ class WeightFollower:
             log.critical("the served model is in an unknown state; exiting")
             self.fatal = str(exc)
             os.kill(os.getpid(), signal.SIGTERM)
-        elif self.engine.fast_llm:
-            self._join_fast_llm()  # the transfer failed and the group was left: Fast-LLM forms it anew
+        else:
+            self.engine.source.transfer_failed(self.engine, self._stop)
 
 
 class InferenceServer:

@@ -43,6 +43,7 @@ from rlkube.core.errors import ConfigError
 from rlkube.core.hf.loading import load_config, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
+from rlkube.core.inference.weight_source import FastLlmBroadcast, WeightSource, weight_source
 from rlkube.core.openai_api import ServedModel
 from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
 from rlkube.core.weights.group import StaleEpoch, WeightSyncError
@@ -215,13 +216,15 @@ class _Versions:
 @dataclass(frozen=True)
 class WeightGroup:
     """Where the workers join the trainer's weight-update group: `rank` is this server's first (each worker adds its
-    tensor-parallel rank). `fast_llm_backend` set: the trainer is Fast-LLM (`world_size` its broadcast group's),
-    joined at start-up."""
+    tensor-parallel rank), and the worker method that receives an update of it (`receive_rpc`, called with the
+    announced step). Fast-LLM's broadcast (`world_size` its group's, joined at start-up with `join_broadcast`):
+    `fast_llm_backend` and `fast_llm_timeout_s` its."""
 
     addr: str
     rank: int
     world_size: int
     bind_host: str | None
+    receive_rpc: str = "rlkube_receive"
     fast_llm_backend: str | None = None
     fast_llm_timeout_s: float = 3600.0
     # What each worker derives its transport from (rlkube.contract.weight_transport, beside its own device) and the
@@ -242,12 +245,13 @@ class VllmEngine(Engine):
     name = "vllm"
     version = 0  # a plain attribute, set on the event loop when an update is in effect (end_update)
 
-    def __init__(self, llm, served, loop: asyncio.AbstractEventLoop, group: WeightGroup | None = None):
+    def __init__(self, llm, served, loop: asyncio.AbstractEventLoop, group: WeightGroup | None = None,
+                 source: WeightSource | None = None):
         self.llm = llm
         self.served = served
         self.loop = loop
         self.group = group
-        self.fast_llm = group is not None and group.fast_llm_backend is not None
+        self.source = source if source is not None else WeightSource()
         self.epoch: str | None = None
         self.ranks: list[int] = []  # the group ranks this server's workers joined as (one per tensor-parallel rank)
         self.world_size = group.world_size if group is not None else 0
@@ -275,7 +279,7 @@ class VllmEngine(Engine):
         """`method` on every worker (one per tensor-parallel rank), their results in rank order."""
         return self._call(self.llm.collective_rpc(method, args=args), timeout)
 
-    def join_fast_llm(self, stop: threading.Event) -> bool:
+    def join_broadcast(self, stop: threading.Event) -> bool:
         """Every worker into Fast-LLM's broadcast group (rlkube.core.fast_llm_weights). The workers join in threads
         of their own (the engine keeps serving); this polls them."""
         g = self.group
@@ -307,20 +311,21 @@ class VllmEngine(Engine):
         self.epoch = epoch
         self.ranks = joined["ranks"]
 
-    def receive(self, version: int) -> Received:
-        """The workers' receive (`rlkube_fast_llm_receive` of `version` for Fast-LLM); nothing is handed out until
-        `apply` says which weights sampled it (or the update is refused)."""
-        method, args = ("rlkube_fast_llm_receive", (version,)) if self.fast_llm else ("rlkube_receive", ())
+    def receive_announced(self, step: int) -> Received:
+        """The workers' receive (the group's `receive_rpc`, told the announced `step`: Fast-LLM's version); nothing
+        is handed out until `apply` says which weights sampled it (or the update is refused)."""
         self._call(self.begin_update())
         try:
-            got = self._call(self._receive_and_reset(method, *args))
+            got = self._call(self._receive_and_reset(self.group.receive_rpc, step))
         except BaseException:
             self._call(self.end_update())
             raise
         if not got["ok"]:
             self._call(self.end_update())
             self.epoch = None  # the workers left the group; the next announcement (or a new epoch) rejoins
-            if self.fast_llm and not got.get("fatal"):
+            if not got.get("fatal"):
+                # A worker whose transfer did not fail may still hold the group its siblings left (a failed
+                # receive of ours has left it already in every worker: then this does nothing).
                 self._rpc("rlkube_leave")
             raise UpdateRefused(got["error"], fatal=bool(got.get("fatal")))
         served = got["served_checksum"]
@@ -341,7 +346,7 @@ class VllmEngine(Engine):
             log.warning("leaving the weight-update group: %r", exc)
         self.epoch = None
 
-    async def _receive_and_reset(self, method: str = "rlkube_receive", *args) -> dict[str, Any]:
+    async def _receive_and_reset(self, method: str, *args) -> dict[str, Any]:
         """The worker's receive, and right behind it a reset of the prefix cache that also preempts the running
         requests: KV computed with the old weights, cached for prefixes or held by running requests, must not be
         attended to by tokens of the new ones. Both are sent before the first returns, so the engine core finds
@@ -532,14 +537,15 @@ def _kill_children() -> None:
             child.kill()
 
 
-def weight_group(ctx: RoleContext) -> WeightGroup:
+def weight_group(ctx: RoleContext, source: WeightSource | None = None) -> WeightGroup:
     """Where the workers join the trainer's own group, and what each derives its transport from (the trainer's
     device and the placement from the spec, beside its own device: rlkube.contract.weight_transport). A Fast-LLM
     trainer broadcasts its own way: its rendezvous, ranks, backend and timeout (rlkube.core.fast_llm_weights)."""
     spec = ctx.spec
-    if spec.trainer.backend == "fast-llm":
+    if isinstance(source if source is not None else weight_source(spec), FastLlmBroadcast):
         return WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), fast_llm_rendezvous.world_size(spec),
-                           ctx.bind_host, fast_llm_backend=fast_llm_rendezvous.broadcast_backend(spec),
+                           ctx.bind_host, receive_rpc="rlkube_fast_llm_receive",
+                           fast_llm_backend=fast_llm_rendezvous.broadcast_backend(spec),
                            fast_llm_timeout_s=fast_llm_rendezvous.broadcast_timeout_s(spec))
     return WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), ctx.weight_sync_world_size, ctx.bind_host,
                        trainer_device=weight_transport.trainer_device(spec), placement=weight_transport.placement(spec),
@@ -573,4 +579,5 @@ async def open_engine(ctx: RoleContext) -> VllmEngine:
         raise SystemExit(f"vLLM runs workers of ranks {tp_ranks}; the weight-update group expects one per "
                          f"spec.inference.tensorParallel ({spec.inference.tensor_parallel}) rank, 0 to "
                          f"{spec.inference.tensor_parallel - 1}")
-    return VllmEngine(llm, served, asyncio.get_running_loop(), weight_group(ctx))
+    source = weight_source(spec)  # chosen once: the workers' group and receive method are that source's
+    return VllmEngine(llm, served, asyncio.get_running_loop(), weight_group(ctx, source), source)

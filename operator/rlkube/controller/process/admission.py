@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from rlkube.api.spec import API_VERSION, KIND
-from rlkube.controller.loop import parsed_spec
+from rlkube.controller.reconcile.loop import parsed_spec
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections import Counter as _Tally
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 from rlkube.api.status import Phase
-from rlkube.controller.jobmetrics import JobStatusCollector
+from rlkube.controller.reconcile.jobmetrics import JobStatusCollector
 
 JOBS_BY_PHASE = Gauge("rlkube_trainingjobs", "TrainingJobs handled by this operator, by phase", ["phase"])
 RECONCILE_SECONDS = Histogram(

@@ -20,9 +20,9 @@ from redis.exceptions import RedisError
 
 from rlkube.contract.protocol import TrainerEvent
 from rlkube.contract.streams import AsyncEventReader
-from rlkube.controller import metrics
-from rlkube.controller.observed import EventSource
-from rlkube.controller.times import stream_id_key
+from rlkube.controller.reconcile import metrics
+from rlkube.controller.decisions.observed import EventSource
+from rlkube.controller.decisions.times import stream_id_key
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,9 @@ from rlkube.api.status import (
     TrainingJobStatus,
 )
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller import builders, fastllm, image_pull, kueue, names, specdiff, teardown
-from rlkube.controller.actions import (
+from rlkube.controller.decisions import image_pull, kueue, specdiff, teardown
+from rlkube.controller.manifests import builders, fastllm, names
+from rlkube.controller.decisions.actions import (
     Action,
     Create,
     DeleteJob,
@@ -38,15 +39,15 @@ from rlkube.controller.actions import (
     DeletePod,
     Event,
 )
-from rlkube.controller.conditions import (
+from rlkube.controller.decisions.conditions import (
     ROLE_CONDITIONS,
     get,
     is_true,
     remove,
     set_condition,
 )
-from rlkube.controller.observed import Observed, PodView
-from rlkube.controller.times import fmt_time, parse_time, stream_id_key, stream_id_time
+from rlkube.controller.decisions.observed import Observed, PodView
+from rlkube.controller.decisions.times import fmt_time, parse_time, stream_id_key, stream_id_time
 from rlkube.contract import protocol, runtime
 from rlkube.contract import checkpoint_loss
 from rlkube.lifecycle import progress, roles, tracker_failures
@@ -751,7 +752,7 @@ def _fail_rejected_child(p: _Pass) -> None:
 
 def _fail_unpullable_image(p: _Pass) -> None:
     """A pod whose image pull has failed for spec.runPolicy.imagePullTimeoutSeconds since the operator first saw
-    it fail (at once for a reason no retry cures) fails the job, naming the image field (controller/image_pull.py);
+    it fail (at once for a reason no retry cures) fails the job, naming the image field (decisions/image_pull.py);
     until then, look again at its deadline. When each failure was first seen is kept in the status."""
     if p.spec is None:
         return

@@ -30,11 +30,13 @@ from typing import Any
 import kopf
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.controller import kueue, memtrim, names, watchdecode
-from rlkube.controller.apiclient import ApiClient, bounded_session, load_credentials
-from rlkube.controller.kube import Kube
-from rlkube.controller.loop import Shared
-from rlkube.controller.observed import PodView, pod_view
+from rlkube.controller.decisions import kueue
+from rlkube.controller.manifests import names
+from rlkube.controller.process import memtrim, watchdecode
+from rlkube.controller.reconcile.apiclient import ApiClient, bounded_session, load_credentials
+from rlkube.controller.reconcile.kube import Kube
+from rlkube.controller.reconcile.loop import Shared
+from rlkube.controller.decisions.observed import PodView, pod_view
 
 FINALIZER = "rlkube.io/teardown"
 IDLE_WORKER_SECONDS = 0.5

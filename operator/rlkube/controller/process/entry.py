@@ -24,6 +24,6 @@ def without_client_libraries() -> None:
 def cli(args: argparse.Namespace) -> int:
     without_client_libraries()
     # Imported only now: kopf (which main imports) must find the client libraries already stubbed out.
-    from rlkube.controller import main
+    from rlkube.controller.process import main
 
     return main.cli(args)

@@ -30,10 +30,10 @@ from datetime import datetime
 from typing import Any
 
 from rlkube.api.status import Phase
-from rlkube.controller import builders, names
-from rlkube.controller.actions import Action, Create, PatchWorkloadStatus
-from rlkube.controller.placement import Placement
-from rlkube.controller.times import fmt_time
+from rlkube.controller.manifests import builders, names
+from rlkube.controller.decisions.actions import Action, Create, PatchWorkloadStatus
+from rlkube.controller.manifests.placement import Placement
+from rlkube.controller.decisions.times import fmt_time
 from rlkube.lifecycle.roles import START_ORDER, replicas
 
 GROUP = "kueue.x-k8s.io"

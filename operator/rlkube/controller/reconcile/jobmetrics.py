@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from rlkube.api.status import Phase, TrainingJobStatus
 from rlkube.contract import counters
-from rlkube.controller.times import parse_time
+from rlkube.controller.decisions.times import parse_time
 
 PHASES = tuple(Phase)
 """Every phase, in order: the phase gauge has a series for each (1 for the current one)."""

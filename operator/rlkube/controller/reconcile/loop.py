@@ -30,8 +30,10 @@ from redis.exceptions import RedisError
 
 from rlkube.api.status import ConditionType, TrainingJobStatus
 from rlkube.contract import protocol, runtime
-from rlkube.controller import kueue, metrics, names, teardown
-from rlkube.controller.actions import (
+from rlkube.controller.decisions import kueue, teardown
+from rlkube.controller.manifests import names
+from rlkube.controller.reconcile import metrics
+from rlkube.controller.decisions.actions import (
     Create,
     DeleteJob,
     DeleteObject,
@@ -39,18 +41,18 @@ from rlkube.controller.actions import (
     DeleteStreams,
     PatchWorkloadStatus,
 )
-from rlkube.controller.apiclient import ApiError
-from rlkube.controller.decisions import Decision, JobView, decide
-from rlkube.controller.kube import Kube
-from rlkube.controller.observed import (
+from rlkube.controller.reconcile.apiclient import ApiError
+from rlkube.controller.decisions.decisions import Decision, JobView, decide
+from rlkube.controller.reconcile.kube import Kube
+from rlkube.controller.decisions.observed import (
     EventSource,
     Observed,
     PodView,
     Rejected,
     pod_view,
 )
-from rlkube.controller.times import now, stream_id_key
-from rlkube.controller.watcher import EventWatcher, RedisClients, Target, connect
+from rlkube.controller.decisions.times import now, stream_id_key
+from rlkube.controller.reconcile.watcher import EventWatcher, RedisClients, Target, connect
 from rlkube.lifecycle.validation import SpecError, parse_spec
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.controller.observed import PodView
+from rlkube.controller.decisions.observed import PodView
 
 RETRIED = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable", "ImageInspectError"})
 """The kubelet keeps retrying these (a registry outage or a tag pushed late can still resolve)."""

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import aiohttp
 
-from rlkube.controller.apiclient import ApiClient, ApiError
-from rlkube.controller.lease import LeaseRecord, Seen, Timing, Verdict, decide, leading_lost, observe, release_spec
+from rlkube.controller.reconcile.apiclient import ApiClient, ApiError
+from rlkube.controller.process.lease import (
+    LeaseRecord, Seen, Timing, Verdict, decide, leading_lost, observe, release_spec,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from datetime import datetime, timedelta
 from rlkube.api.spec import GracePeriods
 from rlkube.lifecycle.roles import STAGE_ROLES, TEARDOWN_ORDER
 from rlkube.api.status import TeardownStage, TeardownStatus
-from rlkube.controller.actions import Action, DeletePod, DeleteStreams, Event
-from rlkube.controller.observed import PodView
-from rlkube.controller.times import fmt_time, parse_time
+from rlkube.controller.decisions.actions import Action, DeletePod, DeleteStreams, Event
+from rlkube.controller.decisions.observed import PodView
+from rlkube.controller.decisions.times import fmt_time, parse_time
 
 DONE = "Done"
 DELETION_TIMESTAMP_SLACK = timedelta(seconds=1)  # deletionTimestamp has whole seconds

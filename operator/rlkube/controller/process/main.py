@@ -25,11 +25,12 @@ import kopf
 from aiohttp import web
 
 from rlkube import gctune
-from rlkube.controller import builders, metrics
-from rlkube.controller.apiclient import ApiClient
-from rlkube.controller.election import LeaderElector, LeadershipLost, candidate_identity, lease_namespace
-from rlkube.controller.handlers import build_registry
-from rlkube.controller.lease import Timing
+from rlkube.controller.manifests import builders
+from rlkube.controller.reconcile import metrics
+from rlkube.controller.reconcile.apiclient import ApiClient
+from rlkube.controller.process.election import LeaderElector, LeadershipLost, candidate_identity, lease_namespace
+from rlkube.controller.process.handlers import build_registry
+from rlkube.controller.process.lease import Timing
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def cli(args: argparse.Namespace) -> int:
     metrics.serve(args.metrics_port)
     builders.IMAGE_REGISTRY = args.image_registry or None
     if args.webhook_port:  # every replica answers admission reviews, standbys included (admission.py)
-        from rlkube.controller import admission
+        from rlkube.controller.process import admission
 
         admission.serve(args.webhook_port, Path(args.webhook_cert_dir))
     gctune.tune()

@@ -12,8 +12,9 @@ import logging
 from typing import Any
 
 from rlkube.api.spec import GROUP, PLURAL, VERSION
-from rlkube.controller import kueue, metrics
-from rlkube.controller.apiclient import MERGE_PATCH, ApiClient, ApiError
+from rlkube.controller.decisions import kueue
+from rlkube.controller.reconcile import metrics
+from rlkube.controller.reconcile.apiclient import MERGE_PATCH, ApiClient, ApiError
 
 log = logging.getLogger(__name__)
 

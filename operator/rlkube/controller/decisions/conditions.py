@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from rlkube.api.status import Condition, ConditionType
-from rlkube.controller.times import fmt_time
+from rlkube.controller.decisions.times import fmt_time
 
 ROLE_CONDITIONS = {
     "redis": ConditionType.REDIS_READY,

@@ -5,7 +5,7 @@ minted by the applier when it creates it, actions.Create.mint, so building one i
 a NetworkPolicy that admits only the job's pods and the operator),
 headless Services for inference and trainer, and one Pod per replica of trainer, inference, preprocessor and
 actor. Pods rather than Deployments or Jobs: the operator deletes them stage by stage and reads each one's exit
-code. Each pod is then merged with the role's `spec.<role>.template` (controller/podtemplate.py).
+code. Each pod is then merged with the role's `spec.<role>.template` (controller/manifests/podtemplate.py).
 
 Hardened by default (Pod Security Standards "restricted"): every pod runs as the images' non-root user 10001
 with seccomp RuntimeDefault, no privilege escalation and every capability dropped, and a read-only root
@@ -34,8 +34,8 @@ from typing import Any
 from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.contract import runtime
-from rlkube.controller import fastllm, names, podtemplate
-from rlkube.controller.placement import Placement, with_placement
+from rlkube.controller.manifests import fastllm, names, podtemplate
+from rlkube.controller.manifests.placement import Placement, with_placement
 from rlkube.lifecycle import image_reference
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module, sandbox_env
 from rlkube.lifecycle.roles import (
@@ -184,18 +184,28 @@ def redis_secret(job: JobRef, password: str | None = None) -> dict:
     return secret
 
 
-_SERVICE_PORTS = {
-    "redis": [("redis", runtime.REDIS_PORT)],
-    "inference": [("http", runtime.INFERENCE_PORT)],
-    "trainer": [("weight-sync", runtime.WEIGHT_SYNC_PORT), ("rendezvous", MASTER_PORT)],
-    "sandbox": [("http", runtime.SANDBOX_PORT)],
+ROLE_PORTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "redis": (("redis", runtime.REDIS_PORT),),
+    "inference": (("http", runtime.INFERENCE_PORT),),
+    "trainer": (("weight-sync", runtime.WEIGHT_SYNC_PORT), ("rendezvous", MASTER_PORT)),
+    "sandbox": (("http", runtime.SANDBOX_PORT),),
 }
+"""The named ports a role's pods listen on: their containers' ports and their Service's, written once."""
+
+
+def role_ports(spec: TrainingJobSpec, role: str) -> list[tuple[str, int]]:
+    ports = list(ROLE_PORTS[role])
+    if role == "trainer" and colocated(spec):  # its pod serves the engine too (rlkube.core.colocated)
+        ports += ROLE_PORTS["inference"]
+    return ports
+
+
+def _container_ports(spec: TrainingJobSpec, role: str) -> list[dict]:
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role_ports(spec, role)]
 
 
 def service(job: JobRef, role: str) -> dict:
-    ports = list(_SERVICE_PORTS[role])
-    if role == "trainer" and colocated(job.spec):  # its pod serves the engine too (rlkube.core.colocated)
-        ports += _SERVICE_PORTS["inference"]
+    ports = role_ports(job.spec, role)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -336,7 +346,7 @@ def redis_pod(job: JobRef, attempt: int = 0) -> dict:
             "--save", "", "--appendonly", "no",
         ],
         "env": [_pod_ip_env(), *_password_env(job)],
-        "ports": [{"name": "redis", "containerPort": port, "protocol": "TCP"}],
+        "ports": _container_ports(job.spec, "redis"),
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2, "failureThreshold": 3},
     }
     return _pod(job, "redis", 0, container, [], {names.ANNOTATION_ATTEMPT: str(attempt)})
@@ -382,7 +392,7 @@ def sandbox_pod(job: JobRef, index: int, attempt: int = 0) -> dict:
                                  sandbox_env(spec, "$(POD_IP)", runtime.SANDBOX_PORT, names.TMP_MOUNT)),
                 {"name": "HOME", "value": names.TMP_MOUNT}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "ports": [{"name": "http", "containerPort": runtime.SANDBOX_PORT, "protocol": "TCP"}],
+        "ports": _container_ports(spec, "sandbox"),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": runtime.SANDBOX_PORT}, "periodSeconds": 2,
                            "failureThreshold": 3},
         "volumeMounts": [{"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT}],
@@ -478,25 +488,17 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
     volumes += data
     if role in MODEL_ROLES:
         container["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
-    engine_ports: list[dict] = []
     if role == "inference" or (role == "trainer" and colocated(job.spec)):
         # The engine's port; Ready once it joined the trainer's group (/health): for a colocated trainer pod too,
         # which is what the actors wait for (lifecycle.roles).
-        port = runtime.INFERENCE_PORT
-        engine_ports = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
         container["readinessProbe"] = {
-            "httpGet": {"path": "/health", "port": port},
+            "httpGet": {"path": "/health", "port": runtime.INFERENCE_PORT},
             "periodSeconds": 2,
             "failureThreshold": 3,
         }
-    if role == "inference":
-        container["ports"] = engine_ports
+    if role in ROLE_PORTS:
+        container["ports"] = _container_ports(job.spec, role)
     if role == "trainer":
-        container["ports"] = [
-            {"name": "weight-sync", "containerPort": runtime.WEIGHT_SYNC_PORT, "protocol": "TCP"},
-            {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
-            *engine_ports,
-        ]
         ckpt = job.spec.trainer.checkpoint
         container["volumeMounts"].append({"name": names.VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
         volumes.append(

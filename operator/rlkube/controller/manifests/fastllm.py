@@ -31,7 +31,7 @@ import yaml
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import checkpoint_loss, protocol, runtime
-from rlkube.controller import names
+from rlkube.controller.manifests import names
 from rlkube.contract import fast_llm_rendezvous
 
 FAST_LLM_REPOSITORY = "ServiceNow/Fast-LLM"

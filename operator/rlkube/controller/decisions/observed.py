@@ -15,12 +15,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlkube.contract.protocol import TrainerEvent
-from rlkube.controller import names
-from rlkube.controller.times import parse_time
+from rlkube.controller.manifests import names
+from rlkube.controller.decisions.times import parse_time
 from rlkube.lifecycle.roles import START_ORDER
 
 if TYPE_CHECKING:
-    from rlkube.controller.kueue import KueueObserved
+    from rlkube.controller.decisions.kueue import KueueObserved
 
 
 @dataclass(frozen=True)
