@@ -77,6 +77,21 @@ def test_the_network_namespace_is_up_where_the_kernel_allows_it():
     assert ("netns" in result.layers) == NETNS and "audit" in result.layers
 
 
+CAPS_SNIPPET = ("print({l.split(':')[0]: l.split()[1] for l in open('/proc/self/status') "
+                "if l.startswith(('CapEff', 'CapPrm', 'CapInh', 'CapAmb', 'NoNewPrivs'))})")
+
+
+@pytest.mark.skipif(not NETNS, reason="this kernel grants no unprivileged user + network namespace")
+def test_a_snippet_in_its_network_namespace_holds_no_capability_and_can_gain_none():
+    # The new user namespace grants every capability in it; under gVisor before 20260112 that exempts the snippet
+    # from RLIMIT_NPROC (docs/guide/sandbox.md), so they are dropped at once.
+    result = Sandbox(SandboxLimits(timeout_s=10), layers=("netns",)).run(CAPS_SNIPPET)
+    assert result.outcome == "ok" and result.layers == ["netns"], result
+    got = eval(result.stdout)  # noqa: S307 - a dict literal this test's snippet printed
+    assert got == {"CapInh": "0" * 16, "CapPrm": "0" * 16, "CapEff": "0" * 16, "CapAmb": "0" * 16,
+                   "NoNewPrivs": "1"}, got
+
+
 def test_ctypes_and_new_processes_are_refused():
     for code, event in (("import ctypes; ctypes.CDLL(None).getpid()", "ctypes.dlopen"),
                         ("import subprocess; subprocess.run(['true'])", "subprocess.Popen"),
@@ -197,6 +212,10 @@ out = {"uid": __import__("os").getuid(),
 for layers in (("netns", "audit"), ("netns",), ("audit",)):
     r = Sandbox(SandboxLimits(timeout_s=10), layers=layers).run(code)
     out["+".join(layers)] = [r.outcome, r.refused_by, r.layers, r.stdout]
+# A fork loop with no audit hook: RLIMIT_NPROC (16 tasks of this user) refuses the fork long before the wall limit.
+fork = "import os\\nwhile True:\\n    os.fork()\\n"
+r = Sandbox(SandboxLimits(timeout_s=20, processes=16), layers=("netns",)).run(fork)
+out["fork"] = [r.outcome, r.seconds, r.stderr[-300:]]
 print(json.dumps(out))
 """
 
@@ -235,3 +254,7 @@ def test_the_network_stays_refused_as_the_pod_s_unprivileged_user_without_capabi
     assert out["netns"][:2] == (["refused", "network namespace"] if netns else ["error", None]), out
     assert all("connected" not in v[3] for k, v in out.items() if "+" in k or k in ("netns", "audit"))
     assert no_connection(listener)
+    # One status, from the snippet's own process, though every forked child raised too: the fork's error is the
+    # answer, well inside the wall limit.
+    outcome, seconds, stderr = out["fork"]
+    assert outcome == "error" and "BlockingIOError" in stderr and seconds < 15, out["fork"]

@@ -2,9 +2,14 @@
 imported by rlkube, so it imports nothing of it and runs before any user code.
 
 In order: leave the network (a new user + network namespace where the kernel allows an unprivileged one: only a
-loopback that is down, so nothing is reachable), set the resource limits, install the audit hook that refuses
-sockets, ctypes and new processes, then read the snippet from stdin and run it. The outcome goes to the status fd
-as one JSON object; the parent reads a missing one as a killed child.
+loopback that is down, so nothing is reachable) and give up the capabilities the new user namespace grants, set the
+resource limits, install the audit hook that refuses sockets, ctypes and new processes, then read the snippet from
+stdin and run it. The outcome goes to the status fd as one JSON object, written by this process alone (a snippet's
+forked children exit without one); the parent reads a missing one as a killed child.
+
+Why the capabilities go: a task that holds CAP_SYS_ADMIN or CAP_SYS_RESOURCE in its own user namespace is exempt
+from RLIMIT_NPROC under gVisor before release 20260112 (the sandbox pods' kernel, docs/guide/sandbox.md), so a fork
+loop there ran until its wall limit. Linux checks the initial namespace and was never affected.
 """
 
 import ctypes
@@ -17,6 +22,8 @@ import sys
 import traceback
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+PR_SET_NO_NEW_PRIVS = 38
+LINUX_CAPABILITY_VERSION_3 = 0x20080522  # linux/capability.h: two 32-bit data words per set
 # Audit events (docs.python.org "Audit events table") that reach the network or leave this interpreter: a new
 # process or foreign code via ctypes would run without the hook.
 REFUSED_PREFIXES = ("socket.", "ctypes.")
@@ -38,14 +45,31 @@ def _leave_network() -> str | None:
     return os.strerror(ctypes.get_errno())
 
 
+def _drop_capabilities() -> str | None:
+    """None when this process now holds no capability and can gain none (no_new_privs), else why not. After
+    unshare(CLONE_NEWUSER) it holds every capability in its new namespace; no uid map is written, so none returns."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return f"no_new_privs: {os.strerror(ctypes.get_errno())}"
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable, twice: all empty
+    if libc.capset(header, data) != 0:
+        return f"capset: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     status_fd = config["status_fd"]
+    me = os.getpid()
     status: dict = {"layers": []}
     if "netns" in config["layers"]:
         why = _leave_network()
         if why is None:
             status["layers"].append("netns")
+            kept = _drop_capabilities()
+            if kept is not None:  # the namespace's capabilities would lift RLIMIT_NPROC under gVisor
+                status["capabilities_kept"] = kept
         else:
             status["netns_unavailable"] = why
     for name, value in (("RLIMIT_AS", config["memory_bytes"]), ("RLIMIT_FSIZE", config["file_bytes"])):
@@ -93,6 +117,8 @@ def main() -> None:
         sys.stderr.flush()
     except OSError:
         pass
+    if os.getpid() != me:  # a child the snippet forked: its parent's status is the one
+        os._exit(0)
     os.write(status_fd, json.dumps(status).encode())
     os.close(status_fd)
     os._exit(0)
