@@ -7,7 +7,7 @@ from datetime import datetime
 
 from rlkube.api.status import ComponentStatus, TrainingJobStatus
 from rlkube.contract import protocol
-from rlkube.controller.decisions.decisions import Decision, JobView, decide
+from rlkube.controller.decisions.recipe import Decision, JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed
 from rlkube.controller.decisions.times import fmt_time
 from rlkube.lifecycle.validation import parse_spec

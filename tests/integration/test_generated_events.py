@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from rlkube.api.spec import MAX_SECONDS
 from rlkube.api.status import TrainingJobStatus
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.controller.decisions.decisions import JobView, decide
+from rlkube.controller.decisions.recipe import JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed, PodView
 from rlkube.controller.reconcile.watcher import EventWatcher, Target
 from rlkube.contract import protocol

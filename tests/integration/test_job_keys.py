@@ -1,6 +1,6 @@
 """Every Redis key a job's roles create is named by `protocol.StreamKeys.all()`.
 
-That list is what the operator deletes from an EXTERNAL Redis at teardown (rlkube.controller.decisions.decisions), so a
+That list is what the operator deletes from an EXTERNAL Redis at teardown (rlkube.controller.decisions.stopping), so a
 key missing from it would be left behind in the user's Redis after every job. The test runs a short job with
 every real role (trainer, inference, two preprocessor replicas, actor) and then looks at what is in Redis.
 """

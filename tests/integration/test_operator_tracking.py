@@ -16,7 +16,7 @@ import pytest
 from kubernetes_asyncio import client
 from operator_harness import Env, children, create_job, env, job_doc, job_events, kapi, wait_event  # noqa: F401
 
-from rlkube.api.spec import TrackingSpec
+from rlkube.api.tracking import TrackingSpec
 from rlkube.contract import protocol, runtime
 from rlkube.core.tracking import Trackers, build_trackers
 from rlkube.local.ports import free_port

@@ -30,7 +30,7 @@ from core_roles import (
 from mlflow_server import MlflowServer
 
 import specs
-from rlkube.api.spec import TrackingSpec
+from rlkube.api.tracking import TrackingSpec
 from rlkube.contract import protocol, runtime
 from rlkube.contract import samples as samples_contract
 from rlkube.core.tracking import Trackers, build_trackers

@@ -19,7 +19,7 @@ from rlkube.controller.manifests import builders
 from rlkube.controller.process import admission
 from rlkube.controller.decisions.actions import Create
 from rlkube.api.status import TrainingJobStatus
-from rlkube.controller.decisions.decisions import JobView, decide
+from rlkube.controller.decisions.recipe import JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed, PodView
 from rlkube.core import colocated as supervisor
 from rlkube.lifecycle import roles

@@ -22,7 +22,7 @@ from rlkube.controller.decisions.actions import (
     DeletePod,
     DeleteStreams,
 )
-from rlkube.controller.decisions.decisions import Decision, JobView, decide
+from rlkube.controller.decisions.recipe import Decision, JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed, PodView, Rejected
 from rlkube.controller.decisions.times import fmt_time
 from rlkube.contract import protocol

@@ -14,7 +14,7 @@ import yaml
 from rlkube.controller.decisions import kueue
 from rlkube.controller.manifests import builders
 from rlkube.controller.decisions.actions import Create, PatchWorkloadStatus
-from rlkube.controller.decisions.decisions import decide
+from rlkube.controller.decisions.recipe import decide
 from rlkube.controller.decisions.observed import Observed
 from rlkube.controller.manifests.placement import Placement, with_placement
 from rlkube.lifecycle.phases import Phase

@@ -8,7 +8,7 @@ import asyncio
 from rlkube.api.status import TeardownStage, TeardownStatus, TrainingJobStatus
 from rlkube.controller.reconcile import loop as loop_mod
 from rlkube.controller.decisions.actions import Create, DeleteObject, DeletePod, Event
-from rlkube.controller.decisions.decisions import Decision
+from rlkube.controller.decisions.recipe import Decision
 from rlkube.controller.reconcile.loop import COALESCE_SECONDS, JobLoop, Shared, routine_patch
 
 

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from rlkube.api.spec import EnvironmentSpec, TaskSpec
+from rlkube.api.task import EnvironmentSpec, TaskSpec
 from rlkube.contract import protocol
 from rlkube.core.batch import collate
 from rlkube.core.actor.calculator import Calculator, calculate
@@ -379,7 +379,7 @@ def test_an_answer_that_is_not_messages_is_a_tool_error():
 
 
 def test_per_token_versions_from_the_engine_s_version_spans():
-    from rlkube.core.actor.role import token_versions
+    from rlkube.core.actor.inference_client import token_versions
 
     assert token_versions([[0, 3], [2, 4]], 4) == [3, 3, 4, 4]
     assert token_versions([[0, 5]], 2) == [5, 5]

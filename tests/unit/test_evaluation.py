@@ -239,7 +239,8 @@ def test_the_evaluator_reports_each_version_once_through_redis(redis_client):
     redis_client.delete(*keys.all())
     import redis.asyncio as aioredis
 
-    from rlkube.core.actor.role import Actor as RoleActor, BadPrompt, Stopped
+    from rlkube.core.actor.inference_client import BadPrompt, Stopped
+    from rlkube.core.actor.role import Actor as RoleActor
 
     class Actor:
         task = load_task(parse_spec(specs.spec()).task)

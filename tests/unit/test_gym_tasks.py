@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from rlkube.api.spec import TaskSpec, TrainingJobSpec
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.api.task import TaskSpec
 from rlkube.core.actor.tasks import Scorer, load_task
 from rlkube.core.actor.task_types import TaskError
 from rlkube.lifecycle.validation import task_errors

@@ -423,7 +423,7 @@ def test_the_operator_and_the_operator_bench_import_no_training_stack():
 def test_the_controller_folders_are_floors():
     graph = _graph()
     inner = inner_graph(graph, OPERATOR)
-    assert {"rlkube.controller.manifests.builders", "rlkube.controller.decisions.decisions",
+    assert {"rlkube.controller.manifests.builders", "rlkube.controller.decisions.recipe",
             "rlkube.controller.reconcile.loop", "rlkube.controller.process.main"} <= set(inner)
     assert graph[OPERATOR] == set()  # the package itself: a docstring, no module loose beside the folders
     assert upward_arrows(inner, CONTROLLER_FLOORS) == []
@@ -434,10 +434,10 @@ def test_the_controller_folders_are_floors():
 def test_the_controller_floor_check_catches_an_upward_import_and_a_loose_module():
     inner = inner_graph({m: set(t) for m, t in _graph().items()}, OPERATOR)
     inner["rlkube.controller.manifests.builders"].add("rlkube.controller.decisions.observed")
-    inner["rlkube.controller.decisions.decisions"].add("rlkube.controller.reconcile.kube")
+    inner["rlkube.controller.decisions.recipe"].add("rlkube.controller.reconcile.kube")
     inner["rlkube.controller.loose"] = set()
     assert upward_arrows(inner, CONTROLLER_FLOORS) == [
-        "rlkube.controller.decisions.decisions (decisions) imports rlkube.controller.reconcile.kube (reconcile)",
+        "rlkube.controller.decisions.recipe (decisions) imports rlkube.controller.reconcile.kube (reconcile)",
         "rlkube.controller.loose is on no floor (add it to FLOORS)",
         "rlkube.controller.manifests.builders (manifests) imports rlkube.controller.decisions.observed (decisions)",
     ]
@@ -447,7 +447,7 @@ def test_the_pure_folders_reach_no_client_or_server_library():
     graph = _graph()
     trees = {_module_name(k): v for k, v in _modules().items()}
     pure = [m for m in graph if _under(m, PURE)]
-    assert "rlkube.controller.decisions.decisions" in pure and "rlkube.controller.manifests.builders" in pure
+    assert "rlkube.controller.decisions.recipe" in pure and "rlkube.controller.manifests.builders" in pure
     assert "rlkube.contract.protocol" in reachable(graph, pure)  # the check follows them out of the controller
     assert banned_imports(graph, trees, pure) == {}
     # ... and sees the operator's own I/O modules, wherever their imports are.

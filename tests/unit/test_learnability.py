@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from learning_run import assert_reward_rose, learning_run, tiny_cpu_spec
-from rlkube.api.spec import TaskSpec
+from rlkube.api.task import TaskSpec
 
 
 @pytest.mark.parametrize("seed", [0, 1])

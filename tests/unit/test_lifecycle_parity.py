@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 from rlkube.api.status import Completion, ComponentStatus, TrainingJobStatus
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.controller.decisions.decisions import JobView, decide
+from rlkube.controller.decisions.recipe import JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed, PodView
 from rlkube.controller.decisions.times import fmt_time
 from rlkube.contract import protocol

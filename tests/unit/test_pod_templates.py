@@ -1,6 +1,7 @@
 """Per-role pod template overrides (`spec.<role>.template`): every field merged by its documented rule
-(controller/manifests/podtemplate.py), every refusal naming the field (lifecycle/validation.py, api/spec.py), the
-hardened defaults of every child, the Redis NetworkPolicy, GPUs, /dev/shm and the trainer's ranks."""
+(controller/manifests/podtemplate.py), every refusal naming the field (lifecycle/validation.py,
+api/pod_template.py), the hardened defaults of every child, the Redis NetworkPolicy, GPUs, /dev/shm and the
+trainer's ranks."""
 
 from __future__ import annotations
 

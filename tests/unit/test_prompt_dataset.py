@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlkube.api.spec import DatasetSpec, TaskSpec
+from rlkube.api.task import DatasetSpec, TaskSpec
 from rlkube.core.actor.prompt_dataset import DatasetTask, resolve_format
 from rlkube.core.actor.tasks import Scorer, TaskError, load_task
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from rlkube.api.spec import RewardSpec, TaskSpec
+from rlkube.api.task import RewardSpec, TaskSpec
 from rlkube.core.actor.rewards import ExactReward, MathReward, RegexReward, RewardError, build_reward, normalize
 from rlkube.core.actor.tasks import Prompt, Scorer, TaskError, load_task
 

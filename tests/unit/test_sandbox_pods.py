@@ -15,7 +15,7 @@ from rlkube.api.status import TrainingJobStatus
 from rlkube.contract import runtime
 from rlkube.controller.manifests import builders
 from rlkube.controller.decisions.actions import Create
-from rlkube.controller.decisions.decisions import JobView, decide
+from rlkube.controller.decisions.recipe import JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed, PodView
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.validation import SpecError, parse_spec

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rlkube.api.spec import TaskSpec
+from rlkube.api.task import TaskSpec
 from rlkube.core.actor.tasks import (
     BUILTIN_TASKS,
     Prompt,

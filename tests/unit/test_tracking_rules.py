@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from test_controller_decisions import T0, all_pods, cond, ev, job, run, running_status
 
 import specs
-from rlkube.api.spec import TrackingSpec, TrainingJobSpec
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.api.tracking import TrackingSpec
 from rlkube.contract import protocol, runtime
 from rlkube.controller.manifests import builders
 from rlkube.core.tracking import Trackers

@@ -25,7 +25,7 @@ import yaml
 from rlkube.api.status import TrainingJobStatus
 from rlkube.controller.process import admission
 from rlkube.controller.decisions.actions import Create
-from rlkube.controller.decisions.decisions import decide
+from rlkube.controller.decisions.recipe import decide
 from rlkube.controller.reconcile.loop import job_view
 from rlkube.controller.decisions.observed import EventSource, Observed
 
@@ -173,10 +173,10 @@ def test_an_importable_entry_point_passes_rlkube_validate(tmp_path):
 
 
 def test_the_built_in_environment_names_are_the_actors():
-    """The CRD's enum (api.spec.BuiltinEnvironment) is the list the actor builds from."""
+    """The CRD's enum (api.task.BuiltinEnvironment) is the list the actor builds from."""
     from typing import get_args
 
-    from rlkube.api.spec import BuiltinEnvironment
+    from rlkube.api.task import BuiltinEnvironment
     from rlkube.core.actor.environments import BUILTIN_ENVIRONMENTS
 
     assert set(get_args(BuiltinEnvironment)) == set(BUILTIN_ENVIRONMENTS)

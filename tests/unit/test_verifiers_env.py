@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from rlkube.api.spec import EnvironmentSpec, TaskSpec
+from rlkube.api.task import EnvironmentSpec, TaskSpec
 from rlkube.contract import protocol
 from rlkube.core.actor.environments import load_environment
 from rlkube.core.actor.episodes import Limits, MessageEncoder, Reply, run_episode

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from rlkube.api.spec import Model
+from rlkube.api.base import Model
 
 
 class Phase(StrEnum):

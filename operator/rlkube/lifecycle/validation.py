@@ -21,7 +21,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
-from rlkube.api.spec import API_VERSION, GPU, KIND, PodTemplate, TaskSpec, TrainingJobSpec
+from rlkube.api.pod_template import PodTemplate
+from rlkube.api.spec import API_VERSION, GPU, KIND, TrainingJobSpec
+from rlkube.api.task import TaskSpec
 from rlkube.lifecycle import owned
 from rlkube.lifecycle.image_reference import PUBLISHED, reference_error
 from rlkube.lifecycle.label_syntax import annotation_errors, label_errors
@@ -245,7 +247,7 @@ def _syntax_errors(at: str, tpl: PodTemplate) -> list[FieldError]:
 def template_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """What a pod template may not change: the operator's labels, env, volumes and mounts, named by field
     (`spec.trainer.template.spec.containers[trainer].env[RANK]`). Fields the operator sets outright (command,
-    image, restartPolicy, ...) are refused while parsing (spec._refuse_owned)."""
+    image, restartPolicy, ...) are refused while parsing (api/pod_template.py, _refuse_owned)."""
     errs: list[FieldError] = []
     for role in TEMPLATE_ROLES:
         tpl = spec.template_for(role)

@@ -14,7 +14,6 @@ each fetching its own. A model that cannot work fails the job there, judged like
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -29,7 +28,6 @@ from typing import Any
 import redis
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlkube.api import TrainingJobSpec
 from rlkube.contract import counters, protocol, runtime, streams
@@ -43,9 +41,11 @@ from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.phases import Phase, Reason
 from rlkube.lifecycle.validation import SpecError, importable_errors, parse_manifest
 from rlkube.lifecycle.verdict import Outcome, Verdict
+from rlkube.local.plot import plot_rewards
 from rlkube.local.ports import free_port
 from rlkube.local.processes import RoleProcess, python_module, stop_all
 from rlkube.local.redis_server import RedisNotInstalled, RedisServer
+from rlkube.local.terminal import progress_bar, status_line, summary_line
 
 NAMESPACE = "local"
 MODEL_FETCH = ("init", "model-fetch")
@@ -374,14 +374,7 @@ class LocalJob:
 
     def follow(self) -> Outcome:
         max_steps = self.spec.algorithm.max_steps
-        columns = [
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-        ]
-        with Progress(*columns, console=self.console, transient=False) as bar:
+        with progress_bar(self.console) as bar:
             task = bar.add_task(self.name, total=max_steps, info="starting roles")
             while True:
                 if self._interrupted:
@@ -398,32 +391,13 @@ class LocalJob:
                 if verdict.stalled and not self.stalled:
                     self.console.print(f"[yellow]Stalled: {verdict.stall_message}[/yellow]")
                 self.stalled = bool(verdict.stalled)
-                bar.update(task, completed=self.step, info=self._info())
+                bar.update(task, completed=self.step, info=status_line(
+                    self.metrics, self.evaluations, self.agent, self.stalled, bool(self.procs[roles.ACTOR])))
                 if verdict.outcome is not None:
                     bar.update(task, info=f"{verdict.outcome.phase}: {verdict.outcome.reason}")
                     return verdict.outcome
                 if failing:
                     self._restart(failing)
-
-    def _info(self) -> str:
-        if not self.metrics:
-            return "waiting for inference" if not self.procs[roles.ACTOR] else "waiting for the first step"
-        m = self.metrics[-1]
-        parts = [f"reward {m.get('reward_mean', math.nan):.3f}"]
-        if "lag_max" in m:
-            parts.append(f"lag {m['lag_max']}")
-        if "tokens_per_s" in m:
-            parts.append(f"{m['tokens_per_s']:.0f} tok/s")
-        if self.evaluations:
-            parts.append(f"eval {self.evaluations[-1]['reward_mean']:.3f} @v{self.evaluations[-1]['version']}")
-        errors = sum(int(x.get("reward_errors") or 0) for x in self.metrics)
-        if errors:
-            parts.append(f"{errors} reward errors")  # samples whose reward function failed (scored 0)
-        if self.agent:
-            parts.append(agent_line(self.agent))
-        if self.stalled:
-            parts.append("STALLED")
-        return "  ".join(parts)
 
     def interrupt(self, *_: Any) -> None:
         self._interrupted = True
@@ -449,43 +423,6 @@ class LocalJob:
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def agent_line(agent: dict[str, int | float]) -> str:
-    """The agent counters in the progress line: the status subset (status.agent), zeros left out."""
-    parts = [f"{agent.get('episodes', 0)} episodes"]
-    parts += [f"{agent[n]} {n.replace('_', ' ')}" for n in counters.AGENT_STATUS[1:-1] if agent.get(n)]
-    if agent.get("turn_reward_mean") is not None:
-        parts.append(f"turn reward {agent['turn_reward_mean']:.3f}")
-    return ", ".join(parts)
-
-
-def _plot(metrics: list[dict[str, Any]], path: Path, title: str,
-          evaluations: list[dict[str, Any]] = ()) -> Path | None:
-    """The steps' mean training reward and, with spec.evaluation, the eval set's mean reward at each evaluated
-    weight version (version v is the weights after step v)."""
-    points = [(m["step"], m["reward_mean"]) for m in metrics if "step" in m and "reward_mean" in m]
-    evals = [(e["version"], e["reward_mean"]) for e in evaluations]
-    if not points and not evals:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label="training samples (per step)")
-    if evals:
-        ax.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="held-out eval set (per version)")
-        ax.legend(loc="best", fontsize="small")
-    ax.set_xlabel("optimizer step / weight version")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def materialize(spec: TrainingJobSpec, cache: Path, console: Console) -> Outcome | None:
@@ -577,7 +514,7 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in job.metrics))
     if job.evaluations:
         (out / "evaluation.jsonl").write_text("".join(json.dumps(e) + "\n" for e in job.evaluations))
-    _plot(job.metrics, out / "reward.png", f"{name}: {spec.algorithm.loss} on {spec.task.name}", job.evaluations)
+    plot_rewards(job.metrics, out / "reward.png", f"{name}: {spec.algorithm.loss} on {spec.task.name}", job.evaluations)
     if outcome.phase != Phase.SUCCEEDED:
         for procs in job.procs.values():
             for p in procs:
@@ -585,10 +522,6 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
                     console.print(f"[red]--- last lines of {p.name} ({p.log_path}) ---[/red]\n{p.log_tail()}")
     return result
 
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 def cli(args) -> int:
     console = Console(stderr=True)
@@ -604,19 +537,9 @@ def cli(args) -> int:
         for err in result.invalid:
             console.print(f"[red]{args.file}: {err}[/red]")
         return 2
-    s = result.summary()
-    color = "green" if result.phase == Phase.SUCCEEDED else "red"
-    console.print(
-        f"[{color}]{result.phase}[/{color}] ({result.reason}: {result.message}); steps {s['steps']}/{s['max_steps']}; "
-        f"reward first-10 {_fmt(s['reward_first'])}, last-10 {_fmt(s['reward_last'])}; "
-        + (f"eval reward {_fmt(s['eval_reward_first'])} (v{s['eval_versions'][0]}) -> {_fmt(s['eval_reward_last'])} "
-           f"(v{s['eval_versions'][-1]}); " if s["eval_versions"] else "") +
-        (f"agent: {agent_line(result.agent)}; " if result.agent else "") +
-        f"teardown {' -> '.join(s['teardown'])}; "
-        f"{s['wall_seconds']}s; output {s['output_dir']}"
-    )
+    console.print(summary_line(result))
     if args.json:
-        sys.stdout.write(json.dumps(s) + "\n")
+        sys.stdout.write(json.dumps(result.summary()) + "\n")
     if result.phase == Phase.SUCCEEDED:
         return 0
     return 130 if result.reason == Reason.INTERRUPTED else 1

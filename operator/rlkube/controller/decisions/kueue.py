@@ -1,6 +1,6 @@
 """Kueue integration, pure: the Workload a queued TrainingJob asks Kueue to admit, and what its status means.
 
-A TrainingJob labelled `kueue.x-k8s.io/queue-name` is held (it behaves as suspended, decisions.py) until the
+A TrainingJob labelled `kueue.x-k8s.io/queue-name` is held (it behaves as suspended, stopping.py) until the
 Workload built here is admitted; the admitted flavours' node labels and tolerations are merged into its pods
 (placement.py); an eviction holds it again (the ordered suspend). The operator plays the part of Kueue's job
 integration (kueue pkg/controller/jobframework/reconciler.go) for its own kind; Kueue's scheduler admits.

@@ -27,27 +27,28 @@ resolves `{pod}.{service}` to pod IPs directly, exactly as cluster DNS does for 
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.controller.manifests import fastllm, names, podtemplate
+from rlkube.controller.manifests.model_data import data_volumes, with_model_init
 from rlkube.controller.manifests.placement import Placement, with_placement
 from rlkube.lifecycle import image_reference
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module, sandbox_env
 from rlkube.lifecycle.roles import (
-    CORE_ROLES,
-    DATASET_ROLES,
+    ACTOR,
+    INFERENCE,
     MODEL_ROLES,
+    PREPROCESSOR,
     START_ORDER,
+    TRAINER,
     colocated,
     replicas,
     uses_sandbox_pods,
 )
-from rlkube.lifecycle.validation import parse_quantity
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
@@ -452,18 +453,76 @@ def role_image(spec: TrainingJobSpec, role: str) -> str:
 
 
 def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkpoint: str | None = None) -> dict:
-    """Pod `index` of a core role: `python -m rlkube.core.<role>` with the runtime.py environment."""
-    if role not in CORE_ROLES:
+    """Pod `index` of a core role: `python -m rlkube.core.<role>` with the runtime.py environment, built by the
+    role's own function (`_CORE_PODS`) over the container every core role shares (`_core_container`)."""
+    build = _CORE_PODS.get(role)
+    if build is None:
         raise ValueError(f"not a core role: {role!r}")
+    return build(job, index, attempt, resume_checkpoint)
+
+
+def _trainer_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
+    """A trainer pod: shared memory, the checkpoint volume, the engine's probe when inference is colocated, the
+    Fast-LLM container for that backend, and the checkpoint it must resume from (env and annotation)."""
+    spec = job.spec
+    # A trainer gets the checkpoint it must resume from (the annotation below) in its env, so that it fails instead
+    # of starting over when the volume lost it (rlkube.contract.checkpoint_loss).
+    container, volumes = _core_container(job, TRAINER, index, resume_checkpoint, shm=True, engine=colocated(spec))
+    ckpt = spec.trainer.checkpoint
+    container["volumeMounts"].append({"name": names.VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
+    volumes.append(
+        {"name": names.VOLUME_CHECKPOINTS, "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+        if ckpt.claim_name
+        else {"name": names.VOLUME_CHECKPOINTS, "emptyDir": {}}
+    )
+    if spec.trainer.backend == "fast-llm":
+        container = fastllm.trainer_container(container, spec, job.name, index, MASTER_PORT)
+    annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
+    if resume_checkpoint:
+        annotations[names.ANNOTATION_RESUME] = resume_checkpoint
+    return _core_role_pod(job, TRAINER, index, container, volumes, annotations)
+
+
+def _inference_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
+    """An inference pod: shared memory and the engine's readiness probe."""
+    container, volumes = _core_container(job, INFERENCE, index, shm=True, engine=True)
+    return _core_role_pod(job, INFERENCE, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+
+
+def _preprocessor_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
+    """A preprocessor pod: the shared core container, nothing of its own."""
+    container, volumes = _core_container(job, PREPROCESSOR, index)
+    return _core_role_pod(job, PREPROCESSOR, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+
+
+def _actor_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
+    """An actor pod: the shared core container (its model and dataset volumes come with MODEL_ROLES and
+    DATASET_ROLES)."""
+    container, volumes = _core_container(job, ACTOR, index)
+    return _core_role_pod(job, ACTOR, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+
+
+_CORE_PODS: dict[str, Callable[[JobRef, int, int, str | None], dict]] = {
+    TRAINER: _trainer_pod,
+    INFERENCE: _inference_pod,
+    PREPROCESSOR: _preprocessor_pod,
+    ACTOR: _actor_pod,
+}
+"""Each core role's pod builder (the keys are lifecycle.roles.CORE_ROLES)."""
+
+
+def _core_container(
+    job: JobRef, role: str, index: int, resume_checkpoint: str | None = None, shm: bool = False, engine: bool = False
+) -> tuple[dict, list[dict]]:
+    """(container, volumes) every core role's pod has: the role's module and env, the config and /tmp volumes, the
+    model and dataset volumes where the role reads them, its ports; `shm` a memory-backed /dev/shm, `engine` the
+    inference engine's readiness probe."""
     container: dict[str, Any] = {
         "name": role,
         "image": role_image(job.spec, role),
         "command": ["python", "-m", role_module(job.spec, role)],
         # HOME on the writable /tmp volume (caches of torch, triton, HF); a template's env may point it elsewhere.
-        # A trainer gets the checkpoint it must resume from (the annotation below) in its env, so that it fails
-        # instead of starting over when the volume lost it (rlkube.contract.checkpoint_loss).
-        "env": [*_core_env(job, role, index, resume_checkpoint if role == "trainer" else None),
-                {"name": "HOME", "value": names.TMP_MOUNT}],
+        "env": [*_core_env(job, role, index, resume_checkpoint), {"name": "HOME", "value": names.TMP_MOUNT}],
         # The role writes why it failed to /dev/termination-log (rlkube.core.errors); a crash that could not
         # write it still leaves the end of its log, and either lands in the job's Failed condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -479,16 +538,16 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         {"name": names.VOLUME_CONFIG, "configMap": {"name": names.config_name(job.name)}},
         {"name": names.VOLUME_TMP, "emptyDir": {}},
     ]
-    if role in ("trainer", "inference"):
+    if shm:
         # NCCL, torch and vLLM use shared memory; a container runtime's default /dev/shm is 64 MiB.
         container["volumeMounts"].append({"name": names.VOLUME_SHM, "mountPath": names.SHM_MOUNT})
         volumes.append({"name": names.VOLUME_SHM, "emptyDir": {"medium": "Memory"}})
-    mounts, data = _data_volumes(job, role)
+    mounts, data = data_volumes(job.spec, role)
     container["volumeMounts"] += mounts
     volumes += data
     if role in MODEL_ROLES:
         container["env"].append({"name": runtime.ENV_HF_OFFLINE, "value": "1"})
-    if role == "inference" or (role == "trainer" and colocated(job.spec)):
+    if engine:
         # The engine's port; Ready once it joined the trainer's group (/health): for a colocated trainer pod too,
         # which is what the actors wait for (lifecycle.roles).
         container["readinessProbe"] = {
@@ -498,110 +557,12 @@ def core_pod(job: JobRef, role: str, index: int, attempt: int = 0, resume_checkp
         }
     if role in ROLE_PORTS:
         container["ports"] = _container_ports(job.spec, role)
-    if role == "trainer":
-        ckpt = job.spec.trainer.checkpoint
-        container["volumeMounts"].append({"name": names.VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
-        volumes.append(
-            {"name": names.VOLUME_CHECKPOINTS, "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
-            if ckpt.claim_name
-            else {"name": names.VOLUME_CHECKPOINTS, "emptyDir": {}}
-        )
-        if job.spec.trainer.backend == "fast-llm":
-            container = fastllm.trainer_container(container, job.spec, job.name, index, MASTER_PORT)
-    annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
-    if role == "trainer" and resume_checkpoint:
-        annotations[names.ANNOTATION_RESUME] = resume_checkpoint
-    pod = _pod(job, role, index, container, volumes, annotations)
-    if role in MODEL_ROLES and parse_model_path(job.spec.model.path).kind != "builtin":
-        # A built-in model has nothing to fetch or check: each role writes it from the seed into its model cache
-        # (rlkube.core.hf.source.write_builtin, atomic), in the process that loads it anyway. An init container
-        # would only cost every pod another container start and a second write (~4 s of CPU).
-        tpl = job.spec.template_for(role)
-        offline_by_user = tpl is not None and any(
-            e.name == runtime.ENV_HF_OFFLINE for c in tpl.spec.containers for e in c.env)
-        pod["spec"]["initContainers"] = [model_init_container(pod, role, keep_offline=offline_by_user)]
-        # The role uses what the init container materialized, never the network, whatever a template said: a
-        # template's HF_HUB_OFFLINE is the fetch's (1 for a pre-filled cache claim in an air-gapped cluster).
-        main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
-        for e in main["env"]:
-            if e["name"] == runtime.ENV_HF_OFFLINE:
-                e.clear()
-                e.update(name=runtime.ENV_HF_OFFLINE, value="1")
-    return pod
+    return container, volumes
 
 
-def _data_volumes(job: JobRef, role: str) -> tuple[list[dict], list[dict]]:
-    """(mounts, volumes) of the model cache, the model claim and the dataset claim, where `role` reads them."""
-    spec, mounts, volumes = job.spec, [], []
-    if role in MODEL_ROLES:
-        cache = spec.model.cache_claim_name
-        mounts.append({"name": names.VOLUME_MODEL_CACHE, "mountPath": names.MODEL_CACHE_MOUNT})
-        volumes.append({"name": names.VOLUME_MODEL_CACHE, "persistentVolumeClaim": {"claimName": cache}}
-                       if cache else {"name": names.VOLUME_MODEL_CACHE, "emptyDir": {}})
-        if spec.model.claim_name:
-            mounts.append({"name": names.VOLUME_MODEL, "mountPath": spec.model.mount_path, "readOnly": True})
-            volumes.append({"name": names.VOLUME_MODEL, "persistentVolumeClaim": {
-                "claimName": spec.model.claim_name, "readOnly": True}})
-    ds = spec.task.dataset
-    if role in DATASET_ROLES and ds is not None and ds.claim_name:
-        mounts.append({"name": names.VOLUME_DATASET, "mountPath": ds.mount_path, "readOnly": True})
-        volumes.append({"name": names.VOLUME_DATASET, "persistentVolumeClaim": {
-            "claimName": ds.claim_name, "readOnly": True}})
-    return mounts, volumes
-
-
-MODEL_INIT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
-"""The model init container downloads (streamed to disk) and parses a config and a tokenizer: no GPU, little memory.
-At most these, and never more than the role's own container asks (model_init_resources)."""
-
-
-def model_init_resources(main: dict) -> dict:
-    """MODEL_INIT_RESOURCES with each request capped at the role container's own, and dropped where the role asks
-    for none. A pod's effective request is the larger of its init and app containers' requests, so a larger init
-    request would reserve, for the pod's whole life, capacity that only the seconds-long fetch uses: on a real
-    2-CPU node kube-scheduler refused tiny-cpu's second actor for 250m CPU its actor never asked for. The memory
-    limit goes with the memory request (a limit alone becomes the request)."""
-    own = (main.get("resources") or {}).get("requests") or {}
-    requests = {}
-    for key, default in MODEL_INIT_RESOURCES["requests"].items():
-        if key in own:
-            requests[key] = default if parse_quantity(default) <= parse_quantity(own[key]) else own[key]
-    out: dict = {"requests": requests} if requests else {}
-    if "memory" in requests:
-        out["limits"] = dict(MODEL_INIT_RESOURCES["limits"])
-    return out
-
-
-MODEL_INIT_MODULE = "rlkube.core.hf.fetch"
-
-
-def model_init_container(pod: dict, role: str, keep_offline: bool = False) -> dict:
-    """The init container that materializes spec.model.path into the model cache (rlkube.core.hf.fetch).
-
-    Built from the role's container AFTER the pod template was merged, so what a user added there reaches the fetch
-    too: HF_TOKEN, HF_ENDPOINT, proxy variables, a CA bundle volume, the security context. It has its own command
-    and modest resources, and it may use the network unless the template sets HF_HUB_OFFLINE (`keep_offline`; the
-    operator's own HF_HUB_OFFLINE=1 is the role's). It fails like a role: a model that cannot work is written to
-    its termination log and it exits runtime.EXIT_CONFIG."""
-    main = next(c for c in pod["spec"]["containers"] if c["name"] == role)
-    env = [copy.deepcopy(e) for e in main.get("env", []) if keep_offline or e["name"] != runtime.ENV_HF_OFFLINE]
-    # What the fetch reads, where the role's own env lacks it (a Fast-LLM trainer's env is Fast-LLM's).
-    needed = {runtime.ENV_CONFIG: f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}",
-              runtime.ENV_MODEL_CACHE: names.MODEL_CACHE_MOUNT}
-    present = {e["name"] for e in env}
-    env = [{"name": k, "value": v} for k, v in needed.items() if k not in present] + env
-    init = {
-        "name": names.INIT_MODEL,
-        "image": main["image"],
-        "command": ["python", "-m", MODEL_INIT_MODULE],
-        "env": env,
-        "resources": model_init_resources(main),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": copy.deepcopy(main.get("volumeMounts", [])),
-    }
-    if "securityContext" in main:
-        init["securityContext"] = copy.deepcopy(main["securityContext"])
-    return init
+def _core_role_pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict], annotations: dict) -> dict:
+    """The pod around a core role's container, with the model's init container where the role loads it."""
+    return with_model_init(_pod(job, role, index, container, volumes, annotations), job.spec, role)
 
 
 def pod(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rlkube.api.spec import PodTemplate
+from rlkube.api.pod_template import PodTemplate
 
 
 def _dump(model) -> Any:

@@ -42,7 +42,7 @@ from rlkube.controller.decisions.actions import (
     PatchWorkloadStatus,
 )
 from rlkube.controller.reconcile.apiclient import ApiError
-from rlkube.controller.decisions.decisions import Decision, JobView, decide
+from rlkube.controller.decisions.recipe import Decision, JobView, decide
 from rlkube.controller.reconcile.kube import Kube
 from rlkube.controller.decisions.observed import (
     EventSource,

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlkube.api.spec import EnvironmentSpec, TaskSpec
+from rlkube.api.task import EnvironmentSpec, TaskSpec
 from rlkube.contract import runtime
 from rlkube.core.actor import calculator
 from rlkube.core.actor.episodes import Environment, Limits

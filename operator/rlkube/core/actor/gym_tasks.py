@@ -22,7 +22,7 @@ import logging
 import random
 from typing import Any
 
-from rlkube.api.spec import ReasoningGymSpec
+from rlkube.api.task import ReasoningGymSpec
 from rlkube.core.actor.task_types import Prompt, TaskError
 
 log = logging.getLogger("rlkube.tasks")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rlkube.api.spec import DatasetSpec
+from rlkube.api.task import DatasetSpec
 from rlkube.core.actor.task_types import Message, Prompt, TaskError
 
 log = logging.getLogger("rlkube.tasks")

@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rlkube.api.spec import RewardSpec
+from rlkube.api.task import RewardSpec
 from rlkube.core.actor.task_types import Prompt, TaskError, import_attribute
 
 RewardFn = Callable[[Prompt, str], float]

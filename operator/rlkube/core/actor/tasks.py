@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from rlkube.api.spec import TaskSpec
+from rlkube.api.task import TaskSpec
 from rlkube.core.actor.rewards import build_reward, needs_answer
 from rlkube.core.actor.task_types import Prompt, TaskError, import_attribute
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlkube.api.spec import TrackingSpec, TrainingJobSpec
+from rlkube.api.spec import TrainingJobSpec
+from rlkube.api.tracking import TrackingSpec
 from rlkube.contract import runtime
 from rlkube.core.tracking.run import RunState
 from rlkube.core.tracking.worker import Sink, SinkWorker

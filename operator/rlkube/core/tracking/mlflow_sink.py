@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from rlkube.api.spec import MlflowTrackingSpec
+from rlkube.api.tracking import MlflowTrackingSpec
 from rlkube.core.tracking.run import RunState
 
 HTTP_TIMEOUT_S = "10"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlkube.api.spec import WandbTrackingSpec
+from rlkube.api.tracking import WandbTrackingSpec
 from rlkube.core.tracking.run import RunState
 
 STEP = "step"
