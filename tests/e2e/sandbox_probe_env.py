@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from typing import Any
 
 from rlkube.core.actor.calculator import Calculator, CalculatorEpisode
@@ -84,7 +85,16 @@ class ProbeEpisode:
         from rlkube.core.actor.sandbox import Sandbox
 
         local = Sandbox(self.env.sandbox.limits)
-        return {"pod": summarize(time_calls(self.env.sandbox.run, n)),
+        # The probes may have cost a sandbox pod its life (the fork loop under gVisor can take the pod past its memory
+        # limit; the actor then answers `unavailable` and the pod is replaced): time the pods once every server
+        # answers again, and say how long that took.
+        t0, answered = time.monotonic(), 0
+        while answered < 2 * len(getattr(self.env.sandbox, "urls", [""])) and time.monotonic() - t0 < 300:
+            answered = answered + 1 if self.env.sandbox.run("print(1)").outcome == "ok" else 0
+            if not answered:
+                time.sleep(1)  # a pod coming back: the next try is a second away, not a busy loop
+        return {"pod_back_after_s": round(time.monotonic() - t0, 1),
+                "pod": summarize(time_calls(self.env.sandbox.run, n)),
                 "in_process": summarize(time_calls(local.run, n)),
                 "in_process_layers": local.run("print(1)").layers}  # what held here (no netns under runc's seccomp)
 

@@ -37,10 +37,11 @@ RUNTIME = os.environ.get("RLKUBE_E2E_SANDBOX_RUNTIME", "runc")
 """The node's runtime handler for the sandbox pods (a RuntimeClass of that handler either way): `runc` by default, where
 the default seccomp profile refuses the snippets' network namespace, so the audit hook holds the network; `runsc`
 (gVisor, RLKUBE_E2E_SANDBOX_RUNTIME=runsc: Debian's runsc driven by containerd's runc shim through
-tests/cluster/node.py's RUNSC_WRAPPER) runs the sandbox pods (tests/integration/test_real_kubelet_gvisor.py), and
-here its pods, spec and the socket, read and fork probes pass, but with the audit hook off the fork loop is bounded
-only by its wall limit, and the sandbox pod then stops answering (gVisor's ptrace platform on this 2-core VM):
-the write and ok probes never return before the job ends (docs/guide/sandbox.md, "gVisor on a node")."""
+tests/cluster/node.py's RUNSC_WRAPPER) runs the sandbox pods (tests/integration/test_real_kubelet_gvisor.py), with
+the audit hook off: the network namespace refuses the socket, RLIMIT_NPROC the fork loop (the child drops the
+capabilities its user namespace grants, which that gVisor would otherwise exempt from the limit: docs/guide/sandbox.md),
+RLIMIT_FSIZE the write. runc stays the default: gVisor's ptrace platform on a loaded 2-core machine is slow enough
+that a job sized for it takes minutes longer."""
 RUNTIME_CLASS = {"runsc": "gvisor", "runc": "runc"}[RUNTIME]
 SNIPPET_TIMEOUT = 5
 pytestmark = pytest.mark.skipif(RUNTIME == "runsc" and shutil.which("runsc") is None,
@@ -116,7 +117,7 @@ def test_hostile_snippets_in_gvisor_sandbox_pods_are_refused_or_bounded_and_the_
         "spec.inference.resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
         # The probe episode sends its snippets one after another while the other episodes train; under gVisor they
         # (and the timing calls after them) take tens of seconds, so the job runs long enough to see them all.
-        "spec.algorithm.maxSteps": 16 if RUNTIME == "runsc" else 4, "spec.algorithm.samplesPerStep": 16,
+        "spec.algorithm.maxSteps": 40 if RUNTIME == "runsc" else 4, "spec.algorithm.samplesPerStep": 16,
         "spec.task.environment": {
             "entryPoint": "sandbox_probe_env:factory", "maxTurns": 3, "maxEpisodeTokens": 24,
             "toolTimeoutSeconds": 600, "episodeTimeoutSeconds": 900,
@@ -165,6 +166,7 @@ def test_hostile_snippets_in_gvisor_sandbox_pods_are_refused_or_bounded_and_the_
     probes = _probes(actor_runs)
     assert set(probes) == {"socket", "read", "fork", "write", "ok"}, actor_runs.describe()[-4000:]
     summary = {k: (v["outcome"], v["layers"], round(v["seconds"], 2)) for k, v in probes.items()}
+    print(f"\nsandbox pods under {RUNTIME}: {summary}; listener saw {listener.received}")
     for p in probes.values():
         assert p["server"].startswith("http://sandboxed-sandbox-"), p
         # runsc: the audit hook is off, the pod and the namespace hold alone; runc: no namespace, the hook holds.
@@ -201,9 +203,10 @@ def test_hostile_snippets_in_gvisor_sandbox_pods_are_refused_or_bounded_and_the_
     wait_for(lambda: not job.children_left(), 120, lambda: f"children removed: {job.children_left()}")
     stages = [s["name"] for s in tj["status"]["teardown"]["stages"]]
     assert stages == list(TEARDOWN_ORDER), stages  # the sandbox pods stop in the actors' stage
-    timing = next(json.loads(line.split("SANDBOX-TIMING ", 1)[1]) for line in actor_runs.text.splitlines()
-                  if "SANDBOX-TIMING " in line)
-    print(f"\nsandbox pods under {RUNTIME}: {summary}; listener saw {listener.received}")
+    timings = [json.loads(line.split("SANDBOX-TIMING ", 1)[1]) for line in actor_runs.text.splitlines()
+               if "SANDBOX-TIMING " in line]
+    assert timings, f"no SANDBOX-TIMING line from the actor: {actor_runs.describe()[-4000:]}"
+    timing = timings[0]
     print(f"tool call `print(sum(range(1000)))` from the actor, 10 calls each: through the sandbox pod ({RUNTIME}) "
           f"median {timing['pod']['median_ms']:.1f} ms p99 {timing['pod']['p99_ms']:.1f} ms; in the actor's process "
           f"(runc, layers {timing['in_process_layers']}) median {timing['in_process']['median_ms']:.1f} ms "
