@@ -147,3 +147,75 @@ def test_an_exec_reply_is_cut_into_its_channels_and_its_exit_code():
                           b"\x03" + json.dumps(status).encode()])
     assert failed.code == 1 and "FileNotFoundError" in failed.stderr and failed.stdout == ""
     assert exec_result([]).code == 1  # nothing at all came back: not an empty file
+
+
+def _pod(phase: str, running: bool):
+    from types import SimpleNamespace as NS
+
+    return NS(status=NS(phase=phase, container_statuses=[NS(name="trainer", state=NS(running=running or None))]))
+
+
+class _RefusingExec:
+    """kubernetes_asyncio's WsApiClient and CoreV1Api as they behave when the API server refuses an exec's upgrade
+    (the trainer container ended between the pod read and the exec): the handshake fails with HTTP 500."""
+
+    calls = 0
+
+    def __init__(self, *args):
+        pass
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def connect_get_namespaced_pod_exec(self, *args, **kwargs):
+        from aiohttp import WSServerHandshakeError
+
+        type(self).calls += 1
+        raise WSServerHandshakeError(None, (), status=500, message="Invalid response status")
+
+
+class _Core:
+    def __init__(self, *pods):
+        self.pods = list(pods)
+
+    async def read_namespaced_pod(self, name, namespace):
+        return self.pods.pop(0) if len(self.pods) > 1 else self.pods[0]
+
+
+@pytest.fixture
+def refusing_exec(monkeypatch):
+    import kubernetes_asyncio.client
+    import kubernetes_asyncio.stream
+
+    _RefusingExec.calls = 0
+    monkeypatch.setattr(kubernetes_asyncio.stream, "WsApiClient", _RefusingExec)
+    monkeypatch.setattr(kubernetes_asyncio.client, "CoreV1Api", _RefusingExec)
+    return _RefusingExec
+
+
+def test_an_exec_refused_because_the_trainer_just_ended_falls_back_to_the_claim(refusing_exec, monkeypatch):
+    import asyncio
+
+    from rlkube.runs import kube
+
+    async def no_wait(_):
+        return None
+
+    monkeypatch.setattr(asyncio, "sleep", no_wait)
+    # Still shown running once after the refusal (the kubelet's status lags), then ended: None, the claim is read.
+    core = _Core(_pod("Running", True), _pod("Succeeded", False))
+    assert asyncio.run(kube._exec_read(None, core, "ns", "job-trainer-0", "/checkpoints/samples.jsonl")) is None
+    assert refusing_exec.calls == 2
+
+
+def test_an_exec_refused_while_the_trainer_runs_on_is_an_error_naming_the_pod(refusing_exec, monkeypatch):
+    import asyncio
+
+    from rlkube.runs import kube
+
+    monkeypatch.setattr(kube, "EXEC_REFUSED_S", 0.0)
+    with pytest.raises(kube.JobFilesError, match=r"ns/job-trainer-0: the API server refused the exec \(HTTP 500"):
+        asyncio.run(kube._exec_read(None, _Core(_pod("Running", True)), "ns", "job-trainer-0", "/c/samples.jsonl"))

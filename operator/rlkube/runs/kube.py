@@ -24,6 +24,9 @@ from rlkube.api.spec import GROUP, PLURAL, VERSION, TrainingJobSpec
 
 READ = "import sys; sys.stdout.write(open(sys.argv[1], encoding='utf-8', errors='replace').read())"
 READER_TIMEOUT_S = 120.0
+EXEC_REFUSED_S = 30.0
+"""How long an exec the API server refuses is retried while the trainer still shows as running: a trainer that ends
+between the pod read and the exec (its job finishing) is refused first, and its status follows within seconds."""
 
 
 class JobFilesError(RuntimeError):
@@ -80,10 +83,8 @@ def _names(job: str) -> tuple[str, str]:
 
 async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
                 context: str | None) -> JobFile:
-    from aiohttp import WSMsgType
     from kubernetes_asyncio import client, config
     from kubernetes_asyncio.client.rest import ApiException
-    from kubernetes_asyncio.stream import WsApiClient
 
     cfg = client.Configuration()
     try:
@@ -110,16 +111,10 @@ async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
         except ApiException as exc:
             if exc.status != 404:
                 raise
+        result = None
         if pod is not None and pod.status.phase == "Running" and _running(pod, "trainer"):
-            async with WsApiClient(cfg) as ws:
-                # Unparsed (_preload_content=False): the client would json.loads a whole reply and hand back the
-                # str() of a one-row file's dict; and its own reader mixes stderr into stdout, dropping the exit code.
-                connection = await client.CoreV1Api(ws).connect_get_namespaced_pod_exec(
-                    trainer, namespace, container="trainer", command=["python", "-c", READ, path], stderr=True,
-                    stdin=False, stdout=True, tty=False, _preload_content=False)
-                async with connection as socket:
-                    result = exec_result([m.data async for m in socket
-                                          if m.type in (WSMsgType.BINARY, WSMsgType.TEXT)])
+            result = await _exec_read(cfg, core, namespace, trainer, path)
+        if result is not None:
             if result.code != 0:
                 if "FileNotFoundError" in result.stderr:
                     raise JobFilesError(f"{path} does not exist in pod {namespace}/{trainer} yet (spec.samples: the "
@@ -138,6 +133,43 @@ async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
         text = await _read_claim(core, namespace, reader, image, claim, directory, path, obj)
         return JobFile(text, f"{path} on claim {namespace}/{claim} (a reader pod, pods/log; the trainer pod is not "
                        "running)", uid)
+
+
+async def _exec_read(cfg: Any, core: Any, namespace: str, trainer: str, path: str) -> ExecResult | None:
+    """`path` read in the running trainer container (pods/exec), or None when the trainer ended before the exec
+    reached it: the API server then refuses the exec's upgrade (HTTP 500), and the file is read from the claim."""
+    from aiohttp import WSMsgType, WSServerHandshakeError
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.rest import ApiException
+    from kubernetes_asyncio.stream import WsApiClient
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + EXEC_REFUSED_S
+    while True:
+        try:
+            async with WsApiClient(cfg) as ws:
+                # Unparsed (_preload_content=False): the client would json.loads a whole reply and hand back the
+                # str() of a one-row file's dict; and its own reader mixes stderr into stdout, dropping the exit code.
+                connection = await client.CoreV1Api(ws).connect_get_namespaced_pod_exec(
+                    trainer, namespace, container="trainer", command=["python", "-c", READ, path], stderr=True,
+                    stdin=False, stdout=True, tty=False, _preload_content=False)
+                async with connection as socket:
+                    return exec_result([m.data async for m in socket
+                                        if m.type in (WSMsgType.BINARY, WSMsgType.TEXT)])
+        except WSServerHandshakeError as exc:
+            refused = f"HTTP {exc.status} {exc.message}"
+        try:
+            pod = await core.read_namespaced_pod(trainer, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        if not (pod.status.phase == "Running" and _running(pod, "trainer")):
+            return None
+        if loop.time() > deadline:
+            raise JobFilesError(f"reading {path} in pod {namespace}/{trainer}: the API server refused the exec "
+                                f"({refused}) for {EXEC_REFUSED_S:g}s while the trainer runs")
+        await asyncio.sleep(1.0)
 
 
 def _running(pod: Any, container: str) -> bool:
