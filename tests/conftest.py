@@ -37,6 +37,7 @@ settings.load_profile("rlkube")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from cluster import node  # noqa: E402
 from cluster.control_plane import ControlPlane  # noqa: E402
 from cluster.tracked import STARTED_PIDS, track  # noqa: E402
 
@@ -52,20 +53,22 @@ def pytest_configure(config):
 # `make test` runs two pytest-xdist workers (`-n 2`) with the scheduler below: each group of tests runs whole on one
 # worker, groups in collection order. The tests that share one thing of this machine are one group, run one after
 # another as in a serial run: the e2e tier (one real node per session, holding the machine's image store, its
-# kube-proxy and the CNI bridge; the node agent), the real kubelet of tests/integration, and every vLLM test (its
+# kube-proxy and the CNI bridge; the node agent), the real kubelets of tests/integration (test_real_kubelet*.py:
+# a node owns /var/log/pods, the CNI bridge and its iptables rules while it runs pods), and every vLLM test (its
 # CPU engine holds several GiB: two at once would crowd this 24 GiB machine). Every other module is a group of its
 # own, so a module's servers and jobs start once. The rest is per test: free ports, temporary directories,
 # namespaces, Redis key prefixes. xdist's own `--dist loadgroup` cannot carry this: it appends the group to
 # `item._nodeid`, which pytest 9 no longer reads, so its groups fall apart into single tests.
 SERIAL_GROUP = "machine"
-SERIAL_MODULES = {"test_real_kubelet.py", "test_bench_inference.py"}
+SERIAL_MODULES = {"test_bench_inference.py"}
 
 
 def xdist_group_of(nodeid: str) -> str:
     """The group of a test, from its id alone (the scheduler runs in xdist's controller, which holds ids only)."""
     path, _, rest = nodeid.partition("::")
     name = path.rsplit("/", 1)[-1]
-    if path.startswith("tests/e2e/") or name in SERIAL_MODULES or "vllm" in name or rest.endswith("[vllm]"):
+    if (path.startswith("tests/e2e/") or name in SERIAL_MODULES or name.startswith("test_real_kubelet")
+            or "vllm" in name or rest.endswith("[vllm]")):
         return SERIAL_GROUP
     return path
 
@@ -88,10 +91,21 @@ def pytest_collection_modifyitems(items):
         for tier in ("unit", "integration", "e2e"):
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if _starts_a_node(item) and xdist_group_of(item.nodeid) != SERIAL_GROUP:
+            # Two nodes running pods at once take each other's pod log directories and bridge (CI once failed so).
+            pytest.exit(f"{item.nodeid} starts a kubelet (tests/cluster/node.py) but its id does not put it in the "
+                        f"{SERIAL_GROUP!r} group of tests/conftest.py (name its module test_real_kubelet*.py)",
+                        returncode=pytest.ExitCode.USAGE_ERROR)
         if item.get_closest_marker("vllm") and xdist_group_of(item.nodeid) != SERIAL_GROUP:
-            raise pytest.UsageError(f"{item.nodeid} needs vLLM but its id does not put it in the {SERIAL_GROUP!r} "
-                                    "group of tests/conftest.py (name its module test_*vllm*.py or add it to "
-                                    "SERIAL_MODULES)")
+            pytest.exit(f"{item.nodeid} needs vLLM but its id does not put it in the {SERIAL_GROUP!r} group of "
+                        "tests/conftest.py (name its module test_*vllm*.py or add it to SERIAL_MODULES)",
+                        returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def _starts_a_node(item) -> bool:
+    """The test's module holds tests/cluster/node.py's Node or `running`: it starts a real kubelet."""
+    module = getattr(item, "module", None)
+    return module is not None and any(v is node.Node or v is node.running for v in vars(module).values())
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -8,8 +8,10 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from core_roles import (
     Role,
     add_documents,
@@ -24,8 +26,11 @@ from core_roles import (
 )
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.core import checkpoint as ckpt
-from rlkube.contract import protocol, runtime
+from rlkube.contract import protocol, runtime, streams
+from rlkube.contract.context import RoleContext
 from rlkube.core.trainer import Trainer
+from rlkube.core.trainer.parallel import DataParallelGroup
+from rlkube.core.trainer.role import TrainerRole
 from safetensors.torch import load_file
 
 TIMEOUT = 120  # two trainer processes importing torch and transformers at once on a loaded 2-core machine
@@ -241,3 +246,28 @@ def test_a_rank_restarted_alone_fails_both_at_once(redis_client, redis_server, t
     assert took < 40
     assert "trainer rank 1 restarted" in ranks[0].log(), ranks[0].log()
     assert not read_events(redis_client, keys, protocol.TRAINING_FINISHED)
+
+
+@pytest.mark.parametrize("collective", [False, True], ids=["replicated", "sharded"])
+def test_a_lost_group_only_another_rank_saw_still_makes_rank_0_announce_again(redis_client, redis_server,
+                                                                              collective):
+    """Redis restarted empty while both ranks waited for documents. Rank 1 read first: it saw the group gone and
+    created it again, so rank 0's next read finds a group and no sign of the loss. Rank 0 alone announces, so rank
+    1 must raise the flag both ranks wait on (this order once left rank 0 waiting for documents that never came)."""
+    spec = parse_spec(dp_spec(maxSteps=2, samplesPerStep=4))
+    store = torch.distributed.HashStore()  # the group's store, as torch.distributed gives each rank
+
+    def rank(r: int) -> TrainerRole:
+        dp = SimpleNamespace(store=store, is_leader=r == 0, data_rank=r, reads_documents=True)
+        trainer = SimpleNamespace(parallel=DataParallelGroup(dp), collective=collective, version=1, publisher=None)
+        ctx = RoleContext("test", "lostgroup", spec, redis_server.url, index=r)
+        return TrainerRole(ctx, redis_server.client(), trainer)
+
+    first, leader = rank(1), rank(0)
+    streams.ensure_group(redis_client, first.keys.documents, protocol.DOCUMENTS_GROUP)
+    redis_client.flushall()
+    assert first.read_documents(2) == []
+    assert redis_client.exists(first.keys.documents), "the rank that saw the loss creates the group again"
+    assert leader.read_documents(2) == [] and not leader.announce_again  # rank 0 saw nothing itself
+    assert first._republish_due(), "rank 1 raises the flag on its next pass through the read loop"
+    assert leader._republish_due(), "rank 0 sees it without having seen the loss"

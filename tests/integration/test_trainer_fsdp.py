@@ -219,9 +219,9 @@ def test_fsdp_trainer_role_over_two_ranks_equals_single_process_training(redis_c
 
 def test_fsdp_ranks_announce_again_together_after_redis_lost_its_streams(redis_client, redis_server, tmp_path,
                                                                          roles):
-    """A managed Redis restarted empty while both FSDP ranks wait for step 2's documents: each recreates the group;
-    publishing is a collective, so rank 0 asks all ranks (through their store) to publish version 1 again, and
-    training goes on."""
+    """A managed Redis restarted empty while both FSDP ranks wait for step 2's documents: the rank that sees it
+    first recreates the group (the other may then see nothing); publishing is a collective, so that rank asks all
+    ranks (through their store) to publish version 1 again, and training goes on."""
     spec = role_spec(steps=2, per_step=4)
     keys = keys_for("fsdpempty", spec)
     ranks = start_role_ranks(roles, tmp_path, "fsdpempty", spec, redis_server.url)

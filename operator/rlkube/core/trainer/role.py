@@ -87,7 +87,7 @@ class TrainerRole:
         self._episodes_last: dict[str, float] = {}  # the episode counts at the previous report
         self.document_timeout_s = document_timeout_s
         self.republished = 0  # sharded: weight publications repeated for a rejoining inference server
-        self.announce_again = False  # sharded, rank 0: the documents group was lost, publish the weights again
+        self.announce_again = False  # with peers: this rank saw the documents group lost, publish the weights again
         self.published = True  # the last weight transfer finished (False: abandoned on SIGTERM)
         # A weight transfer still blocked when SIGTERM came (a thread we stopped waiting for), else None.
         self.abandoned_transfer: threading.Thread | None = None
@@ -158,10 +158,11 @@ class TrainerRole:
             log.warning("the documents group is gone (%s): creating it again and re-announcing version %d",
                         exc, self.trainer.version)
             streams.ensure_group(self.redis, self.keys.documents, protocol.DOCUMENTS_GROUP)
-            if self.trainer.collective and self.parallel.has_peers:
-                # A collective of every rank, which the other ranks may not be ready for now: rank 0 asks for it
-                # through the same agreement as a rejoining inference server (_republish_due).
-                self.announce_again = self.announce_again or self.leader
+            if self.parallel.has_peers:
+                # The rank that sees the loss first recreates the group, so the others may never see it (rank 0
+                # included, which alone announces): whichever rank saw it raises the flag every rank waits on, and
+                # the ranks publish again together (_republish_due; sharded, a collective).
+                self.announce_again = True
             else:
                 self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
             return []
@@ -279,7 +280,7 @@ class TrainerRole:
                     log.info("stopping with the other ranks: dropping this rank's %d documents of step %d",
                              len(docs), t.step + 1)
                 return None
-            if not (t.collective and self.parallel.any(self._republish_due())):
+            if not self.parallel.any(self._republish_due()):
                 return self.parallel.share_with_tensor_peers(docs)  # tensor parallel: the reader's documents
             self.published = self._republish()  # then go on collecting this step's documents
 
@@ -315,24 +316,26 @@ class TrainerRole:
             self._checkpoint()
 
     def _republish_due(self) -> bool:
-        """Sharded (or tensor parallel, collective weights): an inference server restarted and asked to rejoin, and
-        rank 0 has no snapshot to send it from its watchdog (the weights are streamed from the shards), or Redis
-        lost the events (read_documents): all ranks must gather the weights again. Rank 0 raises the flag in the trainer's store; every rank sees it
-        while waiting for documents or for its peers, and all agree (`run`) before the collective transfer.
+        """The ranks must publish the weights again: Redis lost the events (read_documents; any rank may be the one
+        that saw it), or, sharded or tensor parallel (collective weights), an inference server restarted and asked
+        to rejoin and rank 0 has no snapshot to send it from its watchdog (the weights are streamed from the
+        shards). The flag is raised in the trainer's store; every rank sees it while waiting for documents or for
+        its peers, and all agree (`_collect`) before the transfer (a collective when sharded).
         Without it a server that restarts while the trainer waits for documents (which only come once the server
         serves again) would keep it waiting until the document timeout."""
-        if not self.trainer.collective:
-            return False
         publisher = self.trainer.publisher
-        wanted = self.leader and (self.announce_again or (publisher is not None and publisher.rejoin_pending))
-        return self.parallel.signal(f"republish/{self.republished}", raised=wanted)
+        rejoin = (self.trainer.collective and self.leader and publisher is not None and publisher.rejoin_pending)
+        return self.parallel.signal(f"republish/{self.republished}", raised=self.announce_again or rejoin)
 
     def _republish(self) -> bool:
-        log.warning("sending version %d again (every rank gathers): an inference server asked to rejoin, or the "
-                    "events were lost", self.trainer.version)
+        t = self.trainer
+        log.warning("sending version %d again (%s): an inference server asked to rejoin, or the events were lost",
+                    t.version, "every rank gathers" if t.collective else "rank 0 sends")
         self.republished += 1
         self.announce_again = False
-        return self._transfer(f"version {self.trainer.version} again", self.trainer.publish_weights)
+        if not (self.leader or t.collective):
+            return True
+        return self._transfer(f"version {t.version} again", t.publish_weights)
 
     def _finish(self, interrupted: bool) -> None:
         t = self.trainer
