@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 
-from rlkube.lifecycle.roles import SANDBOX, TEARDOWN_ORDER
+from rlkube.api.role import Role
+from rlkube.lifecycle.roles import TEARDOWN_ORDER
 
-POD_ORDER = tuple(r for r in TEARDOWN_ORDER if r != SANDBOX)
+POD_ORDER = tuple(r for r in TEARDOWN_ORDER if r != Role.SANDBOX)
 """The roles a job has pods of, in teardown order, when it runs the model's code in process (spec.sandbox.mode
 `process`, the default): its status still lists the sandbox stage, which has no pods and passes at once."""
 

@@ -89,7 +89,7 @@ def check_storable(status: TrainingJobStatus) -> None:
     text = orjson.dumps(doc)
     assert len(text) < MAX_STATUS_BYTES, f"status of {len(text)} bytes"
     assert all(INT64[0] <= i <= INT64[1] for i in ints(doc)), f"status integer beyond int64: {doc}"
-    TrainingJobStatus.model_validate(orjson.loads(text))  # what the next pass parses (loop.parse_status)
+    TrainingJobStatus.model_validate(orjson.loads(text))  # what the next pass parses (job_io.parse_status)
 
 
 def write(client: redis.Redis, stream: str, entries: list[Entry]) -> list[tuple[str, Entry]]:

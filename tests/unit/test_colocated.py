@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import pytest
 import specs
 import yaml
+from rlkube.api.role import Role
 from rlkube.contract import runtime
 from rlkube.controller.manifests import builders
 from rlkube.controller.process import admission
@@ -109,16 +110,16 @@ def test_one_trainer_pod_runs_both_and_is_ready_when_its_engine_is():
 
 def test_a_separate_job_is_unchanged():
     spec = parse_spec(specs.spec())
-    assert roles.replicas(spec, roles.INFERENCE) == 1 and role_module(spec, roles.TRAINER) == "rlkube.core.trainer"
+    assert roles.replicas(spec, Role.INFERENCE) == 1 and role_module(spec, Role.TRAINER) == "rlkube.core.trainer"
 
 
 def test_the_actors_wait_for_the_colocated_trainer_to_be_ready():
     spec = _job().spec
-    assert roles.replicas(spec, roles.INFERENCE) == 0
-    exist = {roles.REDIS: 1, roles.TRAINER: 1, roles.INFERENCE: 0, roles.SANDBOX: 0, roles.PREPROCESSOR: 1}
-    waiting = roles.StartState(exist, {roles.REDIS: 1, roles.TRAINER: 0})
-    assert not roles.may_start(spec, roles.ACTOR, waiting)
-    assert roles.may_start(spec, roles.ACTOR, roles.StartState(exist, {roles.REDIS: 1, roles.TRAINER: 1}))
+    assert roles.replicas(spec, Role.INFERENCE) == 0
+    exist = {Role.REDIS: 1, Role.TRAINER: 1, Role.INFERENCE: 0, Role.SANDBOX: 0, Role.PREPROCESSOR: 1}
+    waiting = roles.StartState(exist, {Role.REDIS: 1, Role.TRAINER: 0})
+    assert not roles.may_start(spec, Role.ACTOR, waiting)
+    assert roles.may_start(spec, Role.ACTOR, roles.StartState(exist, {Role.REDIS: 1, Role.TRAINER: 1}))
 
 
 def _pod(role: str, ready: bool) -> PodView:

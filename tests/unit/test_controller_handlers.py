@@ -88,7 +88,7 @@ def test_startup_sets_watch_and_request_timeouts_and_the_finalizer():
 
 def test_actions_go_in_waves_of_one_kind_in_the_decisions_order():
     from rlkube.controller.decisions.actions import Create, DeleteObject, DeletePod, DeleteStreams
-    from rlkube.controller.reconcile.loop import waves
+    from rlkube.controller.reconcile.job_io import waves
 
     def create(kind: str, name: str) -> Create:
         return Create({"kind": kind, "metadata": {"name": name}})

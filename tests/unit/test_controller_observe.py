@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from rlkube.api.status import TrainingJobStatus
-from rlkube.controller.reconcile.loop import merge_patch, parse_status, without_empty_strings
+from rlkube.controller.reconcile.job_io import merge_patch, parse_status, without_empty_strings
 from rlkube.controller.decisions.observed import pod_view
 from rlkube.controller.decisions.times import fmt_time, parse_time, stream_id_key, stream_id_time
 

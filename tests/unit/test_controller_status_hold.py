@@ -1,4 +1,4 @@
-"""Which status changes the job loop may hold to send with a later write (loop.routine_patch), and that a held
+"""Which status changes the job loop may hold to send with a later write (job_io.routine_patch), and that a held
 change is written by the first pass after its deadline, with nothing of it lost."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from rlkube.api.status import TeardownStage, TeardownStatus, TrainingJobStatus
 from rlkube.controller.reconcile import loop as loop_mod
 from rlkube.controller.decisions.actions import Create, DeleteObject, DeletePod, Event
 from rlkube.controller.decisions.recipe import Decision
-from rlkube.controller.reconcile.loop import COALESCE_SECONDS, JobLoop, Shared, routine_patch
+from rlkube.controller.reconcile.job_io import COALESCE_SECONDS, routine_patch
+from rlkube.controller.reconcile.loop import JobLoop, Shared
 
 
 def _tearing_down(stage: str = "preprocessor") -> TrainingJobStatus:

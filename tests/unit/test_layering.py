@@ -341,7 +341,8 @@ def test_the_checks_catch_an_upward_import_and_a_circle():
     assert upward_arrows(graph) == [
         "rlkube.api.spec (api) imports rlkube.controller.manifests.names (controller, local)"]
     graph["rlkube.contract.runtime"].add("rlkube.lifecycle.validation")
-    assert ["rlkube.contract.runtime", "rlkube.lifecycle.environment", "rlkube.lifecycle.validation"] in cycles(graph)
+    assert any({"rlkube.contract.runtime", "rlkube.lifecycle.environment", "rlkube.lifecycle.validation"} <= set(c)
+               for c in cycles(graph)), cycles(graph)
     assert "rlkube.contract.runtime (contract) imports rlkube.lifecycle.validation (lifecycle)" in upward_arrows(graph)
     graph["rlkube.controller.manifests.builders"].add("rlkube.core.trainer")
     operator = reachable(graph, [m for m in graph if m.startswith(OPERATOR + ".")])

@@ -13,7 +13,7 @@ import specs
 from rlkube.contract import parallel
 from rlkube.lifecycle import validation
 from rlkube.lifecycle.image_reference import reference_error
-from rlkube.api.spec import TrainingJobSpec
+from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.lifecycle.environment import operator_env_names
 
 
@@ -82,7 +82,7 @@ def test_resource_errors_name_the_resource(resources, field, says):
 
 def test_resource_errors_take_the_gpu_count_the_operator_derives():
     # A GPU request written in resources is replaced by gpusPerNode, so it is not compared with a stale limit.
-    spec = typed(**{"trainer.gpusPerNode": 2, "trainer.resources": {"requests": {validation.GPU: "1"}}})
+    spec = typed(**{"trainer.gpusPerNode": 2, "trainer.resources": {"requests": {GPU: "1"}}})
     assert validation.resource_errors(spec) == []
 
 

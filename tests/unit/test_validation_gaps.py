@@ -26,7 +26,7 @@ from rlkube.api.status import TrainingJobStatus
 from rlkube.controller.process import admission
 from rlkube.controller.decisions.actions import Create
 from rlkube.controller.decisions.recipe import decide
-from rlkube.controller.reconcile.loop import job_view
+from rlkube.controller.reconcile.job_io import job_view
 from rlkube.controller.decisions.observed import EventSource, Observed
 
 CALCULATOR = {"name": "calculator"}
@@ -114,7 +114,7 @@ T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def _operator_pass(doc: dict):
-    """One reconcile pass of the operator over a new job stored with this manifest (loop.job_view parses it as the
+    """One reconcile pass of the operator over a new job stored with this manifest (job_io.job_view parses it as the
     operator does), nothing of it existing yet."""
     body = {**doc, "metadata": {**doc["metadata"], "namespace": "ns", "uid": "uid-1", "generation": 1}}
     view = job_view(body, TrainingJobStatus())

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from rlkube.api.base import Model, Quantity
 from rlkube.api.pod_template import TEMPLATE_DESCRIPTION, PodTemplate
+from rlkube.api.role import Role
 from rlkube.api.task import TaskSpec
 from rlkube.api.tracking import TrackingSpec
 
@@ -468,6 +469,20 @@ class RestartPolicies(Model):
     actor: RestartPolicy = Field("OnFailure", description="Recreate failed actors in place; the job continues.")
     preprocessor: RestartPolicy = Field("OnFailure", description="Recreate a failed preprocessor.")
 
+    def of(self, role: Role) -> RestartPolicy:
+        """The pod restartPolicy of `role`: Redis and sandbox pods always restart in place."""
+        match Role(role):
+            case Role.TRAINER:
+                return self.trainer
+            case Role.INFERENCE:
+                return self.inference
+            case Role.ACTOR:
+                return self.actor
+            case Role.PREPROCESSOR:
+                return self.preprocessor
+            case _:
+                return "Always"
+
 
 class RunPolicy(Model):
     backoff_limit: int = Field(3, ge=0, description="Trainer restarts allowed before the job fails.")
@@ -510,6 +525,11 @@ class GracePeriods(Model):
     redis: int = Field(30, ge=0, le=MAX_SECONDS, description="Seconds Redis gets to stop.")
     sandbox: int = Field(5, ge=0, le=MAX_SECONDS, description="Seconds sandbox pods get to stop.")
 
+    def of(self, role: Role) -> int:
+        """The grace period of `role`'s pods, in seconds."""
+        return {Role.ACTOR: self.actor, Role.PREPROCESSOR: self.preprocessor, Role.INFERENCE: self.inference,
+                Role.TRAINER: self.trainer, Role.REDIS: self.redis, Role.SANDBOX: self.sandbox}[Role(role)]
+
 
 class TeardownSpec(Model):
     grace_period_seconds: GracePeriods = Field(
@@ -550,28 +570,32 @@ class TrainingJobSpec(Model):
         default_factory=TrackingSpec, description="Experiment trackers (MLflow, Weights & Biases, TensorBoard) the "
         "trainer logs to; none by default.")
 
-    def template_for(self, role: str) -> PodTemplate | None:
-        return getattr(self, role).template
+    def section(self, role: Role) -> TrainerSpec | InferenceSpec | WorkerSpec | RedisSpec | SandboxPoolSpec:
+        """The spec section of `role` (spec.trainer, spec.inference, ...): its replicas, resources, image, template."""
+        return {Role.TRAINER: self.trainer, Role.INFERENCE: self.inference, Role.ACTOR: self.actor,
+                Role.PREPROCESSOR: self.preprocessor, Role.REDIS: self.redis, Role.SANDBOX: self.sandbox}[Role(role)]
 
-    def image_for(self, role: str) -> str:
-        if role == "redis":
+    def template_for(self, role: Role) -> PodTemplate | None:
+        return self.section(role).template
+
+    def image_for(self, role: Role) -> str:
+        if role == Role.REDIS:
             return self.redis.image
-        own = getattr(self, role).image
-        return own or self.image
+        return self.section(role).image or self.image
 
-    def image_field(self, role: str) -> str:
+    def image_field(self, role: Role) -> str:
         """The field that sets `image_for(role)`: the role's own image, or the job's `spec.image`."""
-        if role == "redis":
+        if role == Role.REDIS:
             return "spec.redis.image"
-        return f"spec.{role}.image" if getattr(self, role).image else "spec.image"
+        return f"spec.{role}.image" if self.section(role).image else "spec.image"
 
-    def gpus_per_pod(self, role: str) -> int:
+    def gpus_per_pod(self, role: Role) -> int:
         """GPUs per pod the operator requests: gpusPerNode for the trainer; tensorParallel for vLLM servers of a GPU
         job (the weight-update group runs over NCCL when the trainer is on GPUs, so both ends must be); else 0.
 
         A property of the spec (not of its validation): the pod builders and the resource checks both read it."""
-        if role == "trainer":
+        if role == Role.TRAINER:
             return self.trainer.gpus_per_node
-        if role == "inference" and self.inference.engine == "vllm" and self.trainer.gpus_per_node > 0:
+        if role == Role.INFERENCE and self.inference.engine == "vllm" and self.trainer.gpus_per_node > 0:
             return self.inference.tensor_parallel
         return 0

@@ -62,6 +62,14 @@ class ConditionType(StrEnum):
     TRACKER_FAILED = "TrackerFailed"
 
 
+class ConditionStatus(StrEnum):
+    """A metav1.Condition's status."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
 class Condition(Model):
     """A metav1.Condition."""
 

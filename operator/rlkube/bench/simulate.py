@@ -36,6 +36,7 @@ import redis.asyncio as aioredis
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from rlkube.api.role import Role
 from rlkube.bench.listwatch import ListWatch
 from rlkube.contract import protocol, runtime
 from rlkube.controller.manifests import names
@@ -202,7 +203,7 @@ class FakeKubelet:
         await self._patch_status(name, self._running_status(pod, role, ip, ready, restarts=0))
 
     async def _start_containers(self, pod: dict, role: str) -> str:
-        if role != "redis":
+        if role != Role.REDIS:
             n = next(_ip_counter)
             return f"10.244.{(n // 250) % 250}.{n % 250 + 1}"
         job = pod["metadata"]["labels"][names.LABEL_JOB]

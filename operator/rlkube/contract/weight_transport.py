@@ -19,6 +19,8 @@ Also here: what `weightTransfer.dtype: auto` means (the dtype the engine serves)
 
 from __future__ import annotations
 
+from rlkube.api.role import Role
+
 NCCL = "nccl"
 CUDA_IPC = "cuda-ipc"
 GLOO = "gloo"
@@ -61,7 +63,7 @@ def engine_device(spec) -> str:
     the job does (TrainingJobSpec.gpus_per_pod)."""
     if placement(spec) == COLOCATED:
         return trainer_device(spec)
-    return "cuda" if spec.gpus_per_pod("inference") > 0 else "cpu"
+    return "cuda" if spec.gpus_per_pod(Role.INFERENCE) > 0 else "cpu"
 
 
 def placement(spec) -> str:

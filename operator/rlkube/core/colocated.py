@@ -26,6 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from rlkube.api.role import Role
 from rlkube.contract import runtime
 from rlkube.core.errors import write_termination_message
 from rlkube.core.launcher import Child, exit_code
@@ -34,7 +35,7 @@ log = logging.getLogger("rlkube.colocated")
 
 STOP_GRACE_S = 15.0
 """How long the other process gets after one exited, before SIGKILL."""
-TRAINER, ENGINE = "trainer", "inference"
+TRAINER, ENGINE = Role.TRAINER, Role.INFERENCE  # the two processes of the pod
 WHAT = {TRAINER: "the trainer", ENGINE: "the inference engine (colocated with the trainer)"}
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from rlkube.api.role import Role
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.contract.parallel import RANK_ENV, processes_per_node, rank_env
-from rlkube.lifecycle.roles import INFERENCE, MODEL_ROLES, REDIS, SANDBOX, TRAINER, colocated
+from rlkube.lifecycle.roles import MODEL_ROLES, colocated
 
 POD_IP = "POD_IP"
 """The pod's IP from the downward API (pods only): servers bind to it (`bind_host` is `$(POD_IP)`)."""
@@ -30,9 +31,9 @@ COLOCATED_MODULE = "rlkube.core.colocated"
 def role_module(spec: TrainingJobSpec, role: str) -> str:
     """The module a role's pod (or local process) runs: the trainer's launcher when a pod holds several ranks.
     Fast-LLM trainer pods run Fast-LLM's own launcher instead (built apart; not decided here)."""
-    if role == TRAINER and processes_per_node(spec) > 1:
+    if role == Role.TRAINER and processes_per_node(spec) > 1:
         return LAUNCHER_MODULE
-    if role == TRAINER and colocated(spec):
+    if role == Role.TRAINER and colocated(spec):
         return COLOCATED_MODULE
     return f"rlkube.core.{role}"
 
@@ -76,15 +77,15 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses,
         (runtime.ENV_INDEX, str(index)),
         ("PYTHONUNBUFFERED", "1"),
     ]
-    if role in ("actor", TRAINER):
+    if role in (Role.ACTOR, Role.TRAINER):
         env.append((runtime.ENV_INFERENCE_URLS, ",".join(at.inference_urls)))
-    if role == "actor" and at.sandbox_urls:
+    if role == Role.ACTOR and at.sandbox_urls:
         env.append((runtime.ENV_SANDBOX_URLS, ",".join(at.sandbox_urls)))
-    if role in (TRAINER, INFERENCE):
+    if role in (Role.TRAINER, Role.INFERENCE):
         env.append((runtime.ENV_WEIGHT_SYNC, f"{at.weight_sync_host}:{at.weight_sync_port}"))
-    if role == INFERENCE:
+    if role == Role.INFERENCE:
         env.append((runtime.ENV_PORT, str(at.inference_ports[index])))
-    if role == TRAINER:
+    if role == Role.TRAINER:
         nodes, per_node = spec.trainer.nodes, processes_per_node(spec)
         env += [
             (runtime.ENV_PORT, str(at.weight_sync_port)),
@@ -105,7 +106,7 @@ def role_env(spec: TrainingJobSpec, role: str, index: int, at: Addresses,
         env.append((runtime.ENV_OUTPUT_DIR, at.output_dir))
     if at.model_cache_dir is not None and role in MODEL_ROLES:
         env.append((runtime.ENV_MODEL_CACHE, at.model_cache_dir))
-    if role == TRAINER and colocated(spec):
+    if role == Role.TRAINER and colocated(spec):
         env.append((runtime.ENV_COLOCATED_ENGINE, colocated_engine(spec, at)))
     return env
 
@@ -114,9 +115,9 @@ def colocated_engine(spec: TrainingJobSpec, at: Addresses) -> str:
     """What turns a colocated trainer's environment into its engine's (runtime.ENV_COLOCATED_ENGINE): the engine's
     role env to set, and the trainer's own variables (its rank, its port) to drop. `$(POD_IP)` in a value is
     expanded by the kubelet as in any env value, so the engine binds where a separate inference pod would."""
-    engine = dict(role_env(spec, INFERENCE, 0, at))
+    engine = dict(role_env(spec, Role.INFERENCE, 0, at))
     trainer = [name for name, _ in role_env(spec.model_copy(update={"inference": spec.inference.model_copy(
-        update={"placement": "separate"})}), TRAINER, 0, at)]
+        update={"placement": "separate"})}), Role.TRAINER, 0, at)]
     trainer += [runtime.ENV_RESUME_CHECKPOINT, runtime.ENV_COLOCATED_ENGINE, *RANK_ENV]
     unset = sorted(set(trainer) - set(engine))
     return json.dumps({"env": engine, "unset": unset}, sort_keys=True)
@@ -126,17 +127,17 @@ def operator_env_names(spec: TrainingJobSpec, role: str) -> frozenset[str]:
     """Every variable the operator sets in a role's container: a pod template may not override these (the rank
     env, where the job's parts are, the Redis password). Derived from role_env itself, so the two cannot drift."""
     pod_only = {runtime.ENV_REDIS_PASSWORD, POD_IP}  # from the job's Secret and the downward API (builders)
-    if role == TRAINER and spec.tracking.wandb is not None and spec.tracking.wandb.api_key_secret is not None:
+    if role == Role.TRAINER and spec.tracking.wandb is not None and spec.tracking.wandb.api_key_secret is not None:
         pod_only.add(runtime.ENV_WANDB_API_KEY)  # from the user's Secret (builders)
-    if role == REDIS:
+    if role == Role.REDIS:
         return frozenset(pod_only)
-    if role == SANDBOX:  # no password there: the sandbox's own env (sandbox_env), its address and HOME
+    if role == Role.SANDBOX:  # no password there: the sandbox's own env (sandbox_env), its address and HOME
         return frozenset({name for name, _ in sandbox_env(spec, "", 0, "")} | {POD_IP, "HOME"})
     n = spec.inference.replicas
     at = Addresses(config_path="", redis_url="", bind_host="", inference_urls=("",) * n, inference_ports=(0,) * n,
                    weight_sync_host="", weight_sync_port=0, master_port=0, checkpoint_dir="", model_cache_dir="")
     names = {name for name, _ in role_env(spec, role, 0, at, resume_checkpoint="")} | pod_only
-    if role == TRAINER:
+    if role == Role.TRAINER:
         names |= set(RANK_ENV)
     return frozenset(names)
 

@@ -7,6 +7,7 @@ same rules; they live here, below both, so validation does not reach up into the
 
 from __future__ import annotations
 
+from rlkube.api.role import Role
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.roles import DATASET_ROLES, MODEL_ROLES
 
@@ -34,11 +35,11 @@ SANDBOX_TMP = "the snippets' directories, sized by spec.sandbox.resources.limits
 
 def role_volumes(role: str, spec: TrainingJobSpec) -> tuple[str, ...]:
     """The volumes the builders give a role's pods."""
-    if role == "redis":
+    if role == Role.REDIS:
         return ()
-    if role == "sandbox":
+    if role == Role.SANDBOX:
         return (VOLUME_TMP,)
-    extra = {"trainer": (VOLUME_CHECKPOINTS, VOLUME_SHM), "inference": (VOLUME_SHM,)}.get(role, ())
+    extra = {Role.TRAINER: (VOLUME_CHECKPOINTS, VOLUME_SHM), Role.INFERENCE: (VOLUME_SHM,)}.get(role, ())
     return (VOLUME_CONFIG, VOLUME_TMP, *extra, *data_volumes(role, spec))
 
 
@@ -56,12 +57,12 @@ def data_volumes(role: str, spec: TrainingJobSpec) -> tuple[str, ...]:
 
 def owned_volumes(role: str, spec: TrainingJobSpec) -> dict[str, str]:
     """Volumes a pod template may not replace (name -> where they come from); tmp and dshm it may."""
-    if role == "redis":
+    if role == Role.REDIS:
         return {}
-    if role == "sandbox":
+    if role == Role.SANDBOX:
         return {VOLUME_TMP: SANDBOX_TMP}
     owned = {VOLUME_CONFIG: "the job config"}
-    if role == "trainer":
+    if role == Role.TRAINER:
         owned[VOLUME_CHECKPOINTS] = "use spec.trainer.checkpoint.claimName"
     if role in MODEL_ROLES:
         owned[VOLUME_MODEL_CACHE] = "use spec.model.cacheClaimName"
@@ -73,12 +74,12 @@ def owned_volumes(role: str, spec: TrainingJobSpec) -> dict[str, str]:
 
 def owned_mounts(role: str, spec: TrainingJobSpec) -> dict[str, str]:
     """Mount paths a pod template may not take (path -> why)."""
-    if role == "redis":
+    if role == Role.REDIS:
         return {}
-    if role == "sandbox":
+    if role == Role.SANDBOX:
         return {TMP_MOUNT: SANDBOX_TMP}
     owned = {CONFIG_MOUNT: "the job config"}
-    if role == "trainer":
+    if role == Role.TRAINER:
         owned[spec.trainer.checkpoint.path.rstrip("/")] = "spec.trainer.checkpoint.path"
     if role in MODEL_ROLES:
         owned[MODEL_CACHE_MOUNT] = "the model cache"

@@ -1,15 +1,17 @@
 """Reasons of a TrainingJob's phases and conditions, and the pod phases the operator observes, as named constants.
 
 Every decision, the local runner, the metrics and the tests use these names, so a reason can never be spelled
-two ways (kubectl wait, dashboards and alerts match on them). The phases and condition types themselves are the
-API's enums (rlkube.api.status), re-exported here for the lifecycle's callers.
+two ways (kubectl wait, dashboards and alerts match on them). The phases, condition types and condition statuses
+themselves are the API's enums (rlkube.api.status), re-exported here for the lifecycle's callers.
 """
 
 from __future__ import annotations
 
-from rlkube.api.status import ConditionType, Phase
+from enum import StrEnum
 
-__all__ = ["ConditionType", "Phase", "PodPhase", "Reason"]
+from rlkube.api.status import ConditionStatus, ConditionType, Phase
+
+__all__ = ["ConditionStatus", "ConditionType", "EventType", "Phase", "PodPhase", "Reason"]
 
 
 class Reason:
@@ -64,10 +66,17 @@ class Reason:
     TRACKER_FAILED = "TrackerFailed"
 
 
-class PodPhase:
+class PodPhase(StrEnum):
     """Kubernetes' pod phases (what the operator observes; local processes map onto them)."""
 
     PENDING = "Pending"
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+
+
+class EventType(StrEnum):
+    """The types of the Kubernetes Events the operator records (core/v1 Event.type)."""
+
+    NORMAL = "Normal"
+    WARNING = "Warning"

@@ -15,39 +15,37 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from rlkube.api.role import Role
 from rlkube.api.spec import TrainingJobSpec
 
-REDIS, TRAINER, INFERENCE, PREPROCESSOR, ACTOR = "redis", "trainer", "inference", "preprocessor", "actor"
-SANDBOX = "sandbox"
-
-START_ORDER = (REDIS, TRAINER, INFERENCE, SANDBOX, PREPROCESSOR, ACTOR)
+START_ORDER = (Role.REDIS, Role.TRAINER, Role.INFERENCE, Role.SANDBOX, Role.PREPROCESSOR, Role.ACTOR)
 """Every role, in the order a pass considers starting them (each gate sees what earlier roles got)."""
-TEARDOWN_ORDER = (ACTOR, PREPROCESSOR, INFERENCE, TRAINER, REDIS)
+TEARDOWN_ORDER = (Role.ACTOR, Role.PREPROCESSOR, Role.INFERENCE, Role.TRAINER, Role.REDIS)
 """Stop order: producers first, inference after the trainer's finished event, Redis last (docs/design.md §4.4).
 Sandbox pods stop in the actors' stage (STAGE_ROLES): only actors call them, and a job without them keeps the
 same five stages."""
-STAGE_ROLES = {ACTOR: (ACTOR, SANDBOX)}
+STAGE_ROLES = {Role.ACTOR: (Role.ACTOR, Role.SANDBOX)}
 """The roles whose pods a teardown stage stops, where more than its own."""
-CORE_ROLES = (TRAINER, INFERENCE, PREPROCESSOR, ACTOR)
+CORE_ROLES = (Role.TRAINER, Role.INFERENCE, Role.PREPROCESSOR, Role.ACTOR)
 """Roles that run `python -m rlkube.core.<role>` (Redis is a plain redis-server)."""
-MODEL_ROLES = (TRAINER, INFERENCE, ACTOR)
+MODEL_ROLES = (Role.TRAINER, Role.INFERENCE, Role.ACTOR)
 """Roles that load the model (weights, or the tokenizer for the actor): the operator materializes spec.model.path
 into their model cache before they start. The preprocessor works on token ids only."""
-DATASET_ROLES = (ACTOR,)
+DATASET_ROLES = (Role.ACTOR,)
 """Roles that read spec.task.dataset (the prompts)."""
 
 
 def replicas(spec: TrainingJobSpec, role: str) -> int:
     """Processes (pods) a role should have. Redis: one in managed mode, none with an external Redis."""
-    if role == REDIS:
+    if role == Role.REDIS:
         return 1 if spec.redis.mode == "managed" else 0
-    if role == TRAINER:
+    if role == Role.TRAINER:
         return spec.trainer.nodes
-    if role == SANDBOX:
+    if role == Role.SANDBOX:
         return spec.sandbox.replicas if uses_sandbox_pods(spec) else 0
-    if role == INFERENCE and colocated(spec):
+    if role == Role.INFERENCE and colocated(spec):
         return 0  # the trainer's pod runs the engine
-    return getattr(spec, role).replicas
+    return spec.section(role).replicas
 
 
 def colocated(spec: TrainingJobSpec) -> bool:
@@ -81,12 +79,13 @@ def may_start(spec: TrainingJobSpec, role: str, state: StartState) -> bool:
         return state.exist.get(r, 0) >= replicas(spec, r)
 
     gates: dict[str, Callable[[], bool]] = {
-        REDIS: lambda: True,
-        TRAINER: lambda: all_ready(REDIS),
-        INFERENCE: lambda: all_ready(REDIS),
-        PREPROCESSOR: lambda: all_ready(REDIS) and all_exist(TRAINER) and all_exist(INFERENCE),
-        SANDBOX: lambda: True,
+        Role.REDIS: lambda: True,
+        Role.TRAINER: lambda: all_ready(Role.REDIS),
+        Role.INFERENCE: lambda: all_ready(Role.REDIS),
+        Role.PREPROCESSOR: lambda: all_ready(Role.REDIS) and all_exist(Role.TRAINER) and all_exist(Role.INFERENCE),
+        Role.SANDBOX: lambda: True,
         # Colocated: the trainer is ready once its engine is healthy (a readiness probe; locally, /health).
-        ACTOR: lambda: all_ready(INFERENCE) and all_ready(SANDBOX) and (not colocated(spec) or all_ready(TRAINER)),
+        Role.ACTOR: lambda: (all_ready(Role.INFERENCE) and all_ready(Role.SANDBOX)
+                             and (not colocated(spec) or all_ready(Role.TRAINER))),
     }
     return gates[role]()

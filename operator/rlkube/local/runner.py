@@ -30,6 +30,7 @@ import yaml
 from rich.console import Console
 
 from rlkube.api import TrainingJobSpec
+from rlkube.api.role import Role
 from rlkube.contract import counters, protocol, runtime, streams
 from rlkube.core.hf import ModelError
 from rlkube.core.hf.fetch import fetch
@@ -38,7 +39,7 @@ from rlkube.lifecycle import progress, roles, tracker_failures
 from rlkube.lifecycle.environment import Addresses, role_env, role_module
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
-from rlkube.lifecycle.phases import Phase, Reason
+from rlkube.lifecycle.phases import ConditionStatus, Phase, Reason
 from rlkube.lifecycle.validation import SpecError, importable_errors, parse_manifest
 from rlkube.lifecycle.verdict import Outcome, Verdict
 from rlkube.local.plot import plot_rewards
@@ -155,7 +156,7 @@ class LocalJob:
     def _env(self, role: str, index: int) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        resume = self.last_checkpoint if role == roles.TRAINER else None  # None at the first start
+        resume = self.last_checkpoint if role == Role.TRAINER else None  # None at the first start
         env.update(role_env(self.spec, role, index, self.addresses, resume))
         env[runtime.ENV_TERMINATION_LOG] = str(self._termination_log(role, index))
         if self.model_cache is not None:  # materialized before launch: every role reuses that copy, offline
@@ -180,7 +181,7 @@ class LocalJob:
             procs[index] = proc
         else:
             procs.append(proc)
-        if role == roles.TRAINER and index == 0:
+        if role == Role.TRAINER and index == 0:
             self.trainer_started_at = _now()
         return proc
 
@@ -215,15 +216,15 @@ class LocalJob:
     def _start_gated(self) -> None:
         """Start every role whose gate is open (docs/design.md §3; actors once every inference server is healthy)."""
         exist = {r: len(self.procs.get(r, [])) for r in roles.START_ORDER}
-        exist[roles.REDIS] = ready_redis = 1 if self.redis_server is not None else 0
-        ready = {roles.REDIS: ready_redis}
+        exist[Role.REDIS] = ready_redis = 1 if self.redis_server is not None else 0
+        ready = {Role.REDIS: ready_redis}
         # No sandbox pods here: with spec.sandbox.mode `pods` the actors still run each snippet as a child of their
         # own process (rlkube.core.actor.sandbox, which logs the layers it has), so that gate is open.
-        exist[roles.SANDBOX] = ready[roles.SANDBOX] = roles.replicas(self.spec, roles.SANDBOX)
-        if exist[roles.INFERENCE] and not exist[roles.ACTOR]:
-            ready[roles.INFERENCE] = self._healthy_inference()
-        if roles.colocated(self.spec) and exist[roles.TRAINER] and not exist[roles.ACTOR]:
-            ready[roles.TRAINER] = self._healthy_inference()  # the trainer's own engine (rlkube.core.colocated)
+        exist[Role.SANDBOX] = ready[Role.SANDBOX] = roles.replicas(self.spec, Role.SANDBOX)
+        if exist[Role.INFERENCE] and not exist[Role.ACTOR]:
+            ready[Role.INFERENCE] = self._healthy_inference()
+        if roles.colocated(self.spec) and exist[Role.TRAINER] and not exist[Role.ACTOR]:
+            ready[Role.TRAINER] = self._healthy_inference()  # the trainer's own engine (rlkube.core.colocated)
         for role in roles.CORE_ROLES:
             if exist[role] or not roles.may_start(self.spec, role, roles.StartState(exist, ready)):
                 continue
@@ -292,11 +293,11 @@ class LocalJob:
                 code = p.returncode()
                 if code is None or p.extra.get("judged"):
                     continue
-                if role == roles.TRAINER and i == 0 and code == 0:
+                if role == Role.TRAINER and i == 0 and code == 0:
                     if self.trainer_exited_at is None:
                         self.trainer_exited_at = _now()
                     continue
-                if code != 0 or role != roles.TRAINER:
+                if code != 0 or role != Role.TRAINER:
                     out.append((p, code))
         return out
 
@@ -318,7 +319,7 @@ class LocalJob:
             failures[p.role] = f
         # One trainer failure restarts every rank together: count it once.
         for role in {p.role for p, _ in failing}:
-            restarts[role] += 1 if role == roles.TRAINER else sum(p.role == role for p, _ in failing)
+            restarts[role] += 1 if role == Role.TRAINER else sum(p.role == role for p, _ in failing)
         finished = None
         if self.finished is not None and self.finished_at is not None:
             facts = progress.read(self.finished)
@@ -350,9 +351,9 @@ class LocalJob:
         for p, code in failing:
             self.failures[p.role] = self._failure(p, code)
             p.extra["judged"] = True
-        if any(p.role == roles.TRAINER for p, _ in failing):
-            self.restarts[roles.TRAINER] += 1
-            ranks = self.procs[roles.TRAINER]
+        if any(p.role == Role.TRAINER for p, _ in failing):
+            self.restarts[Role.TRAINER] += 1
+            ranks = self.procs[Role.TRAINER]
             for p in ranks:  # SIGKILL: a SIGTERMed rank would publish an interrupted training_finished
                 if p.alive():
                     p.signal_group(signal.SIGKILL)
@@ -360,13 +361,13 @@ class LocalJob:
             self.finished = self.finished_at = self.trainer_exited_at = None
             ckpt = self.out / "checkpoints"
             self.console.print(
-                f"[yellow]trainer failed ({self.failures[roles.TRAINER].describe()}); restart "
-                f"{self.restarts[roles.TRAINER]} of {self.spec.run_policy.backoff_limit}, resuming from {ckpt}[/yellow]"
+                f"[yellow]trainer failed ({self.failures[Role.TRAINER].describe()}); restart "
+                f"{self.restarts[Role.TRAINER]} of {self.spec.run_policy.backoff_limit}, resuming from {ckpt}[/yellow]"
             )
             for rank in range(len(ranks)):
-                self._spawn(roles.TRAINER, rank)
+                self._spawn(Role.TRAINER, rank)
         for p, _ in failing:
-            if p.role == roles.TRAINER:
+            if p.role == Role.TRAINER:
                 continue
             self.restarts[p.role] += 1
             self.console.print(f"[yellow]{self.failures[p.role].describe()}; restarting it[/yellow]")
@@ -379,20 +380,20 @@ class LocalJob:
             while True:
                 if self._interrupted:
                     return Outcome.failed(Reason.INTERRUPTED, "stopped by the user (SIGINT/SIGTERM)")
-                if not self.procs[roles.ACTOR]:
+                if not self.procs[Role.ACTOR]:
                     self._start_gated()
-                if self.running_since is None and (self.procs[roles.ACTOR] or self.last_event_at):
+                if self.running_since is None and (self.procs[Role.ACTOR] or self.last_event_at):
                     self.running_since = _now()
                 failing = self._failed_processes()
                 self._read_events(block_ms=500)
                 if self.finished is not None:  # producers that exited 0 on training_finished are done
-                    failing = [(p, c) for p, c in failing if c != 0 or p.role == roles.TRAINER]
+                    failing = [(p, c) for p, c in failing if c != 0 or p.role == Role.TRAINER]
                 verdict = self.verdict(failing)
                 if verdict.stalled and not self.stalled:
                     self.console.print(f"[yellow]Stalled: {verdict.stall_message}[/yellow]")
                 self.stalled = bool(verdict.stalled)
                 bar.update(task, completed=self.step, info=status_line(
-                    self.metrics, self.evaluations, self.agent, self.stalled, bool(self.procs[roles.ACTOR])))
+                    self.metrics, self.evaluations, self.agent, self.stalled, bool(self.procs[Role.ACTOR])))
                 if verdict.outcome is not None:
                     bar.update(task, info=f"{verdict.outcome.phase}: {verdict.outcome.reason}")
                     return verdict.outcome
@@ -408,15 +409,15 @@ class LocalJob:
         """Ordered teardown: actors, preprocessor, inference, trainer, Redis; each stage waited for."""
         grace = self.spec.teardown.grace_period_seconds
         for role in roles.TEARDOWN_ORDER:
-            if role == roles.REDIS:
+            if role == Role.REDIS:
                 if self.redis_server is not None:
                     self.redis_server.stop(timeout=grace.redis)
-                    self.teardown.append(roles.REDIS)
+                    self.teardown.append(Role.REDIS)
                 continue
             procs = self.procs.get(role, [])
             if not procs:
                 continue
-            stop_all(procs, grace_seconds=getattr(grace, role))
+            stop_all(procs, grace_seconds=grace.of(role))
             self.forced += [p.name for p in procs if p.forced]
             self.teardown.append(role)
 
@@ -508,7 +509,7 @@ def run_local(manifest: dict, output_dir: Path | None = None, console: Console |
         updates=job.updates,
         agent=job.agent,
         conditions=[] if job.tracker_failed is None else [
-            {"type": tracker_failures.CONDITION, "status": "True", "reason": tracker_failures.REASON,
+            {"type": tracker_failures.CONDITION, "status": ConditionStatus.TRUE, "reason": tracker_failures.REASON,
              "message": job.tracker_failed}],
     )
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in job.metrics))

@@ -20,7 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rlkube.api.role import Role
 from rlkube.api.spec import GROUP, PLURAL, VERSION, TrainingJobSpec
+from rlkube.lifecycle.phases import PodPhase
 
 READ = "import sys; sys.stdout.write(open(sys.argv[1], encoding='utf-8', errors='replace').read())"
 READER_TIMEOUT_S = 120.0
@@ -78,7 +80,7 @@ def exec_result(frames: list[bytes | str]) -> ExecResult:
 def _names(job: str) -> tuple[str, str]:
     from rlkube.controller.manifests import names
 
-    return names.pod_name(job, "trainer", 0), f"{job}-samples-reader"
+    return names.pod_name(job, Role.TRAINER, 0), f"{job}-samples-reader"
 
 
 async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
@@ -112,7 +114,7 @@ async def _read(namespace: str, job: str, filename: str, kubeconfig: str | None,
             if exc.status != 404:
                 raise
         result = None
-        if pod is not None and pod.status.phase == "Running" and _running(pod, "trainer"):
+        if pod is not None and pod.status.phase == PodPhase.RUNNING and _running(pod, Role.TRAINER):
             result = await _exec_read(cfg, core, namespace, trainer, path)
         if result is not None:
             if result.code != 0:
@@ -151,7 +153,7 @@ async def _exec_read(cfg: Any, core: Any, namespace: str, trainer: str, path: st
                 # Unparsed (_preload_content=False): the client would json.loads a whole reply and hand back the
                 # str() of a one-row file's dict; and its own reader mixes stderr into stdout, dropping the exit code.
                 connection = await client.CoreV1Api(ws).connect_get_namespaced_pod_exec(
-                    trainer, namespace, container="trainer", command=["python", "-c", READ, path], stderr=True,
+                    trainer, namespace, container=Role.TRAINER, command=["python", "-c", READ, path], stderr=True,
                     stdin=False, stdout=True, tty=False, _preload_content=False)
                 async with connection as socket:
                     return exec_result([m.data async for m in socket
@@ -164,7 +166,7 @@ async def _exec_read(cfg: Any, core: Any, namespace: str, trainer: str, path: st
             if exc.status == 404:
                 return None
             raise
-        if not (pod.status.phase == "Running" and _running(pod, "trainer")):
+        if not (pod.status.phase == PodPhase.RUNNING and _running(pod, Role.TRAINER)):
             return None
         if loop.time() > deadline:
             raise JobFilesError(f"reading {path} in pod {namespace}/{trainer}: the API server refused the exec "
@@ -225,7 +227,7 @@ async def _read_claim(core: Any, namespace: str, name: str, image: str, claim: s
         deadline = loop.time() + READER_TIMEOUT_S
         while True:
             pod = await core.read_namespaced_pod(name, namespace)
-            if pod.status.phase in ("Succeeded", "Failed"):
+            if pod.status.phase in (PodPhase.SUCCEEDED, PodPhase.FAILED):
                 break
             if loop.time() > deadline:
                 raise JobFilesError(f"the reader pod {namespace}/{name} did not finish in {READER_TIMEOUT_S:g}s "
@@ -237,7 +239,7 @@ async def _read_claim(core: Any, namespace: str, name: str, image: str, claim: s
             log = (await response.read()).decode("utf-8", errors="replace")
         finally:
             response.release()
-        if pod.status.phase == "Failed":
+        if pod.status.phase == PodPhase.FAILED:
             raise JobFilesError(f"reading {path} from claim {claim} failed: {log[-500:]}")
         return log
     finally:

@@ -4,13 +4,14 @@ ended too early replaced, its restarts counted once and kept after it is gone.
 
 from __future__ import annotations
 
+from rlkube.api.role import Role
 from rlkube.api.status import ComponentStatus
 from rlkube.controller.decisions.actions import DeletePod
 from rlkube.controller.decisions.conditions import ROLE_CONDITIONS
 from rlkube.controller.decisions.observed import PodView
 from rlkube.controller.decisions.pass_state import Pass
 from rlkube.lifecycle import roles
-from rlkube.lifecycle.phases import PodPhase, Reason
+from rlkube.lifecycle.phases import ConditionStatus, EventType, PodPhase, Reason
 
 REPLACED_MEMORY = 20
 """How many replaced-pod UIDs a component remembers (enough: a UID matters only while its pod exists)."""
@@ -26,7 +27,7 @@ def update_components(p: Pass, stopping: bool) -> None:
     spec = p.spec
     for role in roles.START_ORDER:
         desired = roles.replicas(spec, role) if spec else 0
-        if role == roles.SANDBOX and desired == 0 and role not in p.status.components and not p.obs.role_pods(role):
+        if role == Role.SANDBOX and desired == 0 and role not in p.status.components and not p.obs.role_pods(role):
             continue  # snippets run in the actors' processes (spec.sandbox.mode): no component to report
         comp = p.status.components.get(role) or ComponentStatus()
         comp = comp.model_copy(deep=True)
@@ -43,23 +44,25 @@ def update_components(p: Pass, stopping: bool) -> None:
         ctype = ROLE_CONDITIONS[role]
         if stopping:
             left = len(p.obs.role_pods(role))
-            p.condition(ctype, "False", Reason.STOPPED, f"{left} pod(s) left" if left else "", event=False)
-        elif desired == 0 and role == roles.SANDBOX:
-            p.condition(ctype, "False", Reason.STOPPED, "spec.sandbox.mode is process", event=False)
+            p.condition(ctype, ConditionStatus.FALSE, Reason.STOPPED, f"{left} pod(s) left" if left else "",
+                        event=False)
+        elif desired == 0 and role == Role.SANDBOX:
+            p.condition(ctype, ConditionStatus.FALSE, Reason.STOPPED, "spec.sandbox.mode is process", event=False)
         elif desired == 0:
             # External Redis: ready means the operator can read the job's events from it.
             reachable = p.obs.event_source.state == "Reachable"
-            p.condition(ctype, "True" if reachable else "False", Reason.EXTERNAL, "external Redis (spec.redis.url)",
-                        event=False)
+            p.condition(ctype, ConditionStatus.TRUE if reachable else ConditionStatus.FALSE, Reason.EXTERNAL,
+                        "external Redis (spec.redis.url)", event=False)
         elif comp.ready >= desired:
             # No Event: the phase's "-> Running: AllComponentsReady" says it for all of them at once (Events are
             # API writes: one per component per job adds up at scale); a pod that failed has its Warning.
-            p.condition(ctype, "True", Reason.ALL_READY, f"{comp.ready}/{desired} ready", event=False)
+            p.condition(ctype, ConditionStatus.TRUE, Reason.ALL_READY, f"{comp.ready}/{desired} ready", event=False)
         else:
             waiting = sorted({pod.waiting_reason for pod in live if pod.waiting_reason})
             detail = f"; waiting: {', '.join(waiting)}" if waiting else ""
-            p.condition(ctype, "False", Reason.NOT_READY, f"{comp.ready}/{desired} ready{detail}", event=False)
-    p.status.trainer_restarts = p.status.components["trainer"].restarts
+            p.condition(ctype, ConditionStatus.FALSE, Reason.NOT_READY, f"{comp.ready}/{desired} ready{detail}",
+                        event=False)
+    p.status.trainer_restarts = p.status.components[Role.TRAINER].restarts
 
 
 def replace_pod(p: Pass, pod: PodView, why: str) -> None:
@@ -70,5 +73,5 @@ def replace_pod(p: Pass, pod: PodView, why: str) -> None:
     comp.restarts = _restarts(p, pod.role, comp)
     p.replaced_now.add(pod.uid)
     p.actions.append(DeletePod(pod.name, pod.uid, 0, pod.role))
-    reason = Reason.TRAINER_RESTARTED if pod.role == roles.TRAINER else Reason.COMPONENT_RESTARTED
-    p.event("Warning", reason, f"pod {pod.name} {why}; replacing it")
+    reason = Reason.TRAINER_RESTARTED if pod.role == Role.TRAINER else Reason.COMPONENT_RESTARTED
+    p.event(EventType.WARNING, reason, f"pod {pod.name} {why}; replacing it")

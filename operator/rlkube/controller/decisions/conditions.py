@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from rlkube.api.role import Role
 from rlkube.api.status import Condition, ConditionType
 from rlkube.controller.decisions.times import fmt_time
+from rlkube.lifecycle.phases import ConditionStatus
 
 ROLE_CONDITIONS = {
-    "redis": ConditionType.REDIS_READY,
-    "trainer": ConditionType.TRAINER_READY,
-    "inference": ConditionType.INFERENCE_READY,
-    "preprocessor": ConditionType.PREPROCESSOR_READY,
-    "actor": ConditionType.ACTORS_READY,
-    "sandbox": ConditionType.SANDBOX_READY,
+    Role.REDIS: ConditionType.REDIS_READY,
+    Role.TRAINER: ConditionType.TRAINER_READY,
+    Role.INFERENCE: ConditionType.INFERENCE_READY,
+    Role.PREPROCESSOR: ConditionType.PREPROCESSOR_READY,
+    Role.ACTOR: ConditionType.ACTORS_READY,
+    Role.SANDBOX: ConditionType.SANDBOX_READY,
 }
 """The readiness condition of each role's pods."""
 
@@ -28,7 +30,7 @@ def get(conditions: list[Condition], type_: str) -> Condition | None:
 
 def is_true(conditions: list[Condition], type_: str) -> bool:
     c = get(conditions, type_)
-    return c is not None and c.status == "True"
+    return c is not None and c.status == ConditionStatus.TRUE
 
 
 def set_condition(

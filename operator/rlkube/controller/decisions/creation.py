@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+from rlkube.api.role import Role
 from rlkube.controller.decisions.actions import Create
 from rlkube.controller.decisions.pass_state import Pass, set_phase
 from rlkube.controller.decisions.times import fmt_time
 from rlkube.controller.manifests import builders, names
 from rlkube.lifecycle import roles
-from rlkube.lifecycle.phases import Phase, Reason
+from rlkube.lifecycle.phases import EventType, Phase, Reason
 
 
 def create_missing(p: Pass) -> None:
@@ -21,7 +22,8 @@ def create_missing(p: Pass) -> None:
                 # The managed Redis password: minted by the applier for this creation only, never by a pass.
                 p.actions.append(Create(manifest, mint=names.SECRET_KEY if kind == "Secret" else None))
                 if not p.fresh:
-                    p.event("Warning", Reason.CHILD_RECREATED, f"{kind} {name} was missing (deleted by hand?); recreated it")
+                    p.event(EventType.WARNING, Reason.CHILD_RECREATED,
+                            f"{kind} {name} was missing (deleted by hand?); recreated it")
     present = {pod.name for pod in p.obs.pods}
     gated = p.status.phase in (Phase.PENDING, Phase.STARTING)
     exist = {r: sum(n in present for n in builders.pod_names(job, r)) for r in roles.START_ORDER}
@@ -36,7 +38,7 @@ def create_missing(p: Pass) -> None:
         for i in range(roles.replicas(job.spec, role)):
             if names.pod_name(job.name, role, i) in present:
                 continue
-            resume = ckpt.path if (role == roles.TRAINER and ckpt) else None
+            resume = ckpt.path if (role == Role.TRAINER and ckpt) else None
             placement = p.gate.placements.get(role)
             p.actions.append(Create(builders.pod(job, role, i, resume_checkpoint=resume, placement=placement)))
             present.add(names.pod_name(job.name, role, i))
@@ -64,8 +66,8 @@ def static_names(p: Pass) -> list[tuple[str, str]]:
     if managed:
         out += [("Secret", names.secret_name(job)), ("NetworkPolicy", names.network_policy_name(job))]
     if p.spec is None:
-        out += [("Service", names.service_name(job, r)) for r in names.SERVICE_ROLES if r not in ("redis", "sandbox")
-                or (r == "redis" and managed)]
+        out += [("Service", names.service_name(job, r)) for r in names.SERVICE_ROLES
+                if r not in (Role.REDIS, Role.SANDBOX) or (r == Role.REDIS and managed)]
         return out
     if roles.uses_sandbox_pods(p.spec):
         out.append(("NetworkPolicy", names.sandbox_network_policy_name(job)))

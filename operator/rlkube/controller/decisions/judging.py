@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from rlkube.api.role import Role
 from rlkube.api.status import Completion
 from rlkube.contract import runtime
 from rlkube.controller.decisions import image_pull
@@ -18,7 +19,7 @@ from rlkube.controller.decisions.times import fmt_time, parse_time, stream_id_ti
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.evidence import Evidence, Failure, Finished
 from rlkube.lifecycle.judgement import judge
-from rlkube.lifecycle.phases import ConditionType, Phase, PodPhase, Reason
+from rlkube.lifecycle.phases import ConditionStatus, ConditionType, EventType, Phase, PodPhase, Reason
 
 UNREAD_RECHECK_SECONDS = 2.0
 """How soon a pass looks again at a producer that exited 0 while the event stream could not be read to its end."""
@@ -37,8 +38,9 @@ def failing_pods(p: Pass) -> list[tuple[PodView, str]]:
                 continue
             code = f"exit code {pod.exit_code}" if pod.exit_code is not None else pod.phase
             if pod.phase == PodPhase.FAILED:
-                out.append((pod, f"failed ({code})" if role == roles.TRAINER else f"ended ({code}) before training finished"))
-            elif role != roles.TRAINER and pod.phase == PodPhase.SUCCEEDED and not finished_event:
+                out.append((pod, f"failed ({code})" if role == Role.TRAINER
+                            else f"ended ({code}) before training finished"))
+            elif role != Role.TRAINER and pod.phase == PodPhase.SUCCEEDED and not finished_event:
                 # Producers stop by themselves on training_finished: exit 0 is a failure only if that event is
                 # really not in the stream, not merely unread yet (operator restart, a watcher that lags).
                 # Only a read to the stream's end made after this pod was seen ended proves that; without one
@@ -66,8 +68,8 @@ def _evidence(p: Pass, failing: list[tuple[PodView, str]]) -> Evidence:
     for pod, _ in failing:
         restarts[pod.role] = restarts.get(pod.role, 0) + 1
         failures[pod.role] = _failure(pod)
-    previous = p.job.status.components.get(roles.TRAINER)
-    p.trainer_failed_now = restarts.get(roles.TRAINER, 0) > (previous.restarts if previous else 0)
+    previous = p.job.status.components.get(Role.TRAINER)
+    p.trainer_failed_now = restarts.get(Role.TRAINER, 0) > (previous.restarts if previous else 0)
     config = next(
         (_failure(pod) for pod in p.obs.pods if runtime.EXIT_CONFIG in (pod.exit_code, pod.last_exit_code)), None
     )
@@ -80,7 +82,7 @@ def _evidence(p: Pass, failing: list[tuple[PodView, str]]) -> Evidence:
             rank0 is not None and rank0.started_at is not None and stream_id_time(comp.stream_id) < rank0.started_at
         )
         if stale:
-            p.event("Warning", Reason.STALE_FINISHED_EVENT,
+            p.event(EventType.WARNING, Reason.STALE_FINISHED_EVENT,
                     f"ignoring training_finished {comp.stream_id}: trainer restarted")
             comp = p.status.completion = None
     if rank0 is not None and rank0.phase == PodPhase.SUCCEEDED and (comp is None or comp.trainer_exit_code is None):
@@ -118,12 +120,13 @@ def apply_judgement(p: Pass, failing: list[tuple[PodView, str]]) -> None:
         p.wake_at(verdict.wake_at)
     if verdict.stalled is None:
         if is_true(p.status.conditions, ConditionType.STALLED):
-            p.condition(ConditionType.STALLED, "False", Reason.NOT_RUNNING)
+            p.condition(ConditionType.STALLED, ConditionStatus.FALSE, Reason.NOT_RUNNING)
     elif verdict.stalled:
-        p.condition(ConditionType.STALLED, "True", Reason.NO_TRAINER_EVENTS, verdict.stall_message)
+        p.condition(ConditionType.STALLED, ConditionStatus.TRUE, Reason.NO_TRAINER_EVENTS, verdict.stall_message)
     else:
         was = is_true(p.status.conditions, ConditionType.STALLED)
-        p.condition(ConditionType.STALLED, "False", Reason.EVENTS_RESUMED if was else Reason.PROGRESSING, event=was)
+        p.condition(ConditionType.STALLED, ConditionStatus.FALSE, Reason.EVENTS_RESUMED if was else Reason.PROGRESSING,
+                    event=was)
     if verdict.outcome is not None:
         o = verdict.outcome
         p.decide_outcome(o.phase, o.reason, o.message)
@@ -132,20 +135,20 @@ def apply_judgement(p: Pass, failing: list[tuple[PodView, str]]) -> None:
 def handle_failures(p: Pass, failing: list[tuple[PodView, str]]) -> None:
     """Replace the pods that ended too early (the judgement found every budget still open)."""
     backoff = p.spec.run_policy.backoff_limit
-    before = p.status.components[roles.TRAINER].restarts
+    before = p.status.components[Role.TRAINER].restarts
     for pod, why in failing:
-        if pod.role == roles.TRAINER:
-            n = p.status.components[roles.TRAINER].restarts + 1
+        if pod.role == Role.TRAINER:
+            n = p.status.components[Role.TRAINER].restarts + 1
             ckpt = p.status.trainer.last_checkpoint
             resume = f", resuming from checkpoint step {ckpt.step}" if ckpt else ""
             why = f"{why}, restart {n} of {backoff}{resume}"
         replace_pod(p, pod, why)
-    trainer = p.status.components[roles.TRAINER]
+    trainer = p.status.components[Role.TRAINER]
     p.status.trainer_restarts = trainer.restarts
-    previous = p.job.status.components.get(roles.TRAINER)
+    previous = p.job.status.components.get(Role.TRAINER)
     in_place = before - (previous.restarts if previous else 0)
     if in_place > 0:
-        p.event("Warning", Reason.TRAINER_RESTARTED,
+        p.event(EventType.WARNING, Reason.TRAINER_RESTARTED,
                 f"trainer restarted in place ({trainer.restarts} restart(s) so far)")
 
 

@@ -30,10 +30,11 @@ from datetime import datetime
 from typing import Any
 
 from rlkube.api.status import Phase
-from rlkube.controller.manifests import builders, names
 from rlkube.controller.decisions.actions import Action, Create, PatchWorkloadStatus
-from rlkube.controller.manifests.placement import Placement
 from rlkube.controller.decisions.times import fmt_time
+from rlkube.controller.manifests import builders, names
+from rlkube.controller.manifests.placement import Placement
+from rlkube.lifecycle.phases import ConditionStatus
 from rlkube.lifecycle.roles import START_ORDER, replicas
 
 GROUP = "kueue.x-k8s.io"
@@ -110,7 +111,7 @@ class WorkloadView:
         return next((c for c in self.conditions if c.get("type") == type_), None)
 
     def true(self, type_: str) -> bool:
-        return (self.condition(type_) or {}).get("status") == "True"
+        return (self.condition(type_) or {}).get("status") == ConditionStatus.TRUE
 
     @property
     def admitted(self) -> bool:
@@ -245,16 +246,18 @@ def release_actions(
     if wl is None or not released or wl.finished:
         return []
     if phase in Phase.TERMINAL:
-        cond = {"type": FINISHED, "status": "True", "reason": phase, "message": message or f"TrainingJob {phase}"}
+        cond = {"type": FINISHED, "status": ConditionStatus.TRUE, "reason": phase,
+                "message": message or f"TrainingJob {phase}"}
         return [PatchWorkloadStatus(wl.name, wl.resource_version, {"conditions": _conditions(wl, [cond], now)})]
     if phase == Phase.SUSPENDED and wl.evicted and (wl.quota_reserved or wl.has_admission):
         evicted = wl.condition(EVICTED) or {}
         why = evicted.get("message") or ""
         updates = [
-            {"type": REQUEUED, "status": "True" if evicted.get("reason") in REQUEUE_ON else "False",
+            {"type": REQUEUED,
+             "status": ConditionStatus.TRUE if evicted.get("reason") in REQUEUE_ON else ConditionStatus.FALSE,
              "reason": evicted.get("reason") or EVICTED, "message": why},
-            {"type": QUOTA_RESERVED, "status": "False", "reason": "Pending", "message": why},
-            {"type": ADMITTED, "status": "False", "reason": "NoReservation",
+            {"type": QUOTA_RESERVED, "status": ConditionStatus.FALSE, "reason": "Pending", "message": why},
+            {"type": ADMITTED, "status": ConditionStatus.FALSE, "reason": "NoReservation",
              "message": "The workload has no reservation"},
         ]
         return [PatchWorkloadStatus(wl.name, wl.resource_version,

@@ -15,8 +15,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlkube.contract.protocol import TrainerEvent
-from rlkube.controller.manifests import names
 from rlkube.controller.decisions.times import parse_time
+from rlkube.controller.manifests import names
+from rlkube.lifecycle.phases import ConditionStatus, PodPhase
 from rlkube.lifecycle.roles import START_ORDER
 
 if TYPE_CHECKING:
@@ -47,11 +48,11 @@ class PodView:
 
     @property
     def terminated(self) -> bool:
-        return self.phase in ("Succeeded", "Failed")
+        return self.phase in (PodPhase.SUCCEEDED, PodPhase.FAILED)
 
     @property
     def running(self) -> bool:
-        return self.phase == "Running" and not self.deleting
+        return self.phase == PodPhase.RUNNING and not self.deleting
 
 
 def _get(d: Any, *path: str) -> Any:
@@ -104,7 +105,7 @@ def pod_view(pod: dict) -> PodView | None:
         return None
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    ready = any(c.get("type") == "Ready" and c.get("status") == ConditionStatus.TRUE for c in conditions)
     # The main container is the one named after the role; fall back to the first one.
     statuses = status.get("containerStatuses") or []
     main = next((c for c in statuses if c.get("name") == role), statuses[0] if statuses else {})

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from rlkube.api.role import Role
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.status import TrainingJobStatus
 from rlkube.controller.decisions import kueue
@@ -18,7 +19,7 @@ from rlkube.controller.decisions.actions import Action, Event
 from rlkube.controller.decisions.conditions import is_true, set_condition
 from rlkube.controller.decisions.observed import Observed, PodView
 from rlkube.controller.manifests import builders
-from rlkube.lifecycle.phases import ConditionType, Phase
+from rlkube.lifecycle.phases import ConditionStatus, ConditionType, EventType, Phase
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,11 @@ class Pass:
     def condition(self, type_: ConditionType, status: str, reason: str, message: str = "", event: bool = True) -> None:
         changed = set_condition(self.status.conditions, type_, status, reason, message, self.now, self.job.generation)
         if changed and event:
-            bad = (status == "True" and type_ in (ConditionType.FAILED, ConditionType.STALLED)) or (
-                status == "False" and type_ == ConditionType.EVENT_SOURCE_REACHABLE
+            bad = (status == ConditionStatus.TRUE and type_ in (ConditionType.FAILED, ConditionType.STALLED)) or (
+                status == ConditionStatus.FALSE and type_ == ConditionType.EVENT_SOURCE_REACHABLE
             )
-            self.event("Warning" if bad else "Normal", reason, f"{type_}={status}: {message}".rstrip(": "))
+            self.event(EventType.WARNING if bad else EventType.NORMAL, reason,
+                       f"{type_}={status}: {message}".rstrip(": "))
 
     def wake_at(self, when: datetime) -> None:
         if self.deadline is None or when < self.deadline:
@@ -122,14 +124,14 @@ class Pass:
         return [p for p in self.obs.role_pods(role) if not p.deleting]
 
     def rank0(self) -> PodView | None:
-        return next((p for p in self.live("trainer") if p.index == 0), None)
+        return next((p for p in self.live(Role.TRAINER) if p.index == 0), None)
 
     def decide_outcome(self, phase: Phase, reason: str, message: str) -> None:
         """Record the outcome (once, never changed) as the condition named like the terminal phase."""
         if outcome(self.status) is not None:
             return
         # Succeeded needs no Event of its own: the phase transitions (-> Draining, -> Succeeded) carry its reason.
-        self.condition(ConditionType(phase), "True", reason, message, event=phase != Phase.SUCCEEDED)
+        self.condition(ConditionType(phase), ConditionStatus.TRUE, reason, message, event=phase != Phase.SUCCEEDED)
         self.status.reason = reason
         self.status.message = message
 
@@ -150,7 +152,7 @@ def set_phase(p: Pass, phase: Phase, reason: str, message: str = "", note: str =
         change = f"accepted, {phase}" if p.accepting else f"{st.phase} -> {phase}"
         p.accepting = False
         text = f"{change}: {reason} {message}".strip() + (f"; {note}" if note else "")
-        p.event("Warning" if phase == Phase.FAILED else "Normal", phase, text)
+        p.event(EventType.WARNING if phase == Phase.FAILED else EventType.NORMAL, phase, text)
     st.phase = phase
     st.reason = reason
     st.message = message

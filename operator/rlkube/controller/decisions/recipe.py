@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from datetime import datetime, timedelta
 
+from rlkube.api.role import Role
 from rlkube.contract import checkpoint_loss
 from rlkube.controller.decisions import kueue
 from rlkube.controller.decisions.actions import DeleteJob
@@ -28,7 +29,7 @@ from rlkube.controller.decisions.started_spec import as_started, can_resume, rep
 from rlkube.controller.decisions.stopping import count_deleted_as_stopping, run_teardown, suspend_phase, teardown_reason
 from rlkube.controller.decisions.times import fmt_time, parse_time
 from rlkube.controller.decisions.trainer_events import ingest_events, update_event_source
-from rlkube.lifecycle.phases import ConditionType, Phase, Reason
+from rlkube.lifecycle.phases import ConditionStatus, ConditionType, EventType, Phase, Reason
 
 __all__ = ["Decision", "JobView", "decide", "outcome"]
 
@@ -66,7 +67,7 @@ def _begin(live: JobView, obs: Observed, now: datetime) -> Pass:
         spec = p.job.spec
         ephemeral = checkpoint_loss.ephemeral_warning(spec) if p.accepting and spec is not None else None
         if ephemeral:  # once per job: a recreated trainer pod would find no checkpoint and fail the job
-            p.event("Warning", Reason.EPHEMERAL_CHECKPOINTS, ephemeral)
+            p.event(EventType.WARNING, Reason.EPHEMERAL_CHECKPOINTS, ephemeral)
     return p
 
 
@@ -144,7 +145,7 @@ def _stop(p: Pass) -> None:
         else:
             set_phase(p, Phase.DRAINING, Reason.DELETED, "the TrainingJob is being deleted")
     if is_true(st.conditions, ConditionType.STALLED) and decided != Phase.FAILED:
-        p.condition(ConditionType.STALLED, "False", Reason.NOT_RUNNING, event=False)
+        p.condition(ConditionType.STALLED, ConditionStatus.FALSE, Reason.NOT_RUNNING, event=False)
 
 
 def _watch_event_source(p: Pass) -> None:
@@ -153,14 +154,14 @@ def _watch_event_source(p: Pass) -> None:
     st = p.status
     p.watching = (
         p.spec is not None
-        and (st.teardown is None or not any(s.name == "redis" for s in st.teardown.stages))
+        and (st.teardown is None or not any(s.name == Role.REDIS for s in st.teardown.stages))
         and not (p.stop_reason == Reason.SUSPENDED and p.released)
     )
     if p.watching:
         update_event_source(p)
     elif get(st.conditions, ConditionType.EVENT_SOURCE_REACHABLE) is not None:
-        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "False", Reason.REDIS_RELEASED, "the job's Redis is torn down",
-                    event=False)
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, ConditionStatus.FALSE, Reason.REDIS_RELEASED,
+                    "the job's Redis is torn down", event=False)
 
 
 def _release_kueue_workload(p: Pass) -> None:
@@ -177,7 +178,7 @@ def _expire_ttl(p: Pass) -> None:
     expires = (parse_time(st.completion_time) or p.now) + timedelta(seconds=p.ttl)
     if p.now >= expires:
         p.actions.append(DeleteJob())
-        p.event("Normal", Reason.TTL_EXPIRED, f"deleting the job {p.ttl}s after it finished")
+        p.event(EventType.NORMAL, Reason.TTL_EXPIRED, f"deleting the job {p.ttl}s after it finished")
     else:
         p.wake_at(expires)
 

@@ -13,7 +13,7 @@ import orjson
 from rlkube.controller.decisions import kueue, specdiff, teardown
 from rlkube.controller.decisions.conditions import get, remove
 from rlkube.controller.decisions.pass_state import JobView, Pass, set_phase
-from rlkube.lifecycle.phases import ConditionType, Phase, Reason
+from rlkube.lifecycle.phases import ConditionStatus, ConditionType, EventType, Phase, Reason
 from rlkube.lifecycle.validation import SpecError, parse_spec
 
 
@@ -70,12 +70,14 @@ def report_spec_changes(p: Pass) -> None:
             f"{live.generation}); not applied to the running job (suspend and resume it to apply)"
         )
         # The generations in the message change with every edit; the Event only when the paths do.
-        if previous is None or previous.status != "True" or not previous.message.startswith(specdiff.describe(paths) + " "):
-            p.event("Warning", Reason.SPEC_CHANGE_IGNORED, message)
-        p.condition(ConditionType.SPEC_CHANGE_IGNORED, "True", Reason.SPEC_CHANGE_IGNORED, message, event=False)
-    elif previous is not None and previous.status == "True":
-        p.condition(ConditionType.SPEC_CHANGE_IGNORED, "False", Reason.SPEC_AS_STARTED, "the spec is back to the one the job started with",
+        if (previous is None or previous.status != ConditionStatus.TRUE
+                or not previous.message.startswith(specdiff.describe(paths) + " ")):
+            p.event(EventType.WARNING, Reason.SPEC_CHANGE_IGNORED, message)
+        p.condition(ConditionType.SPEC_CHANGE_IGNORED, ConditionStatus.TRUE, Reason.SPEC_CHANGE_IGNORED, message,
                     event=False)
+    elif previous is not None and previous.status == ConditionStatus.TRUE:
+        p.condition(ConditionType.SPEC_CHANGE_IGNORED, ConditionStatus.FALSE, Reason.SPEC_AS_STARTED,
+                    "the spec is back to the one the job started with", event=False)
 
 
 def resume_from_suspend(p: Pass) -> None:
@@ -89,5 +91,5 @@ def resume_from_suspend(p: Pass) -> None:
     remove(st.conditions, ConditionType.SPEC_CHANGE_IGNORED)
     p.fresh = True
     why = p.gate.message if p.gate.reason else "spec.runPolicy.suspend unset"
-    p.condition(ConditionType.SUSPENDED, "False", Reason.RESUMED, why)
+    p.condition(ConditionType.SUSPENDED, ConditionStatus.FALSE, Reason.RESUMED, why)
     set_phase(p, Phase.PENDING, Reason.RESUMED, "recreating the components")

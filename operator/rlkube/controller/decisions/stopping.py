@@ -15,7 +15,7 @@ from rlkube.controller.decisions.components import update_components
 from rlkube.controller.decisions.creation import static_names
 from rlkube.controller.decisions.pass_state import Pass, outcome, set_phase
 from rlkube.controller.decisions.times import parse_time
-from rlkube.lifecycle.phases import ConditionType, Phase, Reason
+from rlkube.lifecycle.phases import ConditionStatus, ConditionType, Phase, Reason
 
 
 def teardown_reason(p: Pass) -> str | None:
@@ -46,7 +46,8 @@ def run_teardown(p: Pass, reason: str) -> bool:
         # A new teardown (a finished suspend followed by deletion or an outcome restarts the sequence).
         td = TeardownStatus(reason=reason)
         # The phase transition says it: no Event of its own.
-        p.condition(ConditionType.RESOURCES_RELEASED, "False", Reason.TEARING_DOWN, f"ordered teardown ({reason})", event=False)
+        p.condition(ConditionType.RESOURCES_RELEASED, ConditionStatus.FALSE, Reason.TEARING_DOWN,
+                    f"ordered teardown ({reason})", event=False)
     elif td.reason != reason:
         td = td.model_copy(update={"reason": reason})
     spec = p.spec
@@ -70,7 +71,7 @@ def run_teardown(p: Pass, reason: str) -> bool:
         stages = "; ".join(teardown.describe(s) for s in step.status.stages)
         p.released_note = f"teardown ({reason}) finished: {stages}" if stages else f"teardown ({reason}) finished"
         # After an outcome the final phase Event (same pass) carries this; a deletion or suspend has its own.
-        p.condition(ConditionType.RESOURCES_RELEASED, "True", Reason.ALL_PODS_GONE, p.released_note,
+        p.condition(ConditionType.RESOURCES_RELEASED, ConditionStatus.TRUE, Reason.ALL_PODS_GONE, p.released_note,
                     event=reason not in Phase.TERMINAL)
     return step.done
 
@@ -93,5 +94,5 @@ def suspend_phase(p: Pass) -> None:
         return
     why = p.gate.reason if p.gate.hold else Reason.SUSPENDED
     stopped = f"all components stopped: {p.gate.message}" if p.gate.hold else "all components stopped"
-    p.condition(ConditionType.SUSPENDED, "True", why, stopped)
+    p.condition(ConditionType.SUSPENDED, ConditionStatus.TRUE, why, stopped)
     set_phase(p, Phase.SUSPENDED, why, _suspend_cause(p))

@@ -12,7 +12,7 @@ Progress (start/finish time of each stage) lives in the status, so an operator r
 at any moment resumes at the stage it last wrote: a finished stage is never revisited, and as each step
 is also a function of the pods, a stage written as started whose pods are gone by now just finishes, and
 pods already deleting are not deleted again. (The loop may hold a stage-to-stage write a few seconds to
-send it with the next: loop.routine_patch.) The same sequence serves success, failure, deletion and
+send it with the next: job_io.routine_patch.) The same sequence serves success, failure, deletion and
 suspend.
 """
 
@@ -21,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from rlkube.api.role import Role
 from rlkube.api.spec import GracePeriods
-from rlkube.lifecycle.roles import STAGE_ROLES, TEARDOWN_ORDER
 from rlkube.api.status import TeardownStage, TeardownStatus
 from rlkube.controller.decisions.actions import Action, DeletePod, DeleteStreams, Event
 from rlkube.controller.decisions.observed import PodView
 from rlkube.controller.decisions.times import fmt_time, parse_time
+from rlkube.lifecycle.phases import EventType
+from rlkube.lifecycle.roles import STAGE_ROLES, TEARDOWN_ORDER
 
 DONE = "Done"
 DELETION_TIMESTAMP_SLACK = timedelta(seconds=1)  # deletionTimestamp has whole seconds
@@ -50,7 +52,7 @@ class Step:
 def _targets(role: str, pods: list[PodView], keep_trainer_pod: bool) -> list[PodView]:
     """Pods this stage must see gone. A kept trainer pod is one that already terminated (its logs stay)."""
     out = [p for p in pods if p.role in STAGE_ROLES.get(role, (role,))]
-    if role == "trainer" and keep_trainer_pod:
+    if role == Role.TRAINER and keep_trainer_pod:
         out = [p for p in out if not p.terminated]
     return out
 
@@ -76,18 +78,18 @@ def advance(
             continue
         targets = _targets(role, pods, keep_trainer_pod)
         # Each pod gets its own role's grace; the stage waits for the longest of them.
-        period = max([getattr(grace, role), *(getattr(grace, p.role) for p in targets)])
+        period = max([grace.of(role), *(grace.of(p.role) for p in targets)])
         if stage is None:
             stage = TeardownStage(name=role, started_at=fmt_time(now))
             td.stages.append(stage)
             td.stage = role
-            if role == "redis" and external_streams:
+            if role == Role.REDIS and external_streams:
                 step.actions.append(DeleteStreams(external_streams))
         # (Re)issue deletes for pods not yet deleting: the first pass of the stage, or pods that were
         # created just before teardown began, or a pass whose deletes were lost with a killed operator.
         for p in targets:
             if not p.deleting:
-                step.actions.append(DeletePod(p.name, p.uid, getattr(grace, p.role), role))
+                step.actions.append(DeletePod(p.name, p.uid, grace.of(p.role), role))
         if targets:
             started = parse_time(stage.started_at) or now
             # A pod's grace runs from when its delete reached the API server (deletionTimestamp = then + grace,
@@ -103,7 +105,7 @@ def advance(
                     step.actions.append(DeletePod(p.name, p.uid, 0, role, force=True))
                     step.events.append(
                         Event(
-                            "Warning",
+                            EventType.WARNING,
                             "ForceDeleted",
                             f"pod {p.name} still present {period}s after its {role} stage began and "
                             f"{KUBELET_KILL_SLACK.seconds}s more for its kubelet; force-deleted",

@@ -11,7 +11,7 @@ from rlkube.controller.decisions.pass_state import Pass, outcome
 from rlkube.controller.decisions.times import fmt_time, stream_id_key
 from rlkube.controller.manifests import fastllm
 from rlkube.lifecycle import progress, tracker_failures
-from rlkube.lifecycle.phases import ConditionType, Reason
+from rlkube.lifecycle.phases import ConditionStatus, ConditionType, EventType, Reason
 
 
 def ingest_events(p: Pass) -> None:
@@ -80,8 +80,8 @@ def report_tracker_failure(p: Pass, tracker: str, message: str) -> None:
     text = tracker_failures.merged(current.message if current else None, tracker, message)
     if text is None:
         return
-    p.condition(tracker_failures.CONDITION, "True", tracker_failures.REASON, text, event=False)
-    p.event("Warning", tracker_failures.REASON, f"{tracker_failures.line(tracker, message)} (training goes on)")
+    p.condition(tracker_failures.CONDITION, ConditionStatus.TRUE, tracker_failures.REASON, text, event=False)
+    p.event(EventType.WARNING, tracker_failures.REASON, f"{tracker_failures.line(tracker, message)} (training goes on)")
 
 
 def _condition_status(p: Pass, type_: str) -> str | None:
@@ -93,8 +93,10 @@ def update_event_source(p: Pass) -> None:
     if src.state == "Reachable":
         # An Event only for a recovery: the first connection is routine (the condition records it).
         was = _condition_status(p, ConditionType.EVENT_SOURCE_REACHABLE)
-        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "True", Reason.CONNECTED, src.message, event=was == "False")
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, ConditionStatus.TRUE, Reason.CONNECTED, src.message,
+                    event=was == ConditionStatus.FALSE)
     elif src.state == "Unreachable":
-        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "False", src.reason, src.message)
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, ConditionStatus.FALSE, src.reason, src.message)
     else:
-        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, "Unknown", src.reason, src.message, event=False)
+        p.condition(ConditionType.EVENT_SOURCE_REACHABLE, ConditionStatus.UNKNOWN, src.reason, src.message,
+                    event=False)

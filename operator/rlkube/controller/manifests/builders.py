@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlkube.api.role import Role
 from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.controller.manifests import fastllm, names, podtemplate
@@ -38,17 +39,7 @@ from rlkube.controller.manifests.model_data import data_volumes, with_model_init
 from rlkube.controller.manifests.placement import Placement, with_placement
 from rlkube.lifecycle import image_reference
 from rlkube.lifecycle.environment import POD_IP, Addresses, role_env, role_module, sandbox_env
-from rlkube.lifecycle.roles import (
-    ACTOR,
-    INFERENCE,
-    MODEL_ROLES,
-    PREPROCESSOR,
-    START_ORDER,
-    TRAINER,
-    colocated,
-    replicas,
-    uses_sandbox_pods,
-)
+from rlkube.lifecycle.roles import MODEL_ROLES, START_ORDER, colocated, replicas, uses_sandbox_pods
 
 MASTER_PORT = 29400
 """torch.distributed rendezvous of a multi-node trainer (distinct from the weight-sync store on 29500)."""
@@ -94,7 +85,7 @@ def _meta(job: JobRef, name: str, labels: dict[str, str], annotations: dict[str,
 def redis_url(job: JobRef) -> str:
     """What the roles connect to (without the password, which comes from a Secret)."""
     if job.managed_redis:
-        return f"redis://{names.service_name(job.name, 'redis')}:{runtime.REDIS_PORT}/0"
+        return f"redis://{names.service_name(job.name, Role.REDIS)}:{runtime.REDIS_PORT}/0"
     assert job.spec.redis.url  # validation guarantees it in external mode
     return job.spec.redis.url
 
@@ -114,7 +105,7 @@ def _pod_ip_env() -> dict:
 
 
 def _resources(spec: TrainingJobSpec, role: str) -> dict:
-    res = getattr(spec, role).resources
+    res = spec.section(role).resources
     out: dict[str, dict] = {}
     if res.requests:
         out["requests"] = dict(res.requests)
@@ -134,8 +125,8 @@ def writable_root(spec: TrainingJobSpec, role: str) -> bool:
     """Roles whose root filesystem stays writable: third-party servers with caches we do not control. vLLM on CPU
     is not one: its caches follow HOME onto /tmp (VLLM_CACHE_ROOT, torch's inductor directory), shown on a real
     kubelet by tests/e2e/test_vllm_image.py; vLLM on GPUs (JIT and kernel caches) has not been run on one here."""
-    return (role == "inference" and spec.inference.engine == "vllm" and spec.gpus_per_pod("inference") > 0) or (
-        role == "trainer" and spec.trainer.backend == "fast-llm"
+    return (role == Role.INFERENCE and spec.inference.engine == "vllm" and spec.gpus_per_pod(Role.INFERENCE) > 0) or (
+        role == Role.TRAINER and spec.trainer.backend == "fast-llm"
     )
 
 
@@ -177,7 +168,7 @@ def redis_secret(job: JobRef, password: str | None = None) -> dict:
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(job, names.secret_name(job.name), names.role_labels(job.name, "redis")),
+        "metadata": _meta(job, names.secret_name(job.name), names.role_labels(job.name, Role.REDIS)),
         "type": "Opaque",
     }
     if password is not None:
@@ -186,18 +177,18 @@ def redis_secret(job: JobRef, password: str | None = None) -> dict:
 
 
 ROLE_PORTS: dict[str, tuple[tuple[str, int], ...]] = {
-    "redis": (("redis", runtime.REDIS_PORT),),
-    "inference": (("http", runtime.INFERENCE_PORT),),
-    "trainer": (("weight-sync", runtime.WEIGHT_SYNC_PORT), ("rendezvous", MASTER_PORT)),
-    "sandbox": (("http", runtime.SANDBOX_PORT),),
+    Role.REDIS: (("redis", runtime.REDIS_PORT),),
+    Role.INFERENCE: (("http", runtime.INFERENCE_PORT),),
+    Role.TRAINER: (("weight-sync", runtime.WEIGHT_SYNC_PORT), ("rendezvous", MASTER_PORT)),
+    Role.SANDBOX: (("http", runtime.SANDBOX_PORT),),
 }
 """The named ports a role's pods listen on: their containers' ports and their Service's, written once."""
 
 
 def role_ports(spec: TrainingJobSpec, role: str) -> list[tuple[str, int]]:
     ports = list(ROLE_PORTS[role])
-    if role == "trainer" and colocated(spec):  # its pod serves the engine too (rlkube.core.colocated)
-        ports += ROLE_PORTS["inference"]
+    if role == Role.TRAINER and colocated(spec):  # its pod serves the engine too (rlkube.core.colocated)
+        ports += ROLE_PORTS[Role.INFERENCE]
     return ports
 
 
@@ -233,8 +224,8 @@ def service_roles(spec: TrainingJobSpec) -> list[str]:
     """Roles of this job that have a headless Service: Redis when managed, the sandbox with sandbox pods, inference
     unless its engine is colocated in the trainer's pod (reached through the trainer's Service)."""
     return [r for r in names.SERVICE_ROLES
-            if (r != "redis" or spec.redis.mode == "managed") and (r != "sandbox" or uses_sandbox_pods(spec))
-            and (r != "inference" or not colocated(spec))]
+            if (r != Role.REDIS or spec.redis.mode == "managed") and (r != Role.SANDBOX or uses_sandbox_pods(spec))
+            and (r != Role.INFERENCE or not colocated(spec))]
 
 
 OPERATOR_PEER = {"app.kubernetes.io/part-of": "rlkube", "app.kubernetes.io/component": "operator"}
@@ -249,9 +240,9 @@ def redis_network_policy(job: JobRef) -> dict:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, names.network_policy_name(job.name), names.role_labels(job.name, "redis")),
+        "metadata": _meta(job, names.network_policy_name(job.name), names.role_labels(job.name, Role.REDIS)),
         "spec": {
-            "podSelector": {"matchLabels": names.role_selector(job.name, "redis")},
+            "podSelector": {"matchLabels": names.role_selector(job.name, Role.REDIS)},
             "policyTypes": ["Ingress"],
             "ingress": [{
                 "from": [
@@ -271,12 +262,12 @@ def sandbox_network_policy(job: JobRef) -> dict:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, names.sandbox_network_policy_name(job.name), names.role_labels(job.name, "sandbox")),
+        "metadata": _meta(job, names.sandbox_network_policy_name(job.name), names.role_labels(job.name, Role.SANDBOX)),
         "spec": {
-            "podSelector": {"matchLabels": names.role_selector(job.name, "sandbox")},
+            "podSelector": {"matchLabels": names.role_selector(job.name, Role.SANDBOX)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [{
-                "from": [{"podSelector": {"matchLabels": names.role_selector(job.name, "actor")}}],
+                "from": [{"podSelector": {"matchLabels": names.role_selector(job.name, Role.ACTOR)}}],
                 "ports": [{"protocol": "TCP", "port": runtime.SANDBOX_PORT}],
             }],
             "egress": [],
@@ -296,7 +287,7 @@ def static_children(job: JobRef, password: str | None = None) -> list[dict]:
 
 def _trainer_spread(job: JobRef) -> dict:
     """One trainer pod per node: its GPUs are the node's; on CPU a preference, so one node can still run it."""
-    term = {"labelSelector": {"matchLabels": names.role_selector(job.name, "trainer")},
+    term = {"labelSelector": {"matchLabels": names.role_selector(job.name, Role.TRAINER)},
             "topologyKey": "kubernetes.io/hostname"}
     if job.spec.trainer.gpus_per_node:
         return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
@@ -309,8 +300,8 @@ def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict
     container["securityContext"] = container_security_context(not writable_root(job.spec, role))
     spec: dict[str, Any] = {
         # Redis is a plain server: restart it whatever the exit. Core roles follow runPolicy.restartPolicy.
-        "restartPolicy": "Always" if role in ("redis", "sandbox") else getattr(policies, role),
-        "terminationGracePeriodSeconds": getattr(job.spec.teardown.grace_period_seconds, role),
+        "restartPolicy": policies.of(role),
+        "terminationGracePeriodSeconds": job.spec.teardown.grace_period_seconds.of(role),
         # Service links would inject env such as `{JOB}_REDIS_PORT` that can shadow the runtime contract.
         "enableServiceLinks": False,
         # No role talks to the API server: no ServiceAccount token in any role pod unless its template asks for
@@ -324,7 +315,7 @@ def _pod(job: JobRef, role: str, index: int, container: dict, volumes: list[dict
     if role in names.SERVICE_ROLES:
         spec["hostname"] = names.pod_name(job.name, role, index)
         spec["subdomain"] = names.service_name(job.name, role)
-    if role == "trainer" and job.spec.trainer.nodes > 1:
+    if role == Role.TRAINER and job.spec.trainer.nodes > 1:
         spec["affinity"] = _trainer_spread(job)
     pod = {
         "apiVersion": "v1",
@@ -341,16 +332,16 @@ def redis_pod(job: JobRef, attempt: int = 0) -> dict:
     port = runtime.REDIS_PORT
     container = {
         "name": "redis",
-        "image": role_image(job.spec, "redis"),
+        "image": role_image(job.spec, Role.REDIS),
         "command": [
             "redis-server", "--port", str(port), "--bind", "$(POD_IP)", "--requirepass", "$(REDIS_PASSWORD)",
             "--save", "", "--appendonly", "no",
         ],
         "env": [_pod_ip_env(), *_password_env(job)],
-        "ports": _container_ports(job.spec, "redis"),
+        "ports": _container_ports(job.spec, Role.REDIS),
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2, "failureThreshold": 3},
     }
-    return _pod(job, "redis", 0, container, [], {names.ANNOTATION_ATTEMPT: str(attempt)})
+    return _pod(job, Role.REDIS, 0, container, [], {names.ANNOTATION_ATTEMPT: str(attempt)})
 
 
 def addresses(job: JobRef) -> Addresses:
@@ -371,7 +362,7 @@ def addresses(job: JobRef) -> Addresses:
         master_port=MASTER_PORT,
         checkpoint_dir=spec.trainer.checkpoint.path,
         model_cache_dir=names.MODEL_CACHE_MOUNT,
-        sandbox_urls=tuple(names.sandbox_urls(job.name, replicas(spec, "sandbox"), runtime.SANDBOX_PORT)),
+        sandbox_urls=tuple(names.sandbox_urls(job.name, replicas(spec, Role.SANDBOX), runtime.SANDBOX_PORT)),
     )
 
 
@@ -387,18 +378,18 @@ def sandbox_pod(job: JobRef, index: int, attempt: int = 0) -> dict:
     pool = spec.sandbox
     container: dict[str, Any] = {
         "name": "sandbox",
-        "image": role_image(spec, "sandbox"),
+        "image": role_image(spec, Role.SANDBOX),
         "command": ["python", "-m", "rlkube.core.sandbox"],
         "env": [_pod_ip_env(), *({"name": k, "value": v} for k, v in
                                  sandbox_env(spec, "$(POD_IP)", runtime.SANDBOX_PORT, names.TMP_MOUNT)),
                 {"name": "HOME", "value": names.TMP_MOUNT}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "ports": _container_ports(spec, "sandbox"),
+        "ports": _container_ports(spec, Role.SANDBOX),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": runtime.SANDBOX_PORT}, "periodSeconds": 2,
                            "failureThreshold": 3},
         "volumeMounts": [{"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT}],
     }
-    resources = _resources(spec, "sandbox")
+    resources = _resources(spec, Role.SANDBOX)
     if resources:
         container["resources"] = resources
     tmp: dict[str, Any] = {}
@@ -406,7 +397,7 @@ def sandbox_pod(job: JobRef, index: int, attempt: int = 0) -> dict:
     if disk is not None:
         tmp["sizeLimit"] = disk
     volumes = [{"name": names.VOLUME_TMP, "emptyDir": tmp}]
-    pod = _pod(job, "sandbox", index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+    pod = _pod(job, Role.SANDBOX, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
     ps = pod["spec"]
     for key in ("runAsUser", "runAsGroup", "fsGroup"):
         ps["securityContext"][key] = ps["securityContext"].get(key) if key in _template_security(spec) \
@@ -436,7 +427,7 @@ def _tracker_key_env(job: JobRef, role: str) -> list[dict]:
     """The trainer's W&B API key by reference to the user's Secret (spec.tracking.wandb.apiKeySecret): the key itself
     is in no manifest the operator writes."""
     wandb = job.spec.tracking.wandb
-    if role != "trainer" or wandb is None or wandb.api_key_secret is None:
+    if role != Role.TRAINER or wandb is None or wandb.api_key_secret is None:
         return []
     ref = {"name": wandb.api_key_secret.name, "key": wandb.api_key_secret.key}
     return [{"name": runtime.ENV_WANDB_API_KEY, "valueFrom": {"secretKeyRef": ref}}]
@@ -467,7 +458,7 @@ def _trainer_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str |
     spec = job.spec
     # A trainer gets the checkpoint it must resume from (the annotation below) in its env, so that it fails instead
     # of starting over when the volume lost it (rlkube.contract.checkpoint_loss).
-    container, volumes = _core_container(job, TRAINER, index, resume_checkpoint, shm=True, engine=colocated(spec))
+    container, volumes = _core_container(job, Role.TRAINER, index, resume_checkpoint, shm=True, engine=colocated(spec))
     ckpt = spec.trainer.checkpoint
     container["volumeMounts"].append({"name": names.VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
     volumes.append(
@@ -480,33 +471,33 @@ def _trainer_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str |
     annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
     if resume_checkpoint:
         annotations[names.ANNOTATION_RESUME] = resume_checkpoint
-    return _core_role_pod(job, TRAINER, index, container, volumes, annotations)
+    return _core_role_pod(job, Role.TRAINER, index, container, volumes, annotations)
 
 
 def _inference_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
     """An inference pod: shared memory and the engine's readiness probe."""
-    container, volumes = _core_container(job, INFERENCE, index, shm=True, engine=True)
-    return _core_role_pod(job, INFERENCE, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+    container, volumes = _core_container(job, Role.INFERENCE, index, shm=True, engine=True)
+    return _core_role_pod(job, Role.INFERENCE, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
 
 
 def _preprocessor_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
     """A preprocessor pod: the shared core container, nothing of its own."""
-    container, volumes = _core_container(job, PREPROCESSOR, index)
-    return _core_role_pod(job, PREPROCESSOR, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+    container, volumes = _core_container(job, Role.PREPROCESSOR, index)
+    return _core_role_pod(job, Role.PREPROCESSOR, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
 
 
 def _actor_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str | None) -> dict:
     """An actor pod: the shared core container (its model and dataset volumes come with MODEL_ROLES and
     DATASET_ROLES)."""
-    container, volumes = _core_container(job, ACTOR, index)
-    return _core_role_pod(job, ACTOR, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
+    container, volumes = _core_container(job, Role.ACTOR, index)
+    return _core_role_pod(job, Role.ACTOR, index, container, volumes, {names.ANNOTATION_ATTEMPT: str(attempt)})
 
 
 _CORE_PODS: dict[str, Callable[[JobRef, int, int, str | None], dict]] = {
-    TRAINER: _trainer_pod,
-    INFERENCE: _inference_pod,
-    PREPROCESSOR: _preprocessor_pod,
-    ACTOR: _actor_pod,
+    Role.TRAINER: _trainer_pod,
+    Role.INFERENCE: _inference_pod,
+    Role.PREPROCESSOR: _preprocessor_pod,
+    Role.ACTOR: _actor_pod,
 }
 """Each core role's pod builder (the keys are lifecycle.roles.CORE_ROLES)."""
 
@@ -518,7 +509,7 @@ def _core_container(
     model and dataset volumes where the role reads them, its ports; `shm` a memory-backed /dev/shm, `engine` the
     inference engine's readiness probe."""
     container: dict[str, Any] = {
-        "name": role,
+        "name": str(role),
         "image": role_image(job.spec, role),
         "command": ["python", "-m", role_module(job.spec, role)],
         # HOME on the writable /tmp volume (caches of torch, triton, HF); a template's env may point it elsewhere.
@@ -570,9 +561,9 @@ def pod(
     placement: Placement | None = None,
 ) -> dict:
     """Pod `index` of `role`; `placement` is where a queue (Kueue) admitted the role, applied last."""
-    if role == "redis":
+    if role == Role.REDIS:
         return with_placement(redis_pod(job, attempt), placement)
-    if role == "sandbox":
+    if role == Role.SANDBOX:
         return with_placement(sandbox_pod(job, index, attempt), placement)
     return with_placement(core_pod(job, role, index, attempt, resume_checkpoint), placement)
 

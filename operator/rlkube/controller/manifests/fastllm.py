@@ -29,10 +29,11 @@ from typing import Any
 
 import yaml
 
+from rlkube.api.role import Role
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import checkpoint_loss, protocol, runtime
-from rlkube.controller.manifests import names
 from rlkube.contract import fast_llm_rendezvous
+from rlkube.controller.manifests import names
 
 FAST_LLM_REPOSITORY = "ServiceNow/Fast-LLM"
 FAST_LLM_COMMIT = "d3d20226a2395281eca4a779e85b8688621248d2"
@@ -183,7 +184,7 @@ def pod_command(spec: TrainingJobSpec, job: str, node: int, rendezvous_port: int
     """The trainer container's command: our small launcher (Redis relay; on node 0 the broadcast store and the
     checkpoint check), then torchrun. `image` is named if the image lacks a command."""
     relay = f"{REDIS_RELAY_HOST}:{runtime.REDIS_PORT}"
-    upstream = f"{names.service_name(job, 'redis')}:{runtime.REDIS_PORT}"
+    upstream = f"{names.service_name(job, Role.REDIS)}:{runtime.REDIS_PORT}"
     cmd = ["python", "-m", "rlkube.core.fast_llm_launch", "--redis-listen", relay, "--redis-upstream", upstream]
     if image:
         cmd += ["--image", image]

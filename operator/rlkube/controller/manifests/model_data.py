@@ -12,8 +12,8 @@ from rlkube.api.model_path import parse_model_path
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.controller.manifests import names
+from rlkube.lifecycle.pod_checks import parse_quantity
 from rlkube.lifecycle.roles import DATASET_ROLES, MODEL_ROLES
-from rlkube.lifecycle.validation import parse_quantity
 
 
 def data_volumes(spec: TrainingJobSpec, role: str) -> tuple[list[dict], list[dict]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from rlkube.api.role import Role
 from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
 from rlkube.lifecycle.owned import (  # re-exported: the builders and the operator name them from here
     CONFIG_MOUNT,
@@ -46,7 +47,7 @@ SECRET_KEY = "password"
 INIT_MODEL = "model"
 """The init container that materializes spec.model.path into the model cache before the role starts."""
 
-SERVICE_ROLES = ("redis", "inference", "trainer", "sandbox")
+SERVICE_ROLES = (Role.REDIS, Role.INFERENCE, Role.TRAINER, Role.SANDBOX)
 """Roles with a headless Service (and so `hostname`/`subdomain` on their pods)."""
 
 
@@ -60,8 +61,9 @@ def job_name_error(job: str, spec: TrainingJobSpec) -> str | None:
     (dots, a leading digit, 253 characters), but its Services `{job}-{role}` must be DNS-1035 labels and the pods
     of those roles carry `{job}-{role}-{index}` as hostname (a label, too), all at most 63 characters; the API
     server would refuse them one by one after the first children exist (a generated-input test found it)."""
-    longest = max((pod_name(job, "inference", spec.inference.replicas - 1), pod_name(job, "trainer", spec.trainer.nodes - 1),
-                   service_name(job, "inference")), key=len)
+    longest = max((pod_name(job, Role.INFERENCE, spec.inference.replicas - 1),
+                   pod_name(job, Role.TRAINER, spec.trainer.nodes - 1),
+                   service_name(job, Role.INFERENCE)), key=len)
     if not _DNS1035_LABEL.match(job):
         return (f"metadata.name: {job!r} must be a DNS-1035 label (lower case letters, digits and '-', starting with a "
                 f"letter): it names the job's Services")
@@ -73,7 +75,7 @@ def job_name_error(job: str, spec: TrainingJobSpec) -> str | None:
 
 def pod_name(job: str, role: str, index: int = 0) -> str:
     """`{job}-{role}-{index}`; the managed Redis is the single `{job}-redis`."""
-    return f"{job}-redis" if role == "redis" else f"{job}-{role}-{index}"
+    return f"{job}-redis" if role == Role.REDIS else f"{job}-{role}-{index}"
 
 
 def service_name(job: str, role: str) -> str:
@@ -93,7 +95,8 @@ def sandbox_network_policy_name(job: str) -> str:
 
 
 def sandbox_urls(job: str, replicas: int, port: int) -> list[str]:
-    return [f"http://{pod_name(job, 'sandbox', i)}.{service_name(job, 'sandbox')}:{port}" for i in range(replicas)]
+    return [f"http://{pod_name(job, Role.SANDBOX, i)}.{service_name(job, Role.SANDBOX)}:{port}"
+            for i in range(replicas)]
 
 
 def config_name(job: str) -> str:
@@ -105,7 +108,7 @@ def job_labels(job: str) -> dict[str, str]:
 
 
 def role_labels(job: str, role: str) -> dict[str, str]:
-    return {**job_labels(job), LABEL_ROLE: role}
+    return {**job_labels(job), LABEL_ROLE: str(role)}
 
 
 def pod_labels(job: str, role: str, index: int) -> dict[str, str]:
@@ -114,7 +117,7 @@ def pod_labels(job: str, role: str, index: int) -> dict[str, str]:
 
 def role_selector(job: str, role: str) -> dict[str, str]:
     """What a Service selects: the job and the role (not the managed-by label, which is not identity)."""
-    return {LABEL_JOB: job, LABEL_ROLE: role}
+    return {LABEL_JOB: job, LABEL_ROLE: str(role)}
 
 
 def label_selector(labels: dict[str, str]) -> str:
@@ -133,9 +136,10 @@ def owner_reference(job: str, uid: str) -> dict:
 
 
 def inference_urls(job: str, replicas: int, port: int) -> list[str]:
-    return [f"http://{pod_name(job, 'inference', i)}.{service_name(job, 'inference')}:{port}" for i in range(replicas)]
+    return [f"http://{pod_name(job, Role.INFERENCE, i)}.{service_name(job, Role.INFERENCE)}:{port}"
+            for i in range(replicas)]
 
 
 def trainer_host(job: str, rank: int = 0) -> str:
     """Stable DNS name of a trainer pod through the headless trainer Service."""
-    return f"{pod_name(job, 'trainer', rank)}.{service_name(job, 'trainer')}"
+    return f"{pod_name(job, Role.TRAINER, rank)}.{service_name(job, Role.TRAINER)}"

@@ -2,7 +2,7 @@
 
 Why: the operator's own checks (lifecycle/validation.py, the job-name rule of names.py) run after the object is
 stored, so a GitOps pipeline or a user sees `created` and only later a Failed job. KubeRay, JobSet and Kubeflow
-Trainer refuse at apply time; so do we, with exactly the operator's rules (`loop.parsed_spec`), naming the field.
+Trainer refuse at apply time; so do we, with exactly the operator's rules (`job_io.parsed_spec`), naming the field.
 The operator keeps its checks for objects stored without the webhook (not installed, failurePolicy Ignore).
 
 Only CREATE is reviewed (the chart's rule): the operator itself updates its jobs (finalizers), and a job stored
@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from rlkube.api.spec import API_VERSION, KIND
-from rlkube.controller.reconcile.loop import parsed_spec
+from rlkube.controller.reconcile.job_io import parsed_spec
 
 log = logging.getLogger(__name__)
 

@@ -4,16 +4,17 @@ job with its exit code and termination message instead of being replaced forever
 
 from __future__ import annotations
 
+from rlkube.api.role import Role
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.evidence import Evidence
 from rlkube.lifecycle.phases import Reason
-from rlkube.lifecycle.roles import START_ORDER, TRAINER
+from rlkube.lifecycle.roles import START_ORDER
 from rlkube.lifecycle.verdict import UNDECIDED, Outcome, Verdict
 
 
 def limit(spec: TrainingJobSpec, role: str) -> int:
     rp = spec.run_policy
-    return rp.backoff_limit if role == TRAINER else rp.component_backoff_limit
+    return rp.backoff_limit if role == Role.TRAINER else rp.component_backoff_limit
 
 
 def check(ev: Evidence, spec: TrainingJobSpec | None) -> Verdict:
@@ -25,7 +26,7 @@ def check(ev: Evidence, spec: TrainingJobSpec | None) -> Verdict:
             continue
         failure = ev.failures.get(role)
         what = f": last failure {failure.describe()}" if failure else ""
-        if role == TRAINER:
+        if role == Role.TRAINER:
             return Verdict(Outcome.failed(
                 Reason.BACKOFF_LIMIT_EXCEEDED,
                 f"trainer failed {restarts} time(s); backoffLimit is {budget}{what}",
