@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from local_cli import summary_of
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def test_bench_inference_compares_vllm_with_native_and_updates_with_raw_gloo():
         capture_output=True, text=True, env=env, timeout=540,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = summary_of(out.stdout)
     print(json.dumps(r, indent=1))
     assert set(r["engines"]) == {"native", "vllm"}
     assert r["model_parameters"] > 0 and r["update_megabytes"] > 0

@@ -7,13 +7,13 @@ the test control plane's build; it starts its own operator, fake kubelet and con
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import psutil
 import pytest
+from local_cli import summary_of
 from cluster.control_plane import binaries
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,7 +30,7 @@ def test_bench_operator_compares_with_the_job_controller_on_the_same_api_server(
         capture_output=True, text=True, env=env, timeout=540,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    (row,) = json.loads(out.stdout.strip().splitlines()[-1])
+    (row,) = summary_of(out.stdout)
     assert row["n"] == 3
     assert 0 < row["create_to_children_p50"] <= row["create_to_children_p99"]
     assert 0 < row["finished_to_released_p50"] <= row["finished_to_released_p99"]

@@ -13,7 +13,6 @@ pip-installs the wheel's dependencies from the package index, as a user's machin
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from local_cli import summary_of
 from cluster.control_plane import binaries
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]
@@ -122,7 +122,7 @@ def test_bench_operator_runs_from_the_wheel(base_venv, away, cluster, crd):
     out = base_venv.run([base_venv.bin("rlkube"), "bench", "operator", "--kubeconfig", str(cluster), "--jobs", "2",
                          "--json", "--kube-controller-manager", binaries(build=False)["kcm"]], away, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    (result,) = json.loads(out.stdout.strip().splitlines()[-1])
+    (result,) = summary_of(out.stdout)
     assert set(result) == BENCH_KEYS and result["n"] == 2
     assert 0 < result["create_to_children_p50"] <= result["create_to_children_p99"]
     assert 0 < result["finished_to_released_p50"] <= result["finished_to_released_p99"]
@@ -139,7 +139,7 @@ def test_the_core_install_runs_rlkube_local(core_venv, away):
     out = core_venv.run([core_venv.bin("rlkube"), "local", "tiny-cpu.yaml", "--json", "--output-dir", "run"], away,
                         timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = summary_of(out.stdout)
     assert summary["phase"] == "Succeeded" and summary["steps"] == summary["max_steps"] == 40, summary
     assert summary["teardown"] == ["actor", "preprocessor", "inference", "trainer", "redis"]
     assert (away / "run" / "reward.png").is_file()

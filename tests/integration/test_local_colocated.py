@@ -5,12 +5,10 @@ engine joined the weight-update group from inside the trainer's process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from local_cli import run_local
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +18,7 @@ EXAMPLE = ROOT / "examples" / "colocated-cpu.yaml"
 
 def test_a_colocated_job_succeeds_through_rlkube_local(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "rlkube.cli", "local", str(EXAMPLE), "--json", "--output-dir",
-                           str(out)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_local(EXAMPLE, out, timeout=600)
     print(json.dumps(summary))
     assert (summary["phase"], summary["steps"]) == ("Succeeded", 40)
     # No inference process of its own: the trainer's stage stops it.

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import yaml
+from local_cli import local_env, run_local
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "calculator-cpu.yaml"
@@ -22,11 +21,6 @@ EXAMPLE = ROOT / "examples" / "calculator-cpu.yaml"
 MIN_MARGIN = 0.10
 
 
-def rlkube_local(manifest: Path, out: Path, timeout: float = 300, **env: str):
-    full = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    proc = subprocess.run([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
-                           str(out)], env=full, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 def step_metrics(out: Path) -> list[dict]:
@@ -38,9 +32,8 @@ def step_metrics(out: Path) -> list[dict]:
 def test_tiny_model_learns_the_calculator_tool_task(tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
-    code, summary, stderr = rlkube_local(EXAMPLE, out)
+    summary, _ = run_local(EXAMPLE, out, timeout=300)
     wall = time.monotonic() - t0
-    assert code == 0, stderr[-3000:]
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 60, summary
     assert summary["reward_last"] - summary["reward_first"] >= MIN_MARGIN, summary
@@ -73,8 +66,7 @@ def test_an_environment_factory_that_raises_fails_the_job_naming_the_field(tmp_p
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    code, summary, stderr = rlkube_local(manifest, tmp_path / "run", timeout=180, PYTHONPATH=pythonpath)
-    assert code == 1, stderr[-3000:]
+    summary, _ = run_local(manifest, tmp_path / "run", timeout=180, expect=1, env=local_env(PYTHONPATH=pythonpath))
     assert (summary["phase"], summary["reason"]) == ("Failed", "InvalidSpec"), summary
     assert "spec.task.environment.entryPoint: the environment factory raised RuntimeError: the sandbox is not " \
            "installed" in summary["message"], summary
@@ -116,8 +108,7 @@ def test_fractional_per_turn_rewards_train_to_succeeded_with_their_mean_reported
     manifest.write_text(yaml.safe_dump(doc))
     pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     out = tmp_path / "run"
-    code, summary, stderr = rlkube_local(manifest, out, timeout=240, PYTHONPATH=pythonpath)
-    assert code == 0, stderr[-3000:]
+    summary, _ = run_local(manifest, out, timeout=240, env=local_env(PYTHONPATH=pythonpath))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 12, summary
     metrics = step_metrics(out)
     last = metrics[-1]

@@ -8,16 +8,15 @@ The same for multi-turn episodes (examples/calculator-cpu.yaml), whose eval prom
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import redis
 import specs
 import yaml
+from local_cli import run_local, start_local, summary_of
 
 from rlkube.contract import protocol
 from rlkube.core.actor.environments import load_environment
@@ -73,16 +72,14 @@ def run_job(tmp_path: Path, doc: dict) -> tuple[dict, StreamTap, Path]:
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
-                             str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_local(manifest, "--json", "--output-dir", out)
     tap = StreamTap(out, proc)
     tap.start()
     stdout, stderr = proc.communicate(timeout=600)
     tap.done.set()
     tap.join(timeout=30)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     print(json.dumps({k: summary[k] for k in ("phase", "eval_versions", "eval_reward_first", "eval_reward_last",
                                               "reward_first", "reward_last", "wall_seconds")}))
     assert summary["phase"] == "Succeeded" and summary["steps"] == doc["spec"]["algorithm"]["maxSteps"]
@@ -171,11 +168,7 @@ def test_an_eval_split_that_overlaps_training_fails_the_job_naming_the_field(tmp
                             "spec.evaluation": {"everyVersions": 2, "split": "train[50:]", "prompts": 20}})
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
-                           str(tmp_path / "run")], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_local(manifest, tmp_path / "run", timeout=300, expect=1)
     assert summary["phase"] == "Failed" and summary["steps"] == 0, summary
     assert "spec.evaluation.split" in summary["message"], summary
     assert "10 of its 20 eval prompts are also in the training split" in summary["message"], summary

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.test_local_episodes import rlkube_local, step_metrics
+from local_cli import run_local
+from tests.integration.test_local_episodes import step_metrics
 
 pytest.importorskip("reasoning_gym")  # the `agents` extra
 
@@ -20,8 +21,7 @@ EXAMPLE = ROOT / "examples" / "reasoning-gym-cpu.yaml"
 
 def test_a_reasoning_gym_task_trains_with_its_reward_every_step(tmp_path):
     out = tmp_path / "run"
-    code, summary, stderr = rlkube_local(EXAMPLE, out)
-    assert code == 0, stderr[-3000:]
+    summary, _ = run_local(EXAMPLE, out, timeout=300)
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40, summary
     steps = step_metrics(out)
@@ -40,8 +40,7 @@ def test_an_unknown_reasoning_gym_task_fails_the_job_naming_the_field(tmp_path):
     doc["spec"]["task"]["reasoningGym"]["name"] = "basic_arithmetc"
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    code, summary, stderr = rlkube_local(manifest, tmp_path / "run", timeout=180)
-    assert code == 1, stderr[-3000:]
+    summary, _ = run_local(manifest, tmp_path / "run", timeout=180, expect=1)
     assert (summary["phase"], summary["reason"]) == ("Failed", "InvalidSpec"), summary
     assert "spec.task.reasoningGym.name: unknown reasoning-gym task 'basic_arithmetc'; did you mean " \
            "basic_arithmetic" in summary["message"], summary

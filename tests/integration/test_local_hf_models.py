@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+from local_cli import local_env, run_local
 from hf_models import arithmetic_rows, hub_cache, repeat_digit_rows, write_jsonl, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,21 +30,14 @@ MATH_EXAMPLE = ROOT / "examples" / "qwen2-math-cpu.yaml"
 ORDER = ["actor", "preprocessor", "inference", "trainer", "redis"]
 
 
-def rlkube_local(manifest: dict, tmp_path: Path, cache: Path, timeout: float = 400) -> tuple[int, dict, str]:
-    """`rlkube local` on `manifest` with `cache` as the model cache, offline, as a user would run it: (exit code,
-    the --json summary, stderr)."""
+def rlkube_local(manifest: dict, tmp_path: Path, cache: Path, timeout: float = 400, expect: int = 0
+                 ) -> tuple[dict, str]:
+    """`rlkube local` on `manifest` with `cache` as the model cache, offline, as a user would run it; it must exit
+    `expect`: (the --json summary, stderr)."""
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    env = {k: v for k, v in os.environ.items() if k != "RLKUBE_MODEL_CACHE"}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlkube.cli", "local", str(path), "--json", "--output-dir", str(tmp_path / "run"),
-         "--model-cache", str(cache)],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    return proc.returncode, json.loads(lines[-1]), proc.stderr
+    env = {k: v for k, v in local_env(HF_HUB_OFFLINE="1").items() if k != "RLKUBE_MODEL_CACHE"}
+    return run_local(path, tmp_path / "run", "--model-cache", cache, timeout=timeout, expect=expect, env=env)
 
 
 def manifest(model_path: str, dataset: Path | None = None, **algorithm) -> dict:
@@ -74,8 +65,7 @@ def test_a_model_that_cannot_be_materialized_fails_the_job_before_any_role(tmp_p
         # The hub cache holds another repository, not this one: offline, nothing can be fetched.
         hub_cache(cache, "acme/other", write_tiny_model(tmp_path / "other", "qwen2", "bpe"))
         path, says = "hf://acme/absent", "HF_HUB_OFFLINE is set and no complete snapshot"
-    code, summary, stderr = rlkube_local(manifest(path), tmp_path, cache, timeout=120)
-    assert code == 1, stderr[-3000:]
+    summary, stderr = rlkube_local(manifest(path), tmp_path, cache, timeout=120, expect=1)
     assert (summary["phase"], summary["reason"]) == ("Failed", "InvalidSpec"), summary
     # The operator's verdict for a role that exits with EXIT_CONFIG (rlkube.lifecycle.policies.config_error).
     assert summary["message"].startswith("init model-fetch cannot run: spec.model.path: "), summary
@@ -91,8 +81,7 @@ def test_qwen2_bpe_on_arithmetic_with_math_verify_from_an_offline_hub_cache(tmp_
     commit = hub_cache(cache, repo, qwen2_dir)
     dataset = write_jsonl(tmp_path / "arithmetic.jsonl", arithmetic_rows(64))
     steps = 6
-    code, summary, stderr = rlkube_local(manifest(f"hf://{repo}", dataset, maxSteps=steps), tmp_path, cache)
-    assert code == 0, stderr[-4000:]
+    summary, stderr = rlkube_local(manifest(f"hf://{repo}", dataset, maxSteps=steps), tmp_path, cache)
     assert summary["phase"] == "Succeeded" and summary["steps"] == steps, summary
     assert summary["teardown"] == ORDER, summary
     assert f"model: ready at {cache / 'hub'}" in stderr and commit in stderr  # materialized once, before launch
@@ -134,8 +123,7 @@ def test_qwen2_bpe_learns_to_repeat_a_digit_under_exact_match(tmp_path, qwen2_di
     doc = manifest(str(qwen2_dir), dataset, maxSteps=60, groupSize=16, samplesPerStep=64, learningRate=0.01,
                    maxNewTokens=1, filterZeroAdvantageGroups=False)
     doc["spec"]["task"] = {"name": "repeat-digit-jsonl", "dataset": {"path": str(dataset)}, "reward": {"type": "exact"}}
-    code, summary, stderr = rlkube_local(doc, tmp_path, tmp_path / "cache")
-    assert code == 0, stderr[-4000:]
+    summary, stderr = rlkube_local(doc, tmp_path, tmp_path / "cache")
     assert summary["phase"] == "Succeeded" and summary["steps"] == 60, summary
     first, last = summary["reward_first"], summary["reward_last"]
     print(f"\nqwen2+bpe repeat-digit: reward first-10 {first:.3f} last-10 {last:.3f}, {summary['wall_seconds']}s")
@@ -153,8 +141,7 @@ def test_a_task_whose_groups_are_all_filtered_fails_the_job_naming_the_bound(tmp
     doc = manifest(str(qwen2_dir), dataset, maxSteps=5, groupSize=4, samplesPerStep=8, maxNewTokens=1,
                    maxConsecutiveFilteredGroups=20)
     doc["spec"]["task"] = {"name": "impossible", "dataset": {"path": str(dataset)}, "reward": {"type": "exact"}}
-    code, summary, stderr = rlkube_local(doc, tmp_path, tmp_path / "cache", timeout=200)
-    assert code == 1, stderr[-3000:]
+    summary, stderr = rlkube_local(doc, tmp_path, tmp_path / "cache", timeout=200, expect=1)
     assert (summary["phase"], summary["reason"]) == ("Failed", "ZeroAdvantageStall"), summary
     assert "spec.algorithm.maxConsecutiveFilteredGroups: zero-advantage stall: 20 rollout groups" in summary["message"]
     assert "preprocessor" in summary["message"] and "all 0" in summary["message"], summary

@@ -6,16 +6,15 @@ These run the real roles as processes over a real redis-server, exactly as `make
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from local_cli import start_local, summary_of
 import redis
 import yaml
 import specs
@@ -44,22 +43,15 @@ def _leftovers(out: Path) -> list[str]:
     return found
 
 
-def _run(args: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlkube.cli", "local", *args], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, **kw
-    )
-
 
 def test_tiny_job_learns_and_tears_down_in_order(tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _run([str(EXAMPLE), "--json", "--output-dir", str(out)])
+    proc = start_local(str(EXAMPLE), "--json", "--output-dir", str(out))
     stdout, stderr = proc.communicate(timeout=600)
     wall = time.monotonic() - t0
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded"
     assert summary["steps"] == 40
@@ -104,12 +96,12 @@ def short_manifest(tmp_path):
 
 def test_ctrl_c_tears_down_in_order_and_exits_nonzero(tmp_path, short_manifest):
     out = tmp_path / "run"
-    proc = _run([str(short_manifest), "--json", "--output-dir", str(out)])
+    proc = start_local(str(short_manifest), "--json", "--output-dir", str(out))
     _wait_for_step(out, 2, proc)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Failed" and summary["reason"] == "Interrupted"
     assert summary["teardown"] == ORDER
     assert not _leftovers(out)
@@ -148,11 +140,11 @@ def _kill_trainer_mid_run(out: Path, proc: subprocess.Popen) -> None:
 
 def test_killed_trainer_resumes_from_its_checkpoint_and_succeeds(tmp_path):
     out = tmp_path / "run"
-    proc = _run([str(_manifest(tmp_path, backoffLimit=2)), "--json", "--output-dir", str(out)])
+    proc = start_local(str(_manifest(tmp_path, backoffLimit=2)), "--json", "--output-dir", str(out))
     _kill_trainer_mid_run(out, proc)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Succeeded" and summary["steps"] == 30, summary
     assert summary["restarts"]["trainer"] == 1, summary
     log = (out / "logs" / "trainer-0.log").read_text()
@@ -164,11 +156,11 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_succeeds(tmp_path):
 
 def test_killed_trainer_with_backoff_limit_0_fails_like_the_operator(tmp_path):
     out = tmp_path / "run"
-    proc = _run([str(_manifest(tmp_path, backoffLimit=0)), "--json", "--output-dir", str(out)])
+    proc = start_local(str(_manifest(tmp_path, backoffLimit=0)), "--json", "--output-dir", str(out))
     _kill_trainer_mid_run(out, proc)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Failed" and summary["reason"] == "BackoffLimitExceeded", summary
     assert "backoffLimit is 0" in summary["message"] and "exit code -9" in summary["message"]
     assert summary["teardown"] == ORDER
@@ -179,7 +171,7 @@ def test_killed_trainer_that_lost_its_checkpoints_fails_the_job_naming_the_claim
     """The local face of a recreated trainer pod on an emptyDir: the checkpoints are gone when the trainer is
     restarted. It must not start over at step 0: CheckpointLost at once, as the operator judges it."""
     out = tmp_path / "run"
-    proc = _run([str(_manifest(tmp_path, backoffLimit=2)), "--json", "--output-dir", str(out)])
+    proc = start_local(str(_manifest(tmp_path, backoffLimit=2)), "--json", "--output-dir", str(out))
     _wait_for_step(out, 6, proc)  # past the step-5 checkpoint, which the runner read from the events
     actors = _role_processes(out, "actor")
     for a in actors:
@@ -196,7 +188,7 @@ def test_killed_trainer_that_lost_its_checkpoints_fails_the_job_naming_the_claim
             a.resume()
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Failed" and summary["reason"] == "CheckpointLost", summary
     assert "spec.trainer.checkpoint.claimName" in summary["message"] and "is gone" in summary["message"], summary
     assert summary["restarts"]["trainer"] == 1, summary
@@ -209,7 +201,7 @@ def test_crashed_role_is_restarted_within_its_budget_then_fails_the_job(tmp_path
     """A killed preprocessor is restarted (as the operator replaces its pod); past componentBackoffLimit the job
     fails naming it, with the ordered teardown."""
     out = tmp_path / "run"
-    proc = _run([str(_manifest(tmp_path, 5000, componentBackoffLimit=1)), "--json", "--output-dir", str(out)])
+    proc = start_local(str(_manifest(tmp_path, 5000, componentBackoffLimit=1)), "--json", "--output-dir", str(out))
     for expected_restarts in (1, 2):
         _wait_for_step(out, 2 * expected_restarts, proc)
         (victim,) = _role_processes(out, "preprocessor")
@@ -223,7 +215,7 @@ def test_crashed_role_is_restarted_within_its_budget_then_fails_the_job(tmp_path
             wait_for(replacement, 60, "a replacement preprocessor")
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Failed" and summary["reason"] == "ComponentBackoffLimitExceeded", summary
     assert "preprocessor-0" in summary["message"] and "componentBackoffLimit is 1" in summary["message"]
     assert summary["teardown"] == ORDER
@@ -234,7 +226,7 @@ def test_bad_manifest_names_the_field_and_starts_nothing(tmp_path):
     doc = specs.document(**{"spec.algorithm.maxSteps": 0})
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(doc))
-    proc = _run([str(path), "--output-dir", str(tmp_path / "run")])
+    proc = start_local(str(path), "--output-dir", str(tmp_path / "run"))
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "spec.algorithm.maxSteps" in stderr

@@ -3,11 +3,11 @@ trainer pod, MASTER_ADDR 127.0.0.1 and a free MASTER_PORT), the job succeeds, an
 
 from __future__ import annotations
 
-import json
 import time
 
 import yaml
-from test_local_runner import EXAMPLE, ORDER, _leftovers, _run
+from local_cli import start_local, summary_of
+from test_local_runner import EXAMPLE, ORDER, _leftovers
 import specs
 
 STEPS = 6
@@ -20,11 +20,11 @@ def test_tiny_job_on_two_trainer_nodes(tmp_path):
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _run([str(manifest), "--json", "--output-dir", str(out)])
+    proc = start_local(str(manifest), "--json", "--output-dir", str(out))
     stdout, stderr = proc.communicate(timeout=300)
     print(f"{STEPS} steps on 2 trainer ranks: {time.monotonic() - t0:.1f}s")
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Succeeded" and summary["steps"] == STEPS, summary
     assert summary["teardown"] == ORDER and summary["forced"] == [], summary
     logs = {rank: (out / "logs" / f"trainer-{rank}.log").read_text() for rank in (0, 1)}
@@ -48,11 +48,11 @@ def test_two_local_ranks_in_one_trainer_process(tmp_path):
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _run([str(manifest), "--json", "--output-dir", str(out)])
+    proc = start_local(str(manifest), "--json", "--output-dir", str(out))
     stdout, stderr = proc.communicate(timeout=300)
     print(f"{STEPS} steps on 2 local ranks of one trainer process: {time.monotonic() - t0:.1f}s")
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     assert summary["phase"] == "Succeeded" and summary["steps"] == STEPS, summary
     assert summary["teardown"] == ORDER and summary["forced"] == [], summary
     assert sorted(p.name for p in (out / "logs").glob("trainer-*.log")) == ["trainer-0.log"]
@@ -82,10 +82,10 @@ def test_fsdp_job_on_two_trainer_nodes_learns(tmp_path):
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _run([str(manifest), "--json", "--output-dir", str(out)])
+    proc = start_local(str(manifest), "--json", "--output-dir", str(out))
     stdout, stderr = proc.communicate(timeout=400)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     print(f"FSDP on 2 trainer nodes, {summary['steps']} steps: {time.monotonic() - t0:.1f}s; reward "
           f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}")
     assert summary["phase"] == "Succeeded" and summary["steps"] == summary["max_steps"] == 40, summary

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.test_local_episodes import rlkube_local, step_metrics
+from local_cli import local_env, run_local
+from tests.integration.test_local_episodes import step_metrics
 
 pytest.importorskip("verifiers")  # the `agents` extra
 
@@ -56,8 +57,7 @@ def test_a_verifiers_taskset_trains_unchanged_with_its_reward_every_step(tmp_pat
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    code, summary, stderr = rlkube_local(manifest, out, PYTHONPATH=pythonpath)
-    assert code == 0, stderr[-3000:]
+    summary, _ = run_local(manifest, out, timeout=300, env=local_env(PYTHONPATH=pythonpath))
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40, summary
     steps = step_metrics(out)

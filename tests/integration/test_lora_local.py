@@ -14,8 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
+from local_cli import start_local, summary_of
 import yaml
-from test_local_runner import ORDER, _leftovers, _role_processes, _run, _wait_for_step
+from test_local_runner import ORDER, _leftovers, _role_processes, _wait_for_step
 import specs
 
 pytestmark = pytest.mark.integration
@@ -28,10 +29,10 @@ MIN_MARGIN = 0.10
 
 def test_lora_job_learns_with_adapter_only_updates(tmp_path):
     out = tmp_path / "run"
-    proc = _run([str(EXAMPLE), "--json", "--output-dir", str(out)])
+    proc = start_local(str(EXAMPLE), "--json", "--output-dir", str(out))
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40
     assert summary["reward_last"] - summary["reward_first"] >= MIN_MARGIN, summary
@@ -55,7 +56,7 @@ def test_restarted_trainer_without_its_adapter_fails_the_job_naming_the_path(tmp
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
-    proc = _run([str(manifest), "--json", "--output-dir", str(out)])
+    proc = start_local(str(manifest), "--json", "--output-dir", str(out))
     _wait_for_step(out, 6, proc)
     actors = _role_processes(out, "actor")
     for a in actors:
@@ -74,7 +75,7 @@ def test_restarted_trainer_without_its_adapter_fails_the_job_naming_the_path(tmp
             a.resume()
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr[-3000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = summary_of(stdout)
     print(json.dumps(summary))
     assert summary["phase"] == "Failed", summary
     assert "spec.trainer.lora" in summary["message"] and str(deleted[-1]) in summary["message"], summary

@@ -7,12 +7,10 @@ the built-in task like the torch backend does, finishes, and tears down in order
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from local_cli import run_local
 import yaml
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
@@ -30,12 +28,7 @@ def test_tiny_job_on_the_megatron_backend_learns_and_finishes(tmp_path):
     manifest = tmp_path / "tiny-megatron.yaml"
     manifest.write_text(yaml.safe_dump(job))
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir", str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_local(manifest, out, timeout=600)
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40
     assert summary["teardown"] == ["actor", "preprocessor", "inference", "trainer", "redis"]

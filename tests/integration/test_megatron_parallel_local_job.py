@@ -5,13 +5,11 @@ trains the documents rank 0 reads, the job learns the built-in task, finishes, a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from local_cli import run_local
 import yaml
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.core import checkpoint as ckpt
@@ -29,13 +27,8 @@ def test_tiny_job_with_megatron_tensor_parallel_2_on_two_nodes_learns(tmp_path):
     manifest.write_text(yaml.safe_dump(job))
     out = tmp_path / "run"
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir", str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900, check=False,
-    )
+    summary, _ = run_local(manifest, out, timeout=900)
     print(f"40 steps, megatron TP 2 on 2 trainer nodes: {time.monotonic() - t0:.1f}s")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(summary))
     assert summary["phase"] == "Succeeded" and summary["steps"] == 40
     assert summary["teardown"] == ["actor", "preprocessor", "inference", "trainer", "redis"]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from local_cli import summary_of
 import rlkube
 from rlkube.core.actor.episodes import Limits, MessageEncoder, Reply, Turn, run_episode
 from rlkube.core.hf.builtin import char_tokenizer
@@ -244,7 +245,7 @@ def test_the_network_stays_refused_as_the_pod_s_unprivileged_user_without_capabi
                            "TMPDIR=/tmp", SYSTEM_PYTHON, "-c", DRIVER, str(listener.getsockname()[1])],
                           capture_output=True, text=True, timeout=120, cwd="/tmp")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = summary_of(proc.stdout)
     assert out["uid"] == POD_UID and int(out["caps"], 16) == 0
     netns = "netns" in out["netns+audit"][2]
     assert out["netns+audit"][:2] == ["refused", "audit hook"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from local_cli import run_local
 from core_roles import (
     add_documents,
     keys_for,
@@ -260,15 +261,12 @@ def test_rlkube_local_with_an_unreachable_tracker_succeeds_with_one_condition(tm
                                                                            "tensorboard": {}}})
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
-                           str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, stderr = run_local(manifest, out, timeout=600)
     assert summary["phase"] == "Succeeded" and summary["steps"] == 4, summary
     (condition,) = summary["conditions"]
     assert condition["type"] == "TrackerFailed" and condition["status"] == "True"
     assert condition["message"].startswith("mlflow failed: ") and len(condition["message"].splitlines()) == 1
-    assert proc.stderr.count("mlflow failed: ") == 1
+    assert stderr.count("mlflow failed: ") == 1
     scalars = tensorboard_scalars(out / "checkpoints" / "tracking" / "tensorboard")
     assert [s for s, _ in scalars["train/reward_mean"]] == [1, 2, 3, 4]
 
@@ -286,10 +284,7 @@ def test_rlkube_local_tiny_job_reaches_a_real_mlflow_server_with_its_evaluations
                                                          "experimentName": "local"}}})
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "rlkube.cli", "local", str(manifest), "--json", "--output-dir",
-                           str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_local(manifest, out, timeout=600)
     assert summary["phase"] == "Succeeded" and summary["conditions"] == [], summary
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evaluations = [json.loads(line) for line in (out / "evaluation.jsonl").read_text().splitlines()]
