@@ -1,4 +1,4 @@
-"""The roles of a TrainingJob, as one enum of the API.
+"""The roles of a TrainingJob and its trainer backends, as enums of the API.
 
 A role names a spec section (spec.trainer, spec.actor, ...), a pod's `rlkube.io/role` label, its Service, its
 condition and its teardown stage: one spelling here keeps them from drifting. The members are strings, so a label
@@ -19,3 +19,12 @@ class Role(StrEnum):
     SANDBOX = "sandbox"
     PREPROCESSOR = "preprocessor"
     ACTOR = "actor"
+
+
+class Backend(StrEnum):
+    """spec.trainer.backend: the trainer's training stack. `fast-llm` runs Fast-LLM's own trainer (docs/design.md
+    §8), whose Redis keys, weight broadcast and pod differ from ours."""
+
+    TORCH = "torch"
+    MEGATRON = "megatron"
+    FAST_LLM = "fast-llm"

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from rlkube.api.role import Backend
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -63,7 +65,7 @@ class StreamKeys:
 
     @classmethod
     def for_job(cls, namespace: str, job: str, backend: str = "torch") -> StreamKeys:
-        return cls("" if backend == "fast-llm" else f"{namespace}/{job}/")
+        return cls("" if backend == Backend.FAST_LLM else f"{namespace}/{job}/")
 
     @property
     def events(self) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlkube.api.model_path import BUILTIN_ATTENTION_HEADS, parse_model_path
-from rlkube.api.role import Role
+from rlkube.api.role import Backend, Role
 from rlkube.api.spec import API_VERSION, KIND, TrainingJobSpec
 from rlkube.api.task import TaskSpec
 from rlkube.contract.parallel import tensor_parallel_heads_error, trainer_world_size
@@ -73,7 +73,7 @@ def rank_errors(spec: TrainingJobSpec) -> list[FieldError]:
     trainer = spec.trainer
     if trainer.processes_per_node is not None:
         where = "spec.trainer.processesPerNode"
-        if trainer.backend == "fast-llm":
+        if trainer.backend == Backend.FAST_LLM:
             errs.append(FieldError(where, "fast-llm starts its own processes (one per GPU); leave it unset"))
         elif trainer.gpus_per_node and trainer.processes_per_node != trainer.gpus_per_node:
             errs.append(FieldError(where, f"must equal gpusPerNode ({trainer.gpus_per_node}): one rank per GPU"))
@@ -269,7 +269,7 @@ def semantic_errors(spec: TrainingJobSpec) -> list[FieldError]:
         errs.append(FieldError("spec.redis.url", "required when spec.redis.mode is external"))
     if spec.redis.mode == "managed" and spec.redis.url:
         errs.append(FieldError("spec.redis.url", "must be empty when spec.redis.mode is managed"))
-    if spec.trainer.backend == "fast-llm":
+    if spec.trainer.backend == Backend.FAST_LLM:
         errs += fast_llm_errors(spec)
     errs += loss_extension_errors(spec) + sft_errors(spec) + lora_errors(spec) + environment_errors(spec)
     errs += evaluation_errors(spec) + sandbox_errors(spec) + colocated_errors(spec)
@@ -390,7 +390,7 @@ def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:
         what = "sharding fsdp" if trainer.backend == "torch" else f"backend {trainer.backend}"
         errs.append(FieldError("spec.algorithm.klCoef", f"a KL to the reference policy is implemented for the torch "
                                f"backend without FSDP, not {what}; set klCoef to 0"))
-    if algo.off_policy_correction.mode != "none" and trainer.backend == "fast-llm":
+    if algo.off_policy_correction.mode != "none" and trainer.backend == Backend.FAST_LLM:
         errs.append(FieldError("spec.algorithm.offPolicyCorrection.mode", "fast-llm computes its own loss; "
                                "off-policy correction is for backends torch and megatron (use mode none)"))
     return errs

@@ -5,6 +5,7 @@ trackers the trainer could not log to (condition TrackerFailed), and whether the
 
 from __future__ import annotations
 
+from rlkube.api.role import Backend
 from rlkube.api.status import AgentStatus, CheckpointRef, Completion
 from rlkube.controller.decisions.conditions import get
 from rlkube.controller.decisions.pass_state import Pass, outcome
@@ -48,7 +49,7 @@ def ingest_events(p: Pass) -> None:
             final_step = facts.step if facts.step is not None else tr.step
             checkpoint = facts.checkpoint[1] if facts.checkpoint else None
             if facts.step is None and not facts.interrupted and p.spec is not None and (
-                    p.spec.trainer.backend == "fast-llm"):
+                    p.spec.trainer.backend == Backend.FAST_LLM):
                 # Fast-LLM's training_finished carries no step: it stands for its final step and checkpoint, not
                 # for the last weights_ready (none comes for a skipped update) (docs/design.md §8).
                 final_step, checkpoint = fastllm.finished(p.spec)

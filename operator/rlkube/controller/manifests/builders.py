@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlkube.api.role import Role
+from rlkube.api.role import Backend, Role
 from rlkube.api.spec import GPU, TrainingJobSpec
 from rlkube.contract import runtime
 from rlkube.controller.manifests import fastllm, names, podtemplate
@@ -126,7 +126,7 @@ def writable_root(spec: TrainingJobSpec, role: str) -> bool:
     is not one: its caches follow HOME onto /tmp (VLLM_CACHE_ROOT, torch's inductor directory), shown on a real
     kubelet by tests/e2e/test_vllm_image.py; vLLM on GPUs (JIT and kernel caches) has not been run on one here."""
     return (role == Role.INFERENCE and spec.inference.engine == "vllm" and spec.gpus_per_pod(Role.INFERENCE) > 0) or (
-        role == Role.TRAINER and spec.trainer.backend == "fast-llm"
+        role == Role.TRAINER and spec.trainer.backend == Backend.FAST_LLM
     )
 
 
@@ -466,7 +466,7 @@ def _trainer_pod(job: JobRef, index: int, attempt: int, resume_checkpoint: str |
         if ckpt.claim_name
         else {"name": names.VOLUME_CHECKPOINTS, "emptyDir": {}}
     )
-    if spec.trainer.backend == "fast-llm":
+    if spec.trainer.backend == Backend.FAST_LLM:
         container = fastllm.trainer_container(container, spec, job.name, index, MASTER_PORT)
     annotations = {names.ANNOTATION_ATTEMPT: str(attempt)}
     if resume_checkpoint:

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from rlkube.api.role import Role
+from rlkube.api.role import Backend, Role
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import checkpoint_loss, protocol, runtime
 from rlkube.contract import fast_llm_rendezvous
@@ -75,7 +75,7 @@ def _loss(spec: TrainingJobSpec) -> dict[str, Any]:
 
 def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str, Any]:
     """The Fast-LLM `train gpt` config of a job, as the dict its YAML file holds."""
-    if spec.trainer.backend != "fast-llm":
+    if spec.trainer.backend != Backend.FAST_LLM:
         raise ValueError(f"spec.trainer.backend is {spec.trainer.backend!r}, not fast-llm")
     algo, fast = spec.algorithm, spec.trainer.fast_llm
     fmt = fast.model_format
@@ -151,7 +151,7 @@ def finished(spec: TrainingJobSpec) -> tuple[int, str]:
 
 def config_map_data(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str, str]:
     """What a fast-llm job adds to its ConfigMap (nothing for the other backends)."""
-    if spec.trainer.backend != "fast-llm":
+    if spec.trainer.backend != Backend.FAST_LLM:
         return {}
     text = yaml.safe_dump(training_config(spec, namespace, job), sort_keys=False, default_flow_style=False)
     return {CONFIG_KEY: text}

@@ -16,12 +16,12 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from rlkube.api.role import Backend
 from rlkube.contract import protocol
 from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
 log = logging.getLogger("rlkube.inference")
 
-FAST_LLM = "fast-llm"
 """`spec.trainer.backend` whose trainer broadcasts Fast-LLM's way."""
 
 
@@ -132,4 +132,4 @@ class FastLlmBroadcast(WeightSource):
 
 def weight_source(spec) -> WeightSource:
     """The source `spec` (a TrainingJobSpec) implies: Fast-LLM's broadcast for a Fast-LLM trainer, else ours."""
-    return FastLlmBroadcast() if spec.trainer.backend == FAST_LLM else WeightSource()
+    return FastLlmBroadcast() if spec.trainer.backend == Backend.FAST_LLM else WeightSource()

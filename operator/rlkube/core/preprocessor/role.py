@@ -16,6 +16,7 @@ import time
 
 import redis
 
+from rlkube.api.role import Backend
 from rlkube.contract import protocol, samples, streams, zero_advantage
 from rlkube.core.actor.lag import documents_seen_of
 from rlkube.core.preprocessor.documents import DocumentConfig, documents_with_sources, too_long
@@ -102,17 +103,17 @@ class PreprocessorRole:
             max_length=ctx.spec.model.max_sequence_length,
             drop_singletons=algo.loss != "sft",
             filter_zero_advantage=zero_advantage.filters(ctx.spec),
-            documents_per_version=algo.samples_per_step if ctx.spec.trainer.backend == "fast-llm" else 0,
+            documents_per_version=algo.samples_per_step if ctx.spec.trainer.backend == Backend.FAST_LLM else 0,
         )
         # A Fast-LLM trainer reads Fast-LLM's document fields only (protocol.FAST_LLM_DOCUMENT_FIELDS).
-        self.ours = ctx.spec.trainer.backend != "fast-llm"
+        self.ours = ctx.spec.trainer.backend != Backend.FAST_LLM
         # version -> documents_seen of every weights_ready read (model_version's units for Fast-LLM). The events
         # are read after the rollouts, and an actor samples with a version only after its event, so the
         # version of every group read is here.
         self.announced: dict[int, int] = {}
         self.stall_bound = zero_advantage.limit(ctx.spec)
         # Records for the trainer's sample tables (spec.samples); a Fast-LLM trainer reads none (it keeps no samples).
-        self.records = ctx.spec.samples.every_steps > 0 and ctx.spec.trainer.backend != "fast-llm"
+        self.records = ctx.spec.samples.every_steps > 0 and ctx.spec.trainer.backend != Backend.FAST_LLM
         self.filtered_in_a_row = 0  # filtered groups since the last group that became documents
         self.max_ahead = max_ahead if max_ahead is not None else 2 * algo.samples_per_step
         self.consumer = protocol.preprocessor_consumer(ctx.index)
