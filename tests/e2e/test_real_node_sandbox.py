@@ -115,9 +115,10 @@ def test_hostile_snippets_in_gvisor_sandbox_pods_are_refused_or_bounded_and_the_
     manifest = specs.with_overrides(doc, {
         **LOCAL_IMAGES,
         "spec.inference.resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
-        # The probe episode sends its snippets one after another while the other episodes train; under gVisor they
-        # (and the timing calls after them) take tens of seconds, so the job runs long enough to see them all.
-        "spec.algorithm.maxSteps": 40 if RUNTIME == "runsc" else 4, "spec.algorithm.samplesPerStep": 16,
+        # The probe episode sends its snippets and then times 24 tool calls while the other episodes train: under
+        # gVisor, or under runc on a loaded machine (a 4-step job once ended first in CI), that takes seconds to tens
+        # of seconds, so the job runs long enough to see them all (40 steps: ~15 s more than 4 under runsc).
+        "spec.algorithm.maxSteps": 40, "spec.algorithm.samplesPerStep": 16,
         "spec.task.environment": {
             "entryPoint": "sandbox_probe_env:factory", "maxTurns": 3, "maxEpisodeTokens": 24,
             "toolTimeoutSeconds": 600, "episodeTimeoutSeconds": 900,
