@@ -94,8 +94,6 @@ class ModelSpec(Model):
     )
 
 
-
-
 class EvaluationSpec(Model):
     """Evaluation while training: a fixed set of held-out prompts scored every `everyVersions` weight versions with
     fixed sampling settings by actor 0, never trained on (rlkube.core.actor.evaluation)."""
@@ -247,8 +245,6 @@ class LoraSpec(Model):
         default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1,
         description="Module names (suffixes of the model's Linear layers) that get an adapter; default: every "
         "linear layer of the decoder blocks (embeddings and the LM head stay frozen).")
-
-
 
 
 FastLLMModelFormat = Literal["llama", "qwen2", "mistral", "mixtral"]
@@ -538,8 +534,6 @@ class TeardownSpec(Model):
     keep_trainer_pod: bool = Field(
         False, description="Leave finished trainer pods in place so their logs stay readable."
     )
-
-
 
 
 class TrainingJobSpec(Model):
