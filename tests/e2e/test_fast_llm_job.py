@@ -1,6 +1,6 @@
 """`trainer.backend: fast-llm` through the operator (docs/design.md §8), one job per engine (the vLLM one in the
 vllm tier: RLKUBE_VLLM_PYTHON, as tests/e2e/test_vllm_job.py): the trainer pod runs
-the operator's command (rlkube.core.fast_llm_launch -> torchrun -> `fast-llm train gpt --config ...`) where the
+the operator's command (rlkube.core.launch.fast_llm -> torchrun -> `fast-llm train gpt --config ...`) where the
 image's `fast-llm` is the stand-in (tests/integration/fast_llm_stand_in.py, Fast-LLM's Redis and broadcast calls
 over gloo; a GPU job's config says NCCL for vLLM, which on CPUs the stand-in and vLLM's worker both replace with
 gloo). The inference server joins Fast-LLM's broadcast group at start-up, becomes healthy on the first update,

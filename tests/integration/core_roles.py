@@ -21,7 +21,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.contract import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model
-from rlkube.core.losses import token_logprobs
+from rlkube.core.training.losses import token_logprobs
 import specs
 import waiting
 

@@ -21,7 +21,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
 from rlkube.contract.protocol import StreamKeys
 from rlkube.core.trainer import Trainer
-from rlkube.core.lora import wire_config
+from rlkube.core.training.lora import wire_config
 from rlkube.core.weights.publication import WeightPublisher
 from rlkube.core.weights.wire import AdapterUpdate, pack_weights, transfer_dtype
 

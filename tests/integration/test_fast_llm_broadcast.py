@@ -1,4 +1,4 @@
-"""Fast-LLM's weight broadcast, received as both engines receive it (rlkube.core.fast_llm_weights), from a sender
+"""Fast-LLM's weight broadcast, received as both engines receive it (rlkube.core.weights.fast_llm), from a sender
 that frames it as Fast-LLM's own broadcast code does (fast_llm_stand_in.py, after fast_llm/core/distributed.py
 and the streaming callback at the recorded commit), over gloo on loopback. One test per rendezvous fact: the world size of
 replicas x tensorParallel, the rank order, the store prefix, the end marker; and the metadata (pickled shape and
@@ -16,7 +16,7 @@ from fast_llm_stand_in import broadcast_group, send, send_pickled
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import fastllm
 from rlkube.contract import fast_llm_rendezvous, runtime
-from rlkube.core.fast_llm_weights import FastLlmReceiver, unpickle_metadata
+from rlkube.core.weights.fast_llm import FastLlmReceiver, unpickle_metadata
 from rlkube.core.weights.group import WeightSyncError
 from rlkube.local.ports import free_port
 
@@ -26,7 +26,7 @@ TIMEOUT = datetime.timedelta(seconds=30)
 @pytest.fixture(autouse=True)
 def under_torchrun(monkeypatch):
     # Fast-LLM's ranks run under torchrun, whose agent store makes rank 0's rendezvous a client of the store the
-    # launcher hosts (rlkube.core.fast_llm_launch); the receivers are clients either way.
+    # launcher hosts (rlkube.core.launch.fast_llm); the receivers are clients either way.
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
 
 

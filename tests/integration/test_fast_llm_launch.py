@@ -1,4 +1,4 @@
-"""The Fast-LLM trainer pod's launcher (rlkube.core.fast_llm_launch) against a real password-protected redis-server
+"""The Fast-LLM trainer pod's launcher (rlkube.core.launch.fast_llm) against a real password-protected redis-server
 and a real torchrun, with a stand-in for `fast-llm train gpt` that makes Fast-LLM's Redis and torch.distributed
 calls (fast_llm_stand_in.py; Fast-LLM itself needs Python 3.12 and CUDA).
 
@@ -26,8 +26,8 @@ import torch
 import yaml
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import fastllm
-from rlkube.core import fast_llm_launch
-from rlkube.core.fast_llm_weights import FastLlmReceiver
+from rlkube.core.launch import fast_llm as fast_llm_launch
+from rlkube.core.weights.fast_llm import FastLlmReceiver
 from rlkube.local.ports import free_port
 from rlkube.local.redis_server import RedisServer
 
@@ -188,7 +188,7 @@ def test_without_the_launchers_store_fast_llm_cannot_rendezvous(secured_redis, a
 
 def test_exit_status_and_sigterm_pass_through(tmp_path):
     upstream = ("127.0.0.1", free_port())  # never connected to in this test
-    base = [sys.executable, "-m", "rlkube.core.fast_llm_launch", "--redis-listen", f"127.0.0.1:{free_port()}",
+    base = [sys.executable, "-m", "rlkube.core.launch.fast_llm", "--redis-listen", f"127.0.0.1:{free_port()}",
             "--redis-upstream", f"{upstream[0]}:{upstream[1]}", "--"]
     assert subprocess.run([*base, sys.executable, "-c", "raise SystemExit(7)"], timeout=60).returncode == 7
     child = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(5)); "

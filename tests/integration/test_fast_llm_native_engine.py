@@ -15,7 +15,7 @@ from hf_models import write_tiny_model
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import fastllm
 from rlkube.contract import protocol
-from rlkube.core import fast_llm_launch
+from rlkube.core.launch import fast_llm as fast_llm_launch
 from rlkube.local.ports import free_port
 from serve_helpers import RoleProcesses, http_json, http_status, wait_for, write_config
 

@@ -4,7 +4,7 @@ rejoins the new trainer's broadcast group as soon as the trainer pod's launcher 
 new trainer's group constructor does not wait out its timeout; the trainer resumes from its checkpoint and every
 step after it is trained exactly once.
 
-Real parts: redis-server, the trainer pod's launcher (rlkube.core.fast_llm_launch: Redis relay, broadcast store,
+Real parts: redis-server, the trainer pod's launcher (rlkube.core.launch.fast_llm: Redis relay, broadcast store,
 generation announcement), the native inference server (the inference role's process). Fast-LLM is the stand-in
 (fast_llm_stand_in.py: Fast-LLM's Redis and broadcast calls, and its checkpoint/resume of completed_steps and
 documents_seen), started as the pod runs it (`fast-llm train gpt --config ...`, without torchrun: one rank).
@@ -79,7 +79,7 @@ def test_a_restarted_fast_llm_trainer_is_rejoined_and_resumes_from_its_checkpoin
     (tmp_path / "fast-llm.yaml").write_text(yaml.safe_dump(config))
     # The pod's command (controller.manifests.fastllm.pod_command) with loopback ports, `fast-llm` run as the
     # stand-in.
-    command = [sys.executable, "-m", "rlkube.core.fast_llm_launch", "--redis-listen", f"127.0.0.1:{relay_port}",
+    command = [sys.executable, "-m", "rlkube.core.launch.fast_llm", "--redis-listen", f"127.0.0.1:{relay_port}",
                "--redis-upstream", f"127.0.0.1:{redis_server.port}", "--broadcast-store-port", str(store_port),
                "--events-stream", protocol.EVENTS_STREAM, "--",
                sys.executable, str(STAND_IN), "train", "gpt", "--config", str(tmp_path / "fast-llm.yaml"),

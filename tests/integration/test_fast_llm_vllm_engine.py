@@ -25,7 +25,7 @@ from hf_models import write_tiny_model
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import fastllm
 from rlkube.contract import protocol
-from rlkube.core import fast_llm_launch
+from rlkube.core.launch import fast_llm as fast_llm_launch
 from rlkube.local.ports import free_port
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from serve_helpers import RoleProcesses, http_json, http_status, log_text, wait_for, write_config
@@ -79,7 +79,7 @@ def test_vllm_engine_receives_fast_llms_broadcast(tmp_path, redis_server, redis_
     roles = RoleProcesses(tmp_path, redis_server.url, write_config(tmp_path, raw))
     store_host, store_port = roles.weight_sync_addr.rsplit(":", 1)
     config = fastllm.training_config(spec, "ns", "job")
-    # A GPU job's vLLM servers receive over NCCL; this CPU server's worker joins over gloo (rlkube.core.vllm_worker),
+    # A GPU job's vLLM servers receive over NCCL; this CPU server's worker joins over gloo (rlkube.core.inference.vllm_worker),
     # so the stand-in broadcasts over gloo, as Fast-LLM does when so configured.
     assert config["callbacks"]["streaming"]["broadcast"]["backend"] == "nccl"
     config["callbacks"]["streaming"]["broadcast"].update(backend="gloo", host=store_host, port=int(store_port))

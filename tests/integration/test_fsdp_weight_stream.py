@@ -29,7 +29,7 @@ from core_roles import (
 )
 from hf_models import builtin_dir
 from rlkube.contract import protocol, runtime
-from rlkube.core import lora
+from rlkube.core.training import lora
 from rlkube.core.weights.group import StaleEpoch, WeightReceiver
 from rlkube.core.weights.wire import ADAPTER, checksums_match
 from rlkube.lifecycle.validation import parse_spec

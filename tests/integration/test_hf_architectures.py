@@ -22,8 +22,8 @@ from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.inference.native_engine import NativeEngine
 from rlkube.core.inference.shell import WeightFollower
-from rlkube.core.losses import token_logprobs
-from rlkube.core.sampling import GenerationRequest, SamplingEngine
+from rlkube.core.training.losses import token_logprobs
+from rlkube.core.inference.sampling import GenerationRequest, SamplingEngine
 from rlkube.core.trainer import Trainer
 from rlkube.core.weights.group import WeightReceiver
 from rlkube.core.weights.publication import WeightPublisher

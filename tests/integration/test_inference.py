@@ -20,7 +20,7 @@ import torch
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.contract import protocol
 from hf_models import initial_model
-from rlkube.core.losses import token_logprobs
+from rlkube.core.training.losses import token_logprobs
 from rlkube.core.weights.group import WeightSender
 from rlkube.core.weights.wire import checksums_match, weights_checksum
 from serve_helpers import (

@@ -11,7 +11,7 @@ Tolerance: float32, only the gradients' summation order differs (reduce-scatter 
 element's update by its own gradient's size (m / sqrt(v)), so an element whose gradient is tiny and a sum of
 cancelling terms (layer 0's q_proj lora_A: sqrt(v) ~5e-7) turns that sum's RELATIVE rounding error into an update
 error of lr x that error. The adapter (which moves ~5e-2) is therefore compared to ADAPTER_TOLERANCE = 1e-4: 5.0e-7
-on every run, since the fresh adapter is drawn from spec.model.seed (rlkube.core.lora.wrap). While it was drawn
+on every run, since the fresh adapter is drawn from spec.model.seed (rlkube.core.training.lora.wrap). While it was drawn
 at random, it measured 3.6e-7 to 2.0e-5, and once 1.1e-4 (a CI run): the error depends on the initial adapter, so
 the test must start from a fixed one. A gradient averaged over the ranks instead of summed gave 3.8e-3, a resume
 that lost the LR schedule 1.5e-2. The loss and gradient norm are compared as in
@@ -32,8 +32,8 @@ from core_roles import (
     roles_fixture,  # noqa: F401  (fixture roles)
 )
 from rlkube.contract import protocol
-from rlkube.core import checkpoint as ckpt
-from rlkube.core import lora
+from rlkube.core.training import checkpoint as ckpt
+from rlkube.core.training import lora
 from rlkube.core.hf.loading import load_model
 from rlkube.core.trainer import Trainer
 from rlkube.core.weights.wire import ADAPTER, FULL, checksums_match

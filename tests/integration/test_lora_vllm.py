@@ -20,7 +20,7 @@ import redis
 import torch
 from rlkube.contract import protocol
 from rlkube.core.hf.loading import load_model
-from rlkube.core.losses import token_logprobs
+from rlkube.core.training.losses import token_logprobs
 from rlkube.core.trainer import Trainer
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from rlkube.core.weights.publication import WeightPublisher
@@ -112,7 +112,7 @@ def test_vllm_serves_the_lora_trainers_merged_weights(tmp_path, redis_server):
     finally:
         publisher.close()
         children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        roles.cleanup()  # SIGKILLs the server: vLLM's processes then end themselves (rlkube.core.vllm_worker)
+        roles.cleanup()  # SIGKILLs the server: vLLM's processes then end themselves (rlkube.core.inference.vllm_worker)
         _, alive = psutil.wait_procs(children, timeout=15)
         for child in alive:
             child.kill()

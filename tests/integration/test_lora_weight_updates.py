@@ -16,13 +16,13 @@ import torch
 from cluster.control_plane import free_port
 from hf_models import builtin_dir
 from rlkube.contract import protocol
-from rlkube.core import lora
+from rlkube.core.training import lora
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.inference.native_engine import NativeEngine
 from rlkube.core.inference.shell import WeightFollower
-from rlkube.core.losses import token_logprobs
-from rlkube.core.sampling import GenerationRequest, SamplingEngine
+from rlkube.core.training.losses import token_logprobs
+from rlkube.core.inference.sampling import GenerationRequest, SamplingEngine
 from rlkube.core.trainer import Trainer
 from rlkube.core.weights.group import WeightReceiver, WeightSender, WeightSyncError
 from rlkube.core.weights.publication import WeightPublisher

@@ -21,7 +21,7 @@ from hf_models import write_tiny_model
 from learning_run import assert_reward_rose, learning_run, tiny_cpu_spec
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol
 from rlkube.core.trainer import Trainer
 

@@ -16,8 +16,8 @@ import torch
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
 from rlkube.contract import protocol
 from rlkube.core.backends.base import batch_loss
-from rlkube.core.batch import collate
-from rlkube.core.losses import LossConfig, token_logprobs
+from rlkube.core.training.batch import collate
+from rlkube.core.training.losses import LossConfig, token_logprobs
 
 pytestmark = [
     pytest.mark.megatron,
@@ -76,7 +76,7 @@ def load(path, dtype=torch.float32):
 
 
 def read_hf_weights(path):
-    from rlkube.core.checkpoint import load_weights
+    from rlkube.core.training.checkpoint import load_weights
 
     return load_weights(path)
 
@@ -171,7 +171,7 @@ def grad_step(logits_fn, params, batch, config):
 @pytest.mark.parametrize("loss", ["grpo", "sft"])
 @pytest.mark.parametrize("cls_name, overrides", [m[1:] for m in MODELS], ids=[m[0] for m in MODELS])
 def test_loss_and_grad_norm_equal_the_transformers_models(tmp_path, loss, cls_name, overrides):
-    """One optimizer step's loss and gradient (rlkube.core.losses on both models' logits) agree."""
+    """One optimizer step's loss and gradient (rlkube.core.training.losses on both models' logits) agree."""
     hf, path = write_model(tmp_path, cls_name, **overrides)
     hf.train()  # attention_dropout is 0: train mode computes the same function
     gpt = load(path)
@@ -239,7 +239,7 @@ def test_activation_recomputation_gives_the_same_gradients(tmp_path):
 def test_chunked_logprobs_equal_the_full_logits(tmp_path, cls_name, overrides):
     """The loss's log-probs (MegatronGPT.token_logprobs: final hidden states, output layer 5 tokens at a time under
     checkpointing) equal losses.token_logprobs / token_entropy of the full logits, with the same gradients (1e-5)."""
-    from rlkube.core.losses import token_entropy
+    from rlkube.core.training.losses import token_entropy
 
     _, path = write_model(tmp_path, cls_name, **overrides)
     tokens = tokens_of(3)

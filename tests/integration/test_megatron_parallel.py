@@ -34,7 +34,7 @@ import pytest
 import torch
 from hf_models import write_tiny_model
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.local.ports import free_port
 
 pytestmark = [

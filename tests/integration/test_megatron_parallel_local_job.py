@@ -12,7 +12,7 @@ import pytest
 from local_cli import run_local
 import yaml
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 import specs
 
 pytestmark = pytest.mark.megatron

@@ -18,7 +18,7 @@ from core_roles import (
     train_with_inference,
 )
 from megatron_tier import megatron_core  # noqa: F401  (autouse: fails the tier without megatron-core)
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol
 
 pytestmark = pytest.mark.megatron

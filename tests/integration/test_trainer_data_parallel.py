@@ -25,7 +25,7 @@ from core_roles import (
     wait_for_event,
 )
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol, runtime, streams
 from rlkube.contract.context import RoleContext
 from rlkube.core.trainer import Trainer

@@ -26,7 +26,7 @@ from core_roles import (
     wait_for_event,
 )
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol
 from rlkube.core.trainer import Trainer
 from safetensors.torch import load_file

@@ -1,4 +1,4 @@
-"""`python -m rlkube.core.launcher`: the process of a trainer pod with several ranks (trainer.processesPerNode 2
+"""`python -m rlkube.core.launch.ranks`: the process of a trainer pod with several ranks (trainer.processesPerNode 2
 on CPU, gloo), started with exactly the env the operator gives the pod (lifecycle.environment.role_env), against a
 real Redis. Both ranks together equal single-process training on the union of each step's documents (torch and
 megatron backends); SIGTERM to the launcher alone (kubelet signals only the container's first process) stops both
@@ -26,7 +26,7 @@ from core_roles import (
     wait_for_event,
 )
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol, runtime
 from rlkube.core.trainer import Trainer
 from rlkube.lifecycle import environment

@@ -19,7 +19,7 @@ from core_roles import (
     wait_for_event,
 )
 from rlkube.lifecycle.validation import parse_spec
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol, runtime
 from hf_models import initial_model
 from rlkube.core.hf.loading import load_model

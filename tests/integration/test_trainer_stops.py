@@ -19,7 +19,7 @@ from core_roles import (
     tiny_spec,
     wait_for,
 )
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.contract import protocol, runtime
 from rlkube.core.trainer import ENV_DOCUMENT_TIMEOUT, document_timeout_from_env
 from rlkube.core.weights.group import WeightReceiver

@@ -13,7 +13,7 @@ from core_roles import (
     tiny_spec,
     train_with_inference,
 )
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 
 START_TIMEOUT = 90
 

@@ -93,7 +93,7 @@ def stack(tmp_path_factory, redis_server):
         yield roles, url, proc
     finally:
         children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        roles.cleanup()  # SIGKILLs the server: vLLM's processes then end themselves (rlkube.core.vllm_worker)
+        roles.cleanup()  # SIGKILLs the server: vLLM's processes then end themselves (rlkube.core.inference.vllm_worker)
         _, alive = psutil.wait_procs(children, timeout=15)
         for child in alive:
             child.kill()

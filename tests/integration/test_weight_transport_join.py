@@ -24,7 +24,7 @@ from rlkube.contract import weight_transport as wt
 from rlkube.contract.context import RoleContext
 from rlkube.core.inference.native_engine import weight_receiver
 from rlkube.core.inference.vllm_engine import weight_group
-from rlkube.core.vllm_worker import RlkubeWorkerExtension
+from rlkube.core.inference.vllm_worker import RlkubeWorkerExtension
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.local.ports import free_port
 from tests.specs import spec as spec_doc

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 
 
 def _model(seed=0):

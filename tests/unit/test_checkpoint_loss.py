@@ -14,7 +14,7 @@ import yaml
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import builders, names
 from rlkube.contract import runtime
-from rlkube.core.checkpoint import checkpoint_name
+from rlkube.core.training.checkpoint import checkpoint_name
 from rlkube.contract import checkpoint_loss
 from rlkube.lifecycle.environment import Addresses, operator_env_names, role_env
 from rlkube.lifecycle.evidence import Evidence, Failure
@@ -71,7 +71,7 @@ def test_the_message_names_the_path_step_what_was_found_and_the_field():
 
 def test_the_judgement_fails_the_job_at_once_with_checkpoint_lost():
     text = f"{FIELD}: {checkpoint_loss.loss(SAVED, None, '/checkpoints')}"
-    # As the launcher reports a failed rank (rlkube.core.launcher): prefixed, still recognised.
+    # As the launcher reports a failed rank (rlkube.core.launch.ranks): prefixed, still recognised.
     for message in (text, f"trainer rank 0 (node 0, local rank 0) exited 78: {text}"):
         failure = Failure("trainer", "tj-trainer-0", runtime.EXIT_CONFIG, message)
         ev = Evidence(now=datetime(2025, 1, 1, tzinfo=UTC), config_error=failure, restarts={"trainer": 1})

@@ -1,5 +1,5 @@
 """The loss's log-probs and entropy taken chunk by chunk from the final hidden states
-(rlkube.core.losses.chunked_token_logprobs) equal the full-logits path (token_logprobs / token_entropy / batch_loss):
+(rlkube.core.training.losses.chunked_token_logprobs) equal the full-logits path (token_logprobs / token_entropy / batch_loss):
 loss, statistics and gradients to 1e-5, for any chunk size, at temperature 1 and not, untied and tied LM heads, the
 heads the backends pass (with a bias, bfloat16, LoRA-adapted, frozen hidden states), the KL and off-policy terms, and
 through TorchBackend.forward_backward; a float64 gradient check of the chunked log-probs (the backward is written by
@@ -18,8 +18,8 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.contract import protocol
 from rlkube.core.backends.base import batch_loss, logprob_loss
 from rlkube.core.backends.torch_backend import TorchBackend
-from rlkube.core.batch import collate
-from rlkube.core.losses import (LossConfig, OffPolicyConfig, VocabParallel, chunked_token_logprobs, token_entropy,
+from rlkube.core.training.batch import collate
+from rlkube.core.training.losses import (LossConfig, OffPolicyConfig, VocabParallel, chunked_token_logprobs, token_entropy,
                                 token_logprobs)
 
 from hf_models import builtin_dir, write_tiny_model

@@ -1,7 +1,7 @@
 """Colocated placement (spec.inference.placement `colocated`, docs/guide/colocated.md): what validation refuses (the
 webhook, `rlkube validate` and the operator alike), what the builders make of it (one trainer pod running both
 processes, Ready when its engine is), the actors' gate, the engine's environment, and the supervisor's verdict
-(rlkube.core.colocated) when either process fails."""
+(rlkube.core.launch.colocated) when either process fails."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from rlkube.controller.decisions.actions import Create
 from rlkube.api.status import TrainingJobStatus
 from rlkube.controller.decisions.recipe import JobView, decide
 from rlkube.controller.decisions.observed import EventSource, Observed, PodView
-from rlkube.core import colocated as supervisor
+from rlkube.core.launch import colocated as supervisor
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.environment import COLOCATED_MODULE, role_module
 from rlkube.lifecycle.validation import SpecError, parse_spec
@@ -190,7 +190,7 @@ def test_sigterm_reaches_both_and_the_trainers_exit_is_the_pods(tmp_path):
                 f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(marks[role])!r}).write_text('term'), "
                 f"sys.exit({code})))\npathlib.Path({str(marks[role])!r}).write_text('up')\ntime.sleep(60)\n")
 
-    script = ("import sys\nfrom rlkube.core import colocated\n"
+    script = ("import sys\nfrom rlkube.core.launch import colocated\n"
               f"sys.exit(colocated.run(argv={{'trainer': [sys.executable, '-c', {child('trainer', 0)!r}], "
               f"'inference': [sys.executable, '-c', {child('engine', 5)!r}]}}))\n")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path),

@@ -116,7 +116,7 @@ def test_trainer_pod_checkpoint_volume_rank_env_and_gpus():
         assert e["MASTER_ADDR"]["value"] == "tj-trainer-0.tj-trainer" and e["MASTER_PORT"]["value"] == "29400"
         c = p["spec"]["containers"][0]
         assert c["image"] == "ghcr.io/rlkube/trainer-megatron:1"
-        assert c["command"] == ["python", "-m", "rlkube.core.launcher"]
+        assert c["command"] == ["python", "-m", "rlkube.core.launch.ranks"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
         vols = {v["name"]: v for v in p["spec"]["volumes"]}
         assert vols["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}

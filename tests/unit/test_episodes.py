@@ -15,13 +15,13 @@ import pytest
 
 from rlkube.api.task import EnvironmentSpec, TaskSpec
 from rlkube.contract import protocol
-from rlkube.core.batch import collate
+from rlkube.core.training.batch import collate
 from rlkube.core.actor.calculator import Calculator, calculate
 from rlkube.core.actor.environments import load_environment
 from rlkube.core.actor.episodes import (Limits, MessageEncoder, Reply, SampleRefused, Turn, call_with_timeout,
                                         run_episode)
 from rlkube.core.hf.builtin import char_tokenizer
-from rlkube.core.losses import LossConfig, policy_loss
+from rlkube.core.training.losses import LossConfig, policy_loss
 from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
 from rlkube.core.actor.task_types import TaskError
 

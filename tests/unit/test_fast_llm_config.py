@@ -233,7 +233,7 @@ def test_trainer_pods_run_fast_llm_launcher_as_pipelinerl_does(nodes):
         pod = builders.pod(ref, "trainer", index)
         (container,) = pod["spec"]["containers"]
         ours, launcher = _split(container["command"])
-        assert ours[:3] == ["python", "-m", "rlkube.core.fast_llm_launch"]
+        assert ours[:3] == ["python", "-m", "rlkube.core.launch.fast_llm"]
         # torch's own torchrun parser reads the launcher command.
         assert launcher[0] == "torchrun"
         args = get_args_parser().parse_args(launcher[1:])

@@ -1,6 +1,6 @@
 """What rlkube supplies around a Fast-LLM trainer that Fast-LLM does not: timeouts from the spec on both sides of
 its broadcast and on its documents, the checkpoint-loss rule over Fast-LLM's checkpoints, and a clear failure for
-an image without Fast-LLM (rlkube.core.fast_llm_launch, rlkube.controller.manifests.fastllm; docs/design.md §8)."""
+an image without Fast-LLM (rlkube.core.launch.fast_llm, rlkube.controller.manifests.fastllm; docs/design.md §8)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from rlkube.contract import checkpoint_loss, fast_llm_rendezvous, protocol, runtime
 from rlkube.controller.manifests import fastllm
-from rlkube.core import fast_llm_launch
+from rlkube.core.launch import fast_llm as fast_llm_launch
 from rlkube.lifecycle.evidence import Evidence, Failure
 from rlkube.lifecycle.judgement import judge
 from rlkube.lifecycle.validation import SpecError, parse_spec

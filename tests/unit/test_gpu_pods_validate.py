@@ -64,7 +64,7 @@ def test_gpu_requests_shm_and_rank_env(backend):
         pod = pods[f"{name}-trainer-{node}"]
         (c,) = pod["spec"]["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 and c["resources"]["requests"]["nvidia.com/gpu"] == 8
-        assert c["command"] == ["python", "-m", "rlkube.core.launcher"]  # 8 ranks per pod
+        assert c["command"] == ["python", "-m", "rlkube.core.launch.ranks"]  # 8 ranks per pod
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert (env["WORLD_SIZE"], env["NNODES"], env["NODE_RANK"], env["LOCAL_WORLD_SIZE"]) == ("16", "2", str(node), "8")
         assert env["MASTER_ADDR"] == f"{name}-trainer-0.{name}-trainer" and env["MASTER_PORT"] == "29400"

@@ -286,7 +286,7 @@ def test_fast_llm_image_runs_fast_llms_launcher_on_the_operators_config():
     assert df.args["FAST_LLM_COMMIT"] == fastllm.FAST_LLM_COMMIT
     assert re.search(r"fast-llm\[[A-Z,]*STREAMING[A-Z,]*\] @ git\+https://github.com/ServiceNow/Fast-LLM@"
                      + fastllm.FAST_LLM_COMMIT, df.run_text())
-    assert "rlkube.core.fast_llm_launch" in df.modules
+    assert "rlkube.core.launch.fast_llm" in df.modules
 
 
 def _fast_llm_spec():

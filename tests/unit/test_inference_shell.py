@@ -153,7 +153,7 @@ def test_fast_llm_updates_are_versioned_by_the_step_and_a_failed_transfer_rejoin
 
 
 def _announce(client, keys: protocol.StreamKeys, generation: str) -> protocol.TrainerEvent:
-    """What the trainer pod's launcher writes before Fast-LLM starts (rlkube.core.fast_llm_launch)."""
+    """What the trainer pod's launcher writes before Fast-LLM starts (rlkube.core.launch.fast_llm)."""
     sid = client.xadd(keys.events, protocol.encode_event(protocol.BROADCAST_OPENED, generation=generation))
     ((_, fields),) = client.xrange(keys.events, sid, sid)
     return protocol.decode_event(sid, fields)

@@ -296,6 +296,8 @@ def summary(graph: Graph) -> str:
         f"arrows up inside {OPERATOR}: {len(upward_arrows(inner_graph(graph, OPERATOR), CONTROLLER_FLOORS))}",
         f"{' and '.join(PURE)}: {len(pure)} modules reaching {len(reachable(graph, pure))} rlkube modules; "
         f"imports of {', '.join(IO_LIBRARIES)} among them: {sum(map(len, bans.values()))}",
+        f"rlkube.core: folders {', '.join(sorted(core_folders(graph)))}; loose: {', '.join(sorted(CORE_LOOSE))}; "
+        f"layout problems: {len(core_layout_problems(graph))}",
     ])
 
 
@@ -477,6 +479,49 @@ def test_the_pure_folders_load_no_client_or_server_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.stdout.split("\n")[0] == "[]", out.stdout
+
+
+# The core's modules live in folders: one per role, the shared training stack, the launchers, the weight transfer,
+# the model format, the trackers. Only these are loose in rlkube.core: what every role process shares.
+CORE_LOOSE = {"rlkube.core.errors", "rlkube.core.startup"}
+# The training stack is below the trainer and every backend: it imports neither, nor any role.
+TRAINING = "rlkube.core.training"
+ABOVE_TRAINING = tuple(f"rlkube.core.{p}" for p in (
+    "trainer", "backends", "actor", "preprocessor", "inference", "sandbox", "launch", "tracking"))
+
+
+def core_folders(graph: Graph) -> set[str]:
+    return {m.split(".")[2] for m in graph if m.startswith("rlkube.core.") and m.count(".") >= 3}
+
+
+def core_layout_problems(graph: Graph) -> list[str]:
+    problems = []
+    for module in sorted(graph):
+        if module.count(".") == 2 and module.startswith("rlkube.core.") and module not in CORE_LOOSE \
+                and not any(m.startswith(module + ".") for m in graph):
+            problems.append(f"{module} is loose in rlkube.core: move it into its role's folder")
+        if _under(module, (TRAINING,)):
+            problems += [f"{module} (the training stack) imports {t}" for t in sorted(graph[module])
+                         if _under(t, ABOVE_TRAINING)]
+    return problems
+
+
+def test_the_core_is_folders_and_the_training_stack_is_below_its_users():
+    graph = _graph()
+    assert {"rlkube.core.training.checkpoint", "rlkube.core.launch.ranks", "rlkube.core.inference.sampling",
+            "rlkube.core.weights.fast_llm"} <= set(graph)
+    assert "rlkube.core.training.lora" in graph["rlkube.core.trainer.api"]
+    assert core_layout_problems(graph) == []
+
+
+def test_the_core_layout_check_catches_a_loose_module_and_an_upward_import():
+    graph = {m: set(t) for m, t in _graph().items()}
+    graph["rlkube.core.helpers"] = set()
+    graph["rlkube.core.training.losses"].add("rlkube.core.trainer.api")
+    assert core_layout_problems(graph) == [
+        "rlkube.core.helpers is loose in rlkube.core: move it into its role's folder",
+        "rlkube.core.training.losses (the training stack) imports rlkube.core.trainer.api",
+    ]
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 from hf_models import builtin_dir, write_tiny_model
-from rlkube.core import lora
+from rlkube.core.training import lora
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf.loading import load_model
-from rlkube.core.losses import token_logprobs
+from rlkube.core.training.losses import token_logprobs
 from rlkube.core.trainer import Trainer
 from rlkube.core.weights.wire import ADAPTER, FULL, pack_weights, unpack_weights, update_nbytes
 from rlkube.lifecycle.validation import SpecError, parse_spec

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlkube.core.losses import LossConfig, policy_loss
+from rlkube.core.training.losses import LossConfig, policy_loss
 
 
 def _logp(ratios):

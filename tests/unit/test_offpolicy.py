@@ -1,5 +1,5 @@
 """Off-policy correction (TIS / MIS, token and sequence level) and the KL to a reference policy
-(rlkube.core.losses).
+(rlkube.core.training.losses).
 
 The gradient tests use a one-step "language model": a categorical policy pi = softmax(theta) over V actions, a
 sampler mu = softmax(theta + delta) that is off by a KNOWN amount delta, and batches stratified exactly by mu
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from rlkube.core.losses import LossConfig, LossStats, OffPolicyConfig, policy_loss
+from rlkube.core.training.losses import LossConfig, LossStats, OffPolicyConfig, policy_loss
 
 F64 = torch.float64
 THETA = torch.tensor([0.3, -0.2, 0.8, 0.0, -0.6, 0.4], dtype=F64)

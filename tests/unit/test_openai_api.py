@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from hf_models import builtin_dir
 from rlkube.core.hf.loading import load_tokenizer
-from rlkube.core.openai_api import (
+from rlkube.core.inference.openai_api import (
     RequestError,
     ServedModel,
     StreamChunks,
     completion_response,
     parse_completion_request,
 )
-from rlkube.core.sampling import Completion, GenerationResult
+from rlkube.core.inference.sampling import Completion, GenerationResult
 
 TOK = load_tokenizer(builtin_dir())
 SERVED = ServedModel("builtin://tiny-llama", TOK, 16)

@@ -393,7 +393,7 @@ def test_gpu_limits_shm_and_the_launcher():
     for pod in (trainer, inference):
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["spec"]["volumes"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container(pod)["volumeMounts"]
-    assert container(trainer)["command"] == ["python", "-m", "rlkube.core.launcher"]
+    assert container(trainer)["command"] == ["python", "-m", "rlkube.core.launch.ranks"]
     env = {e["name"]: e.get("value") for e in container(trainer)["env"]}
     assert (env["NODE_RANK"], env["NNODES"], env["LOCAL_WORLD_SIZE"], env["WORLD_SIZE"]) == ("1", "2", "8", "16")
     # What the launcher in pod 1 gives its local rank 3: torch elastic's arithmetic.

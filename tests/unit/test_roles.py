@@ -1,4 +1,4 @@
-"""rlkube.core.roles: SIGTERM and SIGINT set the role's stop event (and are logged) instead of killing the process."""
+"""rlkube.core.startup: SIGTERM and SIGINT set the role's stop event (and are logged) instead of killing the process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from rlkube.core.roles import stop_on_signals
+from rlkube.core.startup import stop_on_signals
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hf_models import builtin_dir
 from rlkube.core.hf.loading import load_model, load_tokenizer
-from rlkube.core.losses import token_logprobs
-from rlkube.core.sampling import EngineStopped, GenerationRequest, SamplingEngine
+from rlkube.core.training.losses import token_logprobs
+from rlkube.core.inference.sampling import EngineStopped, GenerationRequest, SamplingEngine
 
 TOK = load_tokenizer(builtin_dir(3))
 

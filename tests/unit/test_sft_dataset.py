@@ -18,10 +18,10 @@ from rlkube.contract import protocol
 from rlkube.contract.context import RoleContext
 from rlkube.core.actor.role import Actor
 from rlkube.core.backends.base import batch_loss
-from rlkube.core.batch import collate
+from rlkube.core.training.batch import collate
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.losses import LossConfig
+from rlkube.core.training.losses import LossConfig
 from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
 from rlkube.core.actor.task_types import Prompt, TaskError
 from rlkube.core.actor.tasks import load_task

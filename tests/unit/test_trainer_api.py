@@ -12,7 +12,7 @@ from rlkube.api.spec import TrainingJobSpec
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.contract import protocol
 from rlkube.core.backends import BackendUnavailable, build_backend
-from rlkube.core.batch import collate, plan_micro_batches
+from rlkube.core.training.batch import collate, plan_micro_batches
 from rlkube.core.trainer import Trainer
 
 from hf_models import builtin_dir

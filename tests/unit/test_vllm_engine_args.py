@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON, engine_cli_args
-from rlkube.core.vllm_worker import EXTENSION
+from rlkube.core.inference.vllm_worker import EXTENSION
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_update_progress_attributes_each_choices_tokens_to_the_weights_that_samp
 
 
 def test_the_worker_remembers_the_requests_the_model_runner_finished():
-    from rlkube.core.vllm_worker import _FinishTracking
+    from rlkube.core.inference.vllm_worker import _FinishTracking
 
     requests = _FinishTracking({"x": 1, "y": 2})
     assert requests.pop("x", None) == 1 and requests.pop("absent", None) is None

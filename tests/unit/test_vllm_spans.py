@@ -1,12 +1,12 @@
 """Which weights sampled which tokens of a vLLM request (rlkube.core.inference.vllm_engine: `_Versions`, and the engine's
 attribution of a worker's progress report at an update), without vLLM: the report is our worker extension's own
-format (rlkube.core.vllm_worker._rlkube_progress), built here by hand."""
+format (rlkube.core.inference.vllm_worker._rlkube_progress), built here by hand."""
 
 from __future__ import annotations
 
 import pytest
-from rlkube.core.openai_api import version_spans
-from rlkube.core.sampling import Completion
+from rlkube.core.inference.openai_api import version_spans
+from rlkube.core.inference.sampling import Completion
 from rlkube.core.inference.vllm_engine import VllmEngine, _Versions
 
 pytestmark = pytest.mark.unit

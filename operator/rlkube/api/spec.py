@@ -144,7 +144,7 @@ class SamplesSpec(Model):
 
 
 class OffPolicyCorrectionSpec(Model):
-    """Trainer/sampler mismatch correction (definitions: rlkube.core.losses, docs/design.md §6)."""
+    """Trainer/sampler mismatch correction (definitions: rlkube.core.training.losses, docs/design.md §6)."""
 
     mode: Literal["none", "tis", "mis"] = Field(
         "none", description="none: the PPO ratio is against the sampler's log-probs (as before). tis: truncated "
@@ -234,7 +234,7 @@ LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class LoraSpec(Model):
-    """Train a LoRA adapter instead of the full weights (PEFT; rlkube.core.lora, docs/design.md §6)."""
+    """Train a LoRA adapter instead of the full weights (PEFT; rlkube.core.training.lora, docs/design.md §6)."""
 
     rank: int = Field(8, ge=1, le=4096, description="LoRA rank r of every adapted layer.")
     alpha: float = Field(16.0, gt=0, le=1e6, description="LoRA alpha: the update B@A is scaled by alpha / rank.")
@@ -386,7 +386,7 @@ class InferenceSpec(Model):
         description=(
             "`separate`: each inference server runs in a pod (local: a process) of its own, on devices of its own. "
             "`colocated`: the native engine shares the trainer's pod and devices: the trainer pod runs both "
-            "processes (rlkube.core.colocated) and holds the GPU once, so a one-GPU machine runs a GPU job; needs "
+            "processes (rlkube.core.launch.colocated) and holds the GPU once, so a one-GPU machine runs a GPU job; needs "
             "engine native, replicas 1, one trainer pod with one process, backend torch (docs/guide/colocated.md)."
         ),
     )

@@ -14,7 +14,7 @@ What it runs, through the project's own code paths (nothing here re-implements t
    NCCL on CUDA, gloo with --cpu), and the `torch` backend sharded with FSDP2 (`trainer.sharding: fsdp`,
    rlkube.core.backends.torch_fsdp) in `model.dtype` bfloat16 (float32 with --cpu), behind the Trainer API
    (rlkube.core.trainer.Trainer: forward_backward / optim_step / save_checkpoint / publish_weights);
-3. the native inference engine (rlkube.core.sampling.SamplingEngine behind rlkube.core.inference's HTTP server,
+3. the native inference engine (rlkube.core.inference.sampling.SamplingEngine behind rlkube.core.inference's HTTP server,
    the model in the served dtype on the same device), which takes the trainer's weights by an in-process
    update: the trainer publishes them exactly as it does for inference servers (the FSDP weight stream of
    rlkube.core.weights in the transfer dtype, bucket by bucket, with its checksum), and the engine's
@@ -24,7 +24,7 @@ What it runs, through the project's own code paths (nothing here re-implements t
    log-probs), which become training documents (the engine's log-probs as the sampling log-probs,
    group-relative advantages of a made-up reward), and the trainer takes N steps on them
    (forward_backward / optim_step), measuring tokens/s and the peak GPU memory of one forward_backward;
-5. a checkpoint (distributed shards + Hugging Face export, rlkube.core.checkpoint) resumed by a second trainer
+5. a checkpoint (distributed shards + Hugging Face export, rlkube.core.training.checkpoint) resumed by a second trainer
    from the job's directory: the same weights, bit for bit, and the same Adam state;
 6. the trained weights published to the engine (version N), completions sampled from it, and their log-probs
    compared with the trainer's own for the same tokens (max abs difference, within LOGPROB_TOLERANCE);
@@ -158,11 +158,11 @@ def rollouts_to_documents(responses: list[dict], version: int):
 
 
 def trainer_logprobs(trainer, rows: list[list[int]]):
-    """The trainer's log-probs of each row's tokens 1.. (what its loss uses: rlkube.core.losses.token_logprobs of
+    """The trainer's log-probs of each row's tokens 1.. (what its loss uses: rlkube.core.training.losses.token_logprobs of
     the backend's logits at the job's temperature), one list per row."""
     import torch
 
-    from rlkube.core.losses import token_logprobs
+    from rlkube.core.training.losses import token_logprobs
 
     backend = trainer.backend
     width = max(len(r) for r in rows)
@@ -230,13 +230,13 @@ def run(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
     import torch
     import transformers
 
-    from rlkube.core import checkpoint as ckpt
+    from rlkube.core.training import checkpoint as ckpt
     from rlkube.core.backends.torch_distributed import DataParallel, DistConfig
     from rlkube.core.hf.loading import load_model, load_tokenizer
     from rlkube.core.inference.native_engine import NativeEngine
     from rlkube.core.inference.shell import InferenceServer, WeightFollower
-    from rlkube.core.openai_api import ServedModel
-    from rlkube.core.sampling import SamplingEngine
+    from rlkube.core.inference.openai_api import ServedModel
+    from rlkube.core.inference.sampling import SamplingEngine
     from rlkube.core.trainer import Trainer
 
     checks: dict[str, bool] = result["checks"]

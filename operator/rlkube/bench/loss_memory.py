@@ -32,7 +32,7 @@ def _model_and_batch(vocab: int, tokens: int, hidden: int, sequences: int, seed:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlkube.contract import protocol
-    from rlkube.core.batch import collate
+    from rlkube.core.training.batch import collate
 
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
@@ -58,7 +58,7 @@ def run_variant(variant: str, vocab: int, tokens: int, hidden: int, sequences: i
     from rlkube.bench import peak_memory
     from rlkube.core.backends.base import batch_loss, logprob_loss
     from rlkube.core.backends.torch_backend import model_logits, model_logprobs
-    from rlkube.core.losses import LossConfig
+    from rlkube.core.training.losses import LossConfig
 
     torch.set_num_threads(1)
     model, batch = _model_and_batch(vocab, tokens, hidden, sequences, seed)

@@ -10,7 +10,7 @@ rlkube.io/resume-from-checkpoint annotation; `rlkube local` from the checkpoint_
 that resumes from no checkpoint, or from an older one, exits runtime.EXIT_CONFIG with `loss`'s message: a restart
 cannot bring the volume back, so the config_error policy fails the job at once, with reason CheckpointLost (README,
 "Run it on Kubernetes"). The operator warns at creation about a job that can get there (`ephemeral_warning`).
-A Fast-LLM trainer (backend fast-llm) reports no checkpoints: its launcher, rlkube.core.fast_llm_launch, derives
+A Fast-LLM trainer (backend fast-llm) reports no checkpoints: its launcher, rlkube.core.launch.fast_llm, derives
 the checkpoint it must find from the newest step the trainer announced in its events (`fast_llm_saved`) and makes
 the same check before it starts Fast-LLM (docs/design.md §8).
 
@@ -30,7 +30,7 @@ _STEP = re.compile(r"(?:^|/)(?:step-(\d+)|checkpoint/(\d+))/?$")
 
 
 def step_of(path: str) -> int | None:
-    """The step of a checkpoint directory as rlkube.core.checkpoint names them (`.../step-000010`) or as Fast-LLM
+    """The step of a checkpoint directory as rlkube.core.training.checkpoint names them (`.../step-000010`) or as Fast-LLM
     does (`{experiment_dir}/checkpoint/10`, fast_llm_checkpoint), else None."""
     m = _STEP.search(path or "")
     return int(m.group(1) or m.group(2)) if m else None
@@ -80,7 +80,7 @@ def ephemeral_warning(spec: TrainingJobSpec) -> str | None:
     checkpoint volume; None when the checkpoints are on a claim or no restart is allowed."""
     if spec.trainer.checkpoint.claim_name or spec.run_policy.backoff_limit == 0:
         return None
-    # Fast-LLM's trainer is checked by its launcher (rlkube.core.fast_llm_launch) against the events it published.
+    # Fast-LLM's trainer is checked by its launcher (rlkube.core.launch.fast_llm) against the events it published.
     return (f"{FIELD} is unset: checkpoints go to an emptyDir, deleted with the trainer pod; a recreated trainer pod "
             f"(runPolicy.backoffLimit {spec.run_policy.backoff_limit}) starts over without its checkpoints, so it "
             f"fails the job instead of resuming. Set {FIELD} to a PersistentVolumeClaim to resume")

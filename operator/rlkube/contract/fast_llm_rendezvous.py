@@ -1,6 +1,6 @@
 """Fast-LLM's weight-broadcast rendezvous as the operator writes it into Fast-LLM's config and both engines join
 it (pure: no torch, the operator imports it). The facts and their Fast-LLM file:line are in
-rlkube.core.fast_llm_weights, the receiver."""
+rlkube.core.weights.fast_llm, the receiver."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ WEIGHTS_SHARD = "weights"
 dropped, as PipelineRL's receiver does."""
 
 GENERATION_KEY = "rlkube/broadcast_generation"
-"""The key of the broadcast store (hosted by the trainer pod's launcher, rlkube.core.fast_llm_launch) that names
+"""The key of the broadcast store (hosted by the trainer pod's launcher, rlkube.core.launch.fast_llm) that names
 its generation, a fresh value each time the launcher starts. Fast-LLM forms its group once per trainer run and
 announces nothing before that group is complete, so a restarted trainer would wait in its group constructor for
 receivers still in the dead one. The launcher writes the generation here and announces it in the trainer's events

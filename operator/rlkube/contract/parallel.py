@@ -2,7 +2,7 @@
 environment, and whether tensor-parallel workers can split a model's attention.
 
 Both sides of the launcher contract need these: the operator and `rlkube local` (pod env, validation) and the
-role processes (rlkube.core.launcher starts the ranks, the trainer sizes its groups, the vLLM server checks its
+role processes (rlkube.core.launch.ranks starts the ranks, the trainer sizes its groups, the vLLM server checks its
 model). So they sit in the contract layer, below both, with nothing but the spec types.
 """
 

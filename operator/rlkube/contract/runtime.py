@@ -27,7 +27,7 @@ ENV_BIND_HOST = "RLKUBE_BIND_HOST"  # address servers bind to (the pod IP; 127.0
 ENV_PORT = "RLKUBE_PORT"  # port of this role's server (inference HTTP, trainer weight-sync store)
 ENV_CHECKPOINT_DIR = "RLKUBE_CHECKPOINT_DIR"  # trainer checkpoints (a volume in a cluster)
 # A colocated trainer (spec.inference.placement colocated): JSON {"env": {...}, "unset": [...]} that turns the
-# trainer's environment into its engine's (rlkube.core.colocated starts both processes).
+# trainer's environment into its engine's (rlkube.core.launch.colocated starts both processes).
 ENV_COLOCATED_ENGINE = "RLKUBE_COLOCATED_ENGINE"
 ENV_SANDBOX_URLS = "RLKUBE_SANDBOX_URLS"  # actor: comma-separated base URLs of the job's sandbox servers
 # sandbox server: its per-snippet limits (JSON of rlkube.core.actor.sandbox.SandboxLimits), set by the launcher

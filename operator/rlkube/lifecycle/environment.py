@@ -5,7 +5,7 @@ The variables are the runtime contract of `rlkube.contract.runtime` (what `RoleC
 torchrun's names for trainer ranks. Trainer ranks follow torchrun's static-rendezvous arithmetic: a trainer pod
 (node) runs `processes_per_node` ranks, RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, WORLD_SIZE = nodes *
 processes_per_node. With one rank per pod the pod's process is the rank (RANK/LOCAL_RANK in its env); with more,
-the pod runs `rlkube.core.launcher`, which starts each rank with `rank_env` (rlkube.contract.parallel) added. What differs between launchers is only where things are, which the caller
+the pod runs `rlkube.core.launch.ranks`, which starts each rank with `rank_env` (rlkube.contract.parallel) added. What differs between launchers is only where things are, which the caller
 passes as `Addresses`: in a cluster, headless-Service names and `$(POD_IP)`; locally, 127.0.0.1 ports. The Redis
 password is not here: pods take it from a Secret (`secretKeyRef`), a local job's Redis has none.
 """
@@ -23,8 +23,8 @@ from rlkube.lifecycle.roles import MODEL_ROLES, colocated
 
 POD_IP = "POD_IP"
 """The pod's IP from the downward API (pods only): servers bind to it (`bind_host` is `$(POD_IP)`)."""
-LAUNCHER_MODULE = "rlkube.core.launcher"
-COLOCATED_MODULE = "rlkube.core.colocated"
+LAUNCHER_MODULE = "rlkube.core.launch.ranks"
+COLOCATED_MODULE = "rlkube.core.launch.colocated"
 """What a colocated trainer pod (process) runs: the trainer and its engine as two child processes."""
 
 

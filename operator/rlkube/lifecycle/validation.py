@@ -383,7 +383,7 @@ def sft_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 def loss_extension_errors(spec: TrainingJobSpec) -> list[FieldError]:
     """The reference KL needs a frozen reference model, which only the torch backend (unsharded) loads; Fast-LLM
-    computes its own loss, so neither the KL nor the off-policy correction reaches it (rlkube.core.losses)."""
+    computes its own loss, so neither the KL nor the off-policy correction reaches it (rlkube.core.training.losses)."""
     errs: list[FieldError] = []
     algo, trainer = spec.algorithm, spec.trainer
     if algo.kl_coef > 0 and (trainer.backend != "torch" or trainer.sharding == "fsdp"):
@@ -419,7 +419,7 @@ def colocated_errors(spec: TrainingJobSpec) -> list[FieldError]:
 
 
 def lora_errors(spec: TrainingJobSpec) -> list[FieldError]:
-    """LoRA (spec.trainer.lora) is built on the torch backend with PEFT (rlkube.core.lora), unsharded or with
+    """LoRA (spec.trainer.lora) is built on the torch backend with PEFT (rlkube.core.training.lora), unsharded or with
     sharding fsdp (rlkube.core.backends.fsdp_lora)."""
     trainer = spec.trainer
     if trainer.lora is None:

@@ -224,7 +224,7 @@ class LocalJob:
         if exist[Role.INFERENCE] and not exist[Role.ACTOR]:
             ready[Role.INFERENCE] = self._healthy_inference()
         if roles.colocated(self.spec) and exist[Role.TRAINER] and not exist[Role.ACTOR]:
-            ready[Role.TRAINER] = self._healthy_inference()  # the trainer's own engine (rlkube.core.colocated)
+            ready[Role.TRAINER] = self._healthy_inference()  # the trainer's own engine (rlkube.core.launch.colocated)
         for role in roles.CORE_ROLES:
             if exist[role] or not roles.may_start(self.spec, role, roles.StartState(exist, ready)):
                 continue

@@ -187,7 +187,7 @@ ROLE_PORTS: dict[str, tuple[tuple[str, int], ...]] = {
 
 def role_ports(spec: TrainingJobSpec, role: str) -> list[tuple[str, int]]:
     ports = list(ROLE_PORTS[role])
-    if role == Role.TRAINER and colocated(spec):  # its pod serves the engine too (rlkube.core.colocated)
+    if role == Role.TRAINER and colocated(spec):  # its pod serves the engine too (rlkube.core.launch.colocated)
         ports += ROLE_PORTS[Role.INFERENCE]
     return ports
 
@@ -353,7 +353,7 @@ def addresses(job: JobRef) -> Addresses:
         redis_url=redis_url(job),
         # $(POD_IP) expands only from variables defined earlier in the container's env list (see _core_env).
         bind_host="$(POD_IP)",
-        # A colocated engine serves from the trainer's pod (rlkube.core.colocated).
+        # A colocated engine serves from the trainer's pod (rlkube.core.launch.colocated).
         inference_urls=((f"http://{trainer0}:{runtime.INFERENCE_PORT}",) if colocated(spec) else
                         tuple(names.inference_urls(job.name, spec.inference.replicas, runtime.INFERENCE_PORT))),
         inference_ports=(runtime.INFERENCE_PORT,) * spec.inference.replicas,

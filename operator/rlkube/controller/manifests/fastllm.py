@@ -19,7 +19,7 @@ What the config says (spec -> Fast-LLM):
 
 Redis password: Fast-LLM's RedisConfig has `host`, `port` and `timeout` only, and connects with
 `redis.Redis(host, port)` (no password, no URL, no environment variable). So the config points Fast-LLM at a
-loopback port inside its own pod, where rlkube.core.fast_llm_launch relays to the job's Redis after
+loopback port inside its own pod, where rlkube.core.launch.fast_llm relays to the job's Redis after
 authenticating with the password from the job's Secret: no Secret value is in the ConfigMap.
 """
 
@@ -49,7 +49,7 @@ LOSS_TYPES = {"grpo": "grpo", "gspo": "gspo"}
 """spec.algorithm.loss -> Fast-LLM's policy-gradient loss type (LanguageModelGRPOLossConfig, ...GSPOLossConfig)."""
 
 REDIS_RELAY_HOST = "127.0.0.1"
-"""Where Fast-LLM finds Redis inside its pod: rlkube.core.fast_llm_launch's authenticating relay."""
+"""Where Fast-LLM finds Redis inside its pod: rlkube.core.launch.fast_llm's authenticating relay."""
 BROADCAST_STORE_HOST = "127.0.0.1"
 """Fast-LLM's rank 0 (on trainer pod 0) joins the broadcast group through the store pod 0's launcher hosts.
 Loopback, as PipelineRL does, so rank 0 never depends on resolving its own DNS name."""
@@ -129,7 +129,7 @@ def training_config(spec: TrainingJobSpec, namespace: str, job: str) -> dict[str
                     "port": runtime.WEIGHT_SYNC_PORT,
                     # Every receiving rank: each tensor-parallel worker of each inference server joins
                     # (replicas x tensorParallel; Fast-LLM adds its own rank 0, fast_llm/engine/training/
-                    # streaming.py:44). rlkube.core.fast_llm_weights holds the rendezvous both engines follow.
+                    # streaming.py:44). rlkube.core.weights.fast_llm holds the rendezvous both engines follow.
                     "external_world_size": fast_llm_rendezvous.external_world_size(spec),
                     "backend": fast_llm_rendezvous.broadcast_backend(spec),
                 },
@@ -185,7 +185,7 @@ def pod_command(spec: TrainingJobSpec, job: str, node: int, rendezvous_port: int
     checkpoint check), then torchrun. `image` is named if the image lacks a command."""
     relay = f"{REDIS_RELAY_HOST}:{runtime.REDIS_PORT}"
     upstream = f"{names.service_name(job, Role.REDIS)}:{runtime.REDIS_PORT}"
-    cmd = ["python", "-m", "rlkube.core.fast_llm_launch", "--redis-listen", relay, "--redis-upstream", upstream]
+    cmd = ["python", "-m", "rlkube.core.launch.fast_llm", "--redis-listen", relay, "--redis-upstream", upstream]
     if image:
         cmd += ["--image", image]
     if node == 0:

@@ -42,8 +42,8 @@ from typing import Any, Protocol
 import torch
 
 from rlkube.api.spec import AlgorithmSpec
-from rlkube.core.batch import Batch
-from rlkube.core.losses import (
+from rlkube.core.training.batch import Batch
+from rlkube.core.training.losses import (
     LossConfig,
     LossOutput,
     LossStats,

@@ -1,11 +1,11 @@
 """LoRA under FSDP2 (`spec.trainer.lora` with `sharding: fsdp`): the pieces `FSDPTorchBackend` uses when PEFT
-wrapped the model (rlkube.core.lora.wrap) before `fully_shard`.
+wrapped the model (rlkube.core.training.lora.wrap) before `fully_shard`.
 
 Why PEFT first: the LoRA layers become submodules of the decoder layers, so every layer unit shards its adapter
 together with its frozen base weights and gathers both in one all-gather (FSDP2 allows frozen and trained
 parameters in one unit); Adam is built over the adapter's shards only.
 
-Start: every rank draws the same fresh adapter from `spec.model.seed` (rlkube.core.lora.wrap); `broadcast_adapter`
+Start: every rank draws the same fresh adapter from `spec.model.seed` (rlkube.core.training.lora.wrap); `broadcast_adapter`
 still gives every rank rank 0's adapter before sharding (what `Trainer.sync_from_leader` does for the replicated
 backend), so ranks can never shard parts of different adapters, whatever a PEFT version draws with.
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlkube.core import lora as lora_mod
+from rlkube.core.training import lora as lora_mod
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +42,7 @@ def broadcast_adapter(peft_model) -> None:
 
 
 def adapter_full(peft_model) -> dict[str, torch.Tensor]:
-    """COLLECTIVE: the adapter's full tensors under PEFT's saved names (rlkube.core.lora.adapter_state)."""
+    """COLLECTIVE: the adapter's full tensors under PEFT's saved names (rlkube.core.training.lora.adapter_state)."""
     return {name: full(t) for name, t in lora_mod.adapter_state(peft_model).items()}
 
 

@@ -46,15 +46,15 @@ import torch.distributed as dist
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract.runtime import ENV_COLLECTIVE_TIMEOUT
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.core.backends.base import logprob_loss, loss_config, lr_scheduler
 from rlkube.core.backends.megatron_gpt import MegatronGPT
 from rlkube.core.backends.megatron_hf import Architecture, UnsupportedArchitecture, tp_dim
 from rlkube.core.backends.torch_distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
-from rlkube.core.batch import Batch
+from rlkube.core.training.batch import Batch
 from rlkube.core.hf.errors import ModelError
 from rlkube.core.hf.loading import DTYPES, FIELD, check_sequence_length, load_config, load_tokenizer
-from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats
+from rlkube.core.training.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats
 
 log = logging.getLogger("rlkube.trainer.megatron")
 

@@ -11,7 +11,7 @@ tensors. Pipeline parallel size 1.
 
 The loss does not take `logits` (full [B, T, V], gathered over the tensor-parallel ranks): `token_logprobs` runs the
 GPTModel up to its final hidden states and applies the output layer chunk by chunk of tokens
-(rlkube.core.losses.chunked_token_logprobs), and with tensor parallelism VOCABULARY-PARALLEL: each rank keeps the
+(rlkube.core.training.losses.chunked_token_logprobs), and with tensor parallelism VOCABULARY-PARALLEL: each rank keeps the
 logits of its vocabulary shard and the log-softmax's maximum and sums are all-reduced over the tensor-parallel group
 (a SUM whose backward is the identity, megatron's reduce_from_tensor_model_parallel_region), so no rank holds more
 than chunk x V/TP logits.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rlkube.core import checkpoint as ckpt
+from rlkube.core.training import checkpoint as ckpt
 from rlkube.core.backends import megatron_cpu
 from rlkube.core.backends.megatron_hf import (
     Architecture,
@@ -42,7 +42,7 @@ from rlkube.core.backends.megatron_hf import (
     unshard,
 )
 from rlkube.core.hf.loading import load_config
-from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, VocabParallel, chunked_token_logprobs
+from rlkube.core.training.losses import DEFAULT_LOSS_CHUNK_TOKENS, VocabParallel, chunked_token_logprobs
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex not installed: the local spec is used

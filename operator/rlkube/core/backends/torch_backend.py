@@ -8,17 +8,17 @@ float32 masters, so an update below bfloat16's resolution (lr x step << |w| / 25
 model trained in pure bfloat16 would round it away every step.
 
 Reference policy (spec.algorithm.klCoef > 0): a frozen copy of the INITIAL model (the job's model directory, also
-on resume) for the KL term of rlkube.core.losses. Memory: one extra copy of the weights in the compute dtype
+on resume) for the KL term of rlkube.core.training.losses. Memory: one extra copy of the weights in the compute dtype
 (spec.model.dtype: 2 bytes a parameter in bfloat16, 4 in float32; 1 GB for a 0.5B model in bfloat16), no
 gradients, no optimizer state; plus one no-grad forward per micro-batch, its log-probs taken chunk by chunk too.
 
 Loss memory: the loss never holds the logits of the whole micro-batch. `token_logprobs` takes the decoder's final
 hidden states and applies the LM head (calling the model's output-embedding submodule, so tied embeddings and
 FSDP2's unsharded parameters are what the full forward would use) with the log-softmax chunk by chunk under
-activation checkpointing (rlkube.core.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead of
+activation checkpointing (rlkube.core.training.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead of
 O(tokens x vocabulary). `logits` (the full [B, T, V]) remains for evaluation.
 
-LoRA (spec.trainer.lora, rlkube.core.lora): the model is wrapped by PEFT after loading; only the adapter's
+LoRA (spec.trainer.lora, rlkube.core.training.lora): the model is wrapped by PEFT after loading; only the adapter's
 parameters train (Adam holds state for them alone) and the float32 base stays frozen. `state()`/`load_state()` are
 then the adapter's tensors under PEFT's names (what checkpoints and the data-parallel start-up sync carry: every
 rank loads the same base from the job's directory), `weights()` the merged full weights under the HF names (for
@@ -38,12 +38,12 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.core.backends.base import logprob_loss, loss_config, lr_scheduler
-from rlkube.core import lora as lora_mod
-from rlkube.core.batch import Batch
+from rlkube.core.training import lora as lora_mod
+from rlkube.core.training.batch import Batch
 from rlkube.core.hf import ModelError
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import DTYPES, check_sequence_length, load_model, load_tokenizer
-from rlkube.core.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats, chunked_token_logprobs
+from rlkube.core.training.losses import DEFAULT_LOSS_CHUNK_TOKENS, LossStats, chunked_token_logprobs
 from rlkube.core.weights.wire import AdapterUpdate
 
 
@@ -169,7 +169,7 @@ class TorchBackend:
         return float(grad_norm)
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The full weights under their HF names (with LoRA: base + adapter merged, rlkube.core.lora)."""
+        """The full weights under their HF names (with LoRA: base + adapter merged, rlkube.core.training.lora)."""
         if self.lora is not None:
             return lora_mod.merged_weights(self.model, self._hf_names)
         return list(hf_state.named_weights(self.model).items())

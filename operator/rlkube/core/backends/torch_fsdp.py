@@ -68,11 +68,11 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from rlkube.api.spec import TrainingJobSpec
-from rlkube.core import lora as lora_mod
+from rlkube.core.training import lora as lora_mod
 from rlkube.core.backends import fsdp_lora
 from rlkube.core.backends.base import lr_scheduler
 from rlkube.core.backends.torch_backend import TorchBackend, model_logits, model_logprobs
-from rlkube.core.losses import LossStats
+from rlkube.core.training.losses import LossStats
 from rlkube.core.weights.wire import AdapterUpdate, StreamedWeights, combine_sums, dtype_name
 
 SCHEDULER_FILE = "scheduler.pt"

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rlkube.core.inference.weight_source import WeightSource
-from rlkube.core.openai_api import ServedModel, StreamChunks
-from rlkube.core.sampling import GenerationRequest, GenerationResult
+from rlkube.core.inference.openai_api import ServedModel, StreamChunks
+from rlkube.core.inference.sampling import GenerationRequest, GenerationResult
 
 RECEIVE_TIMEOUT_S = 120.0  # per collective once an announcement was seen; the trainer sends right after it
 
@@ -128,11 +128,11 @@ class Engine(ABC):
 
     @abstractmethod
     async def generate(self, req: GenerationRequest) -> GenerationResult:
-        """One parsed request; raises EngineStopped (rlkube.core.sampling) once the server is shutting down."""
+        """One parsed request; raises EngineStopped (rlkube.core.inference.sampling) once the server is shutting down."""
 
     @abstractmethod
     def stream(self, req: GenerationRequest, chunks: StreamChunks) -> AsyncIterator[dict[str, Any]]:
-        """The request's response as server-sent chunks (rlkube.core.openai_api.StreamChunks), usage included when
+        """The request's response as server-sent chunks (rlkube.core.inference.openai_api.StreamChunks), usage included when
         asked; raises EngineStopped as `generate` does, before the first chunk."""
 
     @abstractmethod

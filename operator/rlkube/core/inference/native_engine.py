@@ -1,16 +1,16 @@
 """The native inference engine (`spec.inference.engine: native`) behind the inference shell
-(rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.sampling, a KV cache) over the job's Hugging Face model
+(rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.inference.sampling, a KV cache) over the job's Hugging Face model
 directory (the same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
 
 An update is received by this process's own receiver, the one of the weight source chosen at open
 (rlkube.core.inference.weight_source: rlkube.core.weights.group.WeightReceiver for our group,
-rlkube.core.fast_llm_weights.FastLlmReceiver for Fast-LLM's broadcast) as HF names in the transfer dtype, loaded by
+rlkube.core.weights.fast_llm.FastLlmReceiver for Fast-LLM's broadcast) as HF names in the transfer dtype, loaded by
 name into a copy of the model (converted to the served dtype) and swapped in; generation keeps going meanwhile.
 Both are streamed: each bucket (Fast-LLM: each tensor) is copied into the copy's parameters as it arrives
 (`receive_streamed`), so an update costs the copy plus one bucket. A LoRA job's update is the
 adapter alone (kind "lora-adapter", rlkube.core.weights): the engine serves base + adapter by setting
 W = W0 + scaling x B @ A for each adapted weight of the copy, W0 from the base it loaded at start
-(rlkube.core.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
+(rlkube.core.training.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
 bytes. The served checksum is read back from the copy's parameters (an adapter's: the adapter as received and
 verified).
 """
@@ -29,15 +29,15 @@ import torch
 
 from rlkube.contract import fast_llm_rendezvous, weight_transport
 from rlkube.contract.context import RoleContext
-from rlkube.core import lora
-from rlkube.core.fast_llm_weights import FastLlmReceiver
+from rlkube.core.training import lora
+from rlkube.core.weights.fast_llm import FastLlmReceiver
 from rlkube.core.hf import state as hf_state
 from rlkube.core.hf.loading import check_sequence_length, load_model, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
 from rlkube.core.inference.weight_source import FastLlmBroadcast, WeightSource, weight_source
-from rlkube.core.openai_api import ServedModel, StreamChunks
-from rlkube.core.sampling import GenerationRequest, GenerationResult, SamplingEngine
+from rlkube.core.inference.openai_api import ServedModel, StreamChunks
+from rlkube.core.inference.sampling import GenerationRequest, GenerationResult, SamplingEngine
 from rlkube.core.weights.group import WeightReceiver
 from rlkube.core.weights.wire import ADAPTER, weights_checksum
 
@@ -148,7 +148,7 @@ class NativeEngine(Engine):
         return await asyncio.wrap_future(self.sampler.submit(req))
 
     async def stream(self, req: GenerationRequest, chunks: StreamChunks) -> AsyncIterator[dict[str, Any]]:
-        # One batch samples the whole request: its chunks all come at the end (see rlkube.core.openai_api).
+        # One batch samples the whole request: its chunks all come at the end (see rlkube.core.inference.openai_api).
         for chunk in chunks.of_result(await self.generate(req)):
             yield chunk
 
@@ -173,7 +173,7 @@ def weight_receiver(ctx: RoleContext) -> WeightReceiver:
 
 def broadcast_receiver(ctx: RoleContext) -> FastLlmReceiver:
     """This engine's receiver of Fast-LLM's broadcast: its rendezvous, ranks, backend and wire
-    (rlkube.core.fast_llm_weights)."""
+    (rlkube.core.weights.fast_llm)."""
     spec = ctx.spec
     return FastLlmReceiver(ctx.weight_sync_addr, rank=ctx.weight_sync_rank(),
                            world_size=fast_llm_rendezvous.world_size(spec),

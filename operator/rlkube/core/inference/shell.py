@@ -3,7 +3,7 @@ whichever `spec.inference.engine` names (native: rlkube.core.inference.native_en
 rlkube.core.inference.vllm_engine).
 
 An aiohttp server on RLKUBE_BIND_HOST:RLKUBE_PORT with POST /v1/completions, GET /v1/models and GET /health, the
-same small OpenAI-compatible API for both engines (rlkube.core.openai_api: request checks, response shape).
+same small OpenAI-compatible API for both engines (rlkube.core.inference.openai_api: request checks, response shape).
 
 A background thread (`WeightFollower`) follows the trainer's events stream. On `weights_ready` it has the engine
 join the group that sends the update when it holds no such group, receive and load the update, and put it in
@@ -50,7 +50,7 @@ from rlkube.contract.context import RoleContext
 from rlkube.contract.weight_transport import TransportMismatch
 from rlkube.core.errors import write_termination_message
 from rlkube.core.inference.engine import Engine, UpdateRefused
-from rlkube.core.openai_api import (
+from rlkube.core.inference.openai_api import (
     SSE_DONE,
     SSE_HEADERS,
     RequestError,
@@ -60,7 +60,7 @@ from rlkube.core.openai_api import (
     parse_completion_request,
     sse,
 )
-from rlkube.core.sampling import EngineStopped
+from rlkube.core.inference.sampling import EngineStopped
 from rlkube.core.weights.group import WeightSyncError
 
 log = logging.getLogger("rlkube.inference")

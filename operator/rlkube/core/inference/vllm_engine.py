@@ -9,7 +9,7 @@ it); its responses carry no weights version, which the actor stamps every rollou
 weight follower would be a second process speaking to it over HTTP. In-process, one event loop owns all three and
 a dev-mode endpoint stays closed.
 
-Weight updates reach vLLM's workers through `collective_rpc` into rlkube.core.vllm_worker, each tensor-parallel
+Weight updates reach vLLM's workers through `collective_rpc` into rlkube.core.inference.vllm_worker, each tensor-parallel
 worker a rank of the group (docs/design.md §5.6; Fast-LLM's group instead, §8); an update is in effect once every
 worker loaded it (`combine_receipts`). A request running across an update finishes, and each choice says which
 weights sampled which tokens (`model_versions` spans; `model_version` is the oldest, so lag accounting errs on the
@@ -44,13 +44,13 @@ from rlkube.core.hf.loading import load_config, load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.inference.engine import PARAMETERS, RECEIVE_TIMEOUT_S, RECEIVED, Engine, Received, UpdateRefused
 from rlkube.core.inference.weight_source import FastLlmBroadcast, WeightSource, weight_source
-from rlkube.core.openai_api import ServedModel
-from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
+from rlkube.core.inference.openai_api import ServedModel
+from rlkube.core.inference.sampling import Completion, GenerationRequest, GenerationResult
 from rlkube.core.weights.group import StaleEpoch, WeightSyncError
 
 # The worker extension is imported by vLLM's worker processes by name; importing it here too makes the image's
 # build-time import check (images/vllm, MODULES) cover it.
-from rlkube.core.vllm_worker import ENV_SERVER_PID, EXTENSION
+from rlkube.core.inference.vllm_worker import ENV_SERVER_PID, EXTENSION
 
 # vllm (and psutil) are imported inside the functions that use them: this interpreter may have no vllm, in which
 # case the shell re-executes itself under RLKUBE_VLLM_PYTHON.
@@ -66,7 +66,7 @@ log = logging.getLogger("rlkube.inference.vllm")
 JOIN_POLL_S = 0.5  # how often the engine asks the workers whether they joined Fast-LLM's group
 WARMUP_PROMPTS = 8
 WARMUP_TOKENS = 8
-MIN_VERSION_WAIT_S = 5.0  # as rlkube.core.sampling
+MIN_VERSION_WAIT_S = 5.0  # as rlkube.core.inference.sampling
 STOP_WAIT_S = 3.0  # vLLM's engine processes get this long to stop after SIGTERM, then are killed
 LEAVE_WAIT_S = 2.0  # leaving the group at shutdown: the engine may be stopping already
 CPU_MEMORY_FRACTION = 0.1
@@ -240,7 +240,7 @@ class VllmEngine(Engine):
 
     Versions are truthful per token span: while an update may be loading (`_settled` cleared BEFORE the workers are
     asked to receive) nothing is handed out, then the worker's progress report says where each running request's
-    tokens switched weights (rlkube.core.vllm_worker)."""
+    tokens switched weights (rlkube.core.inference.vllm_worker)."""
 
     name = "vllm"
     version = 0  # a plain attribute, set on the event loop when an update is in effect (end_update)
@@ -280,7 +280,7 @@ class VllmEngine(Engine):
         return self._call(self.llm.collective_rpc(method, args=args), timeout)
 
     def join_broadcast(self, stop: threading.Event) -> bool:
-        """Every worker into Fast-LLM's broadcast group (rlkube.core.fast_llm_weights). The workers join in threads
+        """Every worker into Fast-LLM's broadcast group (rlkube.core.weights.fast_llm). The workers join in threads
         of their own (the engine keeps serving); this polls them."""
         g = self.group
         started = self._rpc("rlkube_fast_llm_join", g.addr, g.rank, g.world_size, g.fast_llm_timeout_s,
@@ -439,7 +439,7 @@ class VllmEngine(Engine):
             del self._running[key]
 
     async def generate(self, req):
-        """One parsed request (rlkube.core.sampling.GenerationRequest) -> GenerationResult."""
+        """One parsed request (rlkube.core.inference.sampling.GenerationRequest) -> GenerationResult."""
         from vllm.sampling_params import RequestOutputKind
 
         final = versions = None
@@ -455,7 +455,7 @@ class VllmEngine(Engine):
         return GenerationResult(version=version, completions=completions)
 
     async def stream(self, req, chunks):
-        """Chunks (rlkube.core.openai_api.StreamChunks) as vLLM samples: one per choice's new tokens and version."""
+        """Chunks (rlkube.core.inference.openai_api.StreamChunks) as vLLM samples: one per choice's new tokens and version."""
         from vllm.sampling_params import RequestOutputKind
 
         done = [0] * req.n  # tokens handed out per choice
@@ -540,7 +540,7 @@ def _kill_children() -> None:
 def weight_group(ctx: RoleContext, source: WeightSource | None = None) -> WeightGroup:
     """Where the workers join the trainer's own group, and what each derives its transport from (the trainer's
     device and the placement from the spec, beside its own device: rlkube.contract.weight_transport). A Fast-LLM
-    trainer broadcasts its own way: its rendezvous, ranks, backend and timeout (rlkube.core.fast_llm_weights)."""
+    trainer broadcasts its own way: its rendezvous, ranks, backend and timeout (rlkube.core.weights.fast_llm)."""
     spec = ctx.spec
     if isinstance(source if source is not None else weight_source(spec), FastLlmBroadcast):
         return WeightGroup(ctx.weight_sync_addr, ctx.weight_sync_rank(), fast_llm_rendezvous.world_size(spec),
@@ -571,7 +571,7 @@ async def open_engine(ctx: RoleContext) -> VllmEngine:
     t0 = time.monotonic()
     llm = AsyncLLM.from_engine_args(engine_args)
     log.info("vLLM engine up in %.1fs", time.monotonic() - t0)
-    await llm.collective_rpc("rlkube_track")  # before any request (rlkube.core.vllm_worker)
+    await llm.collective_rpc("rlkube_track")  # before any request (rlkube.core.inference.vllm_worker)
     tp_ranks = await llm.collective_rpc("rlkube_tp_rank")
     if sorted(tp_ranks) != list(range(spec.inference.tensor_parallel)):
         # Each worker joins as base + its rank: ranks other than 0..tensorParallel-1 (pipeline parallelism in

@@ -1,5 +1,5 @@
 """Where an inference engine's weight updates come from, chosen once when the engine opens: our own versioned group
-(rlkube.core.weights.group, docs/design.md §5.6) or Fast-LLM's broadcast (rlkube.core.fast_llm_weights, §8).
+(rlkube.core.weights.group, docs/design.md §5.6) or Fast-LLM's broadcast (rlkube.core.weights.fast_llm, §8).
 
 The two differ in when the engine joins and what the events stream means to it, not in what an update is once it
 arrives: ours is joined on an announced epoch that is new (a restarted trainer opens another), Fast-LLM's at

@@ -22,7 +22,7 @@ from rlkube.core.actor.lag import documents_seen_of
 from rlkube.core.preprocessor.documents import DocumentConfig, documents_with_sources, too_long
 from rlkube.core.errors import ConfigError
 from rlkube.contract.context import RoleContext
-from rlkube.core.roles import stop_on_signals
+from rlkube.core.startup import stop_on_signals
 
 log = logging.getLogger("rlkube.preprocessor")
 

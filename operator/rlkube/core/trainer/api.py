@@ -23,14 +23,14 @@ import torch
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import protocol
-from rlkube.core import checkpoint as ckpt
-from rlkube.core import lora
+from rlkube.core.training import checkpoint as ckpt
+from rlkube.core.training import lora
 from rlkube.core.backends import TrainerBackend, build_backend
 from rlkube.core.backends.torch_distributed import DataParallel
-from rlkube.core.batch import Batch, collate, plan_micro_batches
+from rlkube.core.training.batch import Batch, collate, plan_micro_batches
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.losses import LossStats
+from rlkube.core.training.losses import LossStats
 from rlkube.core.trainer.parallel import Parallel, choose
 from rlkube.core.trainer.publishers import Publisher
 from rlkube.core.weights.wire import transfer_dtype
@@ -170,7 +170,7 @@ class Trainer:
             return None
         extra: dict[str, Any] = {"backend": self.spec.trainer.backend}
         write_weights = None
-        if self.spec.trainer.lora is not None:  # PEFT's adapter directory instead of the weights (core/checkpoint)
+        if self.spec.trainer.lora is not None:  # PEFT's adapter directory instead of the weights (core/training/checkpoint)
             extra["adapter"] = "peft-lora"
 
             def write_weights(directory: Path) -> None:

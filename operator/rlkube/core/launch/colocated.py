@@ -4,7 +4,7 @@ engine as two child processes of one pod (or one local process group), sharing i
 Why one process that starts both, not two containers: a device plugin hands a GPU to one container of a pod, so
 the two processes that share it must live in one container; and one supervisor, not the trainer starting its
 engine, keeps the trainer unchanged and lets either child fail without taking the other's report with it. It
-stands for both as the container's one process, like rlkube.core.launcher does for several ranks:
+stands for both as the container's one process, like rlkube.core.launch.ranks does for several ranks:
 - the trainer gets this process's environment; the engine the same, turned into an inference role's by
   runtime.ENV_COLOCATED_ENGINE (lifecycle.environment.colocated_engine): its port, its index, no trainer rank;
 - SIGTERM/SIGINT go to both (kubelet signals only the container's first process);
@@ -29,7 +29,7 @@ from pathlib import Path
 from rlkube.api.role import Role
 from rlkube.contract import runtime
 from rlkube.core.errors import write_termination_message
-from rlkube.core.launcher import Child, exit_code
+from rlkube.core.launch.ranks import Child, exit_code
 
 log = logging.getLogger("rlkube.colocated")
 

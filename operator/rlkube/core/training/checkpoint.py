@@ -16,10 +16,10 @@ complete directories (all files present, meta.json parses and agrees with the na
 mid-write never resumes from a torn checkpoint. Old checkpoints are first renamed out of sight, then deleted.
 
 A LoRA job's checkpoint (spec.trainer.lora) holds PEFT's adapter directory in place of the weights
-(adapter_config.json + adapter_model.safetensors, written by rlkube.core.lora; `PeftModel.from_pretrained(base,
+(adapter_config.json + adapter_model.safetensors, written by rlkube.core.training.lora; `PeftModel.from_pretrained(base,
 path)` loads it), the same optimizer.pt, meta.json (`extra.adapter`) and the model's config and tokenizer files.
 Such a checkpoint is complete once its meta.json is there (the rename makes it appear whole); an adapter missing
-from it later is not skipped as a torn write but fails the resume (rlkube.core.lora.read_adapter), so a job never
+from it later is not skipped as a torn write but fails the resume (rlkube.core.training.lora.read_adapter), so a job never
 trains a fresh adapter in silence.
 
 Loading copies the tensors into the live model and drops the loaded (possibly memory-mapped) tensors before
@@ -139,7 +139,7 @@ def save_checkpoint(
 
     `model_state`: the weights under HF names; `model_dir`: the job's model directory whose config and tokenizer
     files make the checkpoint a loadable HF directory (config.json's dtype set to `dtype`). `write_weights(dir)`
-    writes the weights instead of `model_state` (a LoRA adapter directory, rlkube.core.lora.write_adapter)."""
+    writes the weights instead of `model_state` (a LoRA adapter directory, rlkube.core.training.lora.write_adapter)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(meta.step)
@@ -273,7 +273,7 @@ def load_checkpoint_state(
 ) -> CheckpointMeta:
     """Read a complete checkpoint and hand (model state, optimizer state or None) to `apply`, which must copy
     what it keeps (a backend's `load_state`); the loaded tensors are dropped before returning. `read_weights`
-    reads the model state (a LoRA checkpoint's adapter: rlkube.core.lora.read_adapter)."""
+    reads the model state (a LoRA checkpoint's adapter: rlkube.core.training.lora.read_adapter)."""
     path = Path(path)
     meta = read_meta(path)
     if meta is None:

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from rlkube.core.hf.tokenizer import Tokenizer
-from rlkube.core.sampling import Completion, GenerationRequest, GenerationResult
+from rlkube.core.inference.sampling import Completion, GenerationRequest, GenerationResult
 
 MAX_N = 256
 DEFAULT_MAX_TOKENS = 16

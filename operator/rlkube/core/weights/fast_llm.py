@@ -37,7 +37,7 @@ One update (streaming.py:97-119), after each successful step and once at run beg
 Rejoining. Fast-LLM forms the group once, with a fixed world size, and has no epochs: an inference server that
 restarts finds no group to join (Fast-LLM's next broadcast fails and the trainer pod restarts, forming the group
 anew with every server). A restarted trainer announces nothing before its group is complete, so a receiver idle in
-the dead trainer's group would never notice it: the trainer pod's launcher (rlkube.core.fast_llm_launch) writes a
+the dead trainer's group would never notice it: the trainer pod's launcher (rlkube.core.launch.fast_llm) writes a
 fresh generation into the store it hosts and announces it (protocol.BROADCAST_OPENED) before Fast-LLM starts; a
 receiver records the generation of the store it joined through (`generation`) and the inference shell rejoins on
 an announcement of another one (rlkube.contract.fast_llm_rendezvous.GENERATION_KEY).
@@ -62,7 +62,7 @@ from rlkube.contract.fast_llm_rendezvous import (
     WEIGHTS_SHARD,
     store_prefix,
 )
-from rlkube.core.weights.group import WeightSyncError, _check_backend, _drop_group, _make_group, parse_addr
+from rlkube.core.weights.group import WeightSyncError, check_backend, drop_group, make_group, parse_addr
 from rlkube.core.weights.wire import combine_sums, tensor_sum
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class FastLlmReceiver:
 
     def __init__(self, addr: str, rank: int, world_size: int, timeout_s: float = 300, backend: str = "gloo",
                  device: str = "cpu", local_host: str | None = None):
-        _check_backend(backend)
+        check_backend(backend)
         if not 1 <= rank < world_size:
             raise ValueError(f"Fast-LLM broadcast rank {rank} outside 1..{world_size - 1} (rank 0 is the trainer)")
         self.host, self.port = parse_addr(addr)
@@ -135,7 +135,7 @@ class FastLlmReceiver:
                                                timeout=self.timeout))
             generation = store_generation(store)
             prefixed = dist.PrefixStore(store_prefix(self.world_size), store)
-            self.pg = _make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
+            self.pg = make_group(prefixed, self.rank, self.world_size, self.backend, self.timeout, self.local_host)
         except Exception as exc:
             raise WeightSyncError(f"joining Fast-LLM's weight broadcast at {self.host}:{self.port} as rank "
                                   f"{self.rank} of {self.world_size} failed: {exc}") from exc
@@ -231,4 +231,4 @@ class FastLlmReceiver:
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
-        _drop_group(pg)
+        drop_group(pg)

@@ -55,7 +55,7 @@ def exit_code(status: int) -> int:
 
 class Child:
     """One process a pod's first process supervises (a rank here, the colocated trainer and engine in
-    rlkube.core.colocated): its output relayed line by line as `[label] ...`, its last lines kept, and its
+    rlkube.core.launch.colocated): its output relayed line by line as `[label] ...`, its last lines kept, and its
     termination message read from a file of its own."""
 
     def __init__(self, label: str, argv: list[str], env: dict[str, str], message_path: Path):
