@@ -2,12 +2,12 @@
 
 The operator folds these facts into `status.trainer` (and `status.completion`), `rlkube local` into its progress
 bar and summary. Only this module knows which payload field carries what (a weights_ready's `version` falls back
-to its `step`, a checkpoint path comes as `path` or `checkpoint`, the step's worst lag as `lag_max` or `lag`, the
-step's mean reward as `reward_mean`, its throughput as `tokens_per_s`, an evaluation's weight version and mean
-reward as `version` and `reward_mean`; the agent and evaluation counters by their types, rlkube.contract.counters),
-so the two launchers cannot read the same event differently. Unknown types
-carry no facts. An `evaluation` comes from actor 0, not the trainer (spec.evaluation): `from_trainer` is False, so
-it never counts as the trainer being alive (the stall rule, docs/design.md §4.3).
+to its `step`, a checkpoint path comes as `path` or `checkpoint`; a metrics event is read through the trainer's
+own record, rlkube.contract.step_metrics; an evaluation's weight version and mean reward as `version` and
+`reward_mean`; the agent and evaluation counters by their types, rlkube.contract.counters), so the two launchers
+cannot read the same event differently. Unknown types carry no facts. An `evaluation` comes from actor 0, not the
+trainer (spec.evaluation): `from_trainer` is False, so it never counts as the trainer being alive (the stall rule,
+docs/design.md §4.3).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkube.contract import counters, protocol
+from rlkube.contract.step_metrics import StepMetrics
 
 
 MAX_PATH = 4096
@@ -83,10 +84,9 @@ def read(ev: protocol.TrainerEvent) -> Facts:
         return Facts(step=step, weights_version=version if version is not None else step,
                      documents_seen=_int(payload.get("documents_seen")))
     if ev.type == protocol.METRICS:
-        return Facts(step=step, lag=_int(payload.get("lag_max", payload.get("lag"))),
-                     reward_mean=_float(payload.get("reward_mean"), 4),
-                     tokens_per_s=_float(payload.get("tokens_per_s"), 1), metrics=payload,
-                     agent=counters.agent_status(payload))
+        m = StepMetrics.read(payload)
+        return Facts(step=step, lag=m.lag_max, reward_mean=_float(m.reward_mean, 4),
+                     tokens_per_s=_float(m.tokens_per_s, 1), metrics=payload, agent=counters.agent_status(payload))
     if ev.type == protocol.CHECKPOINT_SAVED:
         path = _str(payload.get("path")) or _str(payload.get("checkpoint"))
         return Facts(checkpoint=(step, path) if step is not None and path else None)

@@ -11,16 +11,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import redis
 
 from rlkube.contract import counters, protocol
+from rlkube.contract.step_metrics import StepMetrics
 
 log = logging.getLogger("rlkube.trainer")
 
 EVALUATION_WAIT_S = 60.0  # how long the finished trainer waits for the final version's evaluation (trackers, samples)
 EVALUATION_POLL_S = 1.0  # how often it looks for that evaluation
+
+OFF_POLICY = ("logprob_diff_abs", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_truncated_fraction",
+              "is_masked_fraction", "ref_kl")
+"""The loss's optional step metrics (rlkube.core.training.losses: trainer vs sampler log-probs, the reference KL),
+reported when it measured them."""
 
 EPISODE_COUNTS = tuple(name for name, c in counters.EPISODE.items() if c.type is int)
 """The episode counters the metrics report as whole-job totals (`episode_<name>`); the float sum of the per-turn
@@ -31,13 +36,13 @@ class StepReports:
     """The reporting half of TrainerRole (its attributes: ctx, redis, keys, trainer, parallel, leader, stop,
     trackers, samples, skipped and the bookkeeping set in TrainerRole.__init__)."""
 
-    def _track_step(self, metrics: dict[str, Any]) -> None:
+    def _track_step(self, metrics: StepMetrics) -> None:
         """The step's metrics to the trackers (as `train/<name>`), the evaluation results actor 0 reported since
         (as `eval/<name>` at their weight version), and any tracker failure as a `tracker_failed` event."""
         if not self.trackers.workers:
             return
-        step = metrics["step"]
-        self.trackers.log_metrics({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step)
+        self.trackers.log_metrics({f"train/{k}": v for k, v in metrics.payload().items() if k != "step"},
+                                  metrics.step)
         self._track_evaluations()
         self._report_tracker_failures()
 
@@ -123,37 +128,33 @@ class StepReports:
                 "tokens": int(tokens), "reward_errors": int(reward_errors)}
 
     def _metrics(self, d: dict[str, float], m: dict[str, float], wait_s: float, busy_s: float,
-                 publish_s: float) -> dict[str, Any]:
+                 publish_s: float) -> StepMetrics:
         tokens = d["tokens"]
         wall = max(wait_s + busy_s + publish_s, 1e-9)
-        return {
-            "step": self.trainer.step,
-            "version": self.trainer.version,
-            "loss": m["loss"],
-            "reward_mean": d["reward_mean"],
-            "reward_errors": d["reward_errors"],  # samples whose reward function failed (scored 0)
-            "lag_max": d["lag_max"],
-            "stale_documents": d["stale_documents"],
-            "tokens": tokens,
-            "loss_tokens": int(m["loss_tokens"]),
-            "tokens_per_s": tokens / wall,
-            "busy_s": busy_s,
-            "wait_s": wait_s,
-            "publish_s": publish_s,
-            "ratio_mean": m["ratio_mean"],
-            "clipped_fraction": m["clipped_fraction"],
-            "kl": m["kl"],
-            "entropy": m.get("entropy"),
-            # trainer vs sampler and the reference KL (rlkube.core.losses); absent when nothing measured them
-            **{k: m[k] for k in ("logprob_diff_abs", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
-                                 "is_truncated_fraction", "is_masked_fraction", "ref_kl") if k in m},
-            "grad_norm": m["grad_norm"],
-            "learning_rate": m["lr"],
-            "documents_seen": self.trainer.documents_seen,
-            "documents_skipped": self.skipped,
-            **self._filtered(),
-            **self._episodes(),
-        }
+        return StepMetrics(
+            step=self.trainer.step,
+            version=self.trainer.version,
+            loss=m["loss"],
+            reward_mean=d["reward_mean"],
+            reward_errors=d["reward_errors"],
+            lag_max=d["lag_max"],
+            stale_documents=d["stale_documents"],
+            tokens=tokens,
+            loss_tokens=int(m["loss_tokens"]),
+            tokens_per_s=tokens / wall,
+            busy_s=busy_s,
+            wait_s=wait_s,
+            publish_s=publish_s,
+            ratio_mean=m["ratio_mean"],
+            clipped_fraction=m["clipped_fraction"],
+            kl=m["kl"],
+            entropy=m.get("entropy"),
+            grad_norm=m["grad_norm"],
+            learning_rate=m["lr"],
+            documents_seen=self.trainer.documents_seen,
+            documents_skipped=self.skipped,
+            extra={**{k: m[k] for k in OFF_POLICY if k in m}, **self._filtered(), **self._episodes()},
+        )
 
     def _filtered(self) -> dict[str, int]:
         """Zero-advantage groups (and their samples) the preprocessors dropped so far, whole job (rank 0 only:

@@ -30,7 +30,7 @@ from rlkube.contract.parallel import processes_per_node, trainer_world_size
 from rlkube.core.backends.torch_distributed import DataParallel, DistConfig, PeerLost
 from rlkube.core.errors import ConfigError, write_termination_message
 from rlkube.core.hf.source import materialize_model
-from rlkube.core.roles import stop_on_signals
+from rlkube.core.startup import stop_on_signals
 from rlkube.core.trainer.api import Trainer
 from rlkube.core.trainer.publishers import _make_publisher
 from rlkube.core.trainer.reporting import StepReports
@@ -244,7 +244,7 @@ class TrainerRole(StepReports):
                 self._publish()
                 t3 = time.monotonic()
                 metrics = self._metrics(doc_stats, step_metrics, t1 - t0, t2 - t1, t3 - t2)
-                self._event(protocol.METRICS, **metrics)
+                self._event(protocol.METRICS, **metrics.payload())
                 self._track_step(metrics)
                 self._checkpoint_if_due()
         except (DocumentTimeout, PeerLost, torch.distributed.DistError):
