@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlkube.api.task import DatasetSpec, TaskSpec
-from rlkube.core.actor.prompt_dataset import DatasetTask, resolve_format
-from rlkube.core.actor.tasks import Scorer, TaskError, load_task
+from rlkube.core.actor.prompt_dataset import resolve_format
+from rlkube.core.actor.tasks import JobTask, Scorer, TaskError, load_task
 
 ROWS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i), "id": i} for i in range(10)]
 
@@ -25,7 +25,7 @@ def write_jsonl(path, rows):
     return path
 
 
-def math_task(path, shard=(0, 1), **dataset) -> DatasetTask:
+def math_task(path, shard=(0, 1), **dataset) -> JobTask:
     spec = TaskSpec(name="sums", dataset={"path": str(path), "promptField": "question", **dataset},
                     reward={"type": "math"})
     return load_task(spec, shard=shard)
@@ -38,7 +38,7 @@ def draw(task, n):
 
 def test_jsonl_prompts_answers_and_math_reward(tmp_path):
     task = math_task(write_jsonl(tmp_path / "sums.jsonl", ROWS))
-    assert task.name == "sums" and len(task.task) == 10
+    assert task.name == "sums" and len(task.source) == 10
     prompts = draw(task, 10)
     assert sorted(p.meta["row"] for p in prompts) == list(range(10))  # one epoch: every row once
     for p in prompts:
@@ -63,15 +63,15 @@ def test_parquet_gz_jsonl_and_globs_load_the_same_rows(tmp_path):
     assert resolve_format(DatasetSpec(path=str(tmp_path))) == "datasets"
     # an explicit format reads a file whatever its name
     (tmp_path / "sums.data").write_bytes((tmp_path / "sums.parquet").read_bytes())
-    assert len(math_task(tmp_path / "sums.data", format="parquet").task) == 10
+    assert len(math_task(tmp_path / "sums.data", format="parquet").source) == 10
 
 
 def test_saved_datasets_directories_with_and_without_splits(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:6]),
                           "test": datasets.Dataset.from_list(ROWS[6:])}).save_to_disk(str(tmp_path / "dict"))
-    assert len(math_task(tmp_path / "single").task) == 10
-    assert len(math_task(tmp_path / "dict").task) == 6  # split defaults to train
+    assert len(math_task(tmp_path / "single").source) == 10
+    assert len(math_task(tmp_path / "dict").source) == 6  # split defaults to train
     test = math_task(tmp_path / "dict", split="test", shuffle=False)
     assert [p.meta["answer"] for p in draw(test, 4)] == ["12", "14", "16", "18"]
     with pytest.raises(TaskError, match=r"spec.task.dataset.split: .* has the splits train, test, not 'dev'"):

@@ -11,6 +11,7 @@ import pytest
 from rlkube.api.task import TaskSpec
 from rlkube.core.actor.tasks import (
     BUILTIN_TASKS,
+    JobTask,
     Prompt,
     Task,
     TaskError,
@@ -90,6 +91,33 @@ def test_entry_point_task(tmp_path, monkeypatch):
         assert task.reward(p, "hi") == 1.0 and task.reward(p, "ho") == 0.0
     finally:
         sys.modules.pop("my_tasks", None)
+
+
+def test_a_task_is_read_once_into_the_typed_task_the_actor_uses(tmp_path, monkeypatch):
+    # A user's task with no name, no reward of its own (the spec's replaces it) and a slotted class (the loader
+    # cannot set attributes on it): what it can do is read once, and the actor's renderer reads only that.
+    (tmp_path / "slotted_tasks.py").write_text(textwrap.dedent("""
+        from rlkube.core.actor.tasks import Prompt
+
+        class Slotted:
+            __slots__ = ()
+            raw_prompts = True
+            def prompt(self, rng):
+                return Prompt("7:", {"answer": "7"})
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        spec = TaskSpec(name="mine", entryPoint="slotted_tasks:Slotted", reward={"type": "exact"})
+        task = load_task(spec)
+        assert isinstance(task, JobTask) and type(task.source).__name__ == "Slotted"
+        assert (task.name, task.raw_prompts, task.needs_chat_template) == ("mine", True, None)
+        assert task.reward(task.prompt(random.Random(0)), "7") == 1.0
+        assert not prompt_renderer(spec, task).chat_template  # raw prompts: no template unless asked for
+        assert JobTask.of(task) is task
+        built_in = load_task(TaskSpec(name="copy-digits"))
+        assert built_in.raw_prompts and built_in.reward is not None and built_in.name == "copy-digits"
+    finally:
+        sys.modules.pop("slotted_tasks", None)
 
 
 def test_bad_task_specs_name_the_field():

@@ -24,7 +24,7 @@ from typing import Any
 from rlkube.api.task import EnvironmentSpec, TaskSpec
 from rlkube.contract import runtime
 from rlkube.core.actor import calculator
-from rlkube.core.actor.episodes import Environment, Limits
+from rlkube.core.actor.episodes import Environment, Limits, draws_own_prompts
 from rlkube.core.actor.sandbox import Sandbox, SandboxLimits, network_namespace_available
 from rlkube.core.actor.sandbox_client import RemoteSandbox
 from rlkube.core.actor.task_types import TaskError, import_attribute
@@ -72,7 +72,7 @@ def load_environment(spec: TaskSpec) -> Environment | None:
     if not callable(getattr(built, "start", None)):
         raise TaskError(field, f"the factory returned {built!r}, which has no start(prompt) method")
     others = [f for f in spec.prompt_sources() if f != "spec.task.environment.name"]
-    if others and callable(getattr(built, "prompt", None)):
+    if others and draws_own_prompts(built):
         # One prompt source (docs/design.md §2.4): validation refuses a built-in environment with another; only
         # building an entryPoint's tells whether it draws its own, and then the other would be ignored.
         raise TaskError(field, f"{env.entry_point or env.name!r} draws its own prompts (it has prompt()) and "

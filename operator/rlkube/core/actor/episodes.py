@@ -363,7 +363,12 @@ async def _score(episode: Episode, result: EpisodeResult, limits: Limits) -> Non
         log.warning("episode reward failed (%s: %s); scored 0", type(exc).__name__, exc)
 
 
+def draws_own_prompts(environment: Any) -> bool:
+    """Whether an environment draws its own prompts (it has `prompt(rng)`): it is then the job's one prompt source
+    (docs/design.md §2.4). The one place that asks; a user's environment may or may not have the method."""
+    return environment is not None and callable(getattr(environment, "prompt", None))
+
+
 def draw_prompt(environment: Any, task: Any, rng: random.Random) -> Prompt:
     """The environment's own prompt if it draws them, else the task's."""
-    own = getattr(environment, "prompt", None)
-    return own(rng) if callable(own) else task.prompt(rng)
+    return environment.prompt(rng) if draws_own_prompts(environment) else task.prompt(rng)

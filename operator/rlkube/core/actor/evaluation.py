@@ -38,7 +38,7 @@ from typing import Any
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.contract import protocol
 from rlkube.contract import samples as sample_rows
-from rlkube.core.actor.episodes import SampleRefused, call_with_timeout, run_episode
+from rlkube.core.actor.episodes import SampleRefused, call_with_timeout, draws_own_prompts, run_episode
 from rlkube.core.actor.tasks import Scorer, load_task
 from rlkube.core.actor.task_types import Prompt, TaskError
 
@@ -164,8 +164,7 @@ def split_prompts(spec: TrainingJobSpec) -> list[Prompt]:
 def build_eval_set(spec: TrainingJobSpec, environment: Any) -> list[Prompt]:
     """The eval set the way the actor draws prompts: the environment's own, else a fresh copy of the task (a
     dataset task's row order is its own: the training task's must not be advanced)."""
-    own = environment is not None and callable(getattr(environment, "prompt", None))
-    return eval_prompts(spec, environment if own else load_task(spec.task))
+    return eval_prompts(spec, environment if draws_own_prompts(environment) else load_task(spec.task))
 
 
 @dataclass

@@ -20,7 +20,7 @@ import random
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import aiohttp
@@ -33,13 +33,13 @@ from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.hf.source import materialize_model
 from rlkube.core.actor.lag import LagCounter, documents_seen_of
 from rlkube.core.hf.tokenizer import Tokenizer
-from rlkube.core.actor.episodes import Environment, Limits, MessageEncoder
+from rlkube.core.actor.episodes import Environment, Limits, MessageEncoder, draws_own_prompts
 from rlkube.core.actor.environments import limits as episode_limits
 from rlkube.core.actor.environments import load_environment
 from rlkube.core.actor.evaluation import Evaluator, TrainingPrompts, build_eval_set, held_out_fraction
 from rlkube.core.actor.inference_client import BadPrompt, InferenceClient, Stopped
 from rlkube.core.actor.sampling_modes import SamplingModes, supervised
-from rlkube.core.actor.tasks import Prompt, Scorer, Task, load_task, prompt_renderer
+from rlkube.core.actor.tasks import JobTask, Prompt, Scorer, load_task, prompt_renderer
 from rlkube.core.actor.worker_loop import WorkerLoop
 
 log = logging.getLogger("rlkube.actor")
@@ -62,7 +62,7 @@ class TrainerView:
 class Actor(WorkerLoop, SamplingModes, InferenceClient):
     """One replica's state, its stop and the trainer's events it follows; the jobs come from the mixins."""
 
-    def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: Task,
+    def __init__(self, ctx: RoleContext, client: aioredis.Redis, task: JobTask,
                  stall_s: float = DEFAULT_STALL_S, render: Callable[[Prompt], str | list[int]] | None = None,
                  tokenizer: Tokenizer | None = None, environment: Environment | None = None,
                  encoder: MessageEncoder | None = None, eval_set: list[Prompt] | None = None):
@@ -81,7 +81,7 @@ class Actor(WorkerLoop, SamplingModes, InferenceClient):
         self.task = task
         self.render = render or prompt_renderer(ctx.spec.task, task)  # no tokenizer: plain-text prompts
         self.score = Scorer(task)
-        self.scores = callable(getattr(task, "reward", None))  # a supervised dataset may come without a reward
+        self.scores = task.reward is not None  # a supervised dataset may come without a reward
         self.name = f"actor-{ctx.index}"
         self.urls = [u.rstrip("/") for u in ctx.inference_urls]
         self.stall_s = stall_s
@@ -113,8 +113,8 @@ class Actor(WorkerLoop, SamplingModes, InferenceClient):
         # eval set scores it (rlkube.core.actor.evaluation).
         fraction = held_out_fraction(ctx.spec)
         if fraction is not None:
-            self.task = TrainingPrompts(task, fraction)
-            if environment is not None and callable(getattr(environment, "prompt", None)):
+            self.task = replace(task, prompt=TrainingPrompts(task, fraction).prompt)
+            if draws_own_prompts(environment):
                 self.environment = TrainingPrompts(environment, fraction)
         self.evaluator = Evaluator(self, ctx.spec, eval_set, refused=BadPrompt, stopped=Stopped) if eval_set else None
 
@@ -224,30 +224,29 @@ def build_actor(ctx: RoleContext, client: aioredis.Redis) -> Actor:
     needs, and (actor 0 with spec.evaluation) the eval set."""
     environment = load_environment(ctx.spec.task)
     # An environment that draws its own prompts is the task as far as prompts go (rendering, raw text or chat).
-    own_prompts = environment is not None and callable(getattr(environment, "prompt", None))
-    task = environment if own_prompts else load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas))
+    task = (JobTask.of(environment) if draws_own_prompts(environment)
+            else load_task(ctx.spec.task, shard=(ctx.index, ctx.spec.actor.replicas)))
     # The prompts are rendered here, not by inference, with the model's tokenizer (its chat template) unless the
     # task's prompts are raw text (the digit tasks): those go as text, tokenized by inference as vLLM does.
     chat = ctx.spec.task.chat_template
     tokenizer = None
-    if (chat or (chat is None and not getattr(task, "raw_prompts", False)) or supervised(ctx.spec)
+    if (chat or (chat is None and not task.raw_prompts) or supervised(ctx.spec)
             or environment is not None):  # episodes decode replies and encode the environment's turns
         tokenizer = load_tokenizer(materialize_model(ctx.spec.model, ctx.model_cache_dir))
     render = prompt_renderer(ctx.spec.task, task, tokenizer=tokenizer.hf if tokenizer else None)
     encoder = None
     if environment is not None:
-        encoder = MessageEncoder(tokenizer.hf, chat_template=bool(getattr(render, "chat_template", False)))
-    if getattr(render, "chat_template", False):
+        encoder = MessageEncoder(tokenizer.hf, chat_template=render.chat_template)
+    send: Callable[[Prompt], str | list[int]] = render
+    if render.chat_template:
         # A rendered conversation holds the special tokens its template writes (a Llama template's BOS): send its
         # ids, tokenized without adding them again (a text prompt would get a second BOS from inference).
-        as_text = render
-
-        def render(prompt: Prompt) -> list[int]:
-            return tokenizer.hf(as_text(prompt), add_special_tokens=False)["input_ids"]
+        def send(prompt: Prompt) -> list[int]:
+            return tokenizer.hf(render(prompt), add_special_tokens=False)["input_ids"]
     stall_s = float(os.environ.get(ENV_STALL_SECONDS) or DEFAULT_STALL_S)
     # Actor 0 scores the eval set (spec.evaluation); a split that overlaps training stops it here, naming the field.
     eval_set = build_eval_set(ctx.spec, environment) if ctx.spec.evaluation is not None and ctx.index == 0 else None
-    return Actor(ctx, client, task, stall_s=stall_s, render=render, tokenizer=tokenizer, environment=environment,
+    return Actor(ctx, client, task, stall_s=stall_s, render=send, tokenizer=tokenizer, environment=environment,
                  encoder=encoder, eval_set=eval_set)
 
 

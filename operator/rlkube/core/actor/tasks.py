@@ -2,7 +2,8 @@
 
 The actor samples a prompt, renders it (`prompt_renderer`: plain text, or the tokenizer's chat template), asks
 inference for a group of completions, and scores each with a `Scorer` over the task's `reward`. A task is anything
-with `name`, `prompt(rng)` and `reward(prompt, completion)`. Where tasks come from (`load_task`):
+with `name`, `prompt(rng)` and `reward(prompt, completion)`; `load_task` reads it once into a `JobTask`, the typed
+record every caller uses. Where tasks come from:
 - `spec.task.reasoningGym`: a reasoning-gym procedural task, scored by its own `score_answer`
   (rlkube.core.actor.gym_tasks);
 - the built-ins below, tiny verifiable string tasks that a randomly initialised model can measurably learn on one
@@ -28,7 +29,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from rlkube.api.task import TaskSpec
@@ -47,6 +48,37 @@ class Task(Protocol):
     def prompt(self, rng: random.Random) -> Prompt: ...
 
     def reward(self, prompt: Prompt, completion: str) -> float: ...
+
+
+@dataclass(frozen=True, repr=False)
+class JobTask:
+    """The job's task as the actor uses it. The object behind it (`source`: a built-in, a dataset, reasoning-gym,
+    a user's entry point, or an environment that draws its own prompts) is read once, here, for what it can do;
+    no caller probes it for optional attributes afterwards."""
+
+    name: str
+    prompt: Callable[[random.Random], Prompt]
+    reward: Callable[[Prompt, str], float] | None = None
+    """None: nothing to score with here (a supervised dataset's reference completions; an environment's episodes,
+    which score themselves)."""
+    raw_prompts: bool = False
+    """Prompts are raw text that inference tokenizes (the digit tasks): no chat template unless the spec asks."""
+    needs_chat_template: str | None = None
+    """The spec field that makes this task's prompts chat messages, which then need the chat template."""
+    source: Any = None
+
+    @classmethod
+    def of(cls, obj: Any, name: str | None = None) -> JobTask:
+        """`obj` read for its capabilities (a JobTask as it is). `name`: when `obj` has no string `name`."""
+        if isinstance(obj, JobTask):
+            return obj
+        own_name, reward = getattr(obj, "name", None), getattr(obj, "reward", None)
+        return cls(name=own_name if isinstance(own_name, str) else name or type(obj).__name__, prompt=obj.prompt,
+                   reward=reward if callable(reward) else None, raw_prompts=bool(getattr(obj, "raw_prompts", False)),
+                   needs_chat_template=getattr(obj, "needs_chat_template", None) or None, source=obj)
+
+    def __repr__(self) -> str:
+        return repr(self.source) if self.source is not None else f"JobTask({self.name!r})"
 
 
 def char_match_reward(answer: str, completion: str, alphabet: str = DIGITS, kind_credit: float = 0.5) -> float:
@@ -183,24 +215,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-class _WithReward:
-    """A task whose own reward is replaced by spec.task.reward's."""
-
-    def __init__(self, task: Task, reward: Callable[[Prompt, str], float]):
-        self.task = task
-        self.name = task.name
-        self.reward = reward
-        self.raw_prompts = getattr(task, "raw_prompts", False)
-        self.needs_chat_template = getattr(task, "needs_chat_template", None)
-
-    def prompt(self, rng: random.Random) -> Prompt:
-        return self.task.prompt(rng)
-
-    def __repr__(self) -> str:
-        return f"{self.task!r} with reward {self.reward!r}"
-
-
-def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
+def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> JobTask:
     """The job's task: prompts from `spec.dataset`, `spec.entryPoint` called with `**spec.params`, or the built-in
     `spec.name`; its reward replaced by `spec.reward` when set. `shard` = (this actor replica, replicas): dataset
     tasks draw their rows in turns so that replicas do not repeat each other. Raises TaskError."""
@@ -233,17 +248,13 @@ def load_task(spec: TaskSpec, shard: tuple[int, int] = (0, 1)) -> Task:
     for attr in needed:
         if not callable(getattr(task, attr, None)):
             raise TaskError(spec_field, f"{where} returned {task!r}, which has no {attr}() method")
-    if not isinstance(getattr(task, "name", None), str):
-        try:
-            task.name = spec.name
-        except AttributeError:
-            raise TaskError(spec_field, f"{where} returned {task!r}, which has no string `name`") from None
+    job_task = JobTask.of(task, name=spec.name)
     if spec.reward is not None:
         if spec.dataset is not None and needs_answer(spec.reward) and task.answer_column is None:
             raise TaskError("spec.task.dataset.answerField", f"the {spec.reward.type} reward compares with a reference "
                             f"answer, but {spec.dataset.path} has no `answer` column: name the column that holds it")
-        task = _WithReward(task, build_reward(spec.reward))
-    return task
+        job_task = replace(job_task, reward=build_reward(spec.reward))
+    return job_task
 
 
 # --- rendering: a Prompt -> the text inference completes ---------------------------------------------------
@@ -271,26 +282,35 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None) -> str:
     return text
 
 
-def prompt_renderer(spec: TaskSpec, task: Task, tokenizer: Any = None) -> Callable[[Prompt], str]:
+@dataclass(frozen=True)
+class PromptRenderer:
+    """A Prompt -> the text inference completes; `chat_template`: whether that text is a rendered conversation."""
+
+    tokenizer: Any
+    """The tokenizer whose chat template renders; None: plain text."""
+
+    @property
+    def chat_template(self) -> bool:
+        return self.tokenizer is not None
+
+    def __call__(self, prompt: Prompt) -> str:
+        return render_prompt(prompt, self.tokenizer)
+
+
+def prompt_renderer(spec: TaskSpec, task: JobTask, tokenizer: Any = None) -> PromptRenderer:
     """What the actor calls on every prompt: `render_prompt` with the chat template on or off as `spec.chatTemplate`
     says (unset: on when the tokenizer has one, unless the task's prompts are raw text). Raises TaskError, naming
     the field, when the task's prompts need a chat template the job cannot use."""
     available = has_chat_template(tokenizer)
     flag = spec.chat_template
-    use = (available and not getattr(task, "raw_prompts", False)) if flag is None else flag
+    use = (available and not task.raw_prompts) if flag is None else flag
     if use and not available:
         raise TaskError("spec.task.chatTemplate", "is true, but the model's tokenizer has no chat template")
-    needs = getattr(task, "needs_chat_template", None)  # the spec field that makes prompts chat messages
+    needs = task.needs_chat_template
     if needs and not use:
         why = "spec.task.chatTemplate is false" if available else "the model's tokenizer has no chat template"
         raise TaskError(needs, f"makes prompts chat messages, which need the chat template, but {why}")
-    chat = tokenizer if use else None
-
-    def render(prompt: Prompt) -> str:
-        return render_prompt(prompt, chat)
-
-    render.chat_template = use  # type: ignore[attr-defined]
-    return render
+    return PromptRenderer(tokenizer if use else None)
 
 
 # --- scoring: a reward that fails scores 0 and is counted, never fatal -------------------------------------
@@ -304,7 +324,7 @@ class Scorer:
     """Scores completions with `task.reward`. An exception, or a result that is not a finite number, scores 0,
     counts in `errors` and reports the sample as failed; the actor carries on."""
 
-    task: Task
+    task: JobTask
     errors: int = 0
     scored: int = 0
 
@@ -312,6 +332,8 @@ class Scorer:
         """(reward, failed)."""
         self.scored += 1
         try:
+            if self.task.reward is None:
+                raise TypeError(f"task {self.task.name!r} has no reward")
             value = self.task.reward(prompt, completion)
             reward = float(value)
             if not math.isfinite(reward):
