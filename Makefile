@@ -4,7 +4,7 @@
 #   make images builds the CPU images of images/ with buildah (make test builds operator, core and redis)
 #   make push REGISTRY=host/prefix  pushes the built images there (buildah push; PUSH_ARGS=--insecure: plain HTTP)
 #   make docs   builds the documentation site into site/ (mkdocs --strict; docs/hooks/reference.py generates the
-#               API and CLI reference); `make test` builds it too (tests/integration/test_docs_site.py)
+#               API and CLI reference); `make test` builds it too (tests/integration/package/test_docs_site.py)
 #   make bench  runs `rlkube bench operator` against the project's own control plane (BENCH_ARGS="-n 20 --json")
 #   make gpu-smoke  runs the training core's GPU smoke check with the python3 at hand (GPU_SMOKE_ARGS="--out f")
 #   make gpu-e2e    runs the real pipeline colocated on one GPU (GPU_E2E_ARGS="--cpu" here); `make gpu-carry`
@@ -25,7 +25,7 @@ GPU_SMOKE_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON = $(VLLM_VENV)/bin/python
 VLLM_STAMP = $(VLLM_VENV)/.rlkube-installed
-# The tracking tests' real `mlflow server` (tests/mlflow_server.py): the full mlflow pins python-dateutil<3 (through
+# The tracking tests' real `mlflow server` (tests/support/mlflow_server.py): the full mlflow pins python-dateutil<3 (through
 # graphene), which the kubernetes client of .venv refuses, so the server gets a virtual environment of its own; the
 # trainer's client is mlflow-skinny, in the `core` extra.
 MLFLOW_VENV ?= .venv-mlflow
@@ -34,8 +34,8 @@ MLFLOW_STAMP = $(MLFLOW_VENV)/.rlkube-installed
 # vendored-library replacements that build kube-apiserver and the kubelet (gcc: the sandbox's pause binary), and
 # the real node's containerd, runc, runsc (gVisor, the sandbox pods' runtime), CNI plugins, buildah, a static
 # busybox, iptables (kube-proxy) and dnsmasq (the cluster DNS) (tests/cluster/node.py), mmdebstrap (the images'
-# base, images/build.py), chromium (the report's and the docs site's headless checks, tests/headless_chromium.py
-# and tests/integration/test_docs_site.py) and docker-registry (tests/e2e/test_registry.py).
+# base, images/build.py), chromium (the report's and the docs site's headless checks, tests/support/headless_chromium.py
+# and tests/integration/package/test_docs_site.py) and docker-registry (tests/e2e/real_node/test_registry.py).
 APT_DEMO = redis-server
 APT_PACKAGES = $(APT_DEMO) etcd-server golang-go rsync make dpkg-dev openssl iproute2 gcc libc6-dev \
                golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev \
@@ -58,9 +58,9 @@ demo:
 
 # The same job on a real kube-apiserver: the operator creates pods, the test node agent runs them (tests/nodeagent).
 demo-cluster: deps control-plane
-	$(PYTHON) tests/e2e/demo_cluster.py
+	$(PYTHON) tests/support/demo_cluster.py
 
-# The real-node e2e test (tests/e2e/test_real_cluster.py) runs the operator, core and redis images: built first
+# The real-node e2e test (tests/e2e/real_node/test_real_cluster.py) runs the operator, core and redis images: built first
 # (content-cached: seconds when unchanged). TEST_WORKERS pytest-xdist workers (one per core here; 0 runs serially):
 # the e2e tier, the real kubelet and vLLM stay on one worker, in collection order (tests/conftest.py).
 TEST_WORKERS ?= 2
@@ -72,16 +72,16 @@ test: deps deps-vllm deps-mlflow control-plane
 
 # The vLLM CPU image's own tier (not in `make test`: a ~4.4 GB image, minutes to build, import and run on 2 cores):
 # examples/vllm-cpu.yaml on the real node, its inference pod from localhost/rlkube/vllm:0.1.0-cpu
-# (tests/e2e/test_vllm_image.py, skipped unless RLKUBE_VLLM_IMAGE=1).
+# (tests/e2e/real_node/test_vllm_image.py, skipped unless RLKUBE_VLLM_IMAGE=1).
 test-vllm-image: deps control-plane
 	$(MAKE) images IMAGES="operator core redis vllm-cpu" IMAGES_ARGS=--check
-	RLKUBE_VLLM_IMAGE=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_vllm_image.py
+	RLKUBE_VLLM_IMAGE=1 $(PYTHON) -m pytest -ra --durations=10 tests/e2e/real_node/test_vllm_image.py
 
-# `make push` into a docker-registry on this machine and the real node pulling from it (tests/e2e/test_registry.py),
+# `make push` into a docker-registry on this machine and the real node pulling from it (tests/e2e/real_node/test_registry.py),
 # alone; `make test` runs it too.
 test-registry: deps control-plane
 	$(MAKE) images IMAGES="operator core redis" IMAGES_ARGS=
-	$(PYTHON) -m pytest -ra --durations=10 tests/e2e/test_registry.py
+	$(PYTHON) -m pytest -ra --durations=10 tests/e2e/real_node/test_registry.py
 
 # The control plane runs for the benchmark only: control_plane.py --run starts it, runs the command with its
 # kubeconfig in place of {kubeconfig}, and stops it.

@@ -7,7 +7,7 @@
 - `namespace`: a fresh namespace per test, deleted afterwards.
 - `wheel` (session): a wheel of this repository, built offline as `pip install .` builds it.
 Every server process started here is checked at session end; one still alive fails the run.
-RLKUBE_TEST_CPU=path.jsonl records each test's wall and CPU time (tests/cpu_timing.py).
+RLKUBE_TEST_CPU=path.jsonl records each test's wall and CPU time (tests/support/cpu_timing.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from cluster.tracked import STARTED_PIDS, track  # noqa: E402
 
 from rlkube.local.redis_server import RedisServer  # noqa: E402
 
-import cpu_timing  # noqa: E402
+from support import cpu_timing  # noqa: E402
 
 
 def pytest_configure(config):
@@ -130,8 +130,8 @@ _FINAL_STATUS: list[int] = []
 def pytest_unconfigure(config):
     """Exit with the session's status once pytest has reported everything, skipping interpreter finalization.
     A session that ran the e2e tier aborted there now and then (SIGABRT after the summary, one thread left and no
-    Python frame: 2 of 4 runs of tests/e2e/test_chaos.py -k data_parallel_rank, never under gdb), which would turn a
-    green run into exit 134. Nothing of the tests runs after this point; the cause is still to be found."""
+    Python frame: 2 of 4 runs of tests/e2e/node_agent/test_chaos.py -k data_parallel_rank, never under gdb), which would
+    turn a green run into exit 134. Nothing of the tests runs after this point; the cause is still to be found."""
     if _FINAL_STATUS:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,6 +1,6 @@
 """Server processes the test session started and must have stopped by its end (checked in tests/conftest.py).
 
-A module of its own, not conftest: tests/e2e has a conftest too, so `from conftest import ...` is ambiguous.
+A module of its own, not conftest: tests/e2e/* have conftests too, so `from conftest import ...` is ambiguous.
 """
 
 from __future__ import annotations

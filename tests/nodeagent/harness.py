@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from nodeagent.agent import MARKER
-from waiting import wait_for  # noqa: F401 (the e2e tests import it from here)
+from support.waiting import wait_for  # noqa: F401 (the e2e tests import it from here)
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 
@@ -72,6 +72,12 @@ class AgentProcess:
             return (self.state_dir / "agent.log").read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+    def stop_leaving_nothing(self) -> None:
+        """stop(), then fail if a container process of this agent is still alive (every agent fixture's end)."""
+        self.stop()
+        left = self.live_processes()
+        assert not left, f"container processes left after the node agent stopped: {[p.pid for p in left]}"
 
     def stop(self, timeout: float = 90) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -1,9 +1,10 @@
 """The admission webhook's review (rlkube.controller.process.admission): the operator's own rules at apply time, CREATE
-only, the AdmissionReview answer the API server expects. Served for real in tests/integration/test_chart_apply.py."""
+only, the AdmissionReview answer the API server expects. Served for real in
+tests/integration/apiserver/test_chart_apply.py."""
 
 from __future__ import annotations
 
-import specs
+from support import specs
 from rlkube.controller.process import admission
 
 

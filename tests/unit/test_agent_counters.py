@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
-import specs
+from support import specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
-from trainer_events import decide_running, event
+from support.trainer_events import decide_running, event
 from rlkube.api.status import AgentStatus
 from rlkube.contract import counters, protocol
 from rlkube.core.actor.episodes import EpisodeResult

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlkube.lifecycle.validation import parse_manifest
 from rlkube.bench import operator as bench_operator
 from rlkube.bench import pipeline
-import specs
+from support import specs
 
 
 def test_bench_pipeline_runs_the_tiny_example_job():

@@ -14,7 +14,7 @@ from pathlib import Path
 import helm_python as helm
 import pytest
 import yaml
-from helm_chart import (
+from support.helm_chart import (
     CHART,
     FRAMEWORK_NEEDS,
     NAMESPACE_OBSERVATION,

@@ -102,7 +102,7 @@ def test_failed_save_leaves_nothing_visible(tmp_path):
 def test_checkpoint_of_a_hf_model_is_a_hf_directory(tmp_path):
     """config, tokenizer, generation config and chat template come from the model directory (config.json with the
     job's dtype); transformers loads the checkpoint as it is and gets the saved weights."""
-    from hf_models import builtin_dir
+    from support.hf_models import builtin_dir
     from rlkube.core.hf import state as hf_state
     from rlkube.core.hf.loading import load_model, load_tokenizer
 

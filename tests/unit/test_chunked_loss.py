@@ -1,10 +1,10 @@
 """The loss's log-probs and entropy taken chunk by chunk from the final hidden states
-(rlkube.core.training.losses.chunked_token_logprobs) equal the full-logits path (token_logprobs / token_entropy / batch_loss):
-loss, statistics and gradients to 1e-5, for any chunk size, at temperature 1 and not, untied and tied LM heads, the
-heads the backends pass (with a bias, bfloat16, LoRA-adapted, frozen hidden states), the KL and off-policy terms, and
-through TorchBackend.forward_backward; a float64 gradient check of the chunked log-probs (the backward is written by
-hand: losses._LogprobEntropy). Memory: the chunked loss step adds at most 0.1 of what the full-logits one adds
-(`rlkube bench loss-memory`, rlkube.bench.loss_memory, at a smaller size here; its defaults are in the bench)."""
+(rlkube.core.training.losses.chunked_token_logprobs) equal the full-logits path (token_logprobs / token_entropy /
+batch_loss): loss, statistics and gradients to 1e-5, for any chunk size, at temperature 1 and not, untied and tied LM
+heads, the heads the backends pass (with a bias, bfloat16, LoRA-adapted, frozen hidden states), the KL and off-policy
+terms, and through TorchBackend.forward_backward; a float64 gradient check of the chunked log-probs (the backward is
+written by hand: losses._LogprobEntropy). Memory: the chunked loss step adds at most 0.1 of what the full-logits one
+adds (`rlkube bench loss-memory`, rlkube.bench.loss_memory, at a smaller size here; its defaults are in the bench)."""
 
 import copy
 import json
@@ -19,10 +19,10 @@ from rlkube.contract import protocol
 from rlkube.core.backends.base import batch_loss, logprob_loss
 from rlkube.core.backends.torch_backend import TorchBackend
 from rlkube.core.training.batch import collate
-from rlkube.core.training.losses import (LossConfig, OffPolicyConfig, VocabParallel, chunked_token_logprobs, token_entropy,
-                                token_logprobs)
+from rlkube.core.training.losses import (LossConfig, OffPolicyConfig, VocabParallel, chunked_token_logprobs,
+                                         token_entropy, token_logprobs)
 
-from hf_models import builtin_dir, write_tiny_model
+from support.hf_models import builtin_dir, write_tiny_model
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -195,7 +195,7 @@ def test_the_heads_the_backends_pass_equal_the_full_path(kind):
 
 def test_the_vocabulary_parallel_path_on_one_rank_equals_the_full_path():
     """VocabParallel with one rank (all-reduces that do nothing): the tensor-parallel branch's arithmetic; the real
-    two-rank run is the megatron tier's tests/integration/test_megatron_parallel.py."""
+    two-rank run is the megatron tier's tests/integration/roles/test_megatron_parallel.py."""
     full, _ = _full_and_chunked(4, 0.7)
     hidden, tokens, weights, head = _inputs()
     hidden.requires_grad_(True)

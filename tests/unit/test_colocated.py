@@ -12,7 +12,7 @@ import sys
 from datetime import UTC, datetime
 
 import pytest
-import specs
+from support import specs
 import yaml
 from rlkube.api.role import Role
 from rlkube.contract import runtime
@@ -26,7 +26,7 @@ from rlkube.core.launch import colocated as supervisor
 from rlkube.lifecycle import roles
 from rlkube.lifecycle.environment import COLOCATED_MODULE, role_module
 from rlkube.lifecycle.validation import SpecError, parse_spec
-from waiting import wait_for
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 

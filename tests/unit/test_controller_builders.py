@@ -9,7 +9,7 @@ from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import builders
 from rlkube.controller.manifests.builders import JobRef
 from rlkube.lifecycle.roles import CORE_ROLES
-import specs
+from support import specs
 
 
 def ref(**overrides) -> JobRef:

@@ -27,7 +27,7 @@ from rlkube.controller.decisions.observed import EventSource, Observed, PodView,
 from rlkube.controller.decisions.times import fmt_time
 from rlkube.contract import protocol
 from rlkube.contract.protocol import TrainerEvent
-import specs
+from support import specs
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 ALL_STATIC = frozenset(

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 from rlkube.controller.decisions import specdiff
-from specs import DELETE, with_overrides
+from support.specs import DELETE, with_overrides
 
 STARTED = {
     "algorithm": {"maxSteps": 40, "loss": "grpo"},

@@ -8,7 +8,7 @@ import pytest
 
 from rlkube.lifecycle.validation import SpecError, parse_manifest
 from rlkube.api.crd import crd, crd_yaml
-import specs
+from support import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ out by forgetting to write it; what can go wrong is a field the generator render
 description in operator/rlkube/api) or in a shape it does not handle. This test walks the CRD on its own and checks
 each field's entry: its anchor, type, default, bounds and a description. The troubleshooting page must have a
 heading for every reason, condition type and phase-level Event reason the operator writes; every manifest in
-examples/ must be named by a page of the site. `make docs` (tests/integration/test_docs_site.py) then builds the
+examples/ must be named by a page of the site. `make docs` (tests/integration/package/test_docs_site.py) then builds the
 site strictly.
 """
 

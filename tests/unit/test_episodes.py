@@ -260,7 +260,7 @@ def test_a_refused_next_turn_truncates_the_episode():
 
 
 def test_the_chat_template_renders_only_the_new_messages():
-    from hf_models import bpe_tokenizer
+    from support.hf_models import bpe_tokenizer
 
     qwen = bpe_tokenizer()
     encoder = MessageEncoder(qwen, chat_template=True)
@@ -430,7 +430,7 @@ PLAIN_TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['conten
 
 
 def test_drift_is_none_where_the_whole_conversation_renders_as_sampled():
-    from hf_models import bpe_tokenizer
+    from support.hf_models import bpe_tokenizer
 
     tok = bpe_tokenizer()
     tok.chat_template = PLAIN_TURNS
@@ -446,7 +446,7 @@ def test_qwen_episodes_are_the_template_s_rendering_of_the_conversation(eos):
     """Qwen's template writes a newline after every <|im_end|>: it opens the environment's span (not trained on),
     so the exact ids equal the whole conversation rendered at once, whether a reply stopped on <|im_end|> or was
     cut by max_tokens (then the environment's span closes the turn)."""
-    from hf_models import bpe_tokenizer
+    from support.hf_models import bpe_tokenizer
 
     tok = bpe_tokenizer()  # Qwen's chat template
     encoder, prompt, result = _chat_episode(tok, ["?", "7"], eos=eos)
@@ -460,7 +460,7 @@ def test_qwen_episodes_are_the_template_s_rendering_of_the_conversation(eos):
 
 
 def test_a_chat_template_changed_mid_run_is_caught():
-    from hf_models import bpe_tokenizer
+    from support.hf_models import bpe_tokenizer
 
     tok = bpe_tokenizer()
     tok.chat_template = PLAIN_TURNS

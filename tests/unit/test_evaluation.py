@@ -4,7 +4,7 @@ naming the field, bad input refused naming the field, and both launchers reading
 reward into the status and `rlkube local`'s summary, never as a sign of trainer life).
 
 The real run (a tiny job whose eval reward is reported at the exact versions and whose training documents hold no
-eval prompt) is tests/integration/test_local_evaluation.py."""
+eval prompt) is tests/integration/local/test_local_evaluation.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import random
 from datetime import datetime, timedelta, timezone
 
 import pytest
-import specs
+from support import specs
 from rich.console import Console
-from trainer_events import decide_running, event
+from support.trainer_events import decide_running, event
 
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.status import TrainingJobStatus

@@ -1,6 +1,6 @@
 """Every manifest in examples/ passes `rlkube validate` and says what examples/README.md says it does.
 
-The same files are created on a real kube-apiserver in tests/integration/test_examples_apiserver.py.
+The same files are created on a real kube-apiserver in tests/integration/apiserver/test_examples_apiserver.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 
 from rlkube.lifecycle.validation import parse_manifest
 from rlkube.api.spec import API_VERSION, KIND
-import specs
+from support import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -1,7 +1,7 @@
 """A fast-llm job's Fast-LLM config against the committed record of Fast-LLM's fields, and its trainer pod against
 what Fast-LLM's launcher (torchrun + `fast-llm train gpt --config ...`) expects.
 
-The record, tests/fixtures/fast_llm_config_fields.json, was written by tests/fast_llm_fields.py from Fast-LLM's
+The record, tests/fixtures/fast_llm_config_fields.json, was written by tests/support/fast_llm_fields.py from Fast-LLM's
 own config classes at one commit (Fast-LLM needs Python 3.12; these tests run on 3.11), and that tool also had
 Fast-LLM's CLI validate the sample configs. Here: every field the operator writes is a recorded Fast-LLM field
 with a value of its type; the sample configs are still the ones Fast-LLM validated; the values follow the spec;
@@ -22,12 +22,12 @@ from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller.manifests import builders, fastllm, names
 from rlkube.contract import protocol, runtime
 from torch.distributed.run import config_from_args, get_args_parser
-from specs import with_overrides
+from support.specs import with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "fast_llm_config_fields.json").read_text())
 FIELDS = FIXTURE["fields"]
-REGENERATE = ("re-record with tests/fast_llm_fields.py --validate (Python 3.12, Fast-LLM at "
+REGENERATE = ("re-record with tests/support/fast_llm_fields.py --validate (Python 3.12, Fast-LLM at "
               f"{FIXTURE['fast_llm']['commit'][:12]}); see its docstring")
 
 

@@ -1,6 +1,6 @@
 """The documents a fast-llm job's preprocessor writes, against the schema Fast-LLM's streaming dataset enforces
 (RedisStreamingDocumentData, recorded from Fast-LLM's source at the pinned commit in
-tests/fixtures/fast_llm_config_fields.json, `document`, by tests/fast_llm_fields.py).
+tests/fixtures/fast_llm_config_fields.json, `document`, by tests/support/fast_llm_fields.py).
 
 Fast-LLM turns every stream field but `data`, and every key of the `data` JSON, into a keyword of a strict
 from_dict: a key it does not declare fails its data loader ("Unknown field"). `fast_llm_parse` below is that
@@ -23,7 +23,7 @@ from rlkube.core.preprocessor import role as preprocessor_role
 from rlkube.core.preprocessor.documents import DocumentConfig, group_to_documents
 from rlkube.core.preprocessor.role import PreprocessorRole
 from rlkube.lifecycle.validation import parse_spec
-from fast_llm_fields import PROMPT, _sample, document_corpus, document_groups
+from support.fast_llm_fields import PROMPT, _sample, document_corpus, document_groups
 
 FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "fast_llm_config_fields.json").read_text())
 SCHEMA = FIXTURE["document"]
@@ -101,7 +101,7 @@ def _short_reads(monkeypatch):
 
 def _groups() -> dict[str, protocol.RolloutGroup]:
     """One rollout group per kind of document an RL job writes: the corpus the recording tool ran Fast-LLM's own
-    parser on (tests/fast_llm_fields.py, document_groups)."""
+    parser on (tests/support/fast_llm_fields.py, document_groups)."""
     return document_groups()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pod_security import assert_hardened_pod
+from support.pod_security import assert_hardened_pod
 
 from rlkube.lifecycle.validation import parse_spec
 from rlkube.controller.manifests import builders

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import bpe_tokenizer, hub_cache, write_tiny_model
+from support.hf_models import bpe_tokenizer, hub_cache, write_tiny_model
 from rlkube.api.spec import ModelSpec
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf import ModelError

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import specs
+from support import specs
 from rlkube.controller.manifests import builders
 from rlkube.controller.manifests.builders import JobRef
 from rlkube.lifecycle.image_reference import relocate

@@ -1,7 +1,7 @@
 """The inference shell's weight follower (rlkube.core.inference.shell.WeightFollower) over the engine interface
 (rlkube.core.inference.engine): the order of an update and what a failed one leaves, for any engine. The engines
-themselves are exercised for real by tests/integration/test_inference.py (native) and test_vllm_server.py (vLLM);
-here an engine that records what it is asked drives the shell's decisions."""
+themselves are exercised for real by tests/integration/inference/test_inference.py (native) and test_vllm_server.py
+(vLLM); here an engine that records what it is asked drives the shell's decisions."""
 
 from __future__ import annotations
 
@@ -199,8 +199,8 @@ def test_training_finished_leaves_the_group_and_a_stopped_follower_takes_no_upda
 
 
 def test_the_join_is_logged_as_each_engine_logged_it_before_the_shell():
-    # tests/e2e/test_fast_llm_job.py reads these lines: one rank for the native engine's one process, the list of
-    # the workers' ranks for vLLM (the interface's default).
+    # tests/e2e/node_agent/test_fast_llm_job.py reads these lines: one rank for the native engine's one process, the
+    # list of the workers' ranks for vLLM (the interface's default).
     from types import SimpleNamespace
 
     from rlkube.core.inference.native_engine import NativeEngine

@@ -4,7 +4,7 @@ refused by validation naming the template field, before any child exists."""
 from __future__ import annotations
 
 import pytest
-import specs
+from support import specs
 from rlkube.lifecycle import label_syntax
 from rlkube.lifecycle.validation import SpecError, parse_spec
 

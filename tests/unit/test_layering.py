@@ -30,7 +30,7 @@ The floors, lowest first; a module imports only modules of its own floor or of f
   pure folders, and every rlkube module they reach, import no client or server library (IO_LIBRARIES): what they
   do is tested without an API server, a Redis or an event loop.
 - No shipped module finds files relative to itself up into the repository (`parents[N]`) or reaches into the
-  repository's tests/: an installed wheel has neither (tests/integration/test_install.py runs one).
+  repository's tests/: an installed wheel has neither (tests/integration/package/test_install.py runs one).
 - The operator's modules and `rlkube bench operator` import nothing of the training stack (torch, numpy, ...):
   the base install, which is all the operator image has, does not carry it (pyproject.toml, the `core` extra).
 

@@ -9,7 +9,7 @@ reverse-digits learns through partial credit; repeat-digit under a plain exact-m
 from __future__ import annotations
 
 import pytest
-from learning_run import assert_reward_rose, learning_run, tiny_cpu_spec
+from support.learning_run import assert_reward_rose, learning_run, tiny_cpu_spec
 from rlkube.api.task import TaskSpec
 
 

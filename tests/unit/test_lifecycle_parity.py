@@ -24,7 +24,7 @@ from rlkube.contract import protocol
 from rlkube.lifecycle.phases import Phase
 from rlkube.local.processes import RoleProcess
 from rlkube.local.runner import LocalJob, run_local
-import specs
+from support import specs
 
 EXAMPLE = specs.document()
 MAX_STEPS = EXAMPLE["spec"]["algorithm"]["maxSteps"]

@@ -1,6 +1,6 @@
 """`rlkube local` materializes spec.model.path before launch: a model that cannot work is judged like a role's
 config error (the operator's verdict) with nothing started, and every role is pointed at the materialized copy
-(RLKUBE_MODEL_CACHE) offline. The same jobs run end to end in tests/integration/test_local_hf_models.py."""
+(RLKUBE_MODEL_CACHE) offline. The same jobs run end to end in tests/integration/local/test_local_hf_models.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rlkube.lifecycle.environment import Addresses
 from rlkube.lifecycle.evidence import Evidence, Failure
 from rlkube.lifecycle.judgement import judge
 from rlkube.local.runner import MODEL_FETCH, LocalJob, run_local
-import specs
+from support import specs
 
 EXAMPLE = specs.document()
 

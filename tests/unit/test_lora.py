@@ -1,7 +1,8 @@
 """spec.trainer.lora (docs/design.md §6): validation, the torch backend with a PEFT adapter, the adapter update's size
 and wire marking, the engine's merge (base + scaling x B @ A) against PEFT's own merge, and the reference policy
 as the base with the adapter disabled. Everything float32 on the built-in tiny model; the integration tests
-(tests/integration/test_lora_weight_updates.py, test_lora_local.py) cross the real weight-update group and `rlkube local`."""
+(tests/integration/weights/test_lora_weight_updates.py, test_lora_local.py) cross the real weight-update group and
+`rlkube local`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import builtin_dir, write_tiny_model
+from support.hf_models import builtin_dir, write_tiny_model
 from rlkube.core.training import lora
 from rlkube.core.errors import ConfigError
 from rlkube.core.hf.loading import load_model
@@ -17,7 +18,7 @@ from rlkube.core.training.losses import token_logprobs
 from rlkube.core.trainer import Trainer
 from rlkube.core.weights.wire import ADAPTER, FULL, pack_weights, unpack_weights, update_nbytes
 from rlkube.lifecycle.validation import SpecError, parse_spec
-import specs
+from support import specs
 
 pytestmark = pytest.mark.unit
 
@@ -50,8 +51,8 @@ def test_lora_is_refused_where_it_is_not_built_naming_the_field(overrides, says)
 
 
 def test_lora_with_fsdp_validates_and_its_reference_policy_is_still_refused():
-    """LoRA under FSDP2 is built (rlkube.core.backends.fsdp_lora; tests/integration/test_lora_fsdp.py); the KL term's
-    reference is the unsharded backend's only, with or without LoRA."""
+    """LoRA under FSDP2 is built (rlkube.core.backends.fsdp_lora; tests/integration/roles/test_lora_fsdp.py); the KL
+    term's reference is the unsharded backend's only, with or without LoRA."""
     spec = lora_spec(**{"trainer.sharding": "fsdp", "trainer.processesPerNode": 2})
     assert spec.trainer.sharding == "fsdp" and spec.trainer.lora.rank == 8
     with pytest.raises(SpecError) as err:

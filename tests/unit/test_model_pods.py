@@ -12,7 +12,7 @@ from rlkube.controller.manifests.builders import JobRef
 from rlkube.controller.decisions.observed import pod_view
 from rlkube.contract import runtime
 from rlkube.lifecycle.roles import CORE_ROLES, MODEL_ROLES
-from specs import spec as raw_spec
+from support.specs import spec as raw_spec
 
 DATASET = {"path": "/data/prompts.jsonl", "claimName": "prompts"}
 REWARD = {"type": "exact"}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hf_models import builtin_dir
+from support.hf_models import builtin_dir
 from rlkube.core.hf.loading import load_tokenizer
 from rlkube.core.inference.openai_api import (
     RequestError,

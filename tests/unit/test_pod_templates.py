@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pod_security import assert_hardened_pod, assert_no_secret_value, selects
+from support.pod_security import assert_hardened_pod, assert_no_secret_value, selects
 
 from rlkube.lifecycle.validation import SpecError, parse_spec
 from rlkube.controller.manifests import builders
@@ -17,7 +17,7 @@ from rlkube.controller.manifests.builders import JobRef
 from rlkube.contract.parallel import rank_env
 from rlkube.lifecycle.environment import operator_env_names
 from rlkube.lifecycle.roles import START_ORDER
-import specs
+from support import specs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = specs.spec()

@@ -1,5 +1,5 @@
 """`rlkube report`'s HTML without a browser (rlkube.runs.report; the browser test is
-tests/integration/test_samples_and_report.py): a chart per metric a run has, one line per run, nothing for what no
+tests/integration/local/test_samples_and_report.py): a chart per metric a run has, one line per run, nothing for what no
 run has, and the page loading nothing from anywhere."""
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def test_filters_by_step_kind_and_reward():
 
 
 def test_the_claim_reader_pod_is_hardened_read_only_and_owned_by_the_job():
-    from pod_security import assert_hardened_pod
+    from support.pod_security import assert_hardened_pod
     from rlkube.runs.kube import reader_pod
 
     owner = {"metadata": {"name": "job", "uid": "u-1"}}

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import builtin_dir
+from support.hf_models import builtin_dir
 from rlkube.core.hf.loading import load_model, load_tokenizer
 from rlkube.core.training.losses import token_logprobs
 from rlkube.core.inference.sampling import EngineStopped, GenerationRequest, SamplingEngine

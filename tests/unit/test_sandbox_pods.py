@@ -8,9 +8,9 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
-import specs
-from helm_chart import find, render
-from pod_security import SANDBOX_UID, assert_hardened_pod, assert_sandbox_pod
+from support import specs
+from support.helm_chart import find, render
+from support.pod_security import SANDBOX_UID, assert_hardened_pod, assert_sandbox_pod
 from rlkube.api.status import TrainingJobStatus
 from rlkube.contract import runtime
 from rlkube.controller.manifests import builders

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-import specs
+from support import specs
 from rlkube.contract import protocol
 from rlkube.contract.context import RoleContext
 from rlkube.core.actor.role import Actor

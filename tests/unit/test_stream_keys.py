@@ -1,5 +1,5 @@
 """`StreamKeys.all()` names every key the roles create (the operator deletes exactly those from an external
-Redis at teardown). The integration test tests/integration/test_job_keys.py checks it against a real run; these
+Redis at teardown). The integration test tests/integration/roles/test_job_keys.py checks it against a real run; these
 checks cover keys a short run may not create (the stall-release lock) and keep roles from building key names
 themselves."""
 

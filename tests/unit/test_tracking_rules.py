@@ -1,7 +1,7 @@
 """spec.tracking without servers: the spec's fields, the run state a restarted trainer resumes, the fan-out's
 failure handling (a failing or stuck sink never blocks the caller, is reported once, the others go on), the
 redaction of secrets, the key's way into the trainer pod, and the one rule both launchers report a failed tracker by.
-The real trackers are in tests/integration/test_tracking.py.
+The real trackers are in tests/integration/roles/test_tracking.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 from test_controller_decisions import T0, all_pods, cond, ev, job, run, running_status
 
-import specs
+from support import specs
 from rlkube.api.spec import TrainingJobSpec
 from rlkube.api.tracking import TrackingSpec
 from rlkube.contract import protocol, runtime

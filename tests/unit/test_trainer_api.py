@@ -15,7 +15,7 @@ from rlkube.core.backends import BackendUnavailable, build_backend
 from rlkube.core.training.batch import collate, plan_micro_batches
 from rlkube.core.trainer import Trainer
 
-from hf_models import builtin_dir
+from support.hf_models import builtin_dir
 
 SPEC = {
     "model": {"path": "builtin://tiny-llama", "maxSequenceLength": 16},

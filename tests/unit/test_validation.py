@@ -8,7 +8,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-import specs
+from support import specs
 
 from rlkube.contract import parallel
 from rlkube.lifecycle import validation

@@ -9,8 +9,8 @@ the true error (docs/guide/validation-and-security.md):
 An environment entryPoint is checked for importability only where the roles' packages are known (`rlkube validate`
 on the project's images, `rlkube local`); elsewhere the actor imports it at start (tests/integration/
 test_local_episodes.py shows the exit 78 naming the field).
-The real API server's part (the CRD's enum, the webhook served for real): tests/integration/test_chart_apply.py and
-tests/integration/test_operator_children.py.
+The real API server's part (the CRD's enum, the webhook served for real):
+tests/integration/apiserver/test_chart_apply.py and tests/integration/apiserver/test_operator_children.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from datetime import UTC, datetime
 
 import pytest
-import specs
+from support import specs
 import yaml
 from rlkube.api.status import TrainingJobStatus
 from rlkube.controller.process import admission

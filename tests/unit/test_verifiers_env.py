@@ -125,7 +125,7 @@ def play(env, tok, replies: list[str], limits: Limits = Limits(max_turns=4)):
 
 
 def test_a_tool_using_episode_is_scored_by_the_taskset_and_kept_as_exact_ids(taskset_id):
-    from hf_models import bpe_tokenizer
+    from support.hf_models import bpe_tokenizer
 
     tok = bpe_tokenizer()  # Qwen's chat template
     env = environment(taskset_id, count=2)  # a param of the taskset's own config
@@ -144,7 +144,7 @@ def test_a_tool_using_episode_is_scored_by_the_taskset_and_kept_as_exact_ids(tas
     # Exact ids: the sampled replies and the tool turn's ids, in order; the tool's span alone out of the loss.
     (begin, end), = result.env_spans
     assert result.tokens == sampled[0] + result.tokens[begin:end] + sampled[1] and begin == len(sampled[0])
-    # (tests/hf_models.py's Qwen template renders a tool turn under its role)
+    # (tests/support/hf_models.py's Qwen template renders a tool turn under its role)
     assert tok.decode(result.tokens[begin:end]) == "\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
     group = protocol.RolloutGroup("g", result.prompt_ids, [protocol.Sample(
         completion_tokens=result.tokens, logprobs=result.logprobs, reward=result.reward, env_spans=result.env_spans,
@@ -164,7 +164,7 @@ def test_a_tool_using_episode_is_scored_by_the_taskset_and_kept_as_exact_ids(tas
 
 
 def test_stop_hooks_bad_calls_and_a_raising_tool(taskset_id):
-    from hf_models import bpe_tokenizer
+    from support.hf_models import bpe_tokenizer
 
     tok = bpe_tokenizer()
     env = environment(taskset_id)

@@ -1,5 +1,6 @@
 """engine: vllm without vLLM: the engine arguments rlkube derives from spec.inference.vllm, the spec block itself,
-and what the role says when no interpreter with vllm is at hand. (Serving is tests/integration/test_vllm_server.py.)
+and what the role says when no interpreter with vllm is at hand. (Serving is
+tests/integration/inference/test_vllm_server.py.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Which weights sampled which tokens of a vLLM request (rlkube.core.inference.vllm_engine: `_Versions`, and the engine's
-attribution of a worker's progress report at an update), without vLLM: the report is our worker extension's own
+"""Which weights sampled which tokens of a vLLM request (rlkube.core.inference.vllm_engine: `_Versions`, and the
+engine's attribution of a worker's progress report at an update), without vLLM: the report is our worker extension's own
 format (rlkube.core.inference.vllm_worker._rlkube_progress), built here by hand."""
 
 from __future__ import annotations

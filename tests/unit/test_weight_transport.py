@@ -13,7 +13,7 @@ from rlkube.core.inference.vllm_engine import weight_group
 from rlkube.core.trainer.publishers import _make_publisher
 from rlkube.core.weights.group import WeightReceiver, WeightSender
 from rlkube.lifecycle.validation import parse_spec
-from tests.specs import spec as spec_doc
+from support.specs import spec as spec_doc
 
 pytestmark = pytest.mark.unit
 

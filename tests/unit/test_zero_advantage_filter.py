@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import redis.asyncio as aioredis
 
-import specs
+from support import specs
 from rlkube.contract import protocol, runtime, zero_advantage
 from rlkube.contract.context import RoleContext
 from rlkube.core.errors import ConfigError

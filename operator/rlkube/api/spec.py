@@ -386,8 +386,9 @@ class InferenceSpec(Model):
         description=(
             "`separate`: each inference server runs in a pod (local: a process) of its own, on devices of its own. "
             "`colocated`: the native engine shares the trainer's pod and devices: the trainer pod runs both "
-            "processes (rlkube.core.launch.colocated) and holds the GPU once, so a one-GPU machine runs a GPU job; needs "
-            "engine native, replicas 1, one trainer pod with one process, backend torch (docs/guide/colocated.md)."
+            "processes (rlkube.core.launch.colocated) and holds the GPU once, so a one-GPU machine runs a GPU "
+            "job; needs engine native, replicas 1, one trainer pod with one process, backend torch "
+            "(docs/guide/colocated.md)."
         ),
     )
     device_memory_fraction: float = Field(

@@ -5,14 +5,14 @@ never crosses a process boundary. This runs what a user with one GPU runs: `rlku
 Redis, trainer, inference, preprocessor and actor as processes) on a job whose native engine is colocated with the
 trainer (spec.inference.placement, docs/guide/colocated.md), a random Qwen2-0.5B-shaped model (vocabulary
 151,936) in bfloat16, learning the built-in reverse-digits task from scratch. `--cpu` runs the same pipeline on a
-tiny model for a few steps (float32), which tests/integration/test_gpu_e2e.py does so that it cannot rot.
+tiny model for a few steps (float32), which tests/integration/local/test_gpu_e2e.py does so that it cannot rot.
 
 The last stdout line is one JSON object (also written to --out): phase, steps, reward_first/last (means of the
 first and last 10 steps), updates_published, updates_verified and checksums_verified (every weights_ready's
-checksum equals the one the engine reports serving for that version, read from its log), samples_per_s and train_tokens_per_s (the
-trainer's busy time), mfu (6 x parameters x tokens/s over the device's peak; null where the peak is unknown),
-update_s and update_gb_per_s (the trainer's publish time per step, the model's bytes) beside copy_gb_per_s (a
-device-to-device copy of the same bytes), peak_mem_mib of trainer and engine (nvidia-smi; null on CPU), and
+checksum equals the one the engine reports serving for that version, read from its log), samples_per_s and
+train_tokens_per_s (the trainer's busy time), mfu (6 x parameters x tokens/s over the device's peak; null where the peak
+is unknown), update_s and update_gb_per_s (the trainer's publish time per step, the model's bytes) beside copy_gb_per_s
+(a device-to-device copy of the same bytes), peak_mem_mib of trainer and engine (nvidia-smi; null on CPU), and
 baseline_samples_per_s: one process that generates and then trains the same model on the same batch
 (transformers' generate, then one GRPO-shaped step), with speedup = samples_per_s / baseline_samples_per_s.
 Exit status 0 only when the job Succeeded and every checksum verified.

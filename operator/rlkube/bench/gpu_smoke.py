@@ -14,8 +14,8 @@ What it runs, through the project's own code paths (nothing here re-implements t
    NCCL on CUDA, gloo with --cpu), and the `torch` backend sharded with FSDP2 (`trainer.sharding: fsdp`,
    rlkube.core.backends.torch_fsdp) in `model.dtype` bfloat16 (float32 with --cpu), behind the Trainer API
    (rlkube.core.trainer.Trainer: forward_backward / optim_step / save_checkpoint / publish_weights);
-3. the native inference engine (rlkube.core.inference.sampling.SamplingEngine behind rlkube.core.inference's HTTP server,
-   the model in the served dtype on the same device), which takes the trainer's weights by an in-process
+3. the native inference engine (rlkube.core.inference.sampling.SamplingEngine behind rlkube.core.inference's HTTP
+   server, the model in the served dtype on the same device), which takes the trainer's weights by an in-process
    update: the trainer publishes them exactly as it does for inference servers (the FSDP weight stream of
    rlkube.core.weights in the transfer dtype, bucket by bucket, with its checksum), and the engine's
    WeightFollower loads them as it does an update received over the weight-sync group. The group itself
@@ -158,8 +158,8 @@ def rollouts_to_documents(responses: list[dict], version: int):
 
 
 def trainer_logprobs(trainer, rows: list[list[int]]):
-    """The trainer's log-probs of each row's tokens 1.. (what its loss uses: rlkube.core.training.losses.token_logprobs of
-    the backend's logits at the job's temperature), one list per row."""
+    """The trainer's log-probs of each row's tokens 1.. (what its loss uses: rlkube.core.training.losses.token_logprobs
+    of the backend's logits at the job's temperature), one list per row."""
     import torch
 
     from rlkube.core.training.losses import token_logprobs

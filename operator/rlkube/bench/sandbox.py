@@ -5,7 +5,7 @@ In process: rlkube.core.actor.sandbox.Sandbox, as an actor runs it. Through a se
 (rlkube.core.actor.sandbox_client.RemoteSandbox) to `python -m rlkube.core.sandbox`, started here on 127.0.0.1
 (the HTTP hop and the server's own thread on top of the same child process), or to `--url` (a sandbox pod's
 address, to include the pod's network and its runtime, e.g. gVisor). The real-node test prints the same numbers
-from inside an actor pod against a sandbox pod (tests/e2e/test_real_node_sandbox.py).
+from inside an actor pod against a sandbox pod (tests/e2e/real_node/test_real_node_sandbox.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ of a random Qwen2-shaped model (Qwen2-0.5B's shape by default), today's receive 
 model loaded: `WeightReceiver.receive`) beside the streamed one (each bucket copied into the model's parameters as
 it arrives, one reused bucket buffer: `WeightReceiver.receive_streamed`, what the native engine does).
 
-Why a benchmark: memory depends on the machine's allocator; tests/integration/test_weight_receive_memory.py
+Why a benchmark: memory depends on the machine's allocator; tests/integration/weights/test_weight_receive_memory.py
 asserts the bound on a smaller model through the same `measure`.
 
 How: this process is the trainer (a WeightSender over gloo on loopback, the weights random in the transfer dtype);

@@ -30,8 +30,8 @@ _STEP = re.compile(r"(?:^|/)(?:step-(\d+)|checkpoint/(\d+))/?$")
 
 
 def step_of(path: str) -> int | None:
-    """The step of a checkpoint directory as rlkube.core.training.checkpoint names them (`.../step-000010`) or as Fast-LLM
-    does (`{experiment_dir}/checkpoint/10`, fast_llm_checkpoint), else None."""
+    """The step of a checkpoint directory as rlkube.core.training.checkpoint names them (`.../step-000010`) or as
+    Fast-LLM does (`{experiment_dir}/checkpoint/10`, fast_llm_checkpoint), else None."""
     m = _STEP.search(path or "")
     return int(m.group(1) or m.group(2)) if m else None
 

@@ -9,8 +9,8 @@ from rlkube.contract import runtime
 EPOCH = "fast-llm"
 """What a Fast-LLM receiver reports as its epoch (Fast-LLM has one group per trainer run, no epochs)."""
 WEIGHTS_SHARD = "weights"
-"""The shard name of model weights in Fast-LLM's metadata (fast_llm/engine/checkpoint/huggingface.py:101); other shards are received and
-dropped, as PipelineRL's receiver does."""
+"""The shard name of model weights in Fast-LLM's metadata (fast_llm/engine/checkpoint/huggingface.py:101); other shards
+are received and dropped, as PipelineRL's receiver does."""
 
 GENERATION_KEY = "rlkube/broadcast_generation"
 """The key of the broadcast store (hosted by the trainer pod's launcher, rlkube.core.launch.fast_llm) that names

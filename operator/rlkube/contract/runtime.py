@@ -2,8 +2,8 @@
 
 Both launchers (the operator's pod builders and `rlkube local`) start every role as
 `python -m rlkube.core.<role>` with the environment variables below; the roles read them with
-`RoleContext.from_env()` (rlkube.contract.context). The job config file is `{"namespace", "name", "spec"}` with the spec in camelCase,
-exactly as in the TrainingJob.
+`RoleContext.from_env()` (rlkube.contract.context). The job config file is `{"namespace", "name", "spec"}` with the spec
+in camelCase, exactly as in the TrainingJob.
 
 Network names: in a cluster every Service is headless and each pod has `hostname`/`subdomain` set, so the
 launcher passes names like `{job}-inference-0.{job}-inference:8000`; locally it passes 127.0.0.1 ports.

@@ -5,9 +5,10 @@ The variables are the runtime contract of `rlkube.contract.runtime` (what `RoleC
 torchrun's names for trainer ranks. Trainer ranks follow torchrun's static-rendezvous arithmetic: a trainer pod
 (node) runs `processes_per_node` ranks, RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, WORLD_SIZE = nodes *
 processes_per_node. With one rank per pod the pod's process is the rank (RANK/LOCAL_RANK in its env); with more,
-the pod runs `rlkube.core.launch.ranks`, which starts each rank with `rank_env` (rlkube.contract.parallel) added. What differs between launchers is only where things are, which the caller
-passes as `Addresses`: in a cluster, headless-Service names and `$(POD_IP)`; locally, 127.0.0.1 ports. The Redis
-password is not here: pods take it from a Secret (`secretKeyRef`), a local job's Redis has none.
+the pod runs `rlkube.core.launch.ranks`, which starts each rank with `rank_env` (rlkube.contract.parallel) added. What
+differs between launchers is only where things are, which the caller passes as `Addresses`: in a cluster,
+headless-Service names and `$(POD_IP)`; locally, 127.0.0.1 ports. The Redis password is not here: pods take it from a
+Secret (`secretKeyRef`), a local job's Redis has none.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ Start order: Redis; trainer and inference together (the trainer never waits for 
 inference server turns healthy only after joining the trainer's weight-update group), and the sandbox pods
 (spec.sandbox.mode `pods`) at once; the preprocessor once trainer and inference exist; actors once every inference
 server and every sandbox pod is healthy. A colocated engine (spec.inference.placement) is no process of its own
-to the launchers: the trainer's pod (process) runs it (rlkube.core.launch.colocated), so inference has no replicas and the
-actors wait for the trainer to be ready (its engine healthy). Teardown runs the other way round for producers: actors, the sandbox
-pods (nothing calls them any more), preprocessor, inference (after the trainer's finished event), trainer, Redis
-last.
+to the launchers: the trainer's pod (process) runs it (rlkube.core.launch.colocated), so inference has no replicas and
+the actors wait for the trainer to be ready (its engine healthy). Teardown runs the other way round for producers:
+actors, the sandbox pods (nothing calls them any more), preprocessor, inference (after the trainer's finished event),
+trainer, Redis last.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ The model is ready before a role starts: every pod that loads it (lifecycle.role
 container that materializes spec.model.path into the model cache volume (emptyDir, or spec.model.cacheClaimName
 shared by the job's pods) with rlkube.core.hf.fetch; the role then runs with HF_HUB_OFFLINE=1. spec.model.claimName
 and spec.task.dataset.claimName are mounted read-only where they are read.
-GPU pods get `nvidia.com/gpu` limits (TrainingJobSpec.gpus_per_pod, a property of the spec type); a trainer with several ranks per pod runs the
-launcher (lifecycle.environment.role_module), and trainer pods spread one per node (podAntiAffinity: required
-with GPUs, preferred on CPU so that a one-node CPU cluster still runs a multi-node job).
+GPU pods get `nvidia.com/gpu` limits (TrainingJobSpec.gpus_per_pod, a property of the spec type); a trainer with several
+ranks per pod runs the launcher (lifecycle.environment.role_module), and trainer pods spread one per node
+(podAntiAffinity: required with GPUs, preferred on CPU so that a one-node CPU cluster still runs a multi-node job).
 
 Every Service is headless and maps port == targetPort: the test cluster has no kube-proxy and the node agent
 resolves `{pod}.{service}` to pod IPs directly, exactly as cluster DNS does for headless Services.
@@ -124,7 +124,8 @@ def _resources(spec: TrainingJobSpec, role: str) -> dict:
 def writable_root(spec: TrainingJobSpec, role: str) -> bool:
     """Roles whose root filesystem stays writable: third-party servers with caches we do not control. vLLM on CPU
     is not one: its caches follow HOME onto /tmp (VLLM_CACHE_ROOT, torch's inductor directory), shown on a real
-    kubelet by tests/e2e/test_vllm_image.py; vLLM on GPUs (JIT and kernel caches) has not been run on one here."""
+    kubelet by tests/e2e/real_node/test_vllm_image.py; vLLM on GPUs (JIT and kernel caches) has not been run on one
+    here."""
     return (role == Role.INFERENCE and spec.inference.engine == "vllm" and spec.gpus_per_pod(Role.INFERENCE) > 0) or (
         role == Role.TRAINER and spec.trainer.backend == Backend.FAST_LLM
     )

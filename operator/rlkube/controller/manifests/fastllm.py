@@ -3,7 +3,7 @@ that runs Fast-LLM's own launcher on it. Pure: no client, no I/O.
 
 Why a module of its own: every name here is Fast-LLM's, not ours. The field names, their types and defaults were
 taken from Fast-LLM's source at FAST_LLM_COMMIT and are recorded, with the file and line each one is declared at,
-in tests/fixtures/fast_llm_config_fields.json (written by tests/fast_llm_fields.py, which imports Fast-LLM's own
+in tests/fixtures/fast_llm_config_fields.json (written by tests/support/fast_llm_fields.py, which imports Fast-LLM's own
 config classes); tests/unit/test_fast_llm_config.py holds what this module writes to that record, field by field.
 
 What the config says (spec -> Fast-LLM):

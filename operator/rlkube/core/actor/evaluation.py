@@ -19,8 +19,9 @@ Held out, never trained on:
 When: the newest multiple of `everyVersions` a `weights_ready` crossed since the previous one (`due_version`),
 version 0 included, each version once in the job (a Redis set claims it, so a restarted actor does not score it
 again). On training_finished the actor's workers stop but it exits only once the versions already due are scored
-(the final one too: its weights_ready comes first), unless a signal stops it first. The eval requests ask for at least that version (`min_model_version`) and report the versions that
-sampled them: with a pipelined trainer the servers may already hold newer weights.
+(the final one too: its weights_ready comes first), unless a signal stops it first. The eval requests ask for at least
+that version (`min_model_version`) and report the versions that sampled them: with a pipelined trainer the servers may
+already hold newer weights.
 """
 
 from __future__ import annotations

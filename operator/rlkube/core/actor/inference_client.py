@@ -107,8 +107,8 @@ class InferenceClient:
 
 
 def token_versions(spans: object, n: int) -> list[int] | None:
-    """Our engines' per-choice `model_versions` ([[first token index, version], ...], rlkube.core.inference.openai_api) as one
-    version per token; None when absent or malformed (the reply's one `model_version` then stands for all)."""
+    """Our engines' per-choice `model_versions` ([[first token index, version], ...], rlkube.core.inference.openai_api)
+    as one version per token; None when absent or malformed (the reply's one `model_version` then stands for all)."""
     if not isinstance(spans, list) or not spans:
         return None
     try:

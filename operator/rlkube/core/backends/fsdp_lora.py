@@ -5,9 +5,9 @@ Why PEFT first: the LoRA layers become submodules of the decoder layers, so ever
 together with its frozen base weights and gathers both in one all-gather (FSDP2 allows frozen and trained
 parameters in one unit); Adam is built over the adapter's shards only.
 
-Start: every rank draws the same fresh adapter from `spec.model.seed` (rlkube.core.training.lora.wrap); `broadcast_adapter`
-still gives every rank rank 0's adapter before sharding (what `Trainer.sync_from_leader` does for the replicated
-backend), so ranks can never shard parts of different adapters, whatever a PEFT version draws with.
+Start: every rank draws the same fresh adapter from `spec.model.seed` (rlkube.core.training.lora.wrap);
+`broadcast_adapter` still gives every rank rank 0's adapter before sharding (what `Trainer.sync_from_leader` does for
+the replicated backend), so ranks can never shard parts of different adapters, whatever a PEFT version draws with.
 
 Whole tensors are COLLECTIVES (every rank, same order): `adapter_full` gathers the adapter (small: each A and B's
 `DTensor.full_tensor()`), for checkpoints and the native engine's adapter-only update. `MergedWeights` gives the

@@ -11,8 +11,8 @@ tensors. Pipeline parallel size 1.
 
 The loss does not take `logits` (full [B, T, V], gathered over the tensor-parallel ranks): `token_logprobs` runs the
 GPTModel up to its final hidden states and applies the output layer chunk by chunk of tokens
-(rlkube.core.training.losses.chunked_token_logprobs), and with tensor parallelism VOCABULARY-PARALLEL: each rank keeps the
-logits of its vocabulary shard and the log-softmax's maximum and sums are all-reduced over the tensor-parallel group
+(rlkube.core.training.losses.chunked_token_logprobs), and with tensor parallelism VOCABULARY-PARALLEL: each rank keeps
+the logits of its vocabulary shard and the log-softmax's maximum and sums are all-reduced over the tensor-parallel group
 (a SUM whose backward is the identity, megatron's reduce_from_tensor_model_parallel_region), so no rank holds more
 than chunk x V/TP logits.
 

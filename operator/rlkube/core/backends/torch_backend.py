@@ -15,8 +15,8 @@ gradients, no optimizer state; plus one no-grad forward per micro-batch, its log
 Loss memory: the loss never holds the logits of the whole micro-batch. `token_logprobs` takes the decoder's final
 hidden states and applies the LM head (calling the model's output-embedding submodule, so tied embeddings and
 FSDP2's unsharded parameters are what the full forward would use) with the log-softmax chunk by chunk under
-activation checkpointing (rlkube.core.training.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead of
-O(tokens x vocabulary). `logits` (the full [B, T, V]) remains for evaluation.
+activation checkpointing (rlkube.core.training.losses.chunked_token_logprobs): O(loss_chunk_tokens x vocabulary) instead
+of O(tokens x vocabulary). `logits` (the full [B, T, V]) remains for evaluation.
 
 LoRA (spec.trainer.lora, rlkube.core.training.lora): the model is wrapped by PEFT after loading; only the adapter's
 parameters train (Adam holds state for them alone) and the float32 base stays frozen. `state()`/`load_state()` are

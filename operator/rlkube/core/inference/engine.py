@@ -128,12 +128,13 @@ class Engine(ABC):
 
     @abstractmethod
     async def generate(self, req: GenerationRequest) -> GenerationResult:
-        """One parsed request; raises EngineStopped (rlkube.core.inference.sampling) once the server is shutting down."""
+        """One parsed request; raises EngineStopped (rlkube.core.inference.sampling) once the server is shutting
+        down."""
 
     @abstractmethod
     def stream(self, req: GenerationRequest, chunks: StreamChunks) -> AsyncIterator[dict[str, Any]]:
-        """The request's response as server-sent chunks (rlkube.core.inference.openai_api.StreamChunks), usage included when
-        asked; raises EngineStopped as `generate` does, before the first chunk."""
+        """The request's response as server-sent chunks (rlkube.core.inference.openai_api.StreamChunks), usage included
+        when asked; raises EngineStopped as `generate` does, before the first chunk."""
 
     @abstractmethod
     def shutdown(self) -> None:

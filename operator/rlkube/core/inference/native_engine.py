@@ -1,6 +1,7 @@
 """The native inference engine (`spec.inference.engine: native`) behind the inference shell
-(rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.inference.sampling, a KV cache) over the job's Hugging Face model
-directory (the same directory the trainer starts from, materialized from `spec.model.path`), in `spec.model.dtype`.
+(rlkube.core.inference.shell): `SamplingEngine` (rlkube.core.inference.sampling, a KV cache) over the job's Hugging Face
+model directory (the same directory the trainer starts from, materialized from `spec.model.path`), in
+`spec.model.dtype`.
 
 An update is received by this process's own receiver, the one of the weight source chosen at open
 (rlkube.core.inference.weight_source: rlkube.core.weights.group.WeightReceiver for our group,
@@ -10,8 +11,8 @@ Both are streamed: each bucket (Fast-LLM: each tensor) is copied into the copy's
 (`receive_streamed`), so an update costs the copy plus one bucket. A LoRA job's update is the
 adapter alone (kind "lora-adapter", rlkube.core.weights): the engine serves base + adapter by setting
 W = W0 + scaling x B @ A for each adapted weight of the copy, W0 from the base it loaded at start
-(rlkube.core.training.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the adapter's
-bytes. The served checksum is read back from the copy's parameters (an adapter's: the adapter as received and
+(rlkube.core.training.lora.merge_into), so sampling costs what it costs without LoRA and the update moves only the
+adapter's bytes. The served checksum is read back from the copy's parameters (an adapter's: the adapter as received and
 verified).
 """
 

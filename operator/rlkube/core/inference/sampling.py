@@ -61,7 +61,8 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     min_version: int | None = None  # wait (up to MIN_VERSION_WAIT_S) until the policy is at least this version
-    stream: bool = False  # answer as server-sent events (rlkube.core.inference.openai_api.stream_chunks), not one object
+    # answer as server-sent events (rlkube.core.inference.openai_api.stream_chunks), not one object
+    stream: bool = False
     include_usage: bool = False  # streaming: a last chunk with the usage (OpenAI's stream_options.include_usage)
 
 

@@ -9,10 +9,10 @@ it); its responses carry no weights version, which the actor stamps every rollou
 weight follower would be a second process speaking to it over HTTP. In-process, one event loop owns all three and
 a dev-mode endpoint stays closed.
 
-Weight updates reach vLLM's workers through `collective_rpc` into rlkube.core.inference.vllm_worker, each tensor-parallel
-worker a rank of the group (docs/design.md §5.6; Fast-LLM's group instead, §8); an update is in effect once every
-worker loaded it (`combine_receipts`). A request running across an update finishes, and each choice says which
-weights sampled which tokens (`model_versions` spans; `model_version` is the oldest, so lag accounting errs on the
+Weight updates reach vLLM's workers through `collective_rpc` into rlkube.core.inference.vllm_worker, each
+tensor-parallel worker a rank of the group (docs/design.md §5.6; Fast-LLM's group instead, §8); an update is in effect
+once every worker loaded it (`combine_receipts`). A request running across an update finishes, and each choice says
+which weights sampled which tokens (`model_versions` spans; `model_version` is the oldest, so lag accounting errs on the
 safe side); a streamed chunk never mixes two versions. Engine arguments come from `spec.inference.vllm`
 (`engine_cli_args`, pure, `extraEngineArgs` last); log-probs are vLLM's `processed_logprobs`, the distribution
 actually sampled. Where vllm is not importable, the shell re-executes with RLKUBE_VLLM_PYTHON (`make deps-vllm`).
@@ -455,7 +455,8 @@ class VllmEngine(Engine):
         return GenerationResult(version=version, completions=completions)
 
     async def stream(self, req, chunks):
-        """Chunks (rlkube.core.inference.openai_api.StreamChunks) as vLLM samples: one per choice's new tokens and version."""
+        """Chunks (rlkube.core.inference.openai_api.StreamChunks) as vLLM samples: one per choice's new tokens and
+        version."""
         from vllm.sampling_params import RequestOutputKind
 
         done = [0] * req.n  # tokens handed out per choice

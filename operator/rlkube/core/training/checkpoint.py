@@ -19,8 +19,8 @@ A LoRA job's checkpoint (spec.trainer.lora) holds PEFT's adapter directory in pl
 (adapter_config.json + adapter_model.safetensors, written by rlkube.core.training.lora; `PeftModel.from_pretrained(base,
 path)` loads it), the same optimizer.pt, meta.json (`extra.adapter`) and the model's config and tokenizer files.
 Such a checkpoint is complete once its meta.json is there (the rename makes it appear whole); an adapter missing
-from it later is not skipped as a torn write but fails the resume (rlkube.core.training.lora.read_adapter), so a job never
-trains a fresh adapter in silence.
+from it later is not skipped as a torn write but fails the resume (rlkube.core.training.lora.read_adapter), so a job
+never trains a fresh adapter in silence.
 
 Loading copies the tensors into the live model and drops the loaded (possibly memory-mapped) tensors before
 returning, so that pruning old checkpoint files later never removes a file that still backs a tensor

@@ -16,8 +16,8 @@ without PEFT: `merge_into` sets W = W0 + scaling * B @ A from its own base copy 
 serves, so updates never accumulate).
 
 Checkpoints: an adapter directory (`adapter_config.json`, written by PEFT's LoraConfig, and
-`adapter_model.safetensors`) that `PeftModel.from_pretrained(base, path)` loads; rlkube.core.training.checkpoint puts the
-optimizer state and meta.json beside it. `read_adapter` refuses a directory whose adapter is missing, unreadable or
+`adapter_model.safetensors`) that `PeftModel.from_pretrained(base, path)` loads; rlkube.core.training.checkpoint puts
+the optimizer state and meta.json beside it. `read_adapter` refuses a directory whose adapter is missing, unreadable or
 of another shape with a ConfigError naming the path: a resumed job must never train a fresh adapter in silence.
 """
 
