@@ -25,11 +25,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.clusterjob import FULL_ORDER, POD_ORDER, ROOT, example, stage_names
+from support.clusterjob import FULL_ORDER, POD_ORDER, example, stage_names
+from support import DIR as SUPPORT
 from support.hf_models import write_tiny_model
 from nodeagent.harness import AgentProcess
 
-STAND_IN = ROOT / "tests" / "integration" / "fast_llm_stand_in.py"
+STAND_IN = SUPPORT / "fast_llm_stand_in.py"
 STEPS, PER_STEP, OVERSHOOT = 3, 8, 1
 AGENT_LABEL = "rlkube.io/node-agent"  # tests/e2e/node_agent/conftest.py
 GPU_TOKEN = f"gpu-{uuid.uuid4().hex[:12]}"
