@@ -62,9 +62,10 @@ def test_a_backend_without_entropy_sends_null_and_the_reader_keeps_the_rest():
 
 def test_the_reader_takes_only_well_formed_fields_and_an_older_trainers_lag():
     m = StepMetrics.read({"type": "metrics", "step": "seven", "lag": 3, "reward_mean": float("nan"),
-                          "tokens_per_s": True, "documents_seen": 1e300, "loss": 0.4, "my_counter": 5, "note": "x"})
-    assert (m.step, m.lag_max, m.reward_mean, m.tokens_per_s, m.documents_seen, m.loss) == \
-        (None, 3, None, None, None, 0.4)
+                          "tokens_per_s": True, "documents_seen": 1e300, "loss": 0.4, "kl": 10**400,
+                          "my_counter": 5, "note": "x", "huge": 10**400})
+    assert (m.step, m.lag_max, m.reward_mean, m.tokens_per_s, m.documents_seen, m.loss, m.kl) == \
+        (None, 3, None, None, None, 0.4, None)
     assert m.extra == {"my_counter": 5}
     assert StepMetrics.read({"lag_max": 1, "lag": 9}).lag_max == 1
 

@@ -12,7 +12,6 @@ docs/guide/agent-counters.md lists them for users.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,11 +43,7 @@ class Counter:
             if isinstance(value, float) and not value.is_integer():  # NaN and infinities included
                 return None
             return protocol.as_int64(value)  # what a Kubernetes integer field holds
-        try:
-            number = float(value)
-        except OverflowError:  # an int past float's range
-            return None
-        return number if math.isfinite(number) else None
+        return protocol.as_finite_float(value)
 
 
 def _table(*counters: Counter) -> dict[str, Counter]:

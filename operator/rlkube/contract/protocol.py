@@ -178,6 +178,18 @@ def as_int64(value: Any) -> int | None:
     return number if INT64_MIN <= number <= INT64_MAX else None
 
 
+def as_finite_float(value: Any) -> float | None:
+    """A JSON number as a finite float, else None: a bool, NaN, an infinity or an int past float's range (a
+    producer's 10**400 would make float() raise) is no number a reader can report."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def stream_id_key(stream_id: str | None) -> tuple[int, int]:
     """Sort key of a stream id; None sorts first (like `0-0`)."""
     if not stream_id:

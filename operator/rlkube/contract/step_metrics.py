@@ -12,7 +12,6 @@ events (Fast-LLM's, older rlkube versions', whose worst lag is `lag`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,22 +75,12 @@ class StepMetrics:
             raw = payload.get(f.name)
             if f.name == "lag_max" and raw is None:
                 raw = payload.get(LEGACY_LAG)
-            values[f.name] = _int(raw) if f.name in _INTS else _float(raw)
+            values[f.name] = protocol.as_int64(raw) if f.name in _INTS else protocol.as_finite_float(raw)
         extra = {k: v for k, v in payload.items()
-                 if k not in values and k not in ("type", LEGACY_LAG) and _float(v) is not None}
+                 if k not in values and k not in ("type", LEGACY_LAG) and protocol.as_finite_float(v) is not None}
         return cls(**values, extra=extra)
 
 
 _TYPED = tuple(f for f in dataclasses.fields(StepMetrics) if f.name != "extra")
-_INTS = frozenset({"step", "version", "reward_errors", "lag_max", "stale_documents", "tokens", "loss_tokens",
-                   "documents_seen", "documents_skipped"})
-
-
-def _int(value: Any) -> int | None:
-    return protocol.as_int64(value)
-
-
-def _float(value: Any) -> float | None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        return None
-    return float(value)
+_INTS = frozenset(f.name for f in _TYPED if f.type == "int | None")
+"""The integer fields, read from their annotations (strings: `from __future__ import annotations`)."""

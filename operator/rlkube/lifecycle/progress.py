@@ -12,7 +12,6 @@ docs/design.md §4.3).
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +38,8 @@ def _int(value: Any) -> int | None:
 def _float(value: Any, digits: int) -> float | None:
     """A finite number, rounded: a status field and a printer column, not a metric's full precision (NaN and
     infinities are not JSON and are dropped)."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        return None
-    return round(float(value), digits)
+    number = protocol.as_finite_float(value)
+    return None if number is None else round(number, digits)
 
 
 def _str(value: Any) -> str | None:
