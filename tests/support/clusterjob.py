@@ -31,7 +31,6 @@ from rlkube.controller.manifests import names
 from rlkube.contract import protocol, runtime
 from support import specs
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = specs.EXAMPLE_PATH
 GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "trainingjobs"
 TERMINAL = ("Succeeded", "Failed")

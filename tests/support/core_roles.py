@@ -23,8 +23,8 @@ from rlkube.core.hf.loading import load_model
 from rlkube.core.training.losses import token_logprobs
 from support import specs
 from support import waiting
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test"
 
 

@@ -6,13 +6,14 @@ The Helm v4 SDK (`helm-python-sdk`, Go's Helm compiled into a shared library) re
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import yaml
+from support import ROOT
 
-CHART = Path(__file__).resolve().parents[2] / "charts" / "rlkube"
+
+CHART = ROOT / "charts" / "rlkube"
 
 
 def render(values: dict[str, Any] | None = None, *, release: str = "rel", namespace: str = "rlkube-system") -> list[dict]:

@@ -16,8 +16,8 @@ from cluster.tracked import track
 from support.waiting import wait_for
 
 from rlkube.local.ports import free_port
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 ENV_MLFLOW = "RLKUBE_MLFLOW"
 """The `mlflow` executable of the server's environment (default: .venv-mlflow/bin/mlflow)."""
 

@@ -32,8 +32,8 @@ from kubernetes.stream import stream
 from rlkube.contract import protocol, runtime
 from rlkube.controller.manifests import names
 from support.waiting import wait_for
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_IMAGE = "localhost/rlkube/operator:0.1.0"
 CORE_IMAGE = "localhost/rlkube/core:0.1.0"
 REDIS_IMAGE = "localhost/rlkube/redis:0.1.0"

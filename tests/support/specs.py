@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rlkube.api.role import Role
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
+from support import ROOT
 
 POD_ORDER = tuple(r for r in TEARDOWN_ORDER if r != Role.SANDBOX)
 """The roles a job has pods of, in teardown order, when it runs the model's code in process (spec.sandbox.mode
 `process`, the default): its status still lists the sandbox stage, which has no pods and passes at once."""
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_PATH = ROOT / "examples" / "tiny-cpu.yaml"
 _EXAMPLE = yaml.safe_load(EXAMPLE_PATH.read_text())
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-from pathlib import Path
 
 import pytest
+from support import ROOT
 from support.clusterjob import FULL_ORDER, POD_ORDER, example, stage_names, wait_for
 
-VLLM_PYTHON = os.environ.get("RLKUBE_VLLM_PYTHON") or str(Path(__file__).resolve().parents[3] / ".venv-vllm/bin/python")
+VLLM_PYTHON = os.environ.get("RLKUBE_VLLM_PYTHON") or str(ROOT / ".venv-vllm/bin/python")
 
 pytestmark = [
     pytest.mark.vllm,

@@ -11,7 +11,8 @@ import copy
 import pytest
 from support import specs
 import yaml
-from support.clusterjob import MIN_MARGIN, ROOT
+from support import ROOT
+from support.clusterjob import MIN_MARGIN
 from kubernetes.client.rest import ApiException
 from support.realnode import LOCAL_IMAGES
 from support.waiting import wait_for

@@ -16,7 +16,8 @@ import json
 import pytest
 from support import specs
 import yaml
-from support.clusterjob import FULL_ORDER, MIN_MARGIN, ROOT, example, secret_password, stage_names
+from support import ROOT
+from support.clusterjob import FULL_ORDER, MIN_MARGIN, example, secret_password, stage_names
 from kubernetes import client
 from support.pod_security import assert_hardened_pod
 from support.realnode import (LOCAL_IMAGES, OPERATOR_NS, ContainerRuns, PodWatch, exec_in, hostpath_claim, logs,

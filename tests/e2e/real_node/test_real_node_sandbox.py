@@ -27,7 +27,8 @@ import pytest
 from support import specs
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
 import yaml
-from support.clusterjob import ROOT, secret_password
+from support import ROOT
+from support.clusterjob import secret_password
 from kubernetes import client
 from support.pod_security import SANDBOX_UID, assert_hardened_pod, assert_sandbox_pod
 from support.realnode import LOCAL_IMAGES, ContainerRuns, hostpath_claim

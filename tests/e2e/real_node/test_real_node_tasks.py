@@ -21,7 +21,8 @@ import subprocess
 import pytest
 from support import specs
 import yaml
-from support.clusterjob import FULL_ORDER, ROOT, stage_names
+from support import ROOT
+from support.clusterjob import FULL_ORDER, stage_names
 from support.hf_models import arithmetic_rows, write_jsonl, write_tiny_model
 from support.realnode import LOCAL_IMAGES, hostpath_claim
 from support.waiting import wait_for

@@ -21,14 +21,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from support.waiting import wait_for
+from support import ROOT
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[3]
 PUSHED = ("operator", "core")
 
 

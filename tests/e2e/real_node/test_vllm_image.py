@@ -19,7 +19,6 @@ import re
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
@@ -32,6 +31,7 @@ from rlkube.contract import runtime
 from rlkube.controller.manifests import builders, names
 from support.specs import with_overrides
 from support.waiting import wait_for
+from support import ROOT
 
 pytestmark = [
     pytest.mark.vllm_image,
@@ -40,7 +40,6 @@ pytestmark = [
                               "the vllm-cpu image and runs examples/vllm-cpu.yaml on the real node"),
 ]
 
-ROOT = Path(__file__).resolve().parents[3]
 NS = "team-v"
 # The example asks 1 CPU for the trainer and 2 for vLLM; this node has 2 in all (the scheduler would leave the
 # inference pod Pending), so vLLM asks for half a CPU here, as tiny-cpu's native engine does. Its memory stays.

@@ -4,7 +4,6 @@ would otherwise be accepted and ignored."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,8 +12,8 @@ from kubernetes.dynamic import DynamicClient
 from rlkube.lifecycle.validation import parse_manifest
 from rlkube.api.spec import KIND
 from support import specs
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 

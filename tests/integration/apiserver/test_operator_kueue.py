@@ -15,7 +15,6 @@ import time
 import uuid
 from datetime import UTC, datetime
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import yaml
@@ -24,12 +23,12 @@ from support.operator_harness import Env, children, create_job, env, job_doc, ka
 from rlkube.controller.decisions import kueue
 from rlkube.controller.manifests import names
 from rlkube.lifecycle.roles import TEARDOWN_ORDER
-from support import specs
+from support import TESTS, specs
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "kueue"
+FIXTURES = TESTS / "fixtures" / "kueue"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 

@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from support.local_cli import summary_of
 from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")
 
 pytestmark = [

@@ -23,7 +23,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -46,8 +45,8 @@ from support.serve_helpers import (
 )
 from test_inference import expected_logprobs
 from support.weightsync_peer import BF16_SCALE, model_weights
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")
 
 pytestmark = [

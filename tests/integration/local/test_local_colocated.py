@@ -5,14 +5,13 @@ engine joined the weight-update group from inside the trainer's process."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from support.local_cli import run_local
+from support import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "colocated-cpu.yaml"
 
 

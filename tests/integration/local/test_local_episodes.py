@@ -8,18 +8,16 @@ import json
 import os
 import textwrap
 import time
-from pathlib import Path
 
 import yaml
 from support.local_cli import local_env, run_local, step_metrics
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "calculator-cpu.yaml"
 # Measured (examples/calculator-cpu.yaml, 60 steps, 26-30 s on 2 cores) with seeds 0-4: first-10 0.049-0.060,
 # last-10 0.327-0.352; tool calls per episode 0.14-0.21 over the first 10 steps, 1.02-1.34 over the last 10. The
 # bounds keep a third of that gain as headroom: the roles race each other, so the run is not bit-reproducible.
 MIN_MARGIN = 0.10
-
 
 
 def test_tiny_model_learns_the_calculator_tool_task(tmp_path):

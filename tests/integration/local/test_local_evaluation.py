@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import redis
-from support import specs
+from support import ROOT, specs
 import yaml
 from support.local_cli import run_local, start_local, summary_of
 
@@ -144,7 +144,7 @@ def test_eval_reward_every_n_versions_and_no_eval_prompt_in_training(tmp_path):
 def test_multi_turn_episodes_are_evaluated_and_their_held_out_prompts_never_trained(tmp_path):
     """examples/calculator-cpu.yaml: the environment draws its own prompts (25 sums); the held-out ones are scored
     as whole episodes (calculator calls included) and never start a training episode."""
-    doc = yaml.safe_load((specs.ROOT / "examples" / "calculator-cpu.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "examples" / "calculator-cpu.yaml").read_text())
     specs.with_overrides(doc, {"spec.algorithm.maxSteps": 8, "spec.evaluation": {"everyVersions": EVERY,
                                                                                   "prompts": PROMPTS}})
     summary, tap, out = run_job(tmp_path, doc)

@@ -5,16 +5,15 @@ Real roles as processes over a real redis-server, as `make demo` runs them."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
 from support.local_cli import run_local, step_metrics
+from support import ROOT
 
 pytest.importorskip("reasoning_gym")  # the `agents` extra
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "reasoning-gym-cpu.yaml"
 
 

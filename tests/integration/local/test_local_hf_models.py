@@ -24,8 +24,8 @@ import pytest
 import yaml
 from support.local_cli import local_env, run_local
 from support.hf_models import arithmetic_rows, hub_cache, repeat_digit_rows, write_jsonl, write_tiny_model
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 MATH_EXAMPLE = ROOT / "examples" / "qwen2-math-cpu.yaml"
 ORDER = ["actor", "preprocessor", "inference", "trainer", "redis"]
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
 
 from support.local_cli import local_env, run_local, step_metrics
+from support import ROOT
 
 pytest.importorskip("verifiers")  # the `agents` extra
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "calculator-cpu.yaml"
 TASKSET = textwrap.dedent('''
     """Repeat the digit the prompt names: a verifiers taskset the tiny model can learn."""

@@ -17,11 +17,11 @@ import pytest
 from support.local_cli import start_local, summary_of
 import yaml
 from test_local_runner import ORDER, _leftovers, _role_processes, _wait_for_step
-from support import specs
+from support import ROOT
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = specs.ROOT / "examples" / "lora-cpu.yaml"
+EXAMPLE = ROOT / "examples" / "lora-cpu.yaml"
 # Measured: first-10 0.046, last-10 0.229 (one run); tests/integration/local/test_local_runner.py asserts the same
 # margin for full-weight training.
 MIN_MARGIN = 0.10

@@ -17,8 +17,8 @@ import yaml
 
 from support.headless_chromium import Chromium, chromium
 from rlkube.contract import samples as contract
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "calculator-cpu.yaml"
 STEPS, EVERY, PER_STEP, EVAL_EVERY = 30, 10, 4, 10
 

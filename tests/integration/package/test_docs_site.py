@@ -25,10 +25,10 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from support import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[3]
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync")
 RESOURCE_TAGS = {("script", "src"), ("link", "href"), ("img", "src"), ("source", "src"), ("iframe", "src")}

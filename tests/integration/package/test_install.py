@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from support.local_cli import summary_of
 from cluster.control_plane import binaries
+from support import ROOT
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[3]
 BENCH_KEYS = {"n", "create_to_children_p50", "create_to_children_p99", "finished_to_released_p50",
               "finished_to_released_p99", "operator_rss_mb", "job_controller_create_p50", "job_controller_create_p99",
               "create_ratio_p50", "create_ratio_p99", "teardown_ratio_p99", "load_1m", "api_requests"}

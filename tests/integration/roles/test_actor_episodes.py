@@ -20,7 +20,6 @@ import textwrap
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,10 +31,10 @@ from rlkube.core.inference.vllm_engine import ENV_VLLM_PYTHON
 from support.serve_helpers import (
     PREFIX, RoleProcesses, free_port, http_status, job_spec, log_text, publish, wait_for, write_config,
 )
+from support import ROOT
 
 KEYS = protocol.StreamKeys(PREFIX)
 TOK = char_tokenizer()
-ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = os.environ.get(ENV_VLLM_PYTHON) or str(ROOT / ".venv-vllm" / "bin" / "python")
 
 
